@@ -1,0 +1,3 @@
+"""ssd: exact, asynchronous speculative speculative decoding (Saguaro)."""
+
+__version__ = "0.1.0"

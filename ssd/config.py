@@ -1,0 +1,178 @@
+"""All configuration in one place: dataclasses, loaded from YAML.
+
+Unknown keys are an error (a typo must never be silently ignored), and every
+value is checked once here so the rest of the code can trust it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("fp32", "bf16", "fp64")
+QUANTIZATIONS = (None, "int8")
+MODES = ("ar", "sd")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it."""
+
+
+@dataclass
+class TinyModelConfig:
+    """A small random Qwen2-style model for tests: small vocabulary, fixed seed."""
+
+    vocab_size: int = 16
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    # Large init so the next-token distributions are far from uniform:
+    # statistical tests need distributions with structure to have power.
+    initializer_range: float = 0.5
+    max_position_embeddings: int = 512
+    eos_token_id: int | None = None
+    seed: int = 0
+    # A tiny draft is the target's config plus relative Gaussian noise on every
+    # weight (drawn from noise_seed): it agrees with the target often, not always.
+    noise: float = 0.0
+    noise_seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    name: a hub id, a local directory, a name from the offline registry
+    (ssd.models.offline), or "tiny" (built from `tiny`).
+    """
+
+    name: str = "tiny"
+    dtype: str = "fp32"
+    quantization: str | None = None  # "int8": dynamic int8 Linear layers (CPU)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"model.quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+
+
+@dataclass
+class SamplingConfig:
+    """Per-request sampling; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationConfig:
+    """When generation ends."""
+
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+
+@dataclass
+class SpeculationConfig:
+    mode: str = "sd"
+    k: int = 4  # drafted tokens per round
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"speculation.mode must be one of {MODES}, got {self.mode!r}")
+        if not 1 <= self.k <= 64:
+            raise ConfigError(f"speculation.k must be in 1..64, got {self.k}")
+
+
+@dataclass
+class RuntimeConfig:
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+
+
+@dataclass
+class Config:
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig(seed=1)))
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    prompt: str = "def fibonacci(n):"
+
+
+def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, refusing unknown keys."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _dataclass_in(hints[name])
+        key = f"{path}.{name}" if path else name
+        kwargs[name] = from_dict(sub, value, key) if sub and value is not None else value
+    return cls(**kwargs)
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass type named by a field's hint (also inside `X | None`)."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
+    return None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config file; `overrides` are merged on top (nested dicts)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if overrides:
+        data = _merge(data, overrides)
+    return from_dict(Config, data)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,106 @@
+"""The generation loop shared by every engine: prefill, rounds, end conditions.
+
+An engine only says how the first token is produced and what one round
+appends; the loop, end conditions and metrics are written once here.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ssd.config import GenerationConfig, SamplingConfig
+from ssd.engine.metrics import GenerationStats, Stopwatch
+from ssd.engine.output import OutputTracker, Tokenizer, eos_token_ids
+from ssd.models.kv import KVSequence
+from ssd.sampling import make_generator, probs_from_logits, sample
+
+log = logging.getLogger(__name__)
+
+# Called with the tokens each round admits, as soon as they are known.
+TokenCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop"
+    stats: GenerationStats
+
+
+@dataclass
+class Request:
+    """One generation's state while it runs."""
+
+    sampling: SamplingConfig
+    gen: torch.Generator
+    sequence: list[int]  # prompt + generated ids so far
+    output: OutputTracker
+    stats: GenerationStats
+
+
+class Engine(ABC):
+    mode: str = ""
+
+    def __init__(self, target: torch.nn.Module, tokenizer: Tokenizer) -> None:
+        self.target = KVSequence(target)
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, target)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        on_tokens: TokenCallback | None = None,
+    ) -> GenerationResult:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        clock = Stopwatch()
+        req = Request(
+            sampling=sampling,
+            gen=make_generator(sampling.seed),
+            sequence=list(prompt_ids),
+            output=OutputTracker(self.tokenizer, generation, self.eos_ids),
+            stats=GenerationStats(mode=self.mode, k=self.k, prompt_tokens=len(prompt_ids)),
+        )
+        self._start(req)
+        self._emit(req, [self._first_token(req)], on_tokens)
+        req.stats.time_to_first_token_s = clock.elapsed()
+        while not req.output.finished:
+            self._emit(req, self._round(req), on_tokens)
+        req.stats.total_s = clock.elapsed()
+        req.stats.new_tokens = len(req.output.token_ids)
+        log.debug("%s", req.stats.summary())
+        return GenerationResult(
+            req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats
+        )
+
+    @property
+    def k(self) -> int:
+        return 0
+
+    def _start(self, req: Request) -> None:
+        """Reset per-sequence state before the prompt is processed."""
+        self.target.reset()
+
+    def _first_token(self, req: Request) -> int:
+        """Prefill the target with the prompt and sample the first token."""
+        logits = self.target.forward(req.sequence, last_only=True)[-1]
+        return sample(probs_from_logits(logits, req.sampling), req.gen)
+
+    @abstractmethod
+    def _round(self, req: Request) -> list[int]:
+        """Run one round; return the tokens it appends (at least one)."""
+
+    @staticmethod
+    def _emit(req: Request, tokens: list[int], on_tokens: TokenCallback | None) -> None:
+        admitted = req.output.add(tokens)
+        req.sequence.extend(admitted)
+        if on_tokens and admitted:
+            on_tokens(admitted)

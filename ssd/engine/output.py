@@ -1,0 +1,91 @@
+"""Where generation ends: EOS, max_new_tokens and stop strings, exactly.
+
+A speculative round can append several tokens at once; they are admitted one
+at a time so that nothing past the end condition is ever emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from ssd.config import GenerationConfig
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class OutputTracker:
+    """Collects generated token ids and decides when and why generation ends."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, config: GenerationConfig, eos_ids: set[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_ids = set() if config.ignore_eos else set(eos_ids)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None  # "eos" | "length" | "stop"
+        self.stop_text: str | None = None  # the text up to the stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.token_ids)
+
+    def add(self, tokens: Sequence[int]) -> list[int]:
+        """Admit tokens in order until an end condition; return those admitted."""
+        admitted = []
+        for token in tokens:
+            if self.finished:
+                break
+            self.token_ids.append(token)
+            admitted.append(token)
+            self.finish_reason = self._end_reason(token)
+        return admitted
+
+    def text(self) -> str:
+        """The generated text, cut before the stop string when one ended it."""
+        if self.stop_text is not None:
+            return self.stop_text
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def _end_reason(self, token: int) -> str | None:
+        if token in self.eos_ids:
+            return "eos"
+        if self.config.stop and self._hit_stop_string():
+            return "stop"
+        if self.remaining <= 0:
+            return "length"
+        return None
+
+    def _hit_stop_string(self) -> bool:
+        # The whole text is decoded again: byte-level BPE pieces only become
+        # text in context, and the sequences here are short.
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.config.stop) if i >= 0]
+        if not hits:
+            return False
+        self.stop_text = text[: min(hits)]
+        return True
+
+
+def eos_token_ids(tokenizer: Tokenizer, model: object | None = None) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config.
+
+    Chat models often end turns with a token (Qwen's <|im_end|>) other than
+    the tokenizer's own EOS; the generation config lists both.
+    """
+    ids: set[int] = set()
+    gen_config = getattr(model, "generation_config", None)
+    for eos in (getattr(tokenizer, "eos_token_id", None), getattr(gen_config, "eos_token_id", None)):
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos is not None:
+            ids.update(eos)
+    return ids

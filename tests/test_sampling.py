@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from ssd.config import ConfigError, SamplingConfig
+from ssd.sampling import make_generator, probs_from_logits, sample
+from tests.stats import ALPHA, chi_square_pvalue
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_greedy_is_one_hot_on_argmax():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=0.0))
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_greedy_ties_go_to_lowest_id():
+    probs = probs_from_logits(torch.tensor([0.0, 3.0, 3.0]), SamplingConfig())
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_temperature_scales_logits():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=0.5))
+    torch.testing.assert_close(probs, torch.softmax(LOGITS.double() / 0.5, -1))
+
+
+def test_top_k_keeps_k_most_likely():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=1.0, top_k=2))
+    expected = torch.softmax(LOGITS[:2].double(), -1)
+    torch.testing.assert_close(probs[:2], expected)
+    assert probs[2:].sum() == 0
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    full = torch.softmax(LOGITS.double(), -1)
+    top_p = float(full[:2].sum()) + 1e-6  # needs the third token to pass p
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=1.0, top_p=top_p))
+    assert (probs[:3] > 0).all() and probs[3:].sum() == 0
+    torch.testing.assert_close(probs[:3], full[:3] / full[:3].sum())
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=1.0, top_p=1e-9))
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_rows_are_processed_independently():
+    batch = torch.stack([LOGITS, LOGITS.flip(0)])
+    probs = probs_from_logits(batch, SamplingConfig(temperature=1.0, top_k=3))
+    assert probs[0, :3].sum() == pytest.approx(1) and probs[1, 3:].sum() == pytest.approx(1)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)])
+def test_invalid_sampling_params_are_refused(bad):
+    with pytest.raises(ConfigError):
+        SamplingConfig(**bad)
+
+
+def test_sample_never_returns_zero_mass_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0], dtype=torch.float64)
+    gen = make_generator(0)
+    assert {sample(probs, gen) for _ in range(500)} == {1, 3}
+
+
+def test_same_seed_same_draws():
+    probs = torch.softmax(LOGITS.double(), -1)
+    a = [sample(probs, make_generator(7)) for _ in range(3)]
+    b = [sample(probs, make_generator(7)) for _ in range(3)]
+    assert a == b
+
+
+def test_sample_matches_distribution():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=0.8))
+    gen = make_generator(1)
+    draws = [sample(probs, gen) for _ in range(4000)]
+    assert chi_square_pvalue(draws, dict(enumerate(probs.tolist()))) > ALPHA
+
+
+def test_sample_distribution_test_has_power():
+    probs = probs_from_logits(LOGITS, SamplingConfig(temperature=0.8))
+    wrong = probs_from_logits(LOGITS, SamplingConfig(temperature=1.0))
+    gen = make_generator(1)
+    draws = [sample(wrong, gen) for _ in range(4000)]
+    assert chi_square_pvalue(draws, dict(enumerate(probs.tolist()))) < ALPHA
