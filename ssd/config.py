@@ -141,8 +141,8 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}")
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"unknown config key(s): {where}{', '.join(unknown)}")
     kwargs = {}
     for name, value in data.items():
         sub = _dataclass_in(hints[name])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from ssd.models import TinyTokenizer, build_tiny_model
 # suite must not oversubscribe a 2-core CI machine.
 torch.set_num_threads(1)
 
+ROOT = Path(__file__).resolve().parent.parent
 TINY = TinyModelConfig(vocab_size=16, seed=0)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import string
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -98,9 +99,13 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 Linear layers (weights int8, activations quantized per call); CPU only."""
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("int8 dynamic quantization needs an fp32 model")
-    return torch.ao.quantization.quantize_dynamic(
-        model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
-    )
+    with warnings.catch_warnings():
+        # torch 2.13 announces the removal of quantized tensor types on every
+        # call; the API works in the pinned version, so say it once in the docs.
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*", category=UserWarning)
+        return torch.ao.quantization.quantize_dynamic(
+            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+        )
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,57 @@
+import pytest
+
+from ssd.config import Config, ConfigError, load_config
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "qwen2.5-coder-cpu.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(ROOT / "configs" / name)
+    assert isinstance(config, Config)
+
+
+def test_default_cpu_config_is_the_measured_best():
+    config = load_config(ROOT / "configs" / "qwen2.5-coder-cpu.yaml")
+    assert config.target.dtype == "bf16"
+    assert config.draft.quantization == "int8"
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("draft:\n  tiny:\n    vocab_sise: 8\n")
+    with pytest.raises(ConfigError, match=r"draft\.tiny: vocab_sise"):
+        load_config(path)
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("speculaton: {k: 3}\n")
+    with pytest.raises(ConfigError, match="speculaton"):
+        load_config(path)
+
+
+def test_overrides_merge_into_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("speculation: {mode: sd, k: 3}\nsampling: {temperature: 0.5}\n")
+    config = load_config(path, {"speculation": {"k": 6}})
+    assert config.speculation.k == 6 and config.speculation.mode == "sd"
+    assert config.sampling.temperature == 0.5
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("speculation: {mode: fast}", "speculation.mode"),
+        ("speculation: {k: 0}", "speculation.k"),
+        ("target: {dtype: fp16}", "model.dtype"),
+        ("draft: {quantization: int4}", "model.quantization"),
+        ("generation: {max_new_tokens: 0}", "max_new_tokens"),
+        ("sampling: {top_p: 0}", "top_p"),
+        ("target: 3", "target must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, text, field):
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=field):
+        load_config(path)
