@@ -17,7 +17,10 @@ import yaml
 
 DTYPES = ("fp32", "bf16", "fp64")
 QUANTIZATIONS = (None, "int8")
-MODES = ("ar", "sd")
+MODES = ("ar", "sd", "ssd")
+FANOUT_KINDS = ("uniform", "geometric")
+BACKUPS = ("neural", "ngram", "random")
+BRANCH_DECODERS = ("tree", "batched")
 
 
 class ConfigError(ValueError):
@@ -106,15 +109,61 @@ class GenerationConfig:
 
 
 @dataclass
+class FanoutConfig:
+    """How SSD spends its branch budget over acceptance lengths 0..K."""
+
+    kind: str = "geometric"  # uniform | geometric (F_k ~ P(k)^(1/(1+r)))
+    budget: int = 16  # B: branches prepared per round, sum of F_k
+    initial_a: float = 0.7  # acceptance rate assumed before any round is seen
+    initial_r: float = 1.0  # power-law exponent of miss rate vs fan-out, ditto
+    refresh_every: int = 16  # rounds between schedule refreshes from online estimates
+
+    def __post_init__(self) -> None:
+        if self.kind not in FANOUT_KINDS:
+            raise ConfigError(f"fanout.kind must be one of {FANOUT_KINDS}, got {self.kind!r}")
+        if not 1 <= self.budget <= 4096:
+            raise ConfigError(f"fanout.budget must be in 1..4096, got {self.budget}")
+        if not 0 <= self.initial_a <= 1:
+            raise ConfigError(f"fanout.initial_a must be in [0, 1], got {self.initial_a}")
+        if not self.initial_r > 0:
+            raise ConfigError(f"fanout.initial_r must be > 0, got {self.initial_r}")
+        if self.refresh_every < 1:
+            raise ConfigError(f"fanout.refresh_every must be >= 1, got {self.refresh_every}")
+
+
+@dataclass
 class SpeculationConfig:
     mode: str = "sd"
     k: int = 4  # drafted tokens per round
+    fanout: FanoutConfig = field(default_factory=FanoutConfig)
+    saguaro_c: float = 1.0  # Saguaro sampling constant; 1 disables it
+    backup: str = "neural"  # speculator on a cache miss
+    # Backup by batch size: {from_batch_size: backup}; {1: neural, 8: ngram}
+    # uses neural below 8 sequences and ngram from 8 on. Empty: always `backup`.
+    backup_policy: dict[int, str] = field(default_factory=dict)
+    branch_decoder: str = "tree"  # tree (one row, tree mask) | batched (expanded KV)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"speculation.mode must be one of {MODES}, got {self.mode!r}")
         if not 1 <= self.k <= 64:
             raise ConfigError(f"speculation.k must be in 1..64, got {self.k}")
+        if not 0 <= self.saguaro_c <= 1:
+            raise ConfigError(f"speculation.saguaro_c must be in [0, 1], got {self.saguaro_c}")
+        for name in [self.backup, *self.backup_policy.values()]:
+            if name not in BACKUPS:
+                raise ConfigError(f"speculation.backup must be one of {BACKUPS}, got {name!r}")
+        if any(not isinstance(n, int) or n < 1 for n in self.backup_policy):
+            raise ConfigError("speculation.backup_policy keys must be batch sizes >= 1")
+        if self.branch_decoder not in BRANCH_DECODERS:
+            raise ConfigError(
+                f"speculation.branch_decoder must be one of {BRANCH_DECODERS}, got {self.branch_decoder!r}"
+            )
+
+    def backup_for(self, batch_size: int) -> str:
+        """The backup for this batch size: the rule with the largest threshold <= it."""
+        rules = [n for n in self.backup_policy if n <= batch_size]
+        return self.backup_policy[max(rules)] if rules else self.backup
 
 
 @dataclass

@@ -74,3 +74,31 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
 def uniform(gen: torch.Generator) -> float:
     """One U[0, 1) draw from the request's generator."""
     return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def saguaro_rescale(q: torch.Tensor, top_ids: torch.Tensor, c: float) -> torch.Tensor:
+    """Saguaro sampling: q' proportional to c*q on `top_ids` (the draft's cached
+    guesses for this position) and q elsewhere, 0 <= c <= 1.
+
+    Lower c moves proposal mass off the cached tokens, so after a rejection the
+    residual max(0, p - q') leans toward them and the cache hits more often,
+    at some cost in acceptance. Verification must use q' itself. When every
+    token with mass is in `top_ids` and c == 0, q' would be 0/0: q is kept.
+    """
+    if c == 1.0 or top_ids.numel() == 0:
+        return q
+    out = q.clone()
+    out[..., top_ids] *= c
+    mass = out.sum(dim=-1, keepdim=True)
+    if (mass <= 0).any():
+        return q
+    return out / mass
+
+
+def top_ids(probs: torch.Tensor, f: int, exclude: int | None = None) -> torch.Tensor:
+    """The f most likely token ids with nonzero mass, optionally skipping one id."""
+    if f <= 0:
+        return torch.empty(0, dtype=torch.long)
+    probs = probs if exclude is None else probs.clone().index_fill_(-1, torch.tensor([exclude]), 0.0)
+    values, ids = torch.topk(probs, min(f, probs.shape[-1]))
+    return ids[values > 0]

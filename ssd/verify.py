@@ -39,7 +39,7 @@ class Outcome:
 
 def verify(
     drafted: Sequence[int],
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     p: torch.Tensor,
     gen: torch.Generator,
     greedy: bool = False,
@@ -47,11 +47,14 @@ def verify(
     """Outcome of verifying `drafted` (K ids) with q [K, V] and p [K+1, V].
 
     greedy: p rows are one-hot argmaxes; accept while the draft matches them.
-    q is then only used for its shape, and no random numbers are drawn.
+    q is then not needed (None is allowed), and no random numbers are drawn.
     """
-    _check_shapes(drafted, q, p)
     if greedy:
+        _check_shapes(drafted, q, p)
         return _verify_greedy(drafted, p)
+    if q is None:
+        raise ValueError("stochastic verification needs the draft distributions q")
+    _check_shapes(drafted, q, p)
     for i, x in enumerate(drafted):
         qx, px = float(q[i, x]), float(p[i, x])
         if qx <= 0.0:
@@ -77,10 +80,11 @@ def _verify_greedy(drafted: Sequence[int], p: torch.Tensor) -> Outcome:
     return Outcome(len(drafted), best[-1])
 
 
-def _check_shapes(drafted: Sequence[int], q: torch.Tensor, p: torch.Tensor) -> None:
+def _check_shapes(drafted: Sequence[int], q: torch.Tensor | None, p: torch.Tensor) -> None:
     k = len(drafted)
-    if q.shape[0] != k or p.shape[0] != k + 1 or q.shape[-1] != p.shape[-1]:
+    q_ok = q is None or (q.shape[0] == k and q.shape[-1] == p.shape[-1])
+    if not q_ok or p.shape[0] != k + 1:
         raise ValueError(
             f"verify expects q [K, V] and p [K+1, V] for K={k}, "
-            f"got q {tuple(q.shape)} and p {tuple(p.shape)}"
+            f"got q {None if q is None else tuple(q.shape)} and p {tuple(p.shape)}"
         )

@@ -18,11 +18,13 @@ from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker, Tokenizer, eos_token_ids
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator, probs_from_logits, sample
+from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
 
 # Called with the tokens each round admits, as soon as they are known.
 TokenCallback = Callable[[list[int]], None]
+Verifier = Callable[..., Outcome]
 
 
 @dataclass
@@ -47,10 +49,11 @@ class Request:
 class Engine(ABC):
     mode: str = ""
 
-    def __init__(self, target: torch.nn.Module, tokenizer: Tokenizer) -> None:
+    def __init__(self, target: torch.nn.Module, tokenizer: Tokenizer, verifier: Verifier = verify) -> None:
         self.target = KVSequence(target)
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(tokenizer, target)
+        self.verifier = verifier  # replaceable so tests can prove their power
 
     def generate(
         self,
@@ -70,10 +73,13 @@ class Engine(ABC):
             stats=GenerationStats(mode=self.mode, k=self.k, prompt_tokens=len(prompt_ids)),
         )
         self._start(req)
-        self._emit(req, [self._first_token(req)], on_tokens)
-        req.stats.time_to_first_token_s = clock.elapsed()
-        while not req.output.finished:
-            self._emit(req, self._round(req), on_tokens)
+        try:
+            self._emit(req, [self._first_token(req)], on_tokens)
+            req.stats.time_to_first_token_s = clock.elapsed()
+            while not req.output.finished:
+                self._emit(req, self._round(req), on_tokens)
+        finally:
+            self._finish(req)
         req.stats.total_s = clock.elapsed()
         req.stats.new_tokens = len(req.output.token_ids)
         log.debug("%s", req.stats.summary())
@@ -97,6 +103,27 @@ class Engine(ABC):
     @abstractmethod
     def _round(self, req: Request) -> list[int]:
         """Run one round; return the tokens it appends (at least one)."""
+
+    def _finish(self, req: Request) -> None:
+        """Release per-sequence resources; runs even when generation fails."""
+
+    def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
+        """Score `drafted` with the target in one forward and verify it (SD and SSD).
+
+        Leaves the target cache holding the sequence plus the accepted tokens.
+        """
+        k = len(drafted)
+        scored = req.sequence + drafted
+        logits = self.target.forward(scored[self.target.length :])[-(k + 1) :]
+        p = probs_from_logits(logits, req.sampling)
+        if q is None and not req.sampling.greedy:
+            if k:
+                raise ValueError("a sampled speculation arrived without its q rows")
+            q = p.new_zeros(0, p.shape[-1])
+        outcome = self.verifier(drafted, q, p, req.gen, greedy=req.sampling.greedy)
+        self.target.rollback(len(req.sequence) + outcome.k)
+        req.stats.record_round(drafted=k, accepted=outcome.k)
+        return outcome
 
     @staticmethod
     def _emit(req: Request, tokens: list[int], on_tokens: TokenCallback | None) -> None:

@@ -8,6 +8,80 @@ from typing import Any
 
 
 @dataclass
+class SpecStats:
+    """SSD's own measures: cache hits, where speculations came from, timings."""
+
+    lookups: int = 0  # rounds whose outcome was looked up in a cache
+    hits: int = 0
+    lookups_by_k: dict[int, int] = field(default_factory=dict)
+    hits_by_k: dict[int, int] = field(default_factory=dict)
+    rounds_after_hit: int = 0
+    tokens_after_hit: int = 0  # tokens added by rounds verifying a cached speculation
+    rounds_after_miss: int = 0
+    tokens_after_miss: int = 0
+    backups: dict[str, int] = field(default_factory=dict)  # speculations per backup kind
+    wait_s: float = 0.0  # target blocked on the draft
+    wait_hit_s: float = 0.0  # ... in rounds served from the cache
+    verify_s: float = 0.0
+    verify_hit_s: float = 0.0
+    build_s: float = 0.0  # draft: cache construction
+    backup_s: float = 0.0  # draft: backup speculation on misses
+
+    def record(
+        self, lookup_k: int | None, hit: bool, source: str, tokens: int,
+        wait_s: float, verify_s: float, backup_s: float, build_s: float,
+    ) -> None:
+        if lookup_k is not None:
+            self.lookups += 1
+            self.hits += hit
+            self.lookups_by_k[lookup_k] = self.lookups_by_k.get(lookup_k, 0) + 1
+            self.hits_by_k[lookup_k] = self.hits_by_k.get(lookup_k, 0) + hit
+        if hit:
+            self.rounds_after_hit += 1
+            self.tokens_after_hit += tokens
+            self.wait_hit_s += wait_s
+            self.verify_hit_s += verify_s
+        else:
+            self.rounds_after_miss += 1
+            self.tokens_after_miss += tokens
+            self.backups[source] = self.backups.get(source, 0) + 1
+        self.wait_s += wait_s
+        self.verify_s += verify_s
+        self.backup_s += backup_s
+        self.build_s += build_s
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def hit_rate_by_k(self) -> dict[int, float]:
+        return {k: self.hits_by_k[k] / n for k, n in sorted(self.lookups_by_k.items())}
+
+    @property
+    def tokens_per_round_after_hit(self) -> float:
+        return self.tokens_after_hit / self.rounds_after_hit if self.rounds_after_hit else 0.0
+
+    @property
+    def tokens_per_round_after_miss(self) -> float:
+        return self.tokens_after_miss / self.rounds_after_miss if self.rounds_after_miss else 0.0
+
+    @property
+    def wait_fraction_on_hits(self) -> float:
+        """Share of hit rounds' time (wait + verify) the target spent waiting."""
+        busy = self.wait_hit_s + self.verify_hit_s
+        return self.wait_hit_s / busy if busy else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}), tokens/round "
+            f"{self.tokens_per_round_after_hit:.2f} after hit, {self.tokens_per_round_after_miss:.2f} after miss, "
+            f"backups {self.backups}, wait {self.wait_s:.2f}s, verify {self.verify_s:.2f}s, "
+            f"build {self.build_s:.2f}s, backup {self.backup_s:.2f}s"
+        )
+
+
+@dataclass
 class GenerationStats:
     mode: str
     k: int = 0  # drafted tokens per round (0 for AR)
@@ -21,6 +95,7 @@ class GenerationStats:
     # accepted_at[i]: rounds whose drafted token i was accepted
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)  # SSD only
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -59,6 +134,12 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["spec"].update(
+            hit_rate=self.spec.hit_rate,
+            hit_rate_by_k=self.spec.hit_rate_by_k,
+            tokens_per_round_after_hit=self.spec.tokens_per_round_after_hit,
+            tokens_per_round_after_miss=self.spec.tokens_per_round_after_miss,
+        )
         for name in (
             "tokens_per_s",
             "decode_tokens_per_s",
@@ -81,6 +162,8 @@ class GenerationStats:
                 f", K={self.k}, rounds {self.rounds}, acceptance {self.acceptance_rate:.3f}, "
                 f"mean accepted {self.mean_accepted_length:.2f}/round, by position [{by_pos}]"
             )
+        if self.mode == "ssd":
+            line += f"; {self.spec.summary()}"
         return line
 
 

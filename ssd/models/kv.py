@@ -56,6 +56,13 @@ class KVSequence:
             raise ValueError("KV cache is not a strict prefix of the sequence")
         return self.forward(sequence[n:], last_only=True)[-1]
 
+    def trim_to_prefix_of(self, sequence: Sequence[int]) -> None:
+        """Roll back to the longest cached prefix of `sequence` that leaves at
+        least its last token unfed, so `catch_up(sequence)` can run."""
+        n = min(self.length, len(sequence) - 1)
+        shared = next((i for i in range(n) if self.tokens[i] != sequence[i]), n)
+        self.rollback(shared)
+
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
         if not 0 <= length <= self.length:

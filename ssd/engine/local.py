@@ -1,0 +1,61 @@
+"""SSD in one process: the speculator serves from a thread over the in-process
+channel. The whole protocol runs and is tested without Ray or
+torch.distributed; the engine code is the same one the cluster runs."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.base import GenerationResult, TokenCallback, Verifier
+from ssd.engine.output import Tokenizer
+from ssd.engine.ssd import SSDEngine
+from ssd.spec import protocol
+from ssd.spec.speculator import Speculator
+from ssd.transport import inprocess_pair
+from ssd.verify import verify
+
+
+class LocalSSD:
+    mode = "ssd"
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        tokenizer: Tokenizer,
+        spec: SpeculationConfig,
+        verifier: Verifier = verify,
+    ) -> None:
+        target_end, draft_end = inprocess_pair()
+        self.speculator = Speculator(draft, draft_end)
+        self._thread = threading.Thread(target=self.speculator.serve, name="ssd-speculator", daemon=True)
+        self._thread.start()
+        self.engine = SSDEngine(target, tokenizer, target_end, spec, verifier)
+        self._channel = target_end
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        on_tokens: TokenCallback | None = None,
+    ) -> GenerationResult:
+        return self.engine.generate(prompt_ids, sampling, generation, on_tokens)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._channel.send(protocol.shutdown())
+            self._thread.join()
+
+    def __enter__(self) -> "LocalSSD":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

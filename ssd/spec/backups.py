@@ -1,0 +1,91 @@
+"""Backup speculators for cache misses. Each is exact: every proposed token
+comes with the distribution q it was drawn from (a deterministic proposal is
+a one-hot q), so verification stays lossless whichever backup runs."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from ssd.config import SamplingConfig
+from ssd.models.kv import KVSequence
+from ssd.spec.cache import Speculation
+from ssd.spec.drafting import Saguaro, draft_chain
+
+
+class Backup(Protocol):
+    kind: str
+
+    def propose(
+        self, kv: KVSequence, context: Sequence[int], k: int, sampling: SamplingConfig,
+        gen: torch.Generator, saguaro: Saguaro | None,
+    ) -> Speculation: ...
+
+
+class NeuralBackup:
+    """The draft drafts K tokens now, exactly as plain SD would."""
+
+    kind = "neural"
+
+    def propose(self, kv, context, k, sampling, gen, saguaro):
+        tokens, rows = draft_chain(kv, context, k, sampling, gen, saguaro)
+        q = None if sampling.greedy else torch.stack(rows)
+        return Speculation(tokens, q, self.kind)
+
+
+class NgramBackup:
+    """Continue the most recent earlier match of the context's last n tokens
+    (n = max_n down to 1); no model cost. With no match, repeat the last token."""
+
+    kind = "ngram"
+
+    def __init__(self, vocab_size: int, max_n: int = 3) -> None:
+        self.vocab_size = vocab_size
+        self.max_n = max_n
+
+    def propose(self, kv, context, k, sampling, gen, saguaro):
+        tokens = ngram_continuation(context, k, self.max_n)
+        q = None if sampling.greedy else one_hot_rows(tokens, self.vocab_size)
+        return Speculation(tokens, q, self.kind)
+
+
+class RandomBackup:
+    """Uniformly random tokens: q is uniform, and verification must use it."""
+
+    kind = "random"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, kv, context, k, sampling, gen, saguaro):
+        tokens = torch.randint(self.vocab_size, (k,), generator=gen).tolist()
+        q = None if sampling.greedy else torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float64)
+        return Speculation(tokens, q, self.kind)
+
+
+def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:
+    """The k tokens after the latest earlier occurrence of the context's suffix."""
+    ctx = list(context)
+    for n in range(min(max_n, len(ctx) - 1), 0, -1):
+        suffix = ctx[-n:]
+        for start in range(len(ctx) - n - 1, -1, -1):  # latest match first, not the suffix itself
+            if ctx[start : start + n] == suffix:
+                follow = ctx[start + n : start + n + k]
+                return follow + [follow[-1]] * (k - len(follow))
+    return [ctx[-1]] * k
+
+
+def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
+    rows = torch.zeros(len(tokens), vocab_size, dtype=torch.float64)
+    return rows.scatter_(1, torch.tensor(tokens).unsqueeze(1), 1.0)
+
+
+def make_backup(kind: str, vocab_size: int) -> Backup:
+    if kind == "neural":
+        return NeuralBackup()
+    if kind == "ngram":
+        return NgramBackup(vocab_size)
+    if kind == "random":
+        return RandomBackup(vocab_size)
+    raise ValueError(f"unknown backup {kind!r}")

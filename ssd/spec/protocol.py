@@ -1,0 +1,80 @@
+"""The SSD wire protocol between target rank 0 and the draft, as Messages.
+
+Ops target -> draft: prefill(seq, prompt, settings), round(seq, k, t*),
+release(seq), shutdown. Draft -> target: speculation(seq, hit, tokens, q).
+Headers hold only plain data (msgpack-able); q rows travel as a tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+import torch
+
+from ssd.config import SamplingConfig, SpeculationConfig, from_dict
+from ssd.spec.cache import Speculation
+from ssd.transport.channel import Message
+
+PREFILL, ROUND, RELEASE, SHUTDOWN = "prefill", "round", "release", "shutdown"
+SPECULATION, ERROR = "speculation", "error"
+
+
+class DraftError(RuntimeError):
+    """The draft side failed while handling a message; the text is its error."""
+
+
+def prefill(seq: int, prompt: list[int], sampling: SamplingConfig, spec: SpeculationConfig) -> Message:
+    return Message(PREFILL, {
+        "seq": seq, "prompt": list(prompt),
+        "sampling": dataclasses.asdict(sampling), "speculation": dataclasses.asdict(spec),
+    })
+
+
+def parse_prefill(msg: Message) -> tuple[int, list[int], SamplingConfig, SpeculationConfig]:
+    h = msg.header
+    spec = from_dict(SpeculationConfig, h["speculation"])
+    return h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), spec
+
+
+def round_(seq: int, k: int, token: int) -> Message:
+    return Message(ROUND, {"seq": seq, "k": k, "token": token})
+
+
+def release(seq: int) -> Message:
+    return Message(RELEASE, {"seq": seq})
+
+
+def shutdown() -> Message:
+    return Message(SHUTDOWN)
+
+
+@dataclass
+class SpeculationReply:
+    seq: int
+    hit: bool
+    speculation: Speculation
+    backup_s: float  # time spent on the backup this round (0 on a hit)
+    build_s: float  # time the previous cache build took
+
+
+def speculation(reply: SpeculationReply) -> Message:
+    spec = reply.speculation
+    header = {
+        "seq": reply.seq, "hit": reply.hit, "source": spec.source, "tokens": spec.tokens,
+        "backup_s": reply.backup_s, "build_s": reply.build_s,
+    }
+    return Message(SPECULATION, header, [] if spec.q is None else [spec.q])
+
+
+def error(seq: int, text: str) -> Message:
+    return Message(ERROR, {"seq": seq, "error": text})
+
+
+def parse_speculation(msg: Message) -> SpeculationReply:
+    if msg.op == ERROR:
+        raise DraftError(msg.header["error"])
+    if msg.op != SPECULATION:
+        raise RuntimeError(f"protocol error: expected {SPECULATION!r}, got {msg.op!r}")
+    h = msg.header
+    q = msg.tensors[0] if msg.tensors else None
+    return SpeculationReply(h["seq"], h["hit"], Speculation(h["tokens"], q, h["source"]), h["backup_s"], h["build_s"])

@@ -1,0 +1,128 @@
+"""The draft side of SSD: answer each verification outcome with the next
+speculation (from the cache on a hit, from a backup on a miss), then build the
+cache for the outcome of that speculation while the target verifies it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.config import SamplingConfig, SpeculationConfig
+from ssd.fanout import FanoutPlanner
+from ssd.models.kv import KVSequence
+from ssd.sampling import make_generator
+from ssd.spec import protocol
+from ssd.spec.backups import make_backup
+from ssd.spec.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.spec.builder import build_cache
+from ssd.spec.cache import Speculation, SpeculationCache
+from ssd.spec.drafting import Saguaro
+from ssd.transport.channel import Channel, Message
+
+log = logging.getLogger(__name__)
+
+
+def draft_seed(seed: int) -> int:
+    """The draft's own random stream, derived from the request seed: the two
+    sides run concurrently, so sharing one generator would make draws depend
+    on timing."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)
+
+
+@dataclass
+class DraftSequence:
+    """What the draft keeps per sequence between rounds."""
+
+    kv: KVSequence
+    committed: list[int]
+    sampling: SamplingConfig
+    spec: SpeculationConfig
+    gen: torch.Generator
+    planner: FanoutPlanner
+    cache: SpeculationCache = field(default_factory=SpeculationCache)
+    in_flight: Speculation | None = None  # the speculation the target is verifying
+    in_flight_hit: bool = False
+    in_flight_fanout: list[int] = field(default_factory=list)
+    build_s: float = 0.0
+
+
+class Speculator:
+    def __init__(self, model: torch.nn.Module, channel: Channel) -> None:
+        self.model = model
+        self.channel = channel
+        self.vocab_size = model.config.vocab_size
+        self.sequences: dict[int, DraftSequence] = {}
+        # Decoders keep their mask buffers between rounds: one of each kind.
+        self.decoders: dict[str, BranchDecoder] = {
+            "tree": TreeBranchDecoder(), "batched": BatchedBranchDecoder(),
+        }
+
+    def serve(self) -> None:
+        """Handle messages until shutdown. A failure is reported, not swallowed:
+        the target gets an error message instead of waiting forever."""
+        handlers = {protocol.PREFILL: self._prefill, protocol.ROUND: self._round, protocol.RELEASE: self._release}
+        while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
+            try:
+                handlers[msg.op](msg)
+            except Exception as exc:
+                log.exception("speculator failed on %s", msg.op)
+                self.channel.send(protocol.error(msg.header.get("seq", -1), f"{type(exc).__name__}: {exc}"))
+
+    def _prefill(self, msg: Message) -> None:
+        seq_id, prompt, sampling, spec = protocol.parse_prefill(msg)
+        kv = KVSequence(self.model)
+        if len(prompt) > 1:
+            kv.forward(prompt[:-1], last_only=True)  # overlaps the target's own prefill
+        planner = FanoutPlanner(
+            spec.fanout.kind, spec.k, spec.fanout.budget, caps=self._caps(spec.k),
+            refresh_every=spec.fanout.refresh_every,
+            prior_a=spec.fanout.initial_a, prior_r=spec.fanout.initial_r,
+        )
+        gen = make_generator(draft_seed(sampling.seed))
+        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, spec, gen, planner)
+
+    def _round(self, msg: Message) -> None:
+        seq_id, k, token = msg.header["seq"], msg.header["k"], msg.header["token"]
+        seq = self.sequences[seq_id]
+        cached = self._commit(seq, k, token)
+        started = time.perf_counter()
+        spec = cached or self._backup(seq)
+        backup_s = 0.0 if cached else time.perf_counter() - started
+        reply = protocol.SpeculationReply(seq_id, cached is not None, spec, backup_s, seq.build_s)
+        self.channel.send(protocol.speculation(reply))
+        self._build(seq, spec, hit=cached is not None)
+
+    def _commit(self, seq: DraftSequence, k: int, token: int) -> Speculation | None:
+        """Advance the committed sequence by the outcome; the cached speculation for it, if any."""
+        if seq.in_flight is None:  # the first round follows the prefill's token
+            seq.committed.append(token)
+            return None
+        cached = seq.cache.lookup(k, token)
+        seq.planner.observe(seq.in_flight_hit, k, seq.in_flight_fanout[k], cached is not None)
+        seq.committed += seq.in_flight.tokens[:k] + [token]
+        return cached
+
+    def _backup(self, seq: DraftSequence) -> Speculation:
+        backup = make_backup(seq.spec.backup_for(batch_size=1), self.vocab_size)
+        saguaro = Saguaro(seq.spec.saguaro_c, seq.planner.schedule(after_hit=False))
+        return backup.propose(seq.kv, seq.committed, seq.spec.k, seq.sampling, seq.gen, saguaro)
+
+    def _build(self, seq: DraftSequence, spec: Speculation, hit: bool) -> None:
+        started = time.perf_counter()
+        fanout = seq.planner.schedule(after_hit=hit)
+        saguaro = Saguaro(seq.spec.saguaro_c, seq.planner.schedule(after_hit=True))
+        decoder = self.decoders[seq.spec.branch_decoder]
+        entries = build_cache(seq.kv, decoder, seq.committed, spec.tokens, fanout, seq.sampling, seq.gen, saguaro)
+        seq.cache.replace(entries)
+        seq.in_flight, seq.in_flight_hit, seq.in_flight_fanout = spec, hit, fanout
+        seq.build_s = time.perf_counter() - started
+
+    def _release(self, msg: Message) -> None:
+        self.sequences.pop(msg.header["seq"], None)
+
+    def _caps(self, k: int) -> list[int]:
+        """At most V-1 guesses where the drafted token is excluded, V at k = K."""
+        return [self.vocab_size - 1] * k + [self.vocab_size]

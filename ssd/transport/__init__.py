@@ -1,0 +1,6 @@
+"""How the target and the draft talk: one Channel interface, several carriers."""
+
+from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
+from ssd.transport.inprocess import inprocess_pair
+
+__all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "Message", "inprocess_pair"]
