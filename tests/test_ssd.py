@@ -1,0 +1,115 @@
+"""SSD through the in-process channel: greedy == AR, and the protocol's behaviour."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine import AREngine
+from ssd.engine.local import LocalSSD
+from ssd.models import build_tiny_model
+from ssd.spec.protocol import DraftError
+from tests.conftest import TINY
+
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
+
+
+def ssd_spec(k=4, budget=8, kind="geometric", **kw) -> SpeculationConfig:
+    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget), **kw)
+
+
+def ar_ids(target, tokenizer, prompt, n):
+    return AREngine(target, tokenizer).generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)).token_ids
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models, tiny_tokenizer):
+    return {tuple(p): ar_ids(tiny_models[0], tiny_tokenizer, p, 40) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k, budget", [(1, 1), (2, 3), (3, 8), (4, 8), (4, 16), (6, 4), (8, 24)])
+@pytest.mark.parametrize("kind", ["uniform", "geometric"])
+def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind):
+    target, draft = tiny_models
+    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
+        for prompt in PROMPTS:
+            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            assert out.token_ids == references[tuple(prompt)]
+            assert out.stats.spec.lookups > 0
+
+
+@pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
+@pytest.mark.parametrize("decoder", ["tree", "batched"])
+def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(tiny_models, tiny_tokenizer, references, backup, decoder):
+    target, draft = tiny_models
+    spec = ssd_spec(4, 4, backup=backup, branch_decoder=decoder)
+    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+        for prompt in PROMPTS:
+            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            assert out.token_ids == references[tuple(prompt)]
+            assert set(out.stats.spec.backups) <= {backup}
+            assert out.stats.spec.rounds_after_miss >= 1  # the first round always uses the backup
+
+
+def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    outs = []
+    for decoder in ("tree", "batched"):
+        with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
+            outs.append(ssd.generate([1, 2], sampling, GenerationConfig(max_new_tokens=30)).token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references):
+    target, _ = tiny_models
+    with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+        out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40))
+    assert out.token_ids == references[(1, 2, 3)]
+    s = out.stats.spec
+    assert s.hit_rate == 1.0
+    assert s.tokens_per_round_after_hit > 4.5  # K + bonus, but the last round is cut short
+
+
+def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):
+    """With a budget covering every token at every k, every outcome is cached."""
+    target, draft = tiny_models
+    spec = ssd_spec(2, 3 * TINY.vocab_size, kind="uniform")
+    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+        out = ssd.generate([1, 2, 3], SamplingConfig(temperature=1.0, seed=2), GenerationConfig(max_new_tokens=30))
+    assert out.stats.spec.hit_rate == 1.0 and out.stats.spec.rounds_after_miss == 1
+
+
+def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+        s = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60)).stats
+    spec = s.spec
+    assert spec.lookups == s.rounds - 1  # the first round has no cache to look in
+    assert sum(spec.lookups_by_k.values()) == spec.lookups and sum(spec.hits_by_k.values()) == spec.hits
+    assert 0 < spec.hit_rate < 1
+    assert spec.rounds_after_hit + spec.rounds_after_miss == s.rounds
+    assert spec.verify_s > 0 and spec.build_s > 0 and spec.backup_s > 0
+    assert "hit rate" in s.summary()
+
+
+def test_end_conditions_inside_a_cached_round(tiny_models, tiny_tokenizer, references):
+    target, _ = tiny_models
+    reference = references[(1, 2, 3)]
+    with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+        for n in (1, 2, 7, 13):
+            out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n))
+            assert out.token_ids == reference[:n] and out.finish_reason == "length"
+        text = tiny_tokenizer.decode(reference)
+        out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40, stop=[text[8:10]]))
+        assert out.finish_reason == "stop" and out.text == text[: text.find(text[8:10])]
+
+
+def test_draft_failure_reaches_the_target_as_an_error(tiny_models, tiny_tokenizer):
+    target, _ = tiny_models
+    broken = build_tiny_model(dataclasses.replace(TINY, vocab_size=8), torch.float64)  # wrong vocabulary
+    with LocalSSD(target, broken, tiny_tokenizer, ssd_spec(2, 2)) as ssd:
+        with pytest.raises(DraftError):
+            ssd.generate([9, 10], SamplingConfig(temperature=1.0), GenerationConfig(max_new_tokens=10))
