@@ -71,34 +71,38 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
     return token
 
 
+def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """One draw per row of [B, V]; the same inverse-CDF rule as `sample`, vectorised."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    over = tokens >= probs.shape[-1]
+    if over.any():  # u rounded up to a row's total: take that row's last live token
+        last_live = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+        tokens = torch.where(over, last_live, tokens)
+    return tokens.tolist()
+
+
 def uniform(gen: torch.Generator) -> float:
     """One U[0, 1) draw from the request's generator."""
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
-def saguaro_rescale(q: torch.Tensor, top_ids: torch.Tensor, c: float) -> torch.Tensor:
-    """Saguaro sampling: q' proportional to c*q on `top_ids` (the draft's cached
-    guesses for this position) and q elsewhere, 0 <= c <= 1.
+def saguaro_rescale_rows(q: torch.Tensor, f: int, c: float) -> torch.Tensor:
+    """Saguaro sampling: per row of q [B, V], q' proportional to c*q on the
+    row's top-f tokens (the draft's cached guesses for that position) and q
+    elsewhere, 0 <= c <= 1.
 
     Lower c moves proposal mass off the cached tokens, so after a rejection the
     residual max(0, p - q') leans toward them and the cache hits more often,
-    at some cost in acceptance. Verification must use q' itself. When every
-    token with mass is in `top_ids` and c == 0, q' would be 0/0: q is kept.
+    at some cost in acceptance. Verification must use q' itself. A row whose
+    whole mass sits on its top-f with c == 0 would be 0/0: it keeps q.
     """
-    if c == 1.0 or top_ids.numel() == 0:
+    if c == 1.0 or f <= 0:
         return q
-    out = q.clone()
-    out[..., top_ids] *= c
+    values, ids = torch.topk(q, min(f, q.shape[-1]), dim=-1)
+    scale = torch.ones_like(q).scatter_(-1, ids, torch.where(values > 0, c, 1.0).to(q.dtype))
+    out = q * scale
     mass = out.sum(dim=-1, keepdim=True)
-    if (mass <= 0).any():
-        return q
-    return out / mass
-
-
-def top_ids(probs: torch.Tensor, f: int, exclude: int | None = None) -> torch.Tensor:
-    """The f most likely token ids with nonzero mass, optionally skipping one id."""
-    if f <= 0:
-        return torch.empty(0, dtype=torch.long)
-    probs = probs if exclude is None else probs.clone().index_fill_(-1, torch.tensor([exclude]), 0.0)
-    values, ids = torch.topk(probs, min(f, probs.shape[-1]))
-    return ids[values > 0]
+    # Rows whose whole mass sat on the top-f with c == 0 keep q.
+    return torch.where(mass > 0, out / mass.clamp_min(torch.finfo(q.dtype).tiny), q)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ssd.config import ConfigError, SamplingConfig
-from ssd.sampling import make_generator, probs_from_logits, sample
+from ssd.sampling import make_generator, probs_from_logits, sample, sample_rows, saguaro_rescale_rows
 from tests.stats import ALPHA, chi_square_pvalue
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -81,3 +81,37 @@ def test_sample_distribution_test_has_power():
     gen = make_generator(1)
     draws = [sample(wrong, gen) for _ in range(4000)]
     assert chi_square_pvalue(draws, dict(enumerate(probs.tolist()))) < ALPHA
+
+
+def test_sample_rows_matches_each_row_distribution():
+    probs = probs_from_logits(torch.stack([LOGITS, LOGITS.flip(0)]), SamplingConfig(temperature=0.8))
+    gen = make_generator(4)
+    draws = [sample_rows(probs, gen) for _ in range(3000)]
+    for row in range(2):
+        column = [d[row] for d in draws]
+        assert chi_square_pvalue(column, dict(enumerate(probs[row].tolist()))) > ALPHA
+
+
+def test_sample_rows_skips_zero_mass_tokens():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], dtype=torch.float64)
+    gen = make_generator(0)
+    seen = {tuple(sample_rows(probs, gen)) for _ in range(200)}
+    assert {d[0] for d in seen} == {1} and {d[1] for d in seen} == {0, 2}
+
+
+def test_saguaro_rescale_rows_scales_each_rows_top_f():
+    q = torch.softmax(torch.stack([LOGITS, LOGITS.flip(0)]).double(), -1)
+    out = saguaro_rescale_rows(q, 2, 0.5)
+    for row in range(2):
+        top = torch.topk(q[row], 2).indices
+        expected = q[row].clone()
+        expected[top] *= 0.5
+        torch.testing.assert_close(out[row], expected / expected.sum())
+
+
+def test_saguaro_c_one_is_identity_and_c_zero_keeps_an_all_top_row():
+    q = torch.tensor([[0.7, 0.3, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]], dtype=torch.float64)
+    assert torch.equal(saguaro_rescale_rows(q, 2, 1.0), q)
+    out = saguaro_rescale_rows(q, 2, 0.0)
+    torch.testing.assert_close(out[0], q[0])  # all mass on the top-2: nothing left to move to
+    torch.testing.assert_close(out[1], torch.tensor([0, 0, 2 / 3, 1 / 3], dtype=torch.float64))

@@ -18,7 +18,7 @@ import ssd.spec.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine.local import LocalSSD
 from ssd.models import TinyTokenizer, build_tiny_model
-from ssd.sampling import sample, saguaro_rescale, top_ids
+from ssd.sampling import sample_rows, saguaro_rescale_rows
 from ssd.verify import verify
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue
@@ -106,10 +106,10 @@ def test_cache_path_rejects_accept_all(small_pair):
 
 def test_saguaro_rejects_verifying_with_q_instead_of_q_prime(small_pair, monkeypatch):
     """Tokens drawn from q' (c = 0.1 on the top-2) but shipped with plain q."""
-    def sample_from_q_prime(row, gen):
-        return sample(saguaro_rescale(row, top_ids(row, 2), 0.1), gen)
+    def sample_from_q_prime(q, gen):
+        return sample_rows(saguaro_rescale_rows(q, 2, 0.1), gen)
 
-    monkeypatch.setattr(builder_module, "sample", sample_from_q_prime)
+    monkeypatch.setattr(builder_module, "sample_rows", sample_from_q_prime)
     p, _ = pvalue(small_pair, spec(budget=2 * (K + 1)), T1)
     assert p < ALPHA, f"q instead of q' went undetected: p = {p:.2e}"
 

@@ -14,7 +14,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
-from ssd.sampling import probs_from_logits, sample
+from ssd.sampling import probs_from_logits, sample_rows
 from ssd.spec.branches import BranchDecoder
 from ssd.spec.cache import Speculation
 from ssd.spec.drafting import Saguaro
@@ -70,29 +70,24 @@ def build_cache(
         return {}
     prefix_lens = [len(committed) + kb for kb, _ in branches]
     logits = decoder.start(kv, prefix_lens, [t for _, t in branches])
-    tokens: list[list[int]] = [[] for _ in branches]
-    rows: list[list[torch.Tensor]] = [[] for _ in branches]
+    steps: list[list[int]] = []  # [step][branch]
+    q_steps: list[torch.Tensor] = []  # [step] -> [B, V]
     try:
         for step in range(k):
             if step:
-                logits = decoder.step([seq[-1] for seq in tokens])
-            for b, row in enumerate(_proposals(logits, sampling, saguaro, step)):
-                tokens[b].append(int(logits[b].argmax()) if row is None else sample(row, gen))
-                if row is not None:
-                    rows[b].append(row)
+                logits = decoder.step(steps[-1])
+            if sampling.greedy:
+                steps.append(logits.argmax(dim=-1).tolist())
+                continue
+            q = probs_from_logits(logits, sampling)
+            if saguaro is not None:
+                q = saguaro.apply_rows(q, step)
+            steps.append(sample_rows(q, gen))
+            q_steps.append(q)
     finally:
         decoder.finish()
+    q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [B, K, V]
     return {
-        key: Speculation(tokens[b], torch.stack(rows[b]) if rows[b] else None, "cache")
+        key: Speculation([s[b] for s in steps], None if q_all is None else q_all[b], "cache")
         for b, key in enumerate(branches)
     }
-
-
-def _proposals(
-    logits: torch.Tensor, sampling: SamplingConfig, saguaro: Saguaro | None, step: int
-) -> list[torch.Tensor | None]:
-    """Per-branch q rows to sample from (None for greedy: take the argmax)."""
-    if sampling.greedy:
-        return [None] * logits.shape[0]
-    q = probs_from_logits(logits, sampling)
-    return [row if saguaro is None else saguaro.apply(row, step) for row in q]

@@ -10,7 +10,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
-from ssd.sampling import probs_from_logits, sample, saguaro_rescale, top_ids
+from ssd.sampling import probs_from_logits, sample, saguaro_rescale_rows
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,14 @@ class Saguaro:
     fanout: Sequence[int]  # F_j for the position each drafted token fills
 
     def apply(self, q: torch.Tensor, position: int) -> torch.Tensor:
+        """q' for one row [V]."""
+        return self.apply_rows(q.unsqueeze(0), position)[0]
+
+    def apply_rows(self, q: torch.Tensor, position: int) -> torch.Tensor:
+        """q' for each row of [B, V], each on its own top-F tokens."""
         if self.c == 1.0 or position >= len(self.fanout):
             return q
-        return saguaro_rescale(q, top_ids(q, self.fanout[position]), self.c)
+        return saguaro_rescale_rows(q, self.fanout[position], self.c)
 
 
 def draft_chain(
