@@ -19,8 +19,12 @@ DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML config file")
-    parser.add_argument("--mode", choices=["ar", "sd"], help="override speculation.mode")
+    parser.add_argument("--mode", choices=["ar", "sd", "ssd"], help="override speculation.mode")
     parser.add_argument("-k", type=int, help="override speculation.k (drafted tokens per round)")
+    parser.add_argument("--fanout", choices=["uniform", "geometric"], help="override speculation.fanout.kind")
+    parser.add_argument("--budget", type=int, help="override speculation.fanout.budget (branches per round)")
+    parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
+    parser.add_argument("--backup", choices=["neural", "ngram", "random"], help="override speculation.backup")
     parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
     parser.add_argument("--temperature", type=float, help="override sampling.temperature (0: greedy)")
     parser.add_argument("--top-k", type=int, help="override sampling.top_k")
@@ -34,7 +38,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {}
+    fanout = {k: v for k, v in (("kind", args.fanout), ("budget", args.budget)) if v is not None}
+    if fanout:
+        overrides["speculation"] = {"fanout": fanout}
     for section, key, value in [
+        ("speculation", "saguaro_c", args.saguaro_c),
+        ("speculation", "backup", args.backup),
         ("speculation", "mode", args.mode),
         ("speculation", "k", args.k),
         ("generation", "max_new_tokens", args.max_new_tokens),

@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(config)
     prompt_ids = encode_prompt(engine.tokenizer, args.prompt or config.prompt, args.chat)
     on_tokens = _streamer(engine.tokenizer) if args.stream else None
-    result = engine.generate(prompt_ids, config.sampling, config.generation, on_tokens)
+    try:
+        result = engine.generate(prompt_ids, config.sampling, config.generation, on_tokens)
+    finally:
+        engine.close()
     if args.stream:
         print()
     else:

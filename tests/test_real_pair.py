@@ -1,4 +1,4 @@
-"""The real pair (Qwen2.5-Coder 1.5B target, 0.5B draft): SD greedy == AR greedy.
+"""The real pair (Qwen2.5-Coder 1.5B target, 0.5B draft): SD and SSD greedy == AR greedy.
 
 Slow (the first run also converts the models). The target runs in fp32: bf16
 rounds differently in one-token and multi-token forwards, so only fp32 makes
@@ -9,8 +9,9 @@ changes acceptance, never the output.
 import pytest
 import yaml
 
-from ssd.config import GenerationConfig, ModelConfig, SamplingConfig
+from ssd.config import FanoutConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
+from ssd.engine.local import LocalSSD
 from ssd.engine.factory import encode_prompt
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
@@ -30,11 +31,26 @@ def real_pair():
     return target, draft, load_tokenizer(ModelConfig(name=TARGET_NAME))
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=["fibonacci", "json", "stack"])
-def test_sd_greedy_equals_ar_on_code(real_pair, prompt):
+@pytest.fixture(scope="module")
+def ar_outputs(real_pair):
+    target, _, tokenizer = real_pair
+    engine = AREngine(target, tokenizer)
+    return [engine.generate(encode_prompt(tokenizer, p), GREEDY, TOKENS).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)), ids=["fibonacci", "json", "stack"])
+def test_sd_greedy_equals_ar_on_code(real_pair, ar_outputs, index):
     target, draft, tokenizer = real_pair
-    ids = encode_prompt(tokenizer, prompt)
-    ar = AREngine(target, tokenizer).generate(ids, GREEDY, TOKENS)
-    sd = SDEngine(target, draft, tokenizer, k=4).generate(ids, GREEDY, TOKENS)
-    assert sd.token_ids == ar.token_ids, (ar.text, sd.text)
+    sd = SDEngine(target, draft, tokenizer, k=4).generate(encode_prompt(tokenizer, PROMPTS[index]), GREEDY, TOKENS)
+    assert sd.token_ids == ar_outputs[index], sd.text
     assert sd.stats.acceptance_rate > 0.3, sd.stats.summary()  # the pair really speculates
+
+
+def test_ssd_greedy_equals_ar_on_code(real_pair, ar_outputs):
+    target, draft, tokenizer = real_pair
+    spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8))
+    with LocalSSD(target, draft, tokenizer, spec) as ssd:
+        for prompt, expected in zip(PROMPTS, ar_outputs):
+            out = ssd.generate(encode_prompt(tokenizer, prompt), GREEDY, TOKENS)
+            assert out.token_ids == expected, out.text
+            assert out.stats.spec.hits > 0, out.stats.summary()

@@ -91,6 +91,15 @@ class Engine(ABC):
     def k(self) -> int:
         return 0
 
+    def close(self) -> None:
+        """Stop whatever the engine runs besides the caller's thread (nothing here)."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _start(self, req: Request) -> None:
         """Reset per-sequence state before the prompt is processed."""
         self.target.reset()

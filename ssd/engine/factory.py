@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from ssd.config import Config
+from ssd.config import Config, SpeculationConfig
 from ssd.engine.ar import AREngine
 from ssd.engine.base import Engine
+from ssd.engine.local import LocalSSD
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
 
@@ -24,13 +25,18 @@ class LoadedPair:
     draft: torch.nn.Module | None
     tokenizer: Any
 
-    def engine(self, mode: str, k: int) -> Engine:
-        """An engine over these models (engines share the weights, not caches)."""
-        if mode == "ar":
+    def engine(self, spec: SpeculationConfig) -> Engine | LocalSSD:
+        """An engine for spec.mode over these models (engines share weights, not caches).
+
+        SSD runs in-process here: the speculator serves from a thread.
+        """
+        if spec.mode == "ar":
             return AREngine(self.target, self.tokenizer)
         if self.draft is None:
-            raise ValueError(f"mode {mode!r} needs a draft model; none was loaded")
-        return SDEngine(self.target, self.draft, self.tokenizer, k)
+            raise ValueError(f"mode {spec.mode!r} needs a draft model; none was loaded")
+        if spec.mode == "sd":
+            return SDEngine(self.target, self.draft, self.tokenizer, spec.k)
+        return LocalSSD(self.target, self.draft, self.tokenizer, spec)
 
 
 def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
@@ -43,10 +49,9 @@ def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
     return LoadedPair(target, draft, tokenizer)
 
 
-def build_engine(config: Config) -> Engine:
+def build_engine(config: Config) -> Engine | LocalSSD:
     """The engine for the configured mode, loading only the models it needs."""
-    mode = config.speculation.mode
-    return load_pair(config, with_draft=mode != "ar").engine(mode, config.speculation.k)
+    return load_pair(config, with_draft=config.speculation.mode != "ar").engine(config.speculation)
 
 
 def _timed_load(role: str, config: Config) -> torch.nn.Module:
