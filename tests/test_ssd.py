@@ -9,7 +9,6 @@ from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, Speculati
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
 from ssd.models import build_tiny_model
-from ssd.spec.protocol import DraftError
 from tests.conftest import TINY
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -107,9 +106,14 @@ def test_end_conditions_inside_a_cached_round(tiny_models, tiny_tokenizer, refer
         assert out.finish_reason == "stop" and out.text == text[: text.find(text[8:10])]
 
 
-def test_draft_failure_reaches_the_target_as_an_error(tiny_models, tiny_tokenizer):
+def test_failing_draft_does_not_lose_the_request(tiny_models, tiny_tokenizer, references):
+    """The draft raises on its first round (its vocabulary is too small for the
+    prompt); the target finishes alone with exactly the AR output."""
     target, _ = tiny_models
-    broken = build_tiny_model(dataclasses.replace(TINY, vocab_size=8), torch.float64)  # wrong vocabulary
+    broken = build_tiny_model(dataclasses.replace(TINY, vocab_size=8), torch.float64)
+    prompt = PROMPTS[2]  # holds ids >= 8
     with LocalSSD(target, broken, tiny_tokenizer, ssd_spec(2, 2)) as ssd:
-        with pytest.raises(DraftError):
-            ssd.generate([9, 10], SamplingConfig(temperature=1.0), GenerationConfig(max_new_tokens=10))
+        out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        assert out.token_ids == references[tuple(prompt)]
+        assert out.stats.spec.degraded_rounds == out.stats.rounds
+        assert not ssd.engine.link_up

@@ -49,10 +49,14 @@ class Request:
 class Engine(ABC):
     mode: str = ""
 
-    def __init__(self, target: torch.nn.Module, tokenizer: Tokenizer, verifier: Verifier = verify) -> None:
-        self.target = KVSequence(target)
+    def __init__(
+        self, target: torch.nn.Module | KVSequence, tokenizer: Tokenizer, verifier: Verifier = verify
+    ) -> None:
+        # A KVSequence subclass may stand in for the model: the tensor-parallel
+        # leader mirrors every cache operation to its follower ranks.
+        self.target = target if isinstance(target, KVSequence) else KVSequence(target)
         self.tokenizer = tokenizer
-        self.eos_ids = eos_token_ids(tokenizer, target)
+        self.eos_ids = eos_token_ids(tokenizer, self.target.model)
         self.verifier = verifier  # replaceable so tests can prove their power
 
     def generate(
@@ -115,6 +119,12 @@ class Engine(ABC):
 
     def _finish(self, req: Request) -> None:
         """Release per-sequence resources; runs even when generation fails."""
+
+    def _target_step(self, req: Request) -> list[int]:
+        """One plain decoding step on the target alone (AR, and SSD without its draft)."""
+        logits = self.target.catch_up(req.sequence)
+        req.stats.record_round(drafted=0, accepted=0)
+        return [sample(probs_from_logits(logits, req.sampling), req.gen)]
 
     def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
         """Score `drafted` with the target in one forward and verify it (SD and SSD).

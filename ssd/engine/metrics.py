@@ -26,6 +26,7 @@ class SpecStats:
     verify_hit_s: float = 0.0
     build_s: float = 0.0  # draft: cache construction
     backup_s: float = 0.0  # draft: backup speculation on misses
+    degraded_rounds: int = 0  # rounds the target ran alone because the draft was lost
 
     def record(
         self, lookup_k: int | None, hit: bool, source: str, tokens: int,
@@ -78,6 +79,7 @@ class SpecStats:
             f"{self.tokens_per_round_after_hit:.2f} after hit, {self.tokens_per_round_after_miss:.2f} after miss, "
             f"backups {self.backups}, wait {self.wait_s:.2f}s, verify {self.verify_s:.2f}s, "
             f"build {self.build_s:.2f}s, backup {self.backup_s:.2f}s"
+            + (f", degraded rounds {self.degraded_rounds}" if self.degraded_rounds else "")
         )
 
 

@@ -1,10 +1,17 @@
 """SSD, the target side: send each verification outcome to the draft, receive
 the next speculation (ready at once on a cache hit), verify it. Written only
-against the Channel interface; the draft side is ssd.spec.speculator."""
+against the Channel interface; the draft side is ssd.spec.speculator.
+
+A draft that fails, disconnects or stalls past `draft_timeout_s` never costs
+a request: the round it happened in has verified nothing yet, so the target
+finishes the request alone (plain decoding, counted as degraded rounds) and
+the link stays down until `attach` gives it a new one.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -12,9 +19,14 @@ import torch
 from ssd.config import SpeculationConfig
 from ssd.engine.base import Engine, Request, Verifier
 from ssd.engine.output import Tokenizer
+from ssd.models.kv import KVSequence
 from ssd.spec import protocol
-from ssd.transport.channel import Channel
+from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 from ssd.verify import Outcome, verify
+
+log = logging.getLogger(__name__)
+
+LINK_FAILURES = (ChannelTimeout, ChannelClosed, protocol.DraftError, ConnectionError)
 
 
 class SSDEngine(Engine):
@@ -22,15 +34,17 @@ class SSDEngine(Engine):
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | KVSequence,
         tokenizer: Tokenizer,
-        channel: Channel,
+        channel: Channel | None,
         spec: SpeculationConfig,
         verifier: Verifier = verify,
+        draft_timeout_s: float | None = None,
     ) -> None:
         super().__init__(target, tokenizer, verifier)
         self.channel = channel
         self.spec = spec
+        self.draft_timeout_s = draft_timeout_s
         self._seq_ids = itertools.count()
         self._seq = -1
         self._outcome = Outcome(0, 0)
@@ -40,10 +54,18 @@ class SSDEngine(Engine):
     def k(self) -> int:
         return self.spec.k
 
+    @property
+    def link_up(self) -> bool:
+        return self.channel is not None
+
+    def attach(self, channel: Channel) -> None:
+        """Use a (new) draft link from the next request on."""
+        self.channel = channel
+
     def _start(self, req: Request) -> None:
         super()._start(req)
         self._seq = next(self._seq_ids)
-        self.channel.send(protocol.prefill(self._seq, req.sequence, req.sampling, self.spec))
+        self._send(protocol.prefill(self._seq, req.sequence, req.sampling, self.spec))
 
     def _first_token(self, req: Request) -> int:
         token = super()._first_token(req)
@@ -52,12 +74,21 @@ class SSDEngine(Engine):
         return token
 
     def _round(self, req: Request) -> list[int]:
+        if self.link_up:
+            try:
+                return self._speculative_round(req)
+            except LINK_FAILURES as exc:
+                self._link_down(exc)
+        req.stats.spec.degraded_rounds += 1
+        return self._target_step(req)
+
+    def _speculative_round(self, req: Request) -> list[int]:
         lookup_k = None if self._first_round else self._outcome.k
-        self._first_round = False
         started = time.perf_counter()
         self.channel.send(protocol.round_(self._seq, self._outcome.k, self._outcome.token))
-        reply = protocol.parse_speculation(self.channel.recv())
+        reply = protocol.parse_speculation(self.channel.recv(self.draft_timeout_s))
         waited = time.perf_counter() - started
+        self._first_round = False
         # Never verify past max_new_tokens: the round adds up to K + 1 tokens.
         k = min(len(reply.speculation.tokens), req.output.remaining - 1)
         drafted = reply.speculation.tokens[:k]
@@ -66,11 +97,26 @@ class SSDEngine(Engine):
         self._outcome = self._verify(req, drafted, q)
         req.stats.spec.record(
             lookup_k=lookup_k, hit=reply.hit, source=reply.speculation.source,
-            tokens=self._outcome.k + 1,
-            wait_s=waited, verify_s=time.perf_counter() - started,
+            tokens=self._outcome.k + 1, wait_s=waited, verify_s=time.perf_counter() - started,
             backup_s=reply.backup_s, build_s=reply.build_s,
         )
         return self._outcome.tokens(drafted)
 
     def _finish(self, req: Request) -> None:
-        self.channel.send(protocol.release(self._seq))
+        self._send(protocol.release(self._seq))
+
+    def _send(self, message: Message) -> None:
+        if not self.link_up:
+            return
+        try:
+            self.channel.send(message)
+        except LINK_FAILURES as exc:
+            self._link_down(exc)
+
+    def _link_down(self, exc: BaseException) -> None:
+        log.warning("draft link lost (%s: %s); the target continues alone", type(exc).__name__, exc)
+        channel, self.channel = self.channel, None
+        try:
+            channel.close()
+        except Exception:  # noqa: BLE001 - the link is already broken; closing is best effort
+            log.debug("closing the broken link failed", exc_info=True)

@@ -1,0 +1,1 @@
+"""The distributed runtime: Ray actors on separate devices, one link per pair."""

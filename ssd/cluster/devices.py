@@ -1,0 +1,69 @@
+"""Device lists for the launcher: parse, validate, place. Pure; no Ray, no torch.
+
+GPU mode: ids are CUDA device ordinals. CPU mode: ids are cores, and each
+role is pinned to its own (so "separate devices" holds on a laptop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DeviceError(ValueError):
+    """A device list is malformed, overlaps another, or names devices that do not exist."""
+
+
+def parse_devices(text: str, what: str) -> list[int]:
+    """'0-3' -> [0, 1, 2, 3]; '0,2,5' -> [0, 2, 5]; '1' -> [1]. Order kept, no repeats."""
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise DeviceError(f"{what}: range {part!r} runs backwards")
+                ids += range(lo, hi + 1)
+            else:
+                ids.append(int(part))
+        except ValueError as exc:
+            if isinstance(exc, DeviceError):
+                raise
+            raise DeviceError(f"{what}: {text!r} is not a device list like '0-3' or '0,2,5'") from None
+    if any(i < 0 for i in ids):
+        raise DeviceError(f"{what}: device ids must be >= 0, got {text!r}")
+    if len(set(ids)) != len(ids):
+        raise DeviceError(f"{what}: {text!r} names a device twice")
+    return ids
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # "cuda" | "cpu"
+    target: tuple[int, ...]  # one device (GPU) or core (CPU) per target rank
+    draft: tuple[int, ...]  # the draft's device(s); empty when no draft runs
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.target)
+
+
+def plan_placement(target: str, draft: str | None, available: int, kind: str) -> Placement:
+    """Validate the two device lists against each other and the machine."""
+    noun = "GPU" if kind == "cuda" else "CPU core"
+    target_ids = parse_devices(target, "target devices")
+    draft_ids = parse_devices(draft, "draft device") if draft else []
+    overlap = sorted(set(target_ids) & set(draft_ids))
+    if overlap:
+        raise DeviceError(f"target and draft devices overlap on {noun} {overlap}: each role needs its own")
+    missing = [i for i in target_ids + draft_ids if i >= available]
+    if missing:
+        raise DeviceError(f"{noun} {missing} requested but this machine has {available} ({noun} 0-{available - 1})")
+    return Placement(kind, tuple(target_ids), tuple(draft_ids))
+
+
+def default_cpu_placement(cores: int, with_draft: bool) -> Placement:
+    """CPU defaults: the target on core 0, the draft on core 1."""
+    if with_draft and cores < 2:
+        raise DeviceError("SSD on CPU needs at least 2 cores: one for the target, one for the draft")
+    return plan_placement("0", "1" if with_draft else None, cores, "cpu")

@@ -1,0 +1,223 @@
+"""Tensor-parallel target: one process per device, rank 0 leads, the rest mirror.
+
+transformers shards the model (`DistributedConfig(tp_plan="auto")`); every
+forward then runs all-reduces inside, so all target ranks must call the model
+in exactly the same order. Rank 0 owns sampling and verification, so it drives:
+`TPLeaderSequence` is a KVSequence that broadcasts each cache operation as a
+tiny int64 command before running it, and `run_tp_follower` replays those
+commands on the other ranks until told to stop.
+
+The world built here holds only the target ranks: a draft rank in the same
+world (with TP on a sub-mesh) hung `from_pretrained` (see REFERENCES.md); the
+draft link is a separate two-rank group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ssd.config import ConfigError, ModelConfig
+from ssd.models.kv import KVSequence
+from ssd.models.loading import TINY, TORCH_DTYPES, build_tiny_model, load_model, resolve_source
+
+log = logging.getLogger(__name__)
+
+Group = dist.ProcessGroup | None  # None: the default (target-only) world
+
+# Command op codes. A command is a header [op, arg, n] then, if n > 0, n ids.
+OP_STOP, OP_FORWARD, OP_ROLLBACK, OP_RESET = range(4)
+_HEADER = 3
+
+
+def init_tp_world(
+    rank: int,
+    world_size: int,
+    host: str = "127.0.0.1",
+    port: int = 29500,
+    backend: str = "gloo",
+    timeout: timedelta = timedelta(minutes=30),
+) -> None:
+    """Join the default process group made of the target ranks only."""
+    # transformers reads these when it sets up its device mesh (LOCAL_RANK picks
+    # the accelerator); keep them consistent with the world we create.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
+    log.info("target rank %d/%d joined %s world at %s:%d", rank, world_size, backend, host, port)
+
+
+def pin_threads(rank: int, threads: int) -> None:
+    """Give this rank `threads` intra-op threads on cores of its own (best effort)."""
+    torch.set_num_threads(threads)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= (rank + 1) * threads:
+        os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
+
+
+def load_tp_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The target, sharded over the default world when it has more than one rank.
+
+    Every rank of the world must call this (loading is collective).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return load_model(cfg)
+    if cfg.quantization:
+        raise ConfigError("tensor parallelism does not support model.quantization")
+    if cfg.name == TINY:
+        return _load_tiny_sharded(cfg, world)
+    # Rank 0 resolves first: an offline-registry name may be converted on first use.
+    if dist.get_rank() == 0:
+        source = resolve_source(cfg.name)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        source = resolve_source(cfg.name)
+    return _from_pretrained_tp(source, TORCH_DTYPES[cfg.dtype], world)
+
+
+def _from_pretrained_tp(source: str, dtype: torch.dtype, world: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    # tp_size explicitly: left out, transformers derives it from $WORLD_SIZE.
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        attn_implementation="sdpa",
+        distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"),
+    )
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _load_tiny_sharded(cfg: ModelConfig, world: int) -> torch.nn.Module:
+    """Tiny models have no checkpoint: rank 0 saves one, every rank loads it sharded,
+    so TP runs on exactly the weights `load_model(cfg)` builds."""
+    tcfg = cfg.tiny
+    if tcfg.num_attention_heads % world or tcfg.num_key_value_heads % world:
+        raise ConfigError(f"tiny model heads ({tcfg.num_attention_heads}/{tcfg.num_key_value_heads}) "
+                          f"must divide by the tensor-parallel size {world}")
+    path = ""
+    if dist.get_rank() == 0:
+        path = tempfile.mkdtemp(prefix="ssd-tp-tiny-")
+        build_tiny_model(tcfg, TORCH_DTYPES[cfg.dtype]).save_pretrained(path)
+    path = _broadcast_str(path)
+    try:
+        return _from_pretrained_tp(path, TORCH_DTYPES[cfg.dtype], world)
+    finally:
+        dist.barrier()  # everyone has read the files
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _broadcast_str(text: str, group: Group = None) -> str:
+    """Rank 0's `text` on every rank (as bytes in tensors, no pickle)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=0)
+    if dist.get_rank(group) != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, group=group, group_src=0)
+    return bytes(data.tolist()).decode()
+
+
+def _send_command(op: int, arg: int = 0, ids: Sequence[int] = (), group: Group = None) -> None:
+    dist.broadcast(torch.tensor([op, arg, len(ids)], dtype=torch.int64), group=group, group_src=0)
+    if ids:
+        dist.broadcast(torch.tensor(list(ids), dtype=torch.int64), group=group, group_src=0)
+
+
+def _recv_command(group: Group = None) -> tuple[int, int, list[int]]:
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.broadcast(header, group=group, group_src=0)
+    op, arg, n = header.tolist()
+    ids = torch.empty(n, dtype=torch.int64)
+    if n:
+        dist.broadcast(ids, group=group, group_src=0)
+    return op, arg, ids.tolist()
+
+
+class TPLeaderSequence(KVSequence):
+    """A KVSequence on TP rank 0 whose cache operations every follower repeats.
+
+    `catch_up` and `trim_to_prefix_of` are built on `forward` and `rollback`,
+    so overriding those three covers the whole interface. Arguments are checked
+    before broadcasting: a command that fails on the leader must not reach the
+    followers, or the ranks would drift apart.
+    """
+
+    def __init__(self, model: torch.nn.Module, group: Group = None) -> None:
+        if dist.get_rank(group) != 0:
+            raise RuntimeError("TPLeaderSequence runs on rank 0 of the TP group; other ranks run run_tp_follower")
+        super().__init__(model)
+        self.group = group
+        self.stopped = False
+
+    def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        if not ids:
+            raise ValueError("forward needs at least one token")
+        self._command(OP_FORWARD, int(last_only), ids)
+        return super().forward(ids, last_only)
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} of {self.length} tokens")
+        if length < self.length:  # a no-op needs no round trip
+            self._command(OP_ROLLBACK, length)
+            super().rollback(length)
+
+    def reset(self) -> None:
+        self._command(OP_RESET)
+        super().reset()
+
+    def stop(self) -> None:
+        """Release the followers (`run_tp_follower` returns); idempotent."""
+        if not self.stopped:
+            _send_command(OP_STOP, group=self.group)
+            self.stopped = True
+
+    def __enter__(self) -> "TPLeaderSequence":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _command(self, op: int, arg: int = 0, ids: Sequence[int] = ()) -> None:
+        if self.stopped:
+            raise RuntimeError("the TP followers were stopped")
+        _send_command(op, arg, ids, self.group)
+
+
+def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
+    """Mirror the leader's commands on this rank's shard until OP_STOP.
+
+    Returns the number of commands executed. If the leader dies, the pending
+    broadcast fails (or times out) and the error propagates.
+    """
+    seq = KVSequence(model)
+    done = 0
+    while True:
+        op, arg, ids = _recv_command(group)
+        if op == OP_STOP:
+            log.info("TP follower rank %d stopping after %d commands", dist.get_rank(group), done)
+            return done
+        if op == OP_FORWARD:
+            seq.forward(ids, last_only=bool(arg))
+        elif op == OP_ROLLBACK:
+            seq.rollback(arg)
+        elif op == OP_RESET:
+            seq.reset()
+        else:
+            raise RuntimeError(f"unknown TP command {op}")
+        done += 1

@@ -1,0 +1,148 @@
+"""Tensor-parallel target on real processes (gloo on loopback, 2 ranks x 1 thread).
+
+TP=2 must reproduce TP=1: the same logits (up to fp32 summation order) and
+the same greedy tokens through the AR and SD engines, with rank 1 mirroring
+rank 0's cache operations. Every spawned world has a hard deadline, after
+which its processes are killed, so a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from ssd.engine import AREngine, SDEngine
+from ssd.models import TinyTokenizer
+from ssd.models.kv import KVSequence
+from ssd.models.loading import load_model
+from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model, pin_threads, run_tp_follower
+
+# fp32: gloo all-reduces fp64 as well, but fp32 is what TP runs in practice.
+TINY = TinyModelConfig(vocab_size=16, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=0)
+TARGET = ModelConfig(name="tiny", dtype="fp32", tiny=TINY)
+DRAFT = ModelConfig(name="tiny", dtype="fp32", tiny=dataclasses.replace(TINY, noise=0.03))
+PROMPTS = [[1, 2, 3], [7, 7, 0, 1, 9, 12, 15]]
+GREEDY = SamplingConfig(temperature=0.0)
+NEW_TOKENS = 32
+WORLD = 2
+DEADLINE_S = 120.0  # far above a normal run (~15 s) but finite
+
+
+def cache_script(seq: KVSequence) -> list[torch.Tensor]:
+    """Prefill, decode, roll back, catch up: every cache operation the engines use."""
+    seq.reset()
+    out = [seq.forward([1, 2, 3, 4, 5])]  # prefill, all rows
+    out += [seq.forward([t], last_only=True) for t in (6, 7, 8)]  # decode
+    seq.rollback(4)
+    out.append(seq.forward([9, 10, 11]))  # re-score after a rollback
+    seq.trim_to_prefix_of([1, 2, 3, 4, 9, 0, 12])
+    out.append(seq.catch_up([1, 2, 3, 4, 9, 0, 12])[None])
+    return out
+
+
+def generations(target: torch.nn.Module, install: Callable[[AREngine], None]) -> list[list[int]]:
+    """Greedy tokens of AR then SD (K = 3) on every prompt; `install` may swap the
+    engine's target sequence. The draft is a plain local model (never TP)."""
+    tok = TinyTokenizer.from_config(TINY)
+    engines = [AREngine(target, tok), SDEngine(target, load_model(DRAFT), tok, k=3)]
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = []
+    for engine in engines:
+        install(engine)
+        tokens += [engine.generate(p, GREEDY, gen).token_ids for p in PROMPTS]
+    return tokens
+
+
+def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
+    """One target rank. Rank 0 runs `scenario` and saves what it saw; rank 1 follows."""
+    pin_threads(rank, 1)
+    logging.basicConfig(level=logging.INFO)
+    init_tp_world(rank, WORLD, "127.0.0.1", port)
+    model = load_tp_model(TARGET)
+    if rank != 0:
+        run_tp_follower(model)
+        dist.destroy_process_group()
+        return
+    leader = TPLeaderSequence(model)
+    if scenario == "crash":
+        leader.forward([1, 2, 3])
+        os._exit(3)  # die mid-session without OP_STOP, as a crashed leader would
+    with leader:
+        # Refused arguments must raise before anything reaches the follower.
+        for bad in (lambda: leader.forward([]), lambda: leader.rollback(99)):
+            with pytest.raises(ValueError):
+                bad()
+        logits = cache_script(leader)
+
+        def install(engine: AREngine) -> None:
+            engine.target = leader
+
+        tokens = generations(model, install)
+    torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / "rank0.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(out_dir: Path, scenario: str) -> list[int | None]:
+    """Spawn the TP world; exit codes per rank, None for a rank killed at the deadline."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out_dir), scenario)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("tp")
+    codes = run_world(out, "main")
+    assert codes == [0, 0], f"exit codes {codes} (None: killed at the {DEADLINE_S:.0f} s deadline)"
+    return torch.load(out / "rank0.pt")
+
+
+def test_tp_logits_equal_tp1(tp_run: dict) -> None:
+    reference = cache_script(KVSequence(load_model(TARGET)))
+    assert len(tp_run["logits"]) == len(reference)
+    for got, want in zip(tp_run["logits"], reference):
+        assert got.shape == want.shape  # the full vocabulary on rank 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tp_greedy_generation_equals_tp1(tp_run: dict) -> None:
+    reference = generations(load_model(TARGET), lambda engine: None)
+    assert all(len(t) == NEW_TOKENS for t in reference)
+    assert tp_run["tokens"] == reference
+
+
+def test_follower_fails_fast_when_the_leader_dies(tmp_path: Path) -> None:
+    start = time.monotonic()
+    codes = run_world(tmp_path, "crash")
+    assert codes[0] == 3
+    # The follower's pending broadcast errors out (peer closed): not killed, not clean.
+    assert codes[1] not in (None, 0), f"follower exit code {codes[1]}"
+    assert time.monotonic() - start < DEADLINE_S
