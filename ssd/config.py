@@ -172,6 +172,22 @@ class RuntimeConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The distributed runtime (launch/cluster.py)."""
+
+    # A draft that answers no round within this time is treated as lost: the
+    # target finishes the request alone and the draft is restarted.
+    draft_timeout_s: float = 30.0
+    link_backend: str | None = None  # None: nccl on GPUs, gloo on CPU
+
+    def __post_init__(self) -> None:
+        if not self.draft_timeout_s > 0:
+            raise ConfigError(f"cluster.draft_timeout_s must be > 0, got {self.draft_timeout_s}")
+        if self.link_backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"cluster.link_backend must be gloo or nccl, got {self.link_backend!r}")
+
+
+@dataclass
 class Config:
     target: ModelConfig = field(default_factory=ModelConfig)
     draft: ModelConfig = field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig(seed=1)))
@@ -179,6 +195,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     prompt: str = "def fibonacci(n):"
 
 

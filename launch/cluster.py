@@ -1,0 +1,95 @@
+"""Start the distributed runtime: target ranks and the speculator as Ray actors
+on separate devices, linked by torch.distributed, then generate.
+
+    python launch/cluster.py --target-gpus 0-3 --draft-gpu 4 --config configs/llama3-70b-1b.yaml
+    python launch/cluster.py --cpu                          # cores play the devices (gloo)
+    python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
+
+With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
+(override with --target-cores / --draft-core). Until the gRPC frontend lands
+this serves one-shot or interactive generations. Ctrl-C or SIGTERM shut the
+actors, the link and Ray down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from _common import add_config_args, config_from_args
+
+from ssd.cluster.devices import DeviceError, Placement, default_cpu_placement, plan_placement
+
+log = logging.getLogger("cluster")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", help="prompt text (default: the config's prompt)")
+    parser.add_argument("--target-gpus", help="GPUs for the target ranks, e.g. 0-3 (tensor parallel)")
+    parser.add_argument("--draft-gpu", help="GPU for the draft, e.g. 4")
+    parser.add_argument("--cpu", action="store_true", help="CPU mode: cores play the devices (automatic without a GPU)")
+    parser.add_argument("--target-cores", help="CPU mode: cores for the target ranks, one rank per core")
+    parser.add_argument("--draft-core", help="CPU mode: the draft's core")
+    parser.add_argument("--address", help="join an existing Ray cluster (default: start one locally)")
+    parser.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
+    parser.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    add_config_args(parser)
+    parser.set_defaults(mode="ssd")
+    return parser.parse_args(argv)
+
+
+def placement_from_args(args: argparse.Namespace, with_draft: bool) -> Placement:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if args.cpu or gpus == 0:
+        if args.target_gpus or args.draft_gpu:
+            raise DeviceError("--target-gpus/--draft-gpu need GPUs; in CPU mode use --target-cores/--draft-core")
+        cores = os.cpu_count() or 1
+        if args.target_cores is None and args.draft_core is None:
+            return default_cpu_placement(cores, with_draft)
+        return plan_placement(args.target_cores or "0", args.draft_core if with_draft else None, cores, "cpu")
+    draft = args.draft_gpu if with_draft else None
+    return plan_placement(args.target_gpus or "0", draft, gpus, "cuda")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = config_from_args(args)
+    try:
+        placement = placement_from_args(args, with_draft=config.speculation.mode == "ssd")
+    except DeviceError as exc:
+        sys.exit(f"error: {exc}")
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM takes the same clean path as Ctrl-C
+
+    from ssd.cluster.runtime import Cluster
+
+    log.info("placement: %s", placement)
+    with Cluster(config, placement, args.address) as cluster:
+        try:
+            prompts = sys.stdin if args.interactive else [args.prompt or config.prompt]
+            for prompt in prompts:
+                if prompt.strip():
+                    run_one(cluster, config, prompt.rstrip("\n") if args.interactive else prompt, args.chat)
+        except KeyboardInterrupt:
+            log.info("interrupted; shutting down")
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_one(cluster, config, prompt: str, chat: bool) -> None:
+    ids = cluster.encode(prompt, chat)
+    result = cluster.generate(ids, config.sampling, config.generation, config.speculation)
+    print(result.text, flush=True)
+    print(f"--- finish: {result.finish_reason}; {result.stats.summary()}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The driver's view of a cluster: start Ray, place the actors, link them,
+serve requests, heal the draft link, shut everything down.
+
+Placement: one Ray placement group bundle per target rank and one for the
+speculator, packed on one node. On CPU each bundle is a core the actor pins
+itself to; on GPU each actor sees only its device (CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ssd.cluster.devices import Placement
+from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
+from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.base import GenerationResult
+
+log = logging.getLogger(__name__)
+
+# The speculator holds the torch.distributed link in a blocking call, so it
+# needs a second thread for ping/ready calls.
+RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
+RemoteTarget = ray.remote(max_restarts=0, max_concurrency=2)(TargetWorker)
+
+
+class Cluster:
+    def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
+        self.config = config
+        self.placement = placement
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        self._prefixes = (f"ssd-link-{os.getpid()}-{n}" for n in itertools.count())
+        self._pg = self._reserve()
+        self.targets = self._start_targets()
+        self.draft = self._start_draft() if placement.draft else None
+        self._serving = None
+        if self.draft is not None:
+            self.link()
+
+    # ----------------------------------------------------------------- start-up
+
+    def _reserve(self):
+        resource = {"GPU": 1} if self.placement.kind == "cuda" else {"CPU": 1}
+        bundles = [dict(resource) for _ in self.placement.target + self.placement.draft]
+        pg = placement_group(bundles, strategy="STRICT_PACK")
+        ray.get(pg.ready(), timeout=60)
+        return pg
+
+    def _options(self, bundle: int, device: int) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
+        }
+        if self.placement.kind == "cuda":
+            options["num_gpus"] = 1
+            options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": str(device)}}
+        else:
+            options["num_cpus"] = 1
+        return options
+
+    def _cores(self, device: int) -> list[int] | None:
+        return [device] if self.placement.kind == "cpu" else None
+
+    def _start_targets(self) -> list:
+        config = dataclasses.asdict(self.config)
+        world, tp_port = self.placement.tp_size, free_port()
+        targets = [
+            RemoteTarget.options(**self._options(rank, device)).remote(config, rank, world, self._cores(device), tp_port)
+            for rank, device in enumerate(self.placement.target)
+        ]
+        ray.get([t.ready.remote() for t in targets])  # loading is collective under TP
+        self._followers = [t.run_follower.remote() for t in targets[1:]]
+        return targets
+
+    def _start_draft(self):
+        device = self.placement.draft[0]
+        bundle = len(self.placement.target)
+        draft = RemoteDraft.options(**self._options(bundle, device)).remote(
+            dataclasses.asdict(self.config), self._cores(device)
+        )
+        ray.get(draft.ready.remote())
+        return draft
+
+    # ------------------------------------------------------------------ the link
+
+    def link(self) -> None:
+        """(Re)connect target rank 0 and the speculator over a fresh two-rank group."""
+        timeout = self.config.cluster.draft_timeout_s
+        port = ray.get(self.targets[0].free_port.remote())
+        prefix = next(self._prefixes)
+        self._serving = self.draft.serve.remote(port, prefix, timeout)
+        ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout))
+        log.info("draft linked (%s)", prefix)
+
+    def heal(self) -> None:
+        """After the target lost its draft: restart the speculator and link it again."""
+        log.warning("restarting the speculator and re-linking")
+        ray.kill(self.draft, no_restart=False)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                ray.get(self.draft.ready.remote(), timeout=30)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.link()
+
+    # --------------------------------------------------------------- requests
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        return ray.get(self.targets[0].encode.remote(text, chat))
+
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingConfig, generation: GenerationConfig,
+        spec: SpeculationConfig | None = None,
+    ) -> GenerationResult:
+        spec = spec or self.config.speculation
+        if spec.mode == "ssd" and self.draft is None:
+            raise ValueError("mode ssd needs a draft device")
+        result = ray.get(self.targets[0].generate.remote(
+            list(prompt_ids), dataclasses.asdict(sampling), dataclasses.asdict(generation), dataclasses.asdict(spec),
+        ))
+        if spec.mode == "ssd" and not ray.get(self.targets[0].link_up.remote()):
+            self.heal()
+        return result
+
+    # --------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Stop the speculator and the followers, free the actors and Ray."""
+        try:
+            ray.get(self.targets[0].shutdown.remote(), timeout=30)
+            ray.get(self._followers, timeout=30)
+        except Exception:  # noqa: BLE001 - tearing down; whatever is left is killed below
+            log.warning("clean shutdown failed; killing the actors", exc_info=True)
+        for actor in [*self.targets, self.draft]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        remove_placement_group(self._pg)
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

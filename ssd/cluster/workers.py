@@ -1,0 +1,144 @@
+"""The two kinds of Ray actor: a target rank (verifier) and the speculator.
+
+Ray carries only setup and control calls (load, connect, one call per
+request); every SSD round travels over the torch.distributed link between
+target rank 0 and the speculator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig, from_dict
+
+log = logging.getLogger(__name__)
+
+
+def pin_to_cores(cores: list[int] | None) -> None:
+    """Run this process on `cores` only, one torch thread per core (CPU mode)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TargetWorker:
+    """One target rank. Rank 0 also runs the engines and owns the draft link."""
+
+    def __init__(self, config: dict[str, Any], rank: int, world: int, cores: list[int] | None, tp_port: int) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target[{rank}] %(name)s: %(message)s")
+        pin_to_cores(cores)
+        from ssd.models import load_model, load_tokenizer
+        from ssd.models.kv import KVSequence
+        from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model
+
+        self.config: Config = from_dict(Config, config)
+        self.rank, self.world = rank, world
+        if world > 1:
+            init_tp_world(rank, world, "127.0.0.1", tp_port)
+            self.model = load_tp_model(self.config.target)
+        else:
+            self.model = load_model(self.config.target)
+        if rank == 0:
+            self.tokenizer = load_tokenizer(self.config.target)
+            self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
+            self._engines: dict[str, Any] = {}
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run_follower(self) -> int:
+        """Ranks > 0: mirror rank 0's forwards until it stops them."""
+        from ssd.models.tp import run_tp_follower
+
+        return run_tp_follower(self.model)
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def connect_draft(self, port: int, prefix: str, timeout_s: float) -> None:
+        """Become rank 0 of a new two-rank link; SSD uses it from the next request on."""
+        from ssd.transport.distributed import DistributedChannel
+
+        channel = DistributedChannel.connect("127.0.0.1", port, rank=0, timeout_s=timeout_s, prefix=prefix)
+        self._engine("ssd").attach(channel)
+
+    def link_up(self) -> bool:
+        return "ssd" in self._engines and self._engines["ssd"].link_up
+
+    def generate(self, prompt_ids: list[int], sampling: dict, generation: dict, spec: dict):
+        spec_config = from_dict(SpeculationConfig, spec)
+        engine = self._engine(spec_config.mode)
+        if spec_config.mode == "ssd":
+            engine.spec = spec_config
+        return engine.generate(prompt_ids, from_dict(SamplingConfig, sampling), from_dict(GenerationConfig, generation))
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        from ssd.engine.factory import encode_prompt
+
+        return encode_prompt(self.tokenizer, text, chat)
+
+    def shutdown(self) -> None:
+        """Stop the speculator's loop and the TP followers."""
+        from ssd.spec import protocol
+
+        ssd = self._engines.get("ssd")
+        if ssd is not None and ssd.link_up:
+            ssd.channel.send(protocol.shutdown())
+            ssd.channel.close()
+        if self.world > 1:
+            self.sequence.stop()
+
+    def _engine(self, mode: str):
+        if mode not in self._engines:
+            from ssd.engine import AREngine
+            from ssd.engine.ssd import SSDEngine
+
+            if mode == "ar":
+                self._engines[mode] = AREngine(self.sequence, self.tokenizer)
+            elif mode == "ssd":
+                self._engines[mode] = SSDEngine(
+                    self.sequence, self.tokenizer, None, self.config.speculation,
+                    draft_timeout_s=self.config.cluster.draft_timeout_s,
+                )
+            else:
+                raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
+        return self._engines[mode]
+
+
+class DraftWorker:
+    """The speculator: the draft model on its own device, serving one link at a time."""
+
+    def __init__(self, config: dict[str, Any], cores: list[int] | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(name)s: %(message)s")
+        pin_to_cores(cores)
+        from ssd.models import load_model
+
+        self.config: Config = from_dict(Config, config)
+        self.model = load_model(self.config.draft)
+        self._serving: threading.Thread | None = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def serve(self, port: int, prefix: str, timeout_s: float) -> None:
+        """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
+        from ssd.spec.speculator import Speculator
+        from ssd.transport.distributed import DistributedChannel
+
+        channel = DistributedChannel.connect("127.0.0.1", port, rank=1, timeout_s=timeout_s, prefix=prefix)
+        try:
+            Speculator(self.model, channel).serve()
+        finally:
+            channel.close()

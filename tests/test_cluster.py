@@ -1,0 +1,128 @@
+"""The distributed runtime on CPU: real Ray actors, gloo links, tiny models.
+
+Each Cluster starts Ray (several seconds); the tests share one where they can.
+"""
+
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from ssd.cluster.devices import plan_placement
+from ssd.cluster.runtime import Cluster
+from ssd.config import GenerationConfig, SamplingConfig, load_config
+from ssd.engine import AREngine
+from ssd.models import build_tiny_model, load_tokenizer
+from tests.conftest import ROOT
+from tests.exact import exact_marginal
+from tests.stats import ALPHA, chi_square_pvalue
+
+pytestmark = pytest.mark.cluster
+
+CONFIG = load_config(ROOT / "configs" / "tiny-cluster.yaml")
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
+
+
+def local_ar(config, prompt, n):
+    target = build_tiny_model(config.target.tiny, torch.float32)
+    engine = AREngine(target, load_tokenizer(config.target))
+    return engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)).token_ids
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(CONFIG, plan_placement("0", "1", 2, "cpu")) as c:
+        yield c
+
+
+def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
+    for prompt in PROMPTS:
+        out = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        assert out.token_ids == local_ar(CONFIG, prompt, 40)
+        assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
+
+
+def test_ar_mode_through_the_cluster(cluster):
+    spec = dataclasses.replace(CONFIG.speculation, mode="ar")
+    out = cluster.generate(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20), spec)
+    assert out.token_ids == local_ar(CONFIG, PROMPTS[0], 20)
+
+
+def test_sampled_ssd_matches_target_through_the_cluster(cluster):
+    """Joint of tokens 3-4 over 600 seeds; every token cached at every k, so
+    rounds after the first are cache hits carrying q rows over gloo."""
+    vocab = CONFIG.target.tiny.vocab_size
+    spec = dataclasses.replace(
+        CONFIG.speculation, k=2, fanout=dataclasses.replace(CONFIG.speculation.fanout, kind="uniform", budget=3 * vocab)
+    )
+    config = GenerationConfig(max_new_tokens=4)
+    sampling = SamplingConfig(temperature=1.0)
+    samples = [
+        tuple(cluster.generate([1, 2], dataclasses.replace(sampling, seed=s), config, spec).token_ids[2:4])
+        for s in range(600)
+    ]
+    target = build_tiny_model(CONFIG.target.tiny, torch.float32)
+    expected = exact_marginal(target, [1, 2], 4, sampling, [2, 3])
+    assert chi_square_pvalue(samples, expected) > ALPHA
+    # Power: the same samples reject the draft's law (what an accept-all bug would give).
+    draft = build_tiny_model(CONFIG.draft.tiny, torch.float32)
+    assert chi_square_pvalue(samples, exact_marginal(draft, [1, 2], 4, sampling, [2, 3])) < ALPHA
+
+
+def test_killed_draft_loses_no_request_and_comes_back(cluster):
+    import ray
+
+    prompt, n = PROMPTS[0], 400
+    expected = local_ar(CONFIG, prompt, n)
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(out=cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)))
+    )
+    worker.start()
+    time.sleep(1.0)
+    ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after the request
+    worker.join(timeout=120)
+    out = result["out"]
+    assert out.token_ids == expected
+    assert out.stats.spec.degraded_rounds > 0
+    again = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+    assert again.token_ids == expected[:40]
+    assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0
+
+
+def test_tensor_parallel_target_equals_single_rank():
+    config = dataclasses.replace(CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"))
+    with Cluster(config, plan_placement("0-1", None, 2, "cpu")) as tp2:
+        for prompt in PROMPTS:
+            out = tp2.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=32), config.speculation)
+            assert out.token_ids == local_ar(config, prompt, 32)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cpu", "--target-cores", "0", "--draft-core", "0"], "overlap"),
+        (["--cpu", "--target-cores", "0-5"], "machine has"),
+        (["--cpu", "--target-cores", "3-1"], "backwards"),
+        (["--cpu", "--draft-core", "x"], "not a device list"),
+        (["--target-gpus", "0", "--draft-gpu", "1"], "need GPUs"),
+    ],
+)
+def test_launcher_argument_errors(args, message):
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "cluster.py"), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and message in run.stderr
+
+
+def test_launcher_rejects_unknown_config_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("speculation: {fan_out: 3}\n")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "cluster.py"), "--cpu", "--config", str(bad)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode != 0 and "fan_out" in run.stderr
