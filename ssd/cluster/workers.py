@@ -27,6 +27,15 @@ def pin_to_cores(cores: list[int] | None) -> None:
         torch.set_num_threads(len(cores))
 
 
+def to_device(model: torch.nn.Module) -> torch.nn.Module:
+    """GPU actors see exactly one device (CUDA_VISIBLE_DEVICES): use it."""
+    return model.to("cuda") if torch.cuda.is_available() else model
+
+
+def link_backend(config: Config) -> str:
+    return config.cluster.link_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,7 +58,7 @@ class TargetWorker:
             init_tp_world(rank, world, "127.0.0.1", tp_port)
             self.model = load_tp_model(self.config.target)
         else:
-            self.model = load_model(self.config.target)
+            self.model = to_device(load_model(self.config.target))
         if rank == 0:
             self.tokenizer = load_tokenizer(self.config.target)
             self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
@@ -71,7 +80,9 @@ class TargetWorker:
         """Become rank 0 of a new two-rank link; SSD uses it from the next request on."""
         from ssd.transport.distributed import DistributedChannel
 
-        channel = DistributedChannel.connect("127.0.0.1", port, rank=0, timeout_s=timeout_s, prefix=prefix)
+        channel = DistributedChannel.connect(
+            "127.0.0.1", port, rank=0, backend=link_backend(self.config), timeout_s=timeout_s, prefix=prefix
+        )
         self._engine("ssd").attach(channel)
 
     def link_up(self) -> bool:
@@ -126,7 +137,7 @@ class DraftWorker:
         from ssd.models import load_model
 
         self.config: Config = from_dict(Config, config)
-        self.model = load_model(self.config.draft)
+        self.model = to_device(load_model(self.config.draft))
         self._serving: threading.Thread | None = None
 
     def ready(self) -> int:
@@ -137,7 +148,9 @@ class DraftWorker:
         from ssd.spec.speculator import Speculator
         from ssd.transport.distributed import DistributedChannel
 
-        channel = DistributedChannel.connect("127.0.0.1", port, rank=1, timeout_s=timeout_s, prefix=prefix)
+        channel = DistributedChannel.connect(
+            "127.0.0.1", port, rank=1, backend=link_backend(self.config), timeout_s=timeout_s, prefix=prefix
+        )
         try:
             Speculator(self.model, channel).serve()
         finally:

@@ -37,14 +37,14 @@ class KVSequence:
         """
         if not ids:
             raise ValueError("forward needs at least one token")
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         # An index tensor, not `1`: the int form slices a strided view of the
         # hidden states, and a bf16 Linear on that view takes a slow CPU
         # kernel (measured: 2.3 s for the 1.5B's head, against 25 ms).
-        keep = torch.tensor([len(ids) - 1]) if last_only else 0
+        keep = torch.tensor([len(ids) - 1], device=self.model.device) if last_only else 0
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.tokens.extend(ids)
-        return out.logits[0]
+        return out.logits[0].cpu()  # sampling and verification run on the CPU generator
 
     def catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
         """Feed the tail of `sequence` the cache lacks; logits after its last token.

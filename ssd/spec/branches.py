@@ -167,10 +167,11 @@ class TreeBranchDecoder(_Base):
         kv = self._check_step(tokens)
         width = self._glue + (self._steps + 1) * self.num_branches
         try:
+            device = kv.model.device
             out = kv.model(
-                input_ids=torch.tensor([list(tokens)], dtype=torch.long),
-                attention_mask=self._mask[None, None, :, :width],
-                position_ids=(self._prefix + self._steps)[None, :],
+                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
+                attention_mask=self._mask[None, None, :, :width].to(device),
+                position_ids=(self._prefix + self._steps)[None, :].to(device),
                 cache=kv.cache,
                 use_cache=True,
             )
@@ -178,7 +179,7 @@ class TreeBranchDecoder(_Base):
             self.finish()  # a failed forward may have grown some layers only
             raise
         self._steps += 1
-        return out.logits[0]
+        return out.logits[0].cpu()  # sampling runs on the CPU generator
 
     def finish(self) -> None:
         if self._kv is None:
@@ -220,10 +221,11 @@ class BatchedBranchDecoder(_Base):
         kv = self._check_step(tokens)
         width = self._glue + self._steps + 1
         try:
+            device = kv.model.device
             out = kv.model(
-                input_ids=torch.tensor(list(tokens), dtype=torch.long)[:, None],
-                attention_mask=self._mask[:, None, None, :width],
-                position_ids=(self._prefix + self._steps)[:, None],
+                input_ids=torch.tensor(list(tokens), dtype=torch.long, device=device)[:, None],
+                attention_mask=self._mask[:, None, None, :width].to(device),
+                position_ids=(self._prefix + self._steps)[:, None].to(device),
                 cache=self._cache,
                 use_cache=True,
             )
@@ -231,7 +233,7 @@ class BatchedBranchDecoder(_Base):
             self.finish()
             raise
         self._steps += 1
-        return out.logits[:, -1]
+        return out.logits[:, -1].cpu()
 
     def finish(self) -> None:
         self._kv = None
