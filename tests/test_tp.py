@@ -14,7 +14,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -51,17 +50,13 @@ def cache_script(seq: KVSequence) -> list[torch.Tensor]:
     return out
 
 
-def generations(target: torch.nn.Module, install: Callable[[AREngine], None]) -> list[list[int]]:
-    """Greedy tokens of AR then SD (K = 3) on every prompt; `install` may swap the
-    engine's target sequence. The draft is a plain local model (never TP)."""
+def generations(target: torch.nn.Module | KVSequence) -> list[list[int]]:
+    """Greedy tokens of AR then SD (K = 3) on every prompt. The engines take the
+    TP leader in place of the model; the draft is a plain local model (never TP)."""
     tok = TinyTokenizer.from_config(TINY)
     engines = [AREngine(target, tok), SDEngine(target, load_model(DRAFT), tok, k=3)]
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    tokens = []
-    for engine in engines:
-        install(engine)
-        tokens += [engine.generate(p, GREEDY, gen).token_ids for p in PROMPTS]
-    return tokens
+    return [engine.generate(p, GREEDY, gen).token_ids for engine in engines for p in PROMPTS]
 
 
 def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
@@ -84,11 +79,7 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
             with pytest.raises(ValueError):
                 bad()
         logits = cache_script(leader)
-
-        def install(engine: AREngine) -> None:
-            engine.target = leader
-
-        tokens = generations(model, install)
+        tokens = generations(leader)
     torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / "rank0.pt")
     dist.destroy_process_group()
 
@@ -134,7 +125,7 @@ def test_tp_logits_equal_tp1(tp_run: dict) -> None:
 
 
 def test_tp_greedy_generation_equals_tp1(tp_run: dict) -> None:
-    reference = generations(load_model(TARGET), lambda engine: None)
+    reference = generations(load_model(TARGET))
     assert all(len(t) == NEW_TOKENS for t in reference)
     assert tp_run["tokens"] == reference
 

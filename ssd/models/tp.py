@@ -36,6 +36,13 @@ Group = dist.ProcessGroup | None  # None: the default (target-only) world
 OP_STOP, OP_FORWARD, OP_ROLLBACK, OP_RESET = range(4)
 _HEADER = 3
 
+# An idle follower sits in a broadcast waiting for the next command, and gloo
+# kills a collective that waits past the group timeout (measured: a 3 s timeout
+# ended an idle follower after 3 s). So the timeout bounds the idle time between
+# requests and must be long; a dead peer is still noticed at once, as the
+# pending collective fails with "connection closed/reset by peer".
+IDLE_TIMEOUT = timedelta(days=30)
+
 
 def init_tp_world(
     rank: int,
@@ -43,9 +50,13 @@ def init_tp_world(
     host: str = "127.0.0.1",
     port: int = 29500,
     backend: str = "gloo",
-    timeout: timedelta = timedelta(minutes=30),
+    timeout: timedelta = IDLE_TIMEOUT,
 ) -> None:
-    """Join the default process group made of the target ranks only."""
+    """Join the default process group made of the target ranks only.
+
+    `timeout` bounds every collective, including a follower's wait between
+    commands, i.e. the longest the leader may stay idle (see IDLE_TIMEOUT).
+    """
     # transformers reads these when it sets up its device mesh (LOCAL_RANK picks
     # the accelerator); keep them consistent with the world we create.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -106,8 +117,10 @@ def _load_tiny_sharded(cfg: ModelConfig, world: int) -> torch.nn.Module:
     so TP runs on exactly the weights `load_model(cfg)` builds."""
     tcfg = cfg.tiny
     if tcfg.num_attention_heads % world or tcfg.num_key_value_heads % world:
-        raise ConfigError(f"tiny model heads ({tcfg.num_attention_heads}/{tcfg.num_key_value_heads}) "
-                          f"must divide by the tensor-parallel size {world}")
+        raise ConfigError(
+            f"tiny model heads ({tcfg.num_attention_heads} q / {tcfg.num_key_value_heads} kv) "
+            f"must divide by the tensor-parallel size {world}"
+        )
     path = ""
     if dist.get_rank() == 0:
         path = tempfile.mkdtemp(prefix="ssd-tp-tiny-")
@@ -159,7 +172,7 @@ class TPLeaderSequence(KVSequence):
 
     def __init__(self, model: torch.nn.Module, group: Group = None) -> None:
         if dist.get_rank(group) != 0:
-            raise RuntimeError("TPLeaderSequence runs on rank 0 of the TP group; other ranks run run_tp_follower")
+            raise RuntimeError("TPLeaderSequence belongs on TP rank 0; other ranks run run_tp_follower")
         super().__init__(model)
         self.group = group
         self.stopped = False
@@ -208,7 +221,11 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
     seq = KVSequence(model)
     done = 0
     while True:
-        op, arg, ids = _recv_command(group)
+        try:
+            op, arg, ids = _recv_command(group)
+        except RuntimeError:
+            log.error("TP follower rank %d lost the leader after %d commands", dist.get_rank(group), done)
+            raise
         if op == OP_STOP:
             log.info("TP follower rank %d stopping after %d commands", dist.get_rank(group), done)
             return done
