@@ -139,3 +139,14 @@ def test_metrics_are_consistent(tiny_models, tiny_tokenizer):
 def test_empty_prompt_is_refused(tiny_models, tiny_tokenizer):
     with pytest.raises(ValueError, match="prompt_ids"):
         AREngine(tiny_models[0], tiny_tokenizer).generate([], GREEDY, GenerationConfig())
+
+
+def test_cancel_stops_within_one_round(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    rounds = []
+    out = SDEngine(target, draft, tiny_tokenizer, 4).generate(
+        [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=100),
+        on_tokens=rounds.append, cancelled=lambda: len(rounds) >= 3,
+    )
+    assert out.finish_reason == "aborted" and len(rounds) == 3
+    assert out.token_ids == [t for r in rounds for t in r]

@@ -31,7 +31,7 @@ Verifier = Callable[..., Outcome]
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "eos" | "length" | "stop"
+    finish_reason: str  # "eos" | "length" | "stop" | "aborted"
     stats: GenerationStats
 
 
@@ -65,7 +65,10 @@ class Engine(ABC):
         sampling: SamplingConfig,
         generation: GenerationConfig,
         on_tokens: TokenCallback | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> GenerationResult:
+        """Generate until an end condition; `cancelled` is polled before every
+        round, and a True ends generation with finish reason "aborted"."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         clock = Stopwatch()
@@ -81,6 +84,9 @@ class Engine(ABC):
             self._emit(req, [self._first_token(req)], on_tokens)
             req.stats.time_to_first_token_s = clock.elapsed()
             while not req.output.finished:
+                if cancelled is not None and cancelled():
+                    req.output.finish_reason = "aborted"
+                    break
                 self._emit(req, self._round(req), on_tokens)
         finally:
             self._finish(req)

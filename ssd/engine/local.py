@@ -5,6 +5,7 @@ torch.distributed; the engine code is the same one the cluster runs."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -46,8 +47,9 @@ class LocalSSD:
         sampling: SamplingConfig,
         generation: GenerationConfig,
         on_tokens: TokenCallback | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> GenerationResult:
-        return self.engine.generate(prompt_ids, sampling, generation, on_tokens)
+        return self.engine.generate(prompt_ids, sampling, generation, on_tokens, cancelled)
 
     def close(self) -> None:
         if self._thread.is_alive():
