@@ -1,0 +1,14 @@
+"""The gRPC frontend (protos/ssd/v1/generation.proto).
+
+protos.py     compiles the .proto into _proto/ on first use (generated, not committed)
+options.py    ServeOptions: bind address, token, TLS, request limits
+backend.py    the Backend protocol and LocalBackend (load_pair + one engine per spec)
+validation.py GenerateRequest -> ValidRequest, or INVALID_ARGUMENT naming the field
+worker.py     one generation at a time: FIFO queue, admission limit, cancel/abort
+streaming.py  text deltas that stay consistent with the final text
+metrics.py    server-wide counters and the Prometheus text exposition
+auth.py       bearer-token interceptor (health and reflection stay open)
+convert.py    engine values -> ssd.v1 messages
+server.py     GenerationServicer and GenerationServer (health, reflection, TLS, lifecycle)
+client.py     GenerationClient, used by launch/client.py and the tests
+"""

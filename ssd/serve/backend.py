@@ -1,0 +1,170 @@
+"""What the server generates with: a small Backend protocol and the local one.
+
+The servicer sees only this protocol, so the tests can wrap the real backend
+(slow it down, make it fail) and a future cluster backend can slot in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.base import GenerationResult, TokenCallback
+from ssd.engine.factory import LoadedPair, load_pair
+from ssd.engine.output import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedRequest(ValueError):
+    """The backend cannot do what was asked (e.g. chat without a template)."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    target_model: str
+    draft_model: str | None  # None: only "ar" is served
+    vocab_size: int  # valid prompt ids are 0..vocab_size-1
+    max_context_tokens: int  # prompt + generated tokens
+    modes: tuple[str, ...]
+    chat_template: bool
+    eos_token_ids: tuple[int, ...]
+    defaults: Config  # sampling, generation.max_new_tokens and speculation defaults
+
+
+class Backend(Protocol):
+    info: BackendInfo
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        spec: SpeculationConfig,
+        on_tokens: TokenCallback | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> GenerationResult: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class EngineCache:
+    """Engines by speculation settings, least recently used dropped first.
+
+    Engines share the loaded weights; each holds its own KV cache and (SSD) a
+    speculator thread, so only a few are kept. Not thread-safe: the server
+    runs one generation at a time.
+    """
+
+    def __init__(self, pair: LoadedPair, size: int = 4) -> None:
+        self.pair = pair
+        self.size = size
+        self._engines: OrderedDict[str, Any] = OrderedDict()
+
+    def get(self, spec: SpeculationConfig) -> Any:
+        key = repr(spec)  # dataclass repr: every field, deterministic
+        if key in self._engines:
+            self._engines.move_to_end(key)
+            return self._engines[key]
+        engine = self.pair.engine(spec)
+        self._engines[key] = engine
+        while len(self._engines) > self.size:
+            _, old = self._engines.popitem(last=False)
+            old.close()
+        return engine
+
+    def discard(self, spec: SpeculationConfig) -> None:
+        """Drop an engine whose generation failed: its state is not to be trusted."""
+        engine = self._engines.pop(repr(spec), None)
+        if engine is not None:
+            _close_quietly(engine)
+
+    def close(self) -> None:
+        while self._engines:
+            _close_quietly(self._engines.popitem()[1])
+
+
+class LocalBackend:
+    """The target (and draft) in this process; SSD's speculator runs in a thread."""
+
+    def __init__(self, config: Config, with_draft: bool = True) -> None:
+        self.config = config
+        self.pair = load_pair(config, with_draft=with_draft)
+        self._engines = EngineCache(self.pair)
+        self._lock = threading.Lock()  # the worker serializes; this guards misuse
+        self.info = self._describe()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        spec: SpeculationConfig,
+        on_tokens: TokenCallback | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        with self._lock:
+            engine = self._engines.get(spec)
+            try:
+                return engine.generate(list(prompt_ids), sampling, generation, on_tokens, cancelled)
+            except BaseException:
+                self._engines.discard(spec)
+                raise
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.pair.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.info.chat_template:
+            raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
+        rendered = self.pair.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(rendered)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.pair.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._engines.close()
+
+    def _describe(self) -> BackendInfo:
+        tokenizer, target = self.pair.tokenizer, self.pair.target
+        has_draft = self.pair.draft is not None
+        return BackendInfo(
+            target_model=self.config.target.name,
+            draft_model=self.config.draft.name if has_draft else None,
+            vocab_size=len(tokenizer),
+            max_context_tokens=_max_positions(target, tokenizer),
+            modes=("ar", "sd", "ssd") if has_draft else ("ar",),
+            chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            eos_token_ids=tuple(sorted(eos_token_ids(tokenizer, target))),
+            defaults=self.config,
+        )
+
+
+def _max_positions(model: Any, tokenizer: Any) -> int:
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        return positions
+    # HF tokenizers report a huge sentinel when they know no limit.
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**7 else 4096
+
+
+def _close_quietly(engine: Any) -> None:
+    try:
+        engine.close()
+    except Exception:  # closing a broken engine must not hide the original error
+        log.exception("closing an engine failed")

@@ -1,0 +1,49 @@
+"""What a server binds to and what it admits: network, security and request limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssd.config import ConfigError
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"  # loopback unless asked: the API has no per-user quotas
+    port: int = 50051  # 0: any free port (the server reports the one it got)
+    token: str | None = None  # bearer token required on every ssd.v1 call when set
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 16  # requests queued + running; more get RESOURCE_EXHAUSTED
+    max_new_tokens: int = 2048  # also capped by the model's context
+    max_stop_strings: int = 8
+    max_stop_chars: int = 256
+    max_k: int = 16
+    max_budget: int = 256
+    max_chat_messages: int = 256
+    grace_s: float = 10.0  # on stop: how long running requests may finish
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("serve: tls_cert and tls_key must be given together")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("serve.token must not be blank")
+        for name in ("max_queue", "max_new_tokens", "max_stop_strings", "max_stop_chars",
+                     "max_k", "max_budget", "max_chat_messages", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"

@@ -1,0 +1,316 @@
+"""The gRPC frontend: GenerationService over a Backend, plus health and reflection.
+
+Lifecycle: `start()` binds the port at once with health NOT_SERVING and loads
+the backend in a thread; health turns SERVING when it is loaded. `stop()`
+turns health NOT_SERVING, refuses new requests, lets running ones finish for
+the grace period, aborts the rest and closes the port.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ssd.serve import convert, protos
+from ssd.serve.auth import BearerTokenInterceptor
+from ssd.serve.backend import Backend
+from ssd.serve.metrics import ServerMetrics, prometheus_text
+from ssd.serve.options import ServeOptions
+from ssd.serve.streaming import TextStream
+from ssd.serve.validation import InvalidArgument, validate
+from ssd.serve.worker import (
+    Done,
+    DuplicateRequestId,
+    GenerationWorker,
+    Job,
+    QueueFull,
+    Round,
+    WorkerClosed,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "ssd.v1.GenerationService"
+EVENT_POLL_S = 0.1  # how often a waiting stream checks that its client is still there
+NO_DEADLINE_S = 1e9
+
+
+class GenerationServicer:
+    """The four ssd.v1 RPCs; serves once `attach` gives it a backend."""
+
+    def __init__(self, pb: Any, options: ServeOptions, metrics: ServerMetrics) -> None:
+        self.pb = pb
+        self.options = options
+        self.metrics = metrics
+        self.backend: Backend | None = None
+        self.worker: GenerationWorker | None = None
+        self.unavailable = "the model is loading"  # why Generate is refused; None: serving
+
+    def attach(self, backend: Backend, worker: GenerationWorker) -> None:
+        self.backend, self.worker = backend, worker
+        self.unavailable = None
+
+    def refuse(self, why: str) -> None:
+        self.unavailable = why
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        backend, worker = self._serving(context)
+        try:
+            valid = validate(request, backend, self.options)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        job = Job(valid, request_id=valid.request_id, deadline=_deadline(context))
+        ahead = self._submit(worker, job, context)
+        # Runs on client cancel, deadline and normal end alike (a no-op then).
+        if not context.add_callback(lambda: worker.cancel(job)):
+            worker.cancel(job)
+        yield self.pb.GenerateResponse(
+            request_id=job.request_id,
+            accepted=self.pb.Accepted(prompt_tokens=len(valid.prompt_ids), queued_ahead=ahead),
+        )
+        yield from self._stream(job, backend, context)
+
+    def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
+        found = self.worker is not None and self.worker.abort(request.request_id)
+        if found:
+            log.info("abort requested for %s", request.request_id)
+        return self.pb.AbortResponse(found=found)
+
+    def ModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        backend, _ = self._serving(context)
+        return convert.model_info(self.pb, backend.info, self.options)
+
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        running, waiting = self.worker.counts if self.worker is not None else (0, 0)
+        counters = self.metrics.snapshot()
+        text = prometheus_text(counters, running, waiting)
+        return convert.stats_response(self.pb, counters, running, waiting, self.metrics.uptime_s(), text)
+
+    def _serving(self, context: grpc.ServicerContext) -> tuple[Backend, GenerationWorker]:
+        backend, worker, why = self.backend, self.worker, self.unavailable
+        if why is not None or backend is None or worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, why or "not serving")
+        return backend, worker
+
+    def _submit(self, worker: GenerationWorker, job: Job, context: grpc.ServicerContext) -> int:
+        try:
+            ahead = worker.submit(job)
+        except QueueFull as exc:
+            self.metrics.rejected()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequestId as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except WorkerClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.metrics.admitted()
+        return ahead
+
+    def _stream(self, job: Job, backend: Backend, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Round messages as the engine produces them, then the final one."""
+        text = TextStream(backend.decode, job.request.generation.stop)
+        while True:
+            event = _next_event(job, context)
+            if event is None:
+                job.cancel()  # the client is gone (its callback has normally done this already)
+                return
+            if isinstance(event, Round):
+                yield self.pb.GenerateResponse(
+                    request_id=job.request_id, token_ids=event.ids, text=text.push(event.ids)
+                )
+                continue
+            yield self._final(job, event, text)
+            self._set_status(job, event, context)
+            return
+
+    def _final(self, job: Job, done: Done, text: TextStream) -> Any:
+        pb, result = self.pb, done.result
+        finished = pb.Finished(reason=convert.FINISH_REASONS[done.reason])
+        delta = ""
+        if result is not None:
+            delta = text.finish(result.text)
+            finished.output_token_ids.extend(result.token_ids)
+            finished.output_text = result.text
+            finished.stats.CopyFrom(self._request_stats(job, result.stats))
+        if done.error is not None:
+            finished.error = f"{type(done.error).__name__}: {done.error}"
+        _log_finished(job, done)
+        return pb.GenerateResponse(request_id=job.request_id, text=delta, finished=finished)
+
+    def _request_stats(self, job: Job, stats: Any) -> Any:
+        started = job.started if job.started is not None else job.arrived
+        first = job.first_token if job.first_token is not None else started
+        total = time.monotonic() - job.arrived
+        return convert.request_stats(self.pb, stats, started - job.arrived, first - job.arrived, total)
+
+    @staticmethod
+    def _set_status(job: Job, done: Done, context: grpc.ServicerContext) -> None:
+        if done.error is not None:
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(f"generation failed: {type(done.error).__name__}: {done.error}")
+        elif done.reason == "aborted" and job.deadline is not None and time.monotonic() >= job.deadline:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details("deadline exceeded; generation stopped")
+
+
+def _next_event(job: Job, context: grpc.ServicerContext) -> Round | Done | None:
+    """The job's next event, or None once the client has gone away."""
+    while True:
+        try:
+            return job.events.get(timeout=EVENT_POLL_S)
+        except queue.Empty:
+            if not context.is_active():
+                return None
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_S:
+        return None
+    return time.monotonic() + max(remaining, 0.0)
+
+
+def _log_finished(job: Job, done: Done) -> None:
+    tokens = len(done.result.token_ids) if done.result is not None else 0
+    log.info("request %s finished: %s, %d tokens in %.3f s", job.request_id, done.reason, tokens,
+             time.monotonic() - job.arrived)
+
+
+class GenerationServer:
+    """A running gRPC server; `load_backend` runs in a thread after the port is bound."""
+
+    def __init__(self, options: ServeOptions, load_backend: Callable[[], Backend]) -> None:
+        self.options = options
+        self.load_backend = load_backend
+        self.pb, self.pb_grpc = protos.load()
+        self.metrics = ServerMetrics()
+        self.servicer = GenerationServicer(self.pb, options, self.metrics)
+        self.health = health.HealthServicer()
+        self.port: int | None = None
+        self.load_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._server: grpc.Server | None = None
+        self._backend: Backend | None = None
+        self._worker: GenerationWorker | None = None
+
+    def start(self) -> int:
+        """Bind, start serving health and reflection, begin loading; return the port."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = self._build_server()
+        self.port = self._bind(self._server)
+        self._server.start()
+        log.info("listening on %s:%d (%s)", self.options.host, self.port, "TLS" if self.options.tls else "plaintext")
+        threading.Thread(target=self._load, name="ssd-serve-loader", daemon=True).start()
+        return self.port
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the backend is loaded; False on timeout or a failed load."""
+        return self._ready.wait(timeout) and self.load_error is None
+
+    def stop(self, grace_s: float | None = None) -> None:
+        grace = self.options.grace_s if grace_s is None else grace_s
+        with self._lock:
+            if self._stopping.is_set():
+                self._stopped.wait()
+                return
+            self._stopping.set()
+        log.info("stopping: NOT_SERVING, finishing running requests (grace %.1f s)", grace)
+        self.health.enter_graceful_shutdown()
+        self.servicer.refuse("the server is shutting down")
+        if self._worker is not None:
+            self._worker.close(grace)
+        if self._server is not None:
+            self._server.stop(grace=min(grace, 1.0)).wait()
+        self._close_backend()
+        self._stopped.set()
+        log.info("stopped")
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def _build_server(self) -> grpc.Server:
+        opts = self.options
+        interceptors = [BearerTokenInterceptor(opts.token)] if opts.token else []
+        # Each streaming request holds a thread while it waits or streams; the
+        # spare ones answer Abort, Stats, health and refusals beyond the queue.
+        pool = ThreadPoolExecutor(max_workers=opts.max_queue + 16, thread_name_prefix="ssd-grpc")
+        server = grpc.server(pool, interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            ("grpc.max_send_message_length", opts.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server must fail to bind, not share the port
+        ])
+        self.pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        return server
+
+    def _bind(self, server: grpc.Server) -> int:
+        address = self.options.address
+        try:
+            if self.options.tls:
+                port = server.add_secure_port(address, _tls_credentials(self.options))
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if not port:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    def _load(self) -> None:
+        try:
+            backend = self.load_backend()
+        except BaseException as exc:  # reported through health and wait_ready
+            log.exception("loading the model failed")
+            self.load_error = exc
+            self.servicer.refuse(f"the model failed to load: {exc}")
+            self._ready.set()
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                backend.close()
+                self._ready.set()
+                return
+            self._backend = backend
+            self._worker = GenerationWorker(backend, self.metrics, self.options.max_queue)
+            self.servicer.attach(backend, self._worker)
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("model loaded: %s; serving", backend.info.target_model)
+        self._ready.set()
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _close_backend(self) -> None:
+        if self._backend is not None:
+            try:
+                self._backend.close()
+            except Exception:
+                log.exception("closing the backend failed")
+
+
+def _tls_credentials(options: ServeOptions) -> grpc.ServerCredentials:
+    key = options.tls_key.read_bytes()
+    cert = options.tls_cert.read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def serve_config(config: Any, options: ServeOptions, with_draft: bool = True) -> GenerationServer:
+    """A started server for a Config, loading a LocalBackend in the background."""
+    from ssd.serve.backend import LocalBackend
+
+    server = GenerationServer(options, lambda: LocalBackend(config, with_draft=with_draft))
+    server.start()
+    return server

@@ -1,0 +1,232 @@
+"""GenerateRequest -> what the engine runs, or an error that names the field.
+
+Everything a client sends is checked here, before it is queued: a request
+that reaches the engine can only fail by an engine fault. A setting the
+server could not honour exactly (a mode without its model, speculation
+settings the mode ignores) is refused rather than silently changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ssd.config import (
+    BACKUPS,
+    FANOUT_KINDS,
+    ConfigError,
+    GenerationConfig,
+    SamplingConfig,
+    SpeculationConfig,
+)
+from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
+from ssd.serve.options import ServeOptions
+
+MODE_NAMES = {1: "ar", 2: "sd", 3: "ssd"}  # ssd.v1.Mode values
+MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
+MAX_REQUEST_ID_CHARS = 128
+SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
+
+
+class InvalidArgument(ValueError):
+    """A request field is invalid; str() starts with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class ValidRequest:
+    request_id: str  # "" when the server is to assign one
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    generation: GenerationConfig
+    spec: SpeculationConfig
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+
+def validate(request: Any, backend: Backend, options: ServeOptions) -> ValidRequest:
+    """Check a GenerateRequest against the server's limits and the model."""
+    info = backend.info
+    request_id = _request_id(request)
+    mode = _mode(request, info)
+    generation = _generation(request, info, options)
+    sampling = _sampling(request, info)
+    spec = _speculation(request, info, options, mode)
+    prompt_ids = _prompt(request, backend, options)
+    _check_context(request, len(prompt_ids), generation.max_new_tokens, info)
+    return ValidRequest(request_id, prompt_ids, sampling, generation, spec)
+
+
+def max_new_tokens_limit(info: BackendInfo, options: ServeOptions) -> int:
+    return max(1, min(options.max_new_tokens, info.max_context_tokens - 1))
+
+
+def _request_id(request: Any) -> str:
+    rid = request.request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+    if rid and not (rid.isascii() and rid.isprintable()):
+        raise InvalidArgument("request_id", "must be printable ASCII")
+    return rid
+
+
+def _mode(request: Any, info: BackendInfo) -> str:
+    if request.mode == 0:
+        mode = info.defaults.speculation.mode
+    elif request.mode in MODE_NAMES:
+        mode = MODE_NAMES[request.mode]
+    else:
+        raise InvalidArgument("mode", f"unknown value {request.mode}; known: AR, SD, SSD")
+    if mode not in info.modes:
+        raise InvalidArgument(
+            "mode", f"{mode} needs a draft model; this server serves {', '.join(info.modes)}"
+        )
+    return mode
+
+
+def _sampling(request: Any, info: BackendInfo) -> SamplingConfig:
+    default = info.defaults.sampling
+    temperature = request.temperature if request.HasField("temperature") else default.temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
+    top_k = request.top_k if request.HasField("top_k") else default.top_k
+    if top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0 (0: off), got {top_k}")
+    top_p = request.top_p if request.HasField("top_p") else default.top_p
+    if not 0 < top_p <= 1:  # also refuses NaN
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    seed = request.seed if request.HasField("seed") else default.seed
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _generation(request: Any, info: BackendInfo, options: ServeOptions) -> GenerationConfig:
+    limit = max_new_tokens_limit(info, options)
+    default = min(info.defaults.generation.max_new_tokens, limit)
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else default
+    if not 1 <= max_new <= limit:
+        raise InvalidArgument("max_new_tokens", f"must be in 1..{limit}, got {max_new}")
+    stop = list(request.stop)
+    if len(stop) > options.max_stop_strings:
+        raise InvalidArgument("stop", f"at most {options.max_stop_strings} strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if not 1 <= len(text) <= options.max_stop_chars:
+            raise InvalidArgument(
+                f"stop[{i}]", f"must be 1..{options.max_stop_chars} characters, got {len(text)}"
+            )
+    return GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos)
+
+
+def _speculation(request: Any, info: BackendInfo, options: ServeOptions, mode: str) -> SpeculationConfig:
+    default = dataclasses.replace(info.defaults.speculation, mode=mode)
+    if not request.HasField("speculation"):
+        return default
+    given = request.speculation
+    _refuse_ignored(given, mode)
+    k = _in_range(given, "k", 1, options.max_k, default.k)
+    budget = _in_range(given, "fanout_budget", 1, options.max_budget, default.fanout.budget)
+    saguaro_c = given.saguaro_c if given.HasField("saguaro_c") else default.saguaro_c
+    if not 0 <= saguaro_c <= 1:
+        raise InvalidArgument("speculation.saguaro_c", f"must be in [0, 1], got {saguaro_c}")
+    kind = _one_of(given.fanout_kind, "speculation.fanout_kind", FANOUT_KINDS) or default.fanout.kind
+    backup = _one_of(given.backup, "speculation.backup", BACKUPS)
+    fanout = dataclasses.replace(default.fanout, budget=budget, kind=kind)
+    spec = dataclasses.replace(default, k=k, fanout=fanout, saguaro_c=saguaro_c)
+    if backup:
+        # A configured batch-size policy would override the asked-for backup.
+        spec = dataclasses.replace(spec, backup=backup, backup_policy={})
+    try:
+        return dataclasses.replace(spec)  # re-runs the config's own checks
+    except ConfigError as exc:
+        raise InvalidArgument("speculation", str(exc)) from None
+
+
+def _refuse_ignored(given: Any, mode: str) -> None:
+    ignored = {"ar": ("k", *SSD_ONLY), "sd": SSD_ONLY, "ssd": ()}[mode]
+    for name in ignored:
+        is_set = given.HasField(name) if name in ("k", "fanout_budget", "saguaro_c") else bool(getattr(given, name))
+        if is_set:
+            raise InvalidArgument(f"speculation.{name}", f"mode {mode} does not use it; leave it unset")
+
+
+def _in_range(given: Any, name: str, low: int, high: int, default: int) -> int:
+    if not given.HasField(name):
+        return default
+    value = getattr(given, name)
+    if not low <= value <= high:
+        raise InvalidArgument(f"speculation.{name}", f"must be in {low}..{high}, got {value}")
+    return value
+
+
+def _one_of(value: str, field: str, allowed: tuple[str, ...]) -> str:
+    if value and value not in allowed:
+        raise InvalidArgument(field, f"must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _prompt(request: Any, backend: Backend, options: ServeOptions) -> list[int]:
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise InvalidArgument("prompt", "set exactly one of text, token_ids, chat")
+    if which == "text":
+        return _text_prompt(request.text, backend)
+    if which == "token_ids":
+        return _id_prompt(list(request.token_ids.ids), backend.info.vocab_size)
+    return _chat_prompt(request.chat.messages, backend, options)
+
+
+def _text_prompt(text: str, backend: Backend) -> list[int]:
+    if not text:
+        raise InvalidArgument("text", "must not be empty")
+    try:
+        ids = backend.encode(text)
+    except ValueError as exc:
+        raise InvalidArgument("text", str(exc)) from None
+    if not ids:
+        raise InvalidArgument("text", "encodes to no tokens")
+    return ids
+
+
+def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
+    if not ids:
+        raise InvalidArgument("token_ids", "must not be empty")
+    for position, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidArgument(
+                "token_ids", f"id {token} at position {position} is outside the vocabulary 0..{vocab_size - 1}"
+            )
+    return ids
+
+
+def _chat_prompt(messages: Any, backend: Backend, options: ServeOptions) -> list[int]:
+    if not messages:
+        raise InvalidArgument("chat", "must hold at least one message")
+    if len(messages) > options.max_chat_messages:
+        raise InvalidArgument("chat", f"at most {options.max_chat_messages} messages, got {len(messages)}")
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
+    try:
+        ids = backend.apply_chat([{"role": m.role, "content": m.content} for m in messages])
+    except (UnsupportedRequest, ValueError) as exc:
+        raise InvalidArgument("chat", str(exc)) from None
+    except Exception as exc:  # a template's own complaint (e.g. roles must alternate)
+        raise InvalidArgument("chat", f"the chat template refused it: {exc}") from None
+    if not ids:
+        raise InvalidArgument("chat", "renders to no tokens")
+    return ids
+
+
+def _check_context(request: Any, prompt_tokens: int, max_new: int, info: BackendInfo) -> None:
+    if prompt_tokens + max_new > info.max_context_tokens:
+        raise InvalidArgument(
+            request.WhichOneof("prompt"),
+            f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new} exceeds the "
+            f"model's context of {info.max_context_tokens} tokens",
+        )

@@ -1,0 +1,453 @@
+"""The gRPC endpoint: a real server on a loopback port over the tiny fp64 pair.
+
+Exactness through the wire (stream == final == a direct engine run),
+concurrency, cancel / deadline / Abort freeing the engine, engine faults,
+validation, auth, TLS, health transitions, reflection and Stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import grpc
+import pytest
+
+from ssd.config import GenerationConfig, SamplingConfig, load_config
+from ssd.serve import protos
+from ssd.serve.backend import LocalBackend
+from ssd.serve.client import GenerationClient
+from ssd.serve.options import ServeOptions
+from ssd.serve.server import SERVICE_NAME, GenerationServer
+from ssd.serve.streaming import TextStream
+from tests.conftest import ROOT
+
+PROMPT = "abcab"
+
+
+class ControlledBackend:
+    """The real backend, optionally gated, slowed or made to fail mid-generation."""
+
+    def __init__(self, inner: LocalBackend, round_delay_s: float = 0.0,
+                 fail_after_rounds: int | None = None, gate: threading.Event | None = None,
+                 modes: tuple[str, ...] | None = None) -> None:
+        self.inner = inner
+        self.round_delay_s = round_delay_s
+        self.fail_after_rounds = fail_after_rounds
+        self.gate = gate
+        self.info = inner.info if modes is None else dataclasses.replace(inner.info, modes=modes)
+
+    def generate(self, prompt_ids, sampling, generation, spec, on_tokens, cancelled):
+        if self.gate is not None:
+            assert self.gate.wait(30), "test gate never opened"
+        rounds = 0
+
+        def on_round(ids: list[int]) -> None:
+            nonlocal rounds
+            rounds += 1
+            if self.fail_after_rounds is not None and rounds > self.fail_after_rounds:
+                raise RuntimeError("injected engine fault")
+            on_tokens(ids)
+            time.sleep(self.round_delay_s)
+
+        return self.inner.generate(prompt_ids, sampling, generation, spec, on_round, cancelled)
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def apply_chat(self, messages):
+        return self.inner.apply_chat(messages)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+    def close(self) -> None:
+        """The module's LocalBackend outlives each server."""
+
+
+@contextmanager
+def running(load: Callable[[], Any], wait: bool = True, **options: Any) -> Iterator[tuple[GenerationServer, GenerationClient]]:
+    server = GenerationServer(ServeOptions(port=0, grace_s=2.0, **options), load)
+    server.start()
+    client = GenerationClient(f"127.0.0.1:{server.port}", token=options.get("token"))
+    try:
+        if wait:
+            assert server.wait_ready(30)
+        yield server, client
+    finally:
+        client.close()
+        server.stop(grace_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def backend(config):
+    local = LocalBackend(config)
+    yield local
+    local.close()
+
+
+@pytest.fixture(scope="module")
+def served(backend):
+    with running(lambda: ControlledBackend(backend)) as pair:
+        yield pair
+
+
+@pytest.fixture
+def client(served):
+    return served[1]
+
+
+def direct(backend: LocalBackend, mode: str, temperature: float, seed: int, max_new: int, stop=()):
+    """The same request straight through a fresh engine, no server."""
+    spec = dataclasses.replace(backend.config.speculation, mode=mode)
+    engine = backend.pair.engine(spec)
+    try:
+        return engine.generate(
+            backend.encode(PROMPT), SamplingConfig(temperature=temperature, seed=seed),
+            GenerationConfig(max_new_tokens=max_new, stop=list(stop)),
+        )
+    finally:
+        engine.close()
+
+
+def code_of(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+# --- exactness through the wire ---------------------------------------------
+
+
+@pytest.mark.parametrize("mode,temperature,stop", [
+    ("ar", 0.0, ()), ("sd", 0.0, ()), ("ssd", 0.0, ()), ("sd", 0.9, ()), ("ar", 0.9, ()),
+    ("sd", 0.0, ("lla",)),
+])
+def test_stream_equals_final_and_direct_engine(client, backend, mode, temperature, stop):
+    out = client.generate(text=PROMPT, mode=mode, temperature=temperature, seed=11,
+                          max_new_tokens=40, stop=stop)
+    want = direct(backend, mode, temperature, 11, 40, stop)
+    assert out.token_ids == list(out.finished.output_token_ids) == want.token_ids
+    assert out.text == out.finished.output_text == want.text
+    assert out.finish_reason == want.finish_reason
+    assert len(out.rounds) == out.stats.rounds + 1  # the first token, then one message per round
+    assert out.stats.new_tokens == len(want.token_ids) and out.stats.mode == {"ar": 1, "sd": 2, "ssd": 3}[mode]
+
+
+def test_stop_string_never_streams(client, backend):
+    out = client.generate(text=PROMPT, max_new_tokens=60, stop=["lla"])
+    assert out.finish_reason == "stop"
+    assert "lla" not in out.text and "lla" in backend.decode(out.token_ids)
+
+
+def test_eight_concurrent_streams_all_correct(served, backend):
+    server, client = served
+    seeds = list(range(8))
+    results: dict[int, Any] = {}
+
+    def run(seed: int) -> None:
+        with GenerationClient(f"127.0.0.1:{server.port}") as own:
+            results[seed] = own.generate(text=PROMPT, mode="sd", temperature=0.8, seed=seed,
+                                         max_new_tokens=24, timeout=60)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == seeds
+    for seed, out in results.items():
+        assert out.token_ids == direct(backend, "sd", 0.8, seed, 24).token_ids, seed
+    assert len({tuple(r.token_ids) for r in results.values()}) > 1  # seeds do matter
+
+
+# --- cancel, deadline, abort, admission, faults -----------------------------
+
+
+@pytest.fixture
+def slow(backend):
+    """A server whose engine takes ~20 ms per round: a long request lasts seconds."""
+    with running(lambda: ControlledBackend(backend, round_delay_s=0.02), max_queue=3) as pair:
+        yield pair
+
+
+def _next_request_is_prompt(client: GenerationClient, limit_s: float = 1.5) -> None:
+    started = time.monotonic()
+    out = client.generate(text=PROMPT, mode="ar", max_new_tokens=2, timeout=10)
+    assert out.finish_reason == "length"
+    assert out.finished.stats.queue_s < limit_s
+    assert time.monotonic() - started < limit_s
+
+
+def test_client_cancel_frees_the_engine(slow):
+    server, client = slow
+    call = client.stream(text=PROMPT, mode="ar", max_new_tokens=400)
+    for _ in range(4):
+        next(call)
+    call.cancel()
+    _next_request_is_prompt(client)
+    assert wait_until(lambda: client.stats().finished_by_reason["aborted"] == 1)
+
+
+def test_deadline_stops_generation(slow):
+    server, client = slow
+    code, _ = code_of(lambda: client.generate(text=PROMPT, mode="ar", max_new_tokens=400, timeout=0.4))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    _next_request_is_prompt(client)
+    assert wait_until(lambda: client.stats().finished_by_reason["aborted"] == 1)
+
+
+def test_abort_running_and_queued(slow):
+    server, client = slow
+    running_call = client.stream(text=PROMPT, mode="ar", max_new_tokens=400, request_id="long")
+    assert next(running_call).request_id == "long"
+    queued = client.stream(text=PROMPT, mode="ar", max_new_tokens=400)
+    first = next(queued)
+    assert first.accepted.queued_ahead == 1 and first.request_id  # server-assigned
+    assert code_of(lambda: next(client.stream(text=PROMPT, request_id="long")))[0] == grpc.StatusCode.ALREADY_EXISTS
+
+    started = time.monotonic()
+    assert client.abort(first.request_id)
+    rest = list(queued)
+    assert time.monotonic() - started < 1.0  # it left the queue; no wait for the running one
+    assert rest[-1].finished.reason == 4 and not any(m.token_ids for m in rest)  # ABORTED, nothing ran
+    assert client.abort("long") and not client.abort("no-such-request")
+    last = list(running_call)[-1]
+    assert last.finished.reason == 4 and 0 < last.finished.stats.new_tokens < 400
+    _next_request_is_prompt(client)
+
+
+def test_admission_limit_is_resource_exhausted(slow):
+    server, client = slow
+    calls = [client.stream(text=PROMPT, mode="ar", max_new_tokens=400) for _ in range(3)]
+    for call in calls:
+        next(call)
+    code, details = code_of(lambda: next(client.stream(text=PROMPT)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in details
+    for call in calls:
+        call.cancel()
+    _next_request_is_prompt(client)
+    assert client.stats().requests_rejected == 1
+
+
+def test_engine_fault_is_reported_and_survived(backend):
+    with running(lambda: ControlledBackend(backend, fail_after_rounds=2)) as (server, client):
+        messages = []
+        with pytest.raises(grpc.RpcError) as info:
+            for message in client.stream(text=PROMPT, max_new_tokens=30):
+                messages.append(message)
+        assert info.value.code() == grpc.StatusCode.INTERNAL and "injected engine fault" in info.value.details()
+        assert messages[-1].finished.reason == 5 and "injected engine fault" in messages[-1].finished.error
+        assert sum(len(m.token_ids) for m in messages) > 0
+        assert client.health() == "SERVING"
+        assert client.stats().finished_by_reason["error"] == 1
+    with running(lambda: ControlledBackend(backend)) as (server, client):  # the engine was rebuilt
+        assert client.generate(text=PROMPT, max_new_tokens=8).finish_reason == "length"
+
+
+# --- validation ---------------------------------------------------------------
+
+
+BAD = [
+    ({}, "prompt"),
+    ({"text": ""}, "text"),
+    ({"text": "xyz"}, "text"),
+    ({"token_ids": []}, "token_ids"),
+    ({"token_ids": [1, 16]}, "token_ids"),
+    ({"token_ids": [1] * 500, "max_new_tokens": 32}, "token_ids"),
+    ({"messages": []}, "chat"),
+    ({"messages": [{"role": "user", "content": "abc"}]}, "chat"),  # tiny has no chat template
+    ({"messages": [{"role": "", "content": "abc"}]}, "chat.messages[0].role"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 100_000}, "max_new_tokens"),
+    ({"mode": 9}, "mode"),
+    ({"mode": "sd", "k": 0}, "speculation.k"),
+    ({"mode": "sd", "k": 17}, "speculation.k"),
+    ({"mode": "ar", "k": 2}, "speculation.k"),
+    ({"mode": "sd", "backup": "ngram"}, "speculation.backup"),
+    ({"mode": "ssd", "backup": "oracle"}, "speculation.backup"),
+    ({"mode": "ssd", "fanout_budget": 0}, "speculation.fanout_budget"),
+    ({"mode": "ssd", "fanout_budget": 257}, "speculation.fanout_budget"),
+    ({"mode": "ssd", "fanout_kind": "zipf"}, "speculation.fanout_kind"),
+    ({"mode": "ssd", "saguaro_c": 1.5}, "speculation.saguaro_c"),
+    ({"stop": ["a"] * 9}, "stop"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"stop": ["ab", "x" * 257]}, "stop[1]"),
+    ({"request_id": "r" * 129}, "request_id"),
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument_naming_the_field(client, fields, field):
+    request = {"text": PROMPT, **fields} if not {"text", "token_ids", "messages"} & set(fields) and fields else fields
+    code, details = code_of(lambda: client.generate(**request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith(f"{field}:"), details
+
+
+def test_good_speculation_settings_are_honoured(client, backend):
+    out = client.generate(text=PROMPT, mode="ssd", k=3, fanout_budget=6, fanout_kind="uniform",
+                          saguaro_c=0.5, backup="ngram", max_new_tokens=24)
+    assert out.stats.k == 3 and out.token_ids == direct(backend, "ar", 0.0, 0, 24).token_ids
+
+
+def test_mode_without_its_model_is_refused(backend):
+    with running(lambda: ControlledBackend(backend, modes=("ar",))) as (server, client):
+        code, details = code_of(lambda: client.generate(text=PROMPT, mode="ssd"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("mode:") and "draft" in details
+        assert client.generate(text=PROMPT, mode="ar", max_new_tokens=4).finish_reason == "length"
+
+
+# --- security -------------------------------------------------------------------
+
+
+def test_bearer_token(backend):
+    with running(lambda: ControlledBackend(backend), token="s3cret") as (server, authed):
+        target = f"127.0.0.1:{server.port}"
+        for token in (None, "wrong"):
+            with GenerationClient(target, token=token) as other:
+                for call in (other.model_info, other.stats, lambda: other.abort("x"),
+                             lambda: other.generate(text=PROMPT)):
+                    assert code_of(call)[0] == grpc.StatusCode.UNAUTHENTICATED
+                assert other.health() == "SERVING"  # probes stay open
+                assert SERVICE_NAME in other.services()
+        assert authed.generate(text=PROMPT, max_new_tokens=4).finish_reason == "length"
+
+
+def test_no_token_needed_when_auth_is_off(client):
+    assert client.metadata == [] and client.model_info().vocab_size == 16
+
+
+def test_tls(backend, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with running(lambda: ControlledBackend(backend), tls_cert=cert, tls_key=key) as (server, plain):
+        with GenerationClient(f"localhost:{server.port}", root_certificates=cert.read_bytes()) as secure:
+            assert secure.generate(text=PROMPT, max_new_tokens=4).finish_reason == "length"
+        assert code_of(lambda: plain.model_info(timeout=2))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+# --- lifecycle, reflection, info, stats -------------------------------------------
+
+
+def test_health_follows_loading_and_shutdown(backend):
+    loaded, generating = threading.Event(), threading.Event()
+
+    def load():
+        assert loaded.wait(30)
+        return ControlledBackend(backend, gate=generating)
+
+    with running(load, wait=False) as (server, client):
+        assert client.health() == client.health(SERVICE_NAME) == "NOT_SERVING"
+        assert code_of(lambda: client.generate(text=PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
+        loaded.set()
+        assert server.wait_ready(30)
+        assert client.health() == client.health(SERVICE_NAME) == "SERVING"
+
+        call = client.stream(text=PROMPT, max_new_tokens=12)
+        next(call)  # accepted; the engine waits on `generating`
+        stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 10})
+        stopper.start()
+        assert wait_until(lambda: client.health() == "NOT_SERVING")
+        assert code_of(lambda: client.generate(text=PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
+        generating.set()  # the in-flight request still completes
+        rest = list(call)
+        assert rest[-1].finished.reason == 2 and sum(len(m.token_ids) for m in rest) == 12
+        stopper.join(10)
+        assert not stopper.is_alive()
+
+
+def test_reflection_lists_the_service(client):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= set(client.services())
+    found = ProtoReflectionDescriptorDatabase(client.channel).FindFileContainingSymbol("ssd.v1.GenerateRequest")
+    assert found.name == "ssd/v1/generation.proto"
+
+
+def test_model_info(client):
+    info = client.model_info()
+    assert (info.target_model, info.draft_model, info.vocab_size) == ("tiny", "tiny", 16)
+    assert list(info.modes) == [1, 2, 3] and info.limits.max_context_tokens == 512
+    assert info.limits.max_new_tokens == 511 and info.limits.max_k == 16
+    assert info.defaults.mode == 2 and info.defaults.max_new_tokens == 32
+
+
+def test_stats_and_prometheus_text(client):
+    before = client.stats()
+    out = client.generate(text=PROMPT, mode="ssd", max_new_tokens=20)
+    after = client.stats()
+    assert after.generation_tokens_total - before.generation_tokens_total == len(out.token_ids)
+    assert after.requests_total - before.requests_total == 1
+    assert after.spec_cache_lookups_total - before.spec_cache_lookups_total == out.stats.spec.lookups > 0
+    text = after.prometheus_text
+    for name in ("ssd:num_requests_running", "ssd:num_requests_waiting", "ssd:generation_tokens_total",
+                 "ssd:time_to_first_token_seconds_bucket", "ssd:request_success_total",
+                 "ssd_spec_cache_hit_rate", 'ssd_spec_cache_hits_by_k{k="', 'ssd_spec_backups_total{kind="',
+                 "ssd_spec_target_wait_seconds_total", "ssd_spec_degraded_rounds_total"):
+        assert name in text, name
+    assert f"ssd:generation_tokens_total {after.generation_tokens_total}\n" in text
+    assert f"ssd:time_to_first_token_seconds_count {sum(after.finished_by_reason.values())}\n" in text
+
+
+# --- pieces ---------------------------------------------------------------------
+
+
+def test_protos_regenerate_from_source(tmp_path):
+    protos.load()
+    assert protos.is_current()
+    protos.compile_protos(tmp_path)
+    grpc_module = (tmp_path / "generation_pb2_grpc.py").read_text()
+    assert "from . import generation_pb2" in grpc_module and "from ssd.v1" not in grpc_module
+    assert protos.is_current(tmp_path)
+    shipped = (protos.OUT_DIR / "generation_pb2.py").read_text()
+    assert (tmp_path / "generation_pb2.py").read_text() == shipped
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_strings():
+    def decode(ids):  # ids are UTF-8 bytes, as with byte-level BPE
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "añb€c"
+    data = list(text.encode())
+    stream = TextStream(decode)
+    deltas = [stream.push([b]) for b in data]
+    assert "\ufffd" not in "".join(deltas) and "".join(deltas) == text
+
+    stream = TextStream(decode, stop=["b€"])
+    deltas = [stream.push([b]) for b in data[:6]]  # up to and including the stop string
+    final = text[: text.find("b€")]
+    assert "".join(deltas) + stream.finish(final) == final == "añ"
+    assert "b" not in "".join(deltas)
