@@ -95,14 +95,6 @@ def test_killed_draft_loses_no_request_and_comes_back(cluster):
     assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0
 
 
-def test_tensor_parallel_target_equals_single_rank():
-    config = dataclasses.replace(CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"))
-    with Cluster(config, plan_placement("0-1", None, 2, "cpu")) as tp2:
-        for prompt in PROMPTS:
-            out = tp2.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=32), config.speculation)
-            assert out.token_ids == local_ar(config, prompt, 32)
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
