@@ -1,14 +1,16 @@
 """Start the distributed runtime: target ranks and the speculator as Ray actors
-on separate devices, linked by torch.distributed, then generate.
+on separate devices, linked by torch.distributed, behind the gRPC frontend.
 
-    python launch/cluster.py --target-gpus 0-3 --draft-gpu 4 --config configs/llama3-70b-1b.yaml
-    python launch/cluster.py --cpu                          # cores play the devices (gloo)
+    python launch/cluster.py --target-gpus 0-3 --draft-gpu 4 --config configs/<pair>.yaml
+    python launch/cluster.py --cpu                          # serve on 127.0.0.1:50051 (gloo, cores as devices)
+    python launch/cluster.py --cpu "def add(a, b):"         # one generation, then exit
     python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
 
 With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
-(override with --target-cores / --draft-core). Until the gRPC frontend lands
-this serves one-shot or interactive generations. Ctrl-C or SIGTERM shut the
-actors, the link and Ray down.
+(override with --target-cores / --draft-core). With no prompt it serves
+ssd.v1.GenerationService (see launch/client.py) until Ctrl-C or SIGTERM, which
+turn health NOT_SERVING, let running requests finish, and shut the actors,
+the link and Ray down.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import sys
 
 from _common import add_config_args, config_from_args
+from serve import add_serve_args, options_from_args
 
 from ssd.cluster.devices import DeviceError, Placement, default_cpu_placement, plan_placement
 
@@ -37,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--address", help="join an existing Ray cluster (default: start one locally)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
     parser.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    add_serve_args(parser)
     add_config_args(parser)
     parser.set_defaults(mode="ssd")
     return parser.parse_args(argv)
@@ -71,13 +75,31 @@ def main(argv: list[str] | None = None) -> int:
     log.info("placement: %s", placement)
     with Cluster(config, placement, args.address) as cluster:
         try:
-            prompts = sys.stdin if args.interactive else [args.prompt or config.prompt]
-            for prompt in prompts:
-                if prompt.strip():
-                    run_one(cluster, config, prompt.rstrip("\n") if args.interactive else prompt, args.chat)
+            if args.prompt or args.interactive:
+                prompts = sys.stdin if args.interactive else [args.prompt]
+                for prompt in prompts:
+                    if prompt.strip():
+                        run_one(cluster, config, prompt.rstrip("\n"), args.chat)
+            else:
+                serve(cluster, options_from_args(args))
         except KeyboardInterrupt:
             log.info("interrupted; shutting down")
     return 0
+
+
+def serve(cluster, options) -> None:
+    """The gRPC frontend over the cluster, until interrupted."""
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.server import GenerationServer
+
+    server = GenerationServer(options, lambda: ClusterBackend(cluster))
+    server.start()
+    log.info("serving ssd.v1.GenerationService on %s:%d", options.host, server.port)
+    try:
+        while not server.wait_for_termination(timeout=1.0):
+            pass
+    finally:
+        server.stop()
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -6,8 +6,6 @@ Each Cluster starts Ray (several seconds); the tests share one where they can.
 import dataclasses
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -79,20 +77,45 @@ def test_killed_draft_loses_no_request_and_comes_back(cluster):
 
     prompt, n = PROMPTS[0], 400
     expected = local_ar(CONFIG, prompt, n)
-    result = {}
-    worker = threading.Thread(
-        target=lambda: result.update(out=cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)))
-    )
-    worker.start()
-    time.sleep(1.0)
-    ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after the request
-    worker.join(timeout=120)
-    out = result["out"]
+    rounds = []
+
+    def kill_after_five_rounds(tokens):
+        rounds.append(tokens)
+        if len(rounds) == 5:  # mid-generation, for sure
+            ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after
+
+    out = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n), on_tokens=kill_after_five_rounds)
     assert out.token_ids == expected
-    assert out.stats.spec.degraded_rounds > 0
+    assert [t for r in rounds for t in r] == expected  # nothing lost or repeated in the stream either
+    assert out.stats.spec.degraded_rounds > 0, out.stats.summary()
     again = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
     assert again.token_ids == expected[:40]
-    assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0
+    assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0, again.stats.summary()
+
+
+def test_grpc_frontend_over_the_cluster_streams_and_aborts(cluster):
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    server = GenerationServer(ServeOptions(port=0, grace_s=2.0), lambda: ClusterBackend(cluster))
+    server.start()
+    try:
+        assert server.wait_ready(60)
+        with GenerationClient(f"127.0.0.1:{server.port}") as client:
+            out = client.generate(text="abcab", max_new_tokens=40, mode="ssd", timeout=60)
+            ids = cluster.encode("abcab")
+            assert out.token_ids == local_ar(CONFIG, ids, 40) and out.finish_reason == "length"
+            assert len(out.rounds) > 1  # streamed round by round, not in one piece
+            stream = client.stream(text="abcab", max_new_tokens=400, mode="ssd", timeout=60)
+            first = next(iter(stream))
+            assert client.abort(first.request_id)
+            rest = list(stream)
+            assert rest[-1].finished.stats is not None
+            assert len([t for m in [first, *rest] for t in m.token_ids]) < 400
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -22,14 +22,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ssd.cluster.devices import Placement
 from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
 from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.base import GenerationResult
+from ssd.engine.base import GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
 
 # The speculator holds the torch.distributed link in a blocking call, so it
 # needs a second thread for ping/ready calls.
 RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
-RemoteTarget = ray.remote(max_restarts=0, max_concurrency=2)(TargetWorker)
+RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
 
 
 class Cluster:
@@ -123,17 +123,36 @@ class Cluster:
 
     def generate(
         self, prompt_ids: list[int], sampling: SamplingConfig, generation: GenerationConfig,
-        spec: SpeculationConfig | None = None,
+        spec: SpeculationConfig | None = None, on_tokens: TokenCallback | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> GenerationResult:
+        """One request on target rank 0; each round's tokens stream back as they land.
+
+        `cancelled` is polled as each round arrives; True stops the request
+        before its next round (finish reason "aborted").
+        """
         spec = spec or self.config.speculation
         if spec.mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
-        result = ray.get(self.targets[0].generate.remote(
+        stream = self.targets[0].generate_stream.options(num_returns="streaming").remote(
             list(prompt_ids), dataclasses.asdict(sampling), dataclasses.asdict(generation), dataclasses.asdict(spec),
-        ))
+        )
+        result, aborting = None, False
+        for ref in stream:
+            item = ray.get(ref)
+            if isinstance(item, GenerationResult):
+                result = item
+            elif on_tokens is not None:
+                on_tokens(item)
+            if cancelled is not None and not aborting and cancelled():
+                aborting = True
+                self.targets[0].abort.remote()
         if spec.mode == "ssd" and not ray.get(self.targets[0].link_up.remote()):
             self.heal()
         return result
+
+    def describe(self) -> dict[str, Any]:
+        return ray.get(self.targets[0].describe.remote())
 
     # --------------------------------------------------------------- shutdown
 

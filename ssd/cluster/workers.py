@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 from typing import Any
@@ -63,6 +64,7 @@ class TargetWorker:
             self.tokenizer = load_tokenizer(self.config.target)
             self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
             self._engines: dict[str, Any] = {}
+            self._cancel = threading.Event()
 
     def ready(self) -> int:
         return os.getpid()
@@ -88,12 +90,48 @@ class TargetWorker:
     def link_up(self) -> bool:
         return "ssd" in self._engines and self._engines["ssd"].link_up
 
-    def generate(self, prompt_ids: list[int], sampling: dict, generation: dict, spec: dict):
+    def generate_stream(self, prompt_ids: list[int], sampling: dict, generation: dict, spec: dict):
+        """Yield each round's tokens as the engine admits them, then the GenerationResult.
+
+        The engine runs in a thread of its own so this generator can hand
+        chunks to Ray as they come, and `abort` (another actor thread) can stop it.
+        """
         spec_config = from_dict(SpeculationConfig, spec)
         engine = self._engine(spec_config.mode)
         if spec_config.mode == "ssd":
             engine.spec = spec_config
-        return engine.generate(prompt_ids, from_dict(SamplingConfig, sampling), from_dict(GenerationConfig, generation))
+        self._cancel = threading.Event()
+        chunks: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            try:
+                chunks.put(engine.generate(
+                    prompt_ids, from_dict(SamplingConfig, sampling), from_dict(GenerationConfig, generation),
+                    on_tokens=chunks.put, cancelled=self._cancel.is_set,
+                ))
+            except BaseException as exc:  # re-raised below, in the caller's stream
+                chunks.put(exc)
+
+        threading.Thread(target=run, name="ssd-generate", daemon=True).start()
+        while True:
+            item = chunks.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if not isinstance(item, list):
+                return
+
+    def abort(self) -> None:
+        """Stop the running generation before its next round."""
+        self._cancel.set()
+
+    def describe(self) -> dict[str, Any]:
+        from ssd.engine.output import eos_token_ids
+
+        return {
+            "max_positions": int(getattr(self.model.config, "max_position_embeddings", 4096)),
+            "eos_token_ids": sorted(eos_token_ids(self.tokenizer, self.model)),
+        }
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         from ssd.engine.factory import encode_prompt

@@ -1,0 +1,60 @@
+"""The server's backend over the distributed runtime: requests go to target
+rank 0 as one streaming Ray call each; rounds stream back as they land."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ssd.cluster.runtime import Cluster
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.base import GenerationResult, TokenCallback
+from ssd.models import load_tokenizer
+from ssd.serve.backend import BackendInfo, UnsupportedRequest
+
+
+class ClusterBackend:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.config = cluster.config
+        self.tokenizer = load_tokenizer(self.config.target)  # tokenizing stays in the frontend
+        self.info = self._describe()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        spec: SpeculationConfig,
+        on_tokens: TokenCallback | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        return self.cluster.generate(list(prompt_ids), sampling, generation, spec, on_tokens, cancelled)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.info.chat_template:
+            raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(rendered)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def close(self) -> None:
+        """The cluster belongs to whoever started it; nothing to free here."""
+
+    def _describe(self) -> BackendInfo:
+        remote = self.cluster.describe()
+        has_draft = self.cluster.draft is not None
+        return BackendInfo(
+            target_model=self.config.target.name,
+            draft_model=self.config.draft.name if has_draft else None,
+            vocab_size=len(self.tokenizer),
+            max_context_tokens=remote["max_positions"],
+            modes=("ar", "ssd") if has_draft else ("ar",),
+            chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            eos_token_ids=tuple(remote["eos_token_ids"]),
+            defaults=self.config,
+        )
