@@ -94,12 +94,32 @@ class EngineCache:
             _close_quietly(self._engines.popitem()[1])
 
 
-class LocalBackend:
+class TokenizerMixin:
+    """Prompt handling shared by the backends: `self.tokenizer` and `self.info` set."""
+
+    tokenizer: Any
+    info: BackendInfo
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.info.chat_template:
+            raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(rendered)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class LocalBackend(TokenizerMixin):
     """The target (and draft) in this process; SSD's speculator runs in a thread."""
 
     def __init__(self, config: Config, with_draft: bool = True) -> None:
         self.config = config
         self.pair = load_pair(config, with_draft=with_draft)
+        self.tokenizer = self.pair.tokenizer
         self._engines = EngineCache(self.pair)
         self._lock = threading.Lock()  # the worker serializes; this guards misuse
         self.info = self._describe()
@@ -120,20 +140,6 @@ class LocalBackend:
             except BaseException:
                 self._engines.discard(spec)
                 raise
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.pair.tokenizer.encode(text, add_special_tokens=False))
-
-    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.info.chat_template:
-            raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
-        rendered = self.pair.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(rendered)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.pair.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def close(self) -> None:
         with self._lock:

@@ -9,10 +9,10 @@ from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback
 from ssd.models import load_tokenizer
-from ssd.serve.backend import BackendInfo, UnsupportedRequest
+from ssd.serve.backend import BackendInfo, TokenizerMixin
 
 
-class ClusterBackend:
+class ClusterBackend(TokenizerMixin):
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.config = cluster.config
@@ -29,18 +29,6 @@ class ClusterBackend:
         cancelled: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         return self.cluster.generate(list(prompt_ids), sampling, generation, spec, on_tokens, cancelled)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.info.chat_template:
-            raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(rendered)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""
