@@ -22,10 +22,20 @@ log = logging.getLogger(__name__)
 
 
 def pin_to_cores(cores: list[int] | None) -> None:
-    """Run this process on `cores` only, one torch thread per core (CPU mode)."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+    """Run this process on `cores` only, one torch thread per core (CPU mode).
+
+    Linux affinity is per thread, and Ray runs actor methods on threads of its
+    own: every thread that exists now is pinned, and the compute threads call
+    this again when they start, so no forward drifts onto the other role's core.
+    """
+    if not cores:
+        return
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+    torch.set_num_threads(len(cores))
 
 
 def to_device(model: torch.nn.Module) -> torch.nn.Module:
@@ -54,6 +64,7 @@ class TargetWorker:
         from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model
 
         self.config: Config = from_dict(Config, config)
+        self.cores = cores
         self.rank, self.world = rank, world
         if world > 1:
             init_tp_world(rank, world, "127.0.0.1", tp_port)
@@ -73,6 +84,7 @@ class TargetWorker:
         """Ranks > 0: mirror rank 0's forwards until it stops them."""
         from ssd.models.tp import run_tp_follower
 
+        pin_to_cores(self.cores)
         return run_tp_follower(self.model)
 
     def free_port(self) -> int:
@@ -104,6 +116,7 @@ class TargetWorker:
         chunks: queue.Queue = queue.Queue()
 
         def run() -> None:
+            pin_to_cores(self.cores)
             try:
                 chunks.put(engine.generate(
                     prompt_ids, from_dict(SamplingConfig, sampling), from_dict(GenerationConfig, generation),
@@ -175,6 +188,7 @@ class DraftWorker:
         from ssd.models import load_model
 
         self.config: Config = from_dict(Config, config)
+        self.cores = cores
         self.model = to_device(load_model(self.config.draft))
         self._serving: threading.Thread | None = None
 
@@ -183,6 +197,7 @@ class DraftWorker:
 
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
+        pin_to_cores(self.cores)
         from ssd.spec.speculator import Speculator
         from ssd.transport.distributed import DistributedChannel
 
