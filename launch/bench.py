@@ -111,9 +111,8 @@ def _label(spec) -> str:
 
 
 def report(results: dict[str, list[GenerationStats]]) -> str:
-    """A table: decode tokens/s (total tokens / total decode time), acceptance, ratio to AR."""
+    """A table: decode tokens/s (total tokens / total decode time), ratios to the best AR and SD."""
     rows = {label: _aggregate(stats) for label, stats in results.items()}
-    base = rows.get("ar", next(iter(rows.values())))["tok_s"]
     ar = [v["tok_s"] for k, v in rows.items() if k.startswith("ar")]
     sd = [v["tok_s"] for k, v in rows.items() if k.startswith("sd")]
     best_ar, best_sd = (max(ar) if ar else None), (max(sd) if sd else None)

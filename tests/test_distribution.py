@@ -8,7 +8,6 @@ is paired with broken verifiers that the same test must reject.
 """
 
 import dataclasses
-import itertools
 
 import pytest
 import torch

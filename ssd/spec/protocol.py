@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig, from_dict
 from ssd.spec.cache import Speculation
