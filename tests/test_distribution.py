@@ -22,7 +22,7 @@ from tests.stats import ALPHA, chi_square_pvalue
 SMALL = TinyModelConfig(vocab_size=6, seed=3)
 PROMPT = [0, 1, 2]
 N_TOKENS = 3
-SAMPLES = 4000
+SAMPLES = 2500  # broken verifiers still give p < 1e-11 here
 CASES = {
     "t0.6": SamplingConfig(temperature=0.6),
     "t1.0": SamplingConfig(temperature=1.0),
