@@ -1,0 +1,229 @@
+"""Run every benchmark mode over prompt sets and temperatures; collect GenerationStats.
+
+Modes: "ar", "sd", "ssd" (our engines) and "hf" (transformers assisted
+generation on the same modules). In-process modes run once per torch thread
+count; SSD may instead run through the cluster runtime (target and draft on
+their own cores). Every mode sees the same prompt ids, sampling (seed = the
+config's seed + prompt index) and end conditions, so rows compare like for like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ssd.bench.hf_assisted import HFAssistedEngine
+from ssd.bench.prompts import Prompt
+from ssd.config import Config, GenerationConfig, SamplingConfig
+from ssd.engine.base import GenerationResult, Request
+from ssd.engine.factory import LoadedPair
+from ssd.engine.metrics import GenerationStats
+from ssd.engine.sd import SDEngine
+from ssd.verify import Outcome
+
+log = logging.getLogger(__name__)
+
+MODES = ("ar", "sd", "ssd", "hf")
+WARM_UP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """What one row of the report measures."""
+
+    prompt_set: str
+    temperature: float
+    mode: str
+    k: int = 0  # drafted tokens per round; 0 for AR
+    threads: int = 0  # torch intra-op threads; 0: torch's default
+    cluster: bool = False  # through the distributed runtime (one core per role)
+
+    @property
+    def name(self) -> str:
+        """Mode, K and placement; the thread count aside."""
+        name = self.mode if self.mode == "ar" else f"{self.mode} K={self.k}"
+        return f"{name} cluster" if self.cluster else name
+
+    @property
+    def label(self) -> str:
+        """Unique within a (prompt set, temperature) group."""
+        return f"{self.name} t={self.threads}" if self.threads and not self.cluster else self.name
+
+    @property
+    def threads_label(self) -> str:
+        if self.cluster:
+            return "1+1"  # target pinned to one core, draft to another
+        return str(self.threads) if self.threads else "default"
+
+
+@dataclass
+class Sample:
+    """One generation of one prompt."""
+
+    prompt_index: int
+    stats: GenerationStats
+    token_ids: list[int]
+    # Tokens admitted together with the first: 1 for our engines, a whole
+    # round for HF. The decode rate counts the tokens after them.
+    first_tokens: int = 1
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, self.stats.new_tokens - self.first_tokens)
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.stats.total_s - self.stats.time_to_first_token_s)
+
+
+Results = dict[RunKey, list[Sample]]
+
+
+@dataclass
+class BenchPlan:
+    modes: Sequence[str]
+    ks: Sequence[int]
+    temperatures: Sequence[float]
+    prompt_sets: dict[str, list[Prompt]]
+    thread_counts: Sequence[int] = (0,)
+    cluster_ssd: bool = False  # SSD through the cluster runtime, not in-process
+    progress: bool = True
+    mode_runs: list[tuple[str, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown modes {sorted(unknown)}; known: {MODES}")
+        self.mode_runs = [(m, 0) for m in self.modes if m == "ar"] + [
+            (m, k) for m in self.modes if m != "ar" for k in self.ks
+        ]
+
+    def local_runs(self) -> list[tuple[str, int]]:
+        return [(m, k) for m, k in self.mode_runs if not (self.cluster_ssd and m == "ssd")]
+
+    def cluster_runs(self) -> list[tuple[str, int]]:
+        return [(m, k) for m, k in self.mode_runs if self.cluster_ssd and m == "ssd"]
+
+    def generations_per_run(self) -> int:
+        return len(self.temperatures) * sum(len(p) for p in self.prompt_sets.values())
+
+
+class _Engine(Protocol):
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
+    ) -> GenerationResult: ...
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class TimedSDEngine(SDEngine):
+    """SD that also times its verifications (into stats.spec.verify_s), so the
+    physical limit can be computed from SD when SSD is not run."""
+
+    def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
+        started = time.perf_counter()
+        outcome = super()._verify(req, drafted, q)
+        req.stats.spec.verify_s += time.perf_counter() - started
+        return outcome
+
+
+def make_engine(pair: LoadedPair, config: Config, mode: str, k: int) -> _Engine:
+    if mode != "ar" and pair.draft is None:
+        raise ValueError(f"mode {mode!r} needs a draft model; none was loaded")
+    if mode == "hf":
+        return HFAssistedEngine(pair.target, pair.draft, pair.tokenizer, k)
+    if mode == "sd":
+        return TimedSDEngine(pair.target, pair.draft, pair.tokenizer, k)
+    return pair.engine(dataclasses.replace(config.speculation, mode=mode, k=k or config.speculation.k))
+
+
+def seeded(sampling: SamplingConfig, temperature: float, prompt_index: int) -> SamplingConfig:
+    """Every mode draws prompt i's sample with the same seed."""
+    return dataclasses.replace(sampling, temperature=temperature, seed=sampling.seed + prompt_index)
+
+
+def run_local(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
+    """The in-process modes, once per thread count; torch's thread count is restored after."""
+    runs = plan.local_runs()
+    encoded = {name: [p.encode(pair.tokenizer) for p in prompts] for name, prompts in plan.prompt_sets.items()}
+    results: Results = {}
+    saved_threads = torch.get_num_threads()
+    total = len(runs) * len(plan.thread_counts) * plan.generations_per_run()
+    try:
+        with _bar(total, "bench", plan.progress) as bar:
+            for threads in plan.thread_counts:
+                if threads:
+                    torch.set_num_threads(threads)
+                for mode, k in runs:
+                    with make_engine(pair, config, mode, k) as engine:
+                        _warm_up(engine, next(iter(encoded.values()))[0], config)
+                        _run_engine(engine, config, plan, encoded, mode, k, threads, results, bar)
+    finally:
+        torch.set_num_threads(saved_threads)
+    return results
+
+
+def run_cluster(config: Config, plan: BenchPlan) -> Results:
+    """SSD through Ray actors: the target on core 0, the draft on core 1."""
+    from ssd.cluster.devices import default_cpu_placement
+    from ssd.cluster.runtime import Cluster
+
+    runs = plan.cluster_runs()
+    results: Results = {}
+    if not runs:
+        return results
+    with Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)) as cluster:
+        encoded = {name: [cluster.encode(p.text, p.chat) for p in ps] for name, ps in plan.prompt_sets.items()}
+        with _bar(len(runs) * plan.generations_per_run(), "bench cluster", plan.progress) as bar:
+            for mode, k in runs:
+                engine = _ClusterEngine(cluster, dataclasses.replace(config.speculation, mode=mode, k=k))
+                _warm_up(engine, next(iter(encoded.values()))[0], config)
+                _run_engine(engine, config, plan, encoded, mode, k, 0, results, bar, cluster=True)
+    return results
+
+
+@dataclass
+class _ClusterEngine:
+    """The cluster seen through the engine interface, for one speculation config."""
+
+    cluster: Any
+    spec: Any
+
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
+    ) -> GenerationResult:
+        return self.cluster.generate(list(prompt_ids), sampling, generation, self.spec)
+
+
+def _run_engine(
+    engine: _Engine, config: Config, plan: BenchPlan, encoded: dict[str, list[list[int]]],
+    mode: str, k: int, threads: int, results: Results, bar: tqdm, cluster: bool = False,
+) -> None:
+    """Every prompt set x temperature x prompt on one engine."""
+    for set_name, prompts in encoded.items():
+        for temperature in plan.temperatures:
+            key = RunKey(set_name, float(temperature), mode, k, threads, cluster)
+            bar.set_postfix_str(f"{set_name} T={temperature} {key.label}")
+            samples = results.setdefault(key, [])
+            for i, ids in enumerate(prompts):
+                result = engine.generate(ids, seeded(config.sampling, temperature, i), config.generation)
+                samples.append(Sample(i, result.stats, list(result.token_ids), getattr(result, "first_tokens", 1)))
+                log.debug("%s prompt %d: %s", key.label, i, result.stats.summary())
+                bar.update()
+
+
+def _warm_up(engine: _Engine, ids: list[int], config: Config) -> None:
+    """One short generation: first calls pay for lazy initialisation, not the measured rows."""
+    engine.generate(ids, config.sampling, dataclasses.replace(config.generation, max_new_tokens=WARM_UP_TOKENS))
+
+
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, dynamic_ncols=True)
