@@ -67,9 +67,19 @@ def _timed_load(role: str, config: Config) -> torch.nn.Module:
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt; with chat=True wrapped in the model's chat template."""
-    if chat:
+    """Token ids of a prompt; with chat=True wrapped in the model's chat template.
+
+    A tokenizer without a chat template (the tiny test tokenizer, base models)
+    encodes the text as is, so one prompt set serves every model pair.
+    """
+    if chat and has_chat_template(tokenizer):
         messages = [{"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(rendered, add_special_tokens=False)
+    if chat:
+        log.debug("tokenizer %s has no chat template; encoding the chat prompt as plain text", type(tokenizer).__name__)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
