@@ -32,6 +32,19 @@ def draft_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)
 
 
+def make_planner(spec: SpeculationConfig, vocab_size: int) -> FanoutPlanner:
+    """The fan-out planner of one sequence; also used by the trace replay
+    (ssd.ablation), which must plan exactly as the speculator does.
+
+    Caps: at most V-1 guesses where the drafted token is excluded, V at k = K.
+    """
+    return FanoutPlanner(
+        spec.fanout.kind, spec.k, spec.fanout.budget, caps=[vocab_size - 1] * spec.k + [vocab_size],
+        refresh_every=spec.fanout.refresh_every,
+        prior_a=spec.fanout.initial_a, prior_r=spec.fanout.initial_r,
+    )
+
+
 @dataclass
 class DraftSequence:
     """What the draft keeps per sequence between rounds."""
@@ -76,11 +89,7 @@ class Speculator:
         kv = KVSequence(self.model)
         if len(prompt) > 1:
             kv.forward(prompt[:-1], last_only=True)  # overlaps the target's own prefill
-        planner = FanoutPlanner(
-            spec.fanout.kind, spec.k, spec.fanout.budget, caps=self._caps(spec.k),
-            refresh_every=spec.fanout.refresh_every,
-            prior_a=spec.fanout.initial_a, prior_r=spec.fanout.initial_r,
-        )
+        planner = make_planner(spec, self.vocab_size)
         gen = make_generator(draft_seed(sampling.seed))
         self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, spec, gen, planner)
 
@@ -122,7 +131,3 @@ class Speculator:
 
     def _release(self, msg: Message) -> None:
         self.sequences.pop(msg.header["seq"], None)
-
-    def _caps(self, k: int) -> list[int]:
-        """At most V-1 guesses where the drafted token is excluded, V at k = K."""
-        return [self.vocab_size - 1] * k + [self.vocab_size]

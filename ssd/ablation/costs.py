@@ -1,0 +1,246 @@
+"""What one SSD round costs on this machine: measured once, priced many times.
+
+Measured on the loaded pair, one role at a time (each with `threads` intra-op
+threads, one by default, as each role gets its own core in SSD):
+- ar_step: one target forward of 1 token after a `prefix`-token context;
+- verify(K): one target forward of K + 1 tokens after the prefix;
+- backup(K): the draft's chain of K tokens after a miss (its cache lacks only
+  t*, so: one 1-token forward, then K - 1 steps; ssd.spec.drafting.draft_chain);
+- build(K, B): the real ssd.spec.builder.build_cache with the configured
+  branch decoder, B branches (uniform split) after a hit (glue of K + 1 tokens).
+Each is the median of `repeats` timed runs after one warm-up. The context is
+random token ids: attention cost depends on length, not content. The roles
+run one after the other here; in SSD they overlap on two cores and each slows
+a little (~5% measured on this CPU, REFERENCES.md).
+
+Queries at unmeasured points: exact where measured; elsewhere a least-squares
+fit, linear in K for verify and backup (a + b K) and bilinear for the build
+(a + b K + c B + d K B: a glue pass growing with K plus K branch steps growing
+with B). Fitted values are floored at half the smallest measurement of that
+kind (a line can dip below zero far outside the measured range).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ssd.config import SamplingConfig
+from ssd.fanout import uniform_fanout
+from ssd.models.kv import KVSequence
+from ssd.sampling import make_generator
+from ssd.spec.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.spec.builder import build_cache
+from ssd.spec.drafting import draft_chain
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ssd-ablation-costs/1"
+DEFAULT_KS = tuple(range(1, 9))
+DEFAULT_BUDGETS = (4, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class Costs:
+    """Measured seconds, with interpolation for the points not measured."""
+
+    ar_step_s: float
+    verify_s: dict[int, float]  # K -> seconds
+    backup_s: dict[int, float]
+    build_s: dict[tuple[int, int], float]  # (K, B) -> seconds
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (self.ar_step_s > 0 and self.verify_s and self.backup_s and self.build_s):
+            raise ValueError("costs need ar_step_s > 0 and at least one verify, backup and build point")
+
+    def verify(self, k: int) -> float:
+        return _linear_in_k(self.verify_s, k, "verify")
+
+    def backup(self, k: int) -> float:
+        return _linear_in_k(self.backup_s, k, "backup")
+
+    def build(self, k: int, budget: int) -> float:
+        if (k, budget) in self.build_s:
+            return self.build_s[(k, budget)]
+        pts = list(self.build_s)
+        if len({p[0] for p in pts}) < 2 or len({p[1] for p in pts}) < 2:
+            raise ValueError(
+                f"build cost at K={k}, B={budget} was not measured, and extrapolating needs at least "
+                f"two measured K and two measured B (have {sorted(pts)})"
+            )
+        feats = lambda kk, bb: [1.0, kk, bb, kk * bb]  # noqa: E731
+        coef = np.linalg.lstsq(np.array([feats(*p) for p in pts]), np.array(list(self.build_s.values())), rcond=None)[0]
+        return max(float(np.dot(coef, feats(k, budget))), min(self.build_s.values()) / 2)
+
+    def in_verify_units(self, k: int, budget: int) -> dict[str, float]:
+        """T_b (backup), T_p (build) and T_ar in units of one verification, as the paper writes them."""
+        v = self.verify(k)
+        return {"T_b": self.backup(k) / v, "T_p": self.build(k, budget) / v, "T_ar": self.ar_step_s / v}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "meta": self.meta, "ar_step_s": self.ar_step_s,
+            "verify_s": {str(k): v for k, v in sorted(self.verify_s.items())},
+            "backup_s": {str(k): v for k, v in sorted(self.backup_s.items())},
+            "build_s": [{"k": k, "budget": b, "seconds": s} for (k, b), s in sorted(self.build_s.items())],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Costs":
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not an ssd ablation costs file (format {data.get('format')!r}, expected {FORMAT!r})")
+        return cls(
+            ar_step_s=float(data["ar_step_s"]),
+            verify_s={int(k): float(v) for k, v in data["verify_s"].items()},
+            backup_s={int(k): float(v) for k, v in data["backup_s"].items()},
+            build_s={(int(e["k"]), int(e["budget"])): float(e["seconds"]) for e in data["build_s"]},
+            meta=data.get("meta", {}),
+        )
+
+
+def _linear_in_k(points: dict[int, float], k: int, what: str) -> float:
+    if k in points:
+        return points[k]
+    if len(points) < 2:
+        raise ValueError(
+            f"{what} cost at K={k} was not measured, and extrapolating needs two measured K (have {sorted(points)})"
+        )
+    slope, intercept = np.polyfit(np.array(list(points), float), np.array(list(points.values())), 1)
+    return max(float(intercept + slope * k), min(points.values()) / 2)
+
+
+def save_costs(costs: Costs, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs.to_json(), indent=2))
+    return path
+
+
+def load_costs(path: str | Path) -> Costs:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"costs file not found: {path}")
+    return Costs.from_json(json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass
+class CostSettings:
+    ks: tuple[int, ...] = DEFAULT_KS
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    prefix: int = 200  # context tokens already in the KV caches
+    repeats: int = 3
+    threads: int = 1
+    branch_decoder: str = "tree"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"ks must be a non-empty list of K >= 1, got {self.ks}")
+        if not self.budgets or min(self.budgets) < 1:
+            raise ValueError(f"budgets must be a non-empty list of B >= 1, got {self.budgets}")
+        for name in ("prefix", "repeats", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.branch_decoder not in ("tree", "batched"):
+            raise ValueError(f"branch_decoder must be tree or batched, got {self.branch_decoder!r}")
+
+    @property
+    def measurements(self) -> int:
+        """How many timed quantities `measure_costs` produces (for progress bars)."""
+        return 1 + 2 * len(self.ks) + len(self.ks) * len(self.budgets)
+
+
+def measure_costs(
+    target: torch.nn.Module, draft: torch.nn.Module, settings: CostSettings,
+    progress: Callable[[], None] | None = None,
+) -> Costs:
+    """Time AR, verify, backup and build on the pair; `progress` is called after each quantity."""
+    tick = progress or (lambda: None)
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    gen = torch.Generator().manual_seed(settings.seed)
+    prefix = torch.randint(vocab, (settings.prefix,), generator=gen).tolist()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        tkv, dkv = KVSequence(target), KVSequence(draft)
+        tkv.forward(prefix, last_only=True)
+        dkv.forward(prefix, last_only=True)
+        ar = _target_forward(tkv, prefix, 1, settings, gen)
+        tick()
+        verify = {}
+        for k in settings.ks:
+            verify[k] = _target_forward(tkv, prefix, k + 1, settings, gen)
+            tick()
+        backup = {}
+        for k in settings.ks:
+            backup[k] = _backup(dkv, prefix, k, settings)
+            tick()
+        build = {}
+        decoder = _decoder(settings.branch_decoder)
+        for k in settings.ks:
+            for b in settings.budgets:
+                build[(k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
+                tick()
+    finally:
+        torch.set_num_threads(threads)
+    meta = {
+        "prefix": settings.prefix, "repeats": settings.repeats, "threads": settings.threads,
+        "branch_decoder": settings.branch_decoder, "temperature": settings.sampling.temperature,
+    }
+    return Costs(ar, verify, backup, build, meta)
+
+
+def _median_time(run: Callable[[], None], reset: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `run` over `repeats` timed calls after one warm-up; `reset` between calls."""
+    times = []
+    for i in range(repeats + 1):
+        reset()
+        started = time.perf_counter()
+        run()
+        if i:
+            times.append(time.perf_counter() - started)
+    reset()
+    return statistics.median(times)
+
+
+def _target_forward(kv: KVSequence, prefix: list[int], n: int, s: CostSettings, gen: torch.Generator) -> float:
+    ids = torch.randint(kv.model.config.vocab_size, (n,), generator=gen).tolist()
+    return _median_time(lambda: kv.forward(ids), lambda: kv.rollback(len(prefix)), s.repeats)
+
+
+def _backup(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> float:
+    """draft_chain after a miss: the cache lacks only t* (the last prefix token)."""
+    gen = make_generator(s.seed)
+    return _median_time(
+        lambda: draft_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1), s.repeats
+    )
+
+
+def _build(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
+           vocab: int, s: CostSettings, gen: torch.Generator) -> float:
+    """build_cache after a hit: the glue feeds t* and K drafted tokens."""
+    drafted = torch.randint(vocab, (k,), generator=gen).tolist()
+    fanout = uniform_fanout(k, budget, caps=[vocab - 1] * k + [vocab])
+    sample_gen = make_generator(s.seed)
+    return _median_time(
+        lambda: build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen),
+        lambda: kv.rollback(min(kv.length, len(prefix) - 1)), s.repeats,
+    )
+
+
+def _decoder(name: str) -> BranchDecoder:
+    return TreeBranchDecoder() if name == "tree" else BatchedBranchDecoder()
