@@ -9,6 +9,7 @@ from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, Speculati
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
 from ssd.models import build_tiny_model
+from ssd.spec.builder import guessed_outcomes
 from tests.conftest import TINY
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -117,3 +118,10 @@ def test_failing_draft_does_not_lose_the_request(tiny_models, tiny_tokenizer, re
         assert out.token_ids == references[tuple(prompt)]
         assert out.stats.spec.degraded_rounds == out.stats.rounds
         assert not ssd.engine.link_up
+
+
+def test_guessed_outcomes_exclude_the_drafted_token_only_where_a_rejection_happened():
+    logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [2.0, 1.0, 3.0]])
+    drafted = [0, 1]  # K = 2: positions 0 and 1 exclude their drafted token, the bonus none
+    guesses = guessed_outcomes(logits, drafted, [5, 1, 5])
+    assert guesses == [(0, 1), (0, 2), (1, 2), (2, 2), (2, 0), (2, 1)]

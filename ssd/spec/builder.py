@@ -32,11 +32,12 @@ def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: 
     for k, f in enumerate(fanout):
         if f <= 0:
             continue
-        row = glue_logits[k]
-        if k < len(drafted):
+        row, guesses = glue_logits[k], min(f, glue_logits.shape[-1])
+        if k < len(drafted):  # a rejection never yields the drafted token: V - 1 candidates
             row = row.clone()
             row[drafted[k]] = float("-inf")
-        branches += [(k, int(t)) for t in torch.topk(row, min(f, row.shape[-1] - 1)).indices]
+            guesses = min(f, row.shape[-1] - 1)
+        branches += [(k, int(t)) for t in torch.topk(row, guesses).indices]
     return branches
 
 
