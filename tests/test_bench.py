@@ -197,11 +197,7 @@ def test_json_csv_png_written(tmp_path):
 
 
 def _bench_cli(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "launch" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _launcher(monkeypatch, "bench")
 
 
 def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
@@ -228,3 +224,25 @@ def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert len(list(csv.DictReader(out["csv"].open()))) == 12
     assert json.loads(out["json"].read_text())["settings"]["temperatures"] == [0.0, 0.7]
     assert out["png"].stat().st_size > 1000
+
+
+def _launcher(monkeypatch, name):
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    spec = importlib.util.spec_from_file_location(f"{name}_cli", ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_contention_cli_times_the_target_alone_and_beside_a_busy_draft(monkeypatch, capsys):
+    monkeypatch.setattr("os.sched_setaffinity", lambda pid, cores: None)  # CI may have one core
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    _launcher(monkeypatch, "contention").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--repeats", "2"])
+    line = capsys.readouterr().out
+    assert "alone" in line and "draft busy on core 1" in line and "-> x" in line
+
+
+def test_contention_cli_refuses_a_shared_core(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _launcher(monkeypatch, "contention").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--draft-core", "0"])
+    assert "--target-core and --draft-core must differ" in capsys.readouterr().err
