@@ -10,8 +10,11 @@ threads, one by default, as each role gets its own core in SSD):
   branch decoder, B branches (uniform split) after a hit (glue of K + 1 tokens).
 Each is the median of `repeats` timed runs after one warm-up. The context is
 random token ids: attention cost depends on length, not content. The roles
-run one after the other here; in SSD they overlap on two cores and each slows
-a little (~5% measured on this CPU, REFERENCES.md).
+run one after the other here; in SSD they overlap on two cores and slow each
+other unevenly: on the 2-core CPU the bandwidth-bound bf16 verification took
+~1.1-1.3x longer beside a busy draft (launch/contention.py; 562 ms live
+against 433 ms here), while the int8 build did not slow measurably. Planner
+picks that differ by less than that margin need a live check.
 
 Queries at unmeasured points: exact where measured; elsewhere a least-squares
 fit, linear in K for verify and backup (a + b K) and bilinear for the build
