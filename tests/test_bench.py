@@ -131,7 +131,7 @@ def _sample(new_tokens, ttft, total, rounds=0, accepted=0, k=0, verify_s=0.0, hi
     stats = GenerationStats(mode="x", k=k, new_tokens=new_tokens, time_to_first_token_s=ttft, total_s=total)
     for i in range(rounds):
         stats.record_round(drafted=k, accepted=accepted // rounds + (i < accepted % rounds))
-    stats.spec.verify_s = verify_s
+    stats.target_s = verify_s
     stats.spec.hits, stats.spec.lookups = hits, lookups
     return Sample(0, stats, [], first)
 

@@ -150,3 +150,11 @@ def test_cancel_stops_within_one_round(tiny_models, tiny_tokenizer):
     )
     assert out.finish_reason == "aborted" and len(rounds) == 3
     assert out.token_ids == [t for r in rounds for t in r]
+
+
+def test_every_round_times_the_target(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    config = GenerationConfig(max_new_tokens=12)
+    for engine in (AREngine(target, tiny_tokenizer), SDEngine(target, draft, tiny_tokenizer, 3)):
+        stats = engine.generate([1, 2, 3], GREEDY, config).stats
+        assert stats.rounds > 0 and 0 < stats.target_s < stats.total_s

@@ -92,6 +92,7 @@ def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     assert 0 < spec.hit_rate < 1
     assert spec.rounds_after_hit + spec.rounds_after_miss == s.rounds
     assert spec.verify_s > 0 and spec.build_s > 0 and spec.backup_s > 0
+    assert spec.verify_s == pytest.approx(s.target_s)  # every round verified: the same timing
     assert "hit rate" in s.summary()
 
 

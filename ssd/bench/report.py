@@ -59,9 +59,7 @@ def aggregate(key: RunKey, samples: list[Sample]) -> dict[str, Any]:
     rounds = sum(s.rounds for s in stats)
     drafted = sum(s.drafted for s in stats)
     tok_s = decode_tokens / decode_s if decode_s > 0 else 0.0
-    spec_rounds = sum(s.spec.rounds_after_hit + s.spec.rounds_after_miss for s in stats)
-    verify_s = sum(s.spec.verify_s for s in stats)
-    verify_rounds = spec_rounds or rounds
+    target_s = sum(s.target_s for s in stats)
     ssd = key.mode == "ssd"
     lookups = sum(s.spec.lookups for s in stats)
     hit_busy = sum(s.spec.wait_hit_s + s.spec.verify_hit_s for s in stats)
@@ -84,7 +82,8 @@ def aggregate(key: RunKey, samples: list[Sample]) -> dict[str, Any]:
         "hit_rate": sum(s.spec.hits for s in stats) / lookups if ssd and lookups else None,
         # Share of hit rounds' time the target spent waiting for the draft.
         "wait_hit": sum(s.spec.wait_hit_s for s in stats) / hit_busy if ssd and hit_busy else None,
-        "t_verify_ms": 1000 * verify_s / verify_rounds if verify_s and verify_rounds else None,
+        # The target's time per round; the physical limit uses it from SD/SSD rows.
+        "t_verify_ms": 1000 * target_s / rounds if key.k and target_s and rounds else None,
     }
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -23,11 +22,9 @@ from tqdm import tqdm
 from ssd.bench.hf_assisted import HFAssistedEngine
 from ssd.bench.prompts import Prompt
 from ssd.config import Config, GenerationConfig, SamplingConfig
-from ssd.engine.base import GenerationResult, Request
+from ssd.engine.base import GenerationResult
 from ssd.engine.factory import LoadedPair
 from ssd.engine.metrics import GenerationStats
-from ssd.engine.sd import SDEngine
-from ssd.verify import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -124,24 +121,11 @@ class _Engine(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class TimedSDEngine(SDEngine):
-    """SD that also times its verifications (into stats.spec.verify_s), so the
-    physical limit can be computed from SD when SSD is not run."""
-
-    def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
-        started = time.perf_counter()
-        outcome = super()._verify(req, drafted, q)
-        req.stats.spec.verify_s += time.perf_counter() - started
-        return outcome
-
-
 def make_engine(pair: LoadedPair, config: Config, mode: str, k: int) -> _Engine:
     if mode != "ar" and pair.draft is None:
         raise ValueError(f"mode {mode!r} needs a draft model; none was loaded")
     if mode == "hf":
         return HFAssistedEngine(pair.target, pair.draft, pair.tokenizer, k)
-    if mode == "sd":
-        return TimedSDEngine(pair.target, pair.draft, pair.tokenizer, k)
     return pair.engine(dataclasses.replace(config.speculation, mode=mode, k=k or config.speculation.k))
 
 

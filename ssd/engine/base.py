@@ -7,6 +7,7 @@ appends; the loop, end conditions and metrics are written once here.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -128,15 +129,18 @@ class Engine(ABC):
 
     def _target_step(self, req: Request) -> list[int]:
         """One plain decoding step on the target alone (AR, and SSD without its draft)."""
+        started = time.perf_counter()
         logits = self.target.catch_up(req.sequence)
-        req.stats.record_round(drafted=0, accepted=0)
-        return [sample(probs_from_logits(logits, req.sampling), req.gen)]
+        token = sample(probs_from_logits(logits, req.sampling), req.gen)
+        req.stats.record_round(drafted=0, accepted=0, target_s=time.perf_counter() - started)
+        return [token]
 
     def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
         """Score `drafted` with the target in one forward and verify it (SD and SSD).
 
         Leaves the target cache holding the sequence plus the accepted tokens.
         """
+        started = time.perf_counter()
         k = len(drafted)
         scored = req.sequence + drafted
         logits = self.target.forward(scored[self.target.length :])[-(k + 1) :]
@@ -147,7 +151,7 @@ class Engine(ABC):
             q = p.new_zeros(0, p.shape[-1])
         outcome = self.verifier(drafted, q, p, req.gen, greedy=req.sampling.greedy)
         self.target.rollback(len(req.sequence) + outcome.k)
-        req.stats.record_round(drafted=k, accepted=outcome.k)
+        req.stats.record_round(drafted=k, accepted=outcome.k, target_s=time.perf_counter() - started)
         return outcome
 
     @staticmethod

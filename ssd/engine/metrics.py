@@ -97,10 +97,13 @@ class GenerationStats:
     # accepted_at[i]: rounds whose drafted token i was accepted
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    # Target busy time over the rounds: its forward plus sampling/verification.
+    target_s: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)  # SSD only
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, target_s: float = 0.0) -> None:
         self.rounds += 1
+        self.target_s += target_s
         self.drafted += drafted
         self.accepted += accepted
         grow = drafted - len(self.drafted_at)
