@@ -73,12 +73,16 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
     encodes the text as is, so one prompt set serves every model pair.
     """
     if chat and has_chat_template(tokenizer):
-        messages = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
     if chat:
         log.debug("tokenizer %s has no chat template; encoding the chat prompt as plain text", type(tokenizer).__name__)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, ready for the assistant's turn."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def has_chat_template(tokenizer: Any) -> bool:

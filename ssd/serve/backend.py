@@ -1,7 +1,7 @@
 """What the server generates with: a small Backend protocol and the local one.
 
 The servicer sees only this protocol, so the tests can wrap the real backend
-(slow it down, make it fail) and a future cluster backend can slot in.
+(slow it down, make it fail) and the cluster backend (cluster_backend.py) slots in.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback
-from ssd.engine.factory import LoadedPair, load_pair
+from ssd.engine.factory import LoadedPair, chat_ids, has_chat_template, load_pair
 from ssd.engine.output import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,7 @@ class TokenizerMixin:
     def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.info.chat_template:
             raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(rendered)
+        return chat_ids(self.tokenizer, messages)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -148,16 +147,27 @@ class LocalBackend(TokenizerMixin):
     def _describe(self) -> BackendInfo:
         tokenizer, target = self.pair.tokenizer, self.pair.target
         has_draft = self.pair.draft is not None
-        return BackendInfo(
-            target_model=self.config.target.name,
-            draft_model=self.config.draft.name if has_draft else None,
-            vocab_size=len(tokenizer),
+        return backend_info(
+            self.config, tokenizer, modes=("ar", "sd", "ssd") if has_draft else ("ar",),
             max_context_tokens=_max_positions(target, tokenizer),
-            modes=("ar", "sd", "ssd") if has_draft else ("ar",),
-            chat_template=bool(getattr(tokenizer, "chat_template", None)),
-            eos_token_ids=tuple(sorted(eos_token_ids(tokenizer, target))),
-            defaults=self.config,
+            eos_token_ids=eos_token_ids(tokenizer, target),
         )
+
+
+def backend_info(
+    config: Config, tokenizer: Any, modes: tuple[str, ...], max_context_tokens: int, eos_token_ids: Iterable[int],
+) -> BackendInfo:
+    """What a backend tells clients; a draft is named only when some mode uses it."""
+    return BackendInfo(
+        target_model=config.target.name,
+        draft_model=config.draft.name if modes != ("ar",) else None,
+        vocab_size=len(tokenizer),
+        max_context_tokens=max_context_tokens,
+        modes=modes,
+        chat_template=has_chat_template(tokenizer),
+        eos_token_ids=tuple(sorted(eos_token_ids)),
+        defaults=config,
+    )
 
 
 def _max_positions(model: Any, tokenizer: Any) -> int:

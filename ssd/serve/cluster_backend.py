@@ -9,7 +9,7 @@ from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback
 from ssd.models import load_tokenizer
-from ssd.serve.backend import BackendInfo, TokenizerMixin
+from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
 
 
 class ClusterBackend(TokenizerMixin):
@@ -35,14 +35,7 @@ class ClusterBackend(TokenizerMixin):
 
     def _describe(self) -> BackendInfo:
         remote = self.cluster.describe()
-        has_draft = self.cluster.draft is not None
-        return BackendInfo(
-            target_model=self.config.target.name,
-            draft_model=self.config.draft.name if has_draft else None,
-            vocab_size=len(self.tokenizer),
-            max_context_tokens=remote["max_positions"],
-            modes=("ar", "ssd") if has_draft else ("ar",),
-            chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
-            eos_token_ids=tuple(remote["eos_token_ids"]),
-            defaults=self.config,
+        return backend_info(
+            self.config, self.tokenizer, modes=("ar", "ssd") if self.cluster.draft is not None else ("ar",),
+            max_context_tokens=remote["max_positions"], eos_token_ids=remote["eos_token_ids"],
         )
