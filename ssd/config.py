@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-DTYPES = ("fp32", "bf16", "fp64")
-QUANTIZATIONS = (None, "int8")
+AUTO = "auto"  # resolved per host by ssd.models.loading.resolve_precision
+DTYPES = ("fp32", "bf16", "fp64", AUTO)
+QUANTIZATIONS = (None, "int8", AUTO)
 MODES = ("ar", "sd", "ssd")
 FANOUT_KINDS = ("uniform", "geometric")
 BACKUPS = ("neural", "ngram", "random")
@@ -59,7 +60,10 @@ class ModelConfig:
 
     name: str = "tiny"
     dtype: str = "fp32"
-    quantization: str | None = None  # "int8": dynamic int8 Linear layers (CPU)
+    # "int8": int8 weights with per-row int8 activations (CPU, ssd.models.quant).
+    # "auto" (either field): the fastest precision this host runs exactly;
+    # see ssd.models.loading.resolve_precision.
+    quantization: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ssd.config import ConfigError, ModelConfig, TinyModelConfig
+from ssd.models.quant import precision_of
 from ssd.models import (
     ModelAssetError,
     TinyTokenizer,
@@ -94,7 +95,7 @@ def test_int8_quantization_runs_and_is_close() -> None:
     reference = load_model(ModelConfig(name="tiny", tiny=tcfg))(input_ids=ids).logits
     other = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128, seed=3))(input_ids=ids).logits
     quantized = load_model(ModelConfig(name="tiny", quantization="int8", tiny=tcfg))
-    assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in quantized.modules())
+    assert precision_of(quantized) == "int8"
     logits = quantized(input_ids=ids).logits
     assert logits.dtype == torch.float32
     error = (logits - reference).norm() / reference.norm()

@@ -166,6 +166,7 @@ class TargetWorker:
         if mode not in self._engines:
             from ssd.engine import AREngine
             from ssd.engine.ssd import SSDEngine
+            from ssd.models.loading import resolve_precision
 
             if mode == "ar":
                 self._engines[mode] = AREngine(self.sequence, self.tokenizer)
@@ -173,10 +174,15 @@ class TargetWorker:
                 self._engines[mode] = SSDEngine(
                     self.sequence, self.tokenizer, None, self.config.speculation,
                     draft_timeout_s=self.config.cluster.draft_timeout_s,
+                    draft_precision=_precision_name(resolve_precision(self.config.draft)),
                 )
             else:
                 raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
         return self._engines[mode]
+
+
+def _precision_name(cfg: Any) -> str:
+    return cfg.quantization or cfg.dtype
 
 
 class DraftWorker:

@@ -18,6 +18,7 @@ from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker, Tokenizer, eos_token_ids
 from ssd.models.kv import KVSequence
+from ssd.models.quant import precision_of
 from ssd.sampling import make_generator, probs_from_logits, sample
 from ssd.verify import Outcome, verify
 
@@ -59,6 +60,7 @@ class Engine(ABC):
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(tokenizer, self.target.model)
         self.verifier = verifier  # replaceable so tests can prove their power
+        self.precision = f"target {precision_of(self.target.model)}"  # named in every stats line
 
     def generate(
         self,
@@ -78,7 +80,9 @@ class Engine(ABC):
             gen=make_generator(sampling.seed),
             sequence=list(prompt_ids),
             output=OutputTracker(self.tokenizer, generation, self.eos_ids),
-            stats=GenerationStats(mode=self.mode, k=self.k, prompt_tokens=len(prompt_ids)),
+            stats=GenerationStats(
+                mode=self.mode, k=self.k, prompt_tokens=len(prompt_ids), precision=self.precision
+            ),
         )
         self._start(req)
         try:

@@ -13,6 +13,7 @@ from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback, Verifier
 from ssd.engine.output import Tokenizer
 from ssd.engine.ssd import SSDEngine
+from ssd.models.quant import precision_of
 from ssd.spec import protocol
 from ssd.spec.speculator import Speculator
 from ssd.transport import inprocess_pair
@@ -34,7 +35,7 @@ class LocalSSD:
         self.speculator = Speculator(draft, draft_end)
         self._thread = threading.Thread(target=self.speculator.serve, name="ssd-speculator", daemon=True)
         self._thread.start()
-        self.engine = SSDEngine(target, tokenizer, target_end, spec, verifier)
+        self.engine = SSDEngine(target, tokenizer, target_end, spec, verifier, draft_precision=precision_of(draft))
         self._channel = target_end
 
     @property

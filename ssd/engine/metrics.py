@@ -87,6 +87,7 @@ class SpecStats:
 class GenerationStats:
     mode: str
     k: int = 0  # drafted tokens per round (0 for AR)
+    precision: str = ""  # e.g. "target int8, draft int8"
     prompt_tokens: int = 0
     new_tokens: int = 0
     time_to_first_token_s: float = 0.0
@@ -157,7 +158,7 @@ class GenerationStats:
 
     def summary(self) -> str:
         line = (
-            f"{self.mode}: {self.new_tokens} tokens in {self.total_s:.2f}s "
+            f"{self.mode}{f' [{self.precision}]' if self.precision else ''}: {self.new_tokens} tokens in {self.total_s:.2f}s "
             f"({self.tokens_per_s:.2f} tok/s, decode {self.decode_tokens_per_s:.2f} tok/s), "
             f"TTFT {self.time_to_first_token_s * 1000:.0f} ms"
         )

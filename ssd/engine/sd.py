@@ -8,6 +8,7 @@ import torch
 from ssd.engine.base import Engine, Request, Verifier
 from ssd.engine.output import Tokenizer
 from ssd.models.kv import KVSequence
+from ssd.models.quant import precision_of
 from ssd.spec.drafting import draft_chain
 from ssd.verify import verify
 
@@ -26,6 +27,7 @@ class SDEngine(Engine):
         super().__init__(target, tokenizer, verifier)
         self.draft = KVSequence(draft)
         self._k = k
+        self.precision += f", draft {precision_of(draft)}"
 
     @property
     def k(self) -> int:

@@ -40,8 +40,11 @@ class SSDEngine(Engine):
         spec: SpeculationConfig,
         verifier: Verifier = verify,
         draft_timeout_s: float | None = None,
+        draft_precision: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer, verifier)
+        if draft_precision:  # the draft lives elsewhere: whoever placed it says what it is
+            self.precision += f", draft {draft_precision}"
         self.channel = channel
         self.spec = spec
         self.draft_timeout_s = draft_timeout_s

@@ -14,6 +14,7 @@ draft link is a separate two-rank group.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,9 +25,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ssd.config import ConfigError, ModelConfig
+from ssd.config import AUTO, ConfigError, ModelConfig
 from ssd.models.kv import KVSequence
-from ssd.models.loading import TINY, TORCH_DTYPES, build_tiny_model, load_model, resolve_source
+from ssd.models.loading import TINY, TORCH_DTYPES, build_tiny_model, load_model, resolve_precision, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ def load_tp_model(cfg: ModelConfig) -> torch.nn.Module:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return load_model(cfg)
+    if cfg.quantization == AUTO:  # int8 layers cannot be sharded: auto means unquantized here
+        cfg = dataclasses.replace(cfg, quantization=None)
+    cfg = resolve_precision(cfg)
     if cfg.quantization:
         raise ConfigError("tensor parallelism does not support model.quantization")
     if cfg.name == TINY:

@@ -1,0 +1,69 @@
+"""What machine a figure came from: CPU model, torch's CPU capability, native bf16.
+
+Machines of one kind differ in CPU, and the fastest precision differs with
+them (bf16 matmuls are native on AMX / AVX512-BF16 cores and emulated, about
+4x slower for multi-token forwards, on AVX2-only ones). Every benchmark
+result records `describe()`, and the "auto" precision reads `native_bf16()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# cpuinfo flags (x86) and Features (arm64) that mean bf16 matmuls run natively.
+_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_model() -> str:
+    info = _cpuinfo()
+    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    info = _cpuinfo()
+    return set((info.get("flags") or info.get("Features") or "").split())
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware."""
+    return bool(cpu_flags() & _BF16_FLAGS)
+
+
+def describe() -> dict[str, Any]:
+    """The facts a benchmark row needs to be compared with another machine's."""
+    return {
+        "cpu_model": cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+
+
+def summary() -> str:
+    """One line for logs and report headers."""
+    d = describe()
+    bf16 = "native bf16" if d["native_bf16"] else "no native bf16"
+    gpus = f", GPUs: {', '.join(d['cuda_devices'])}" if d["cuda_devices"] else ""
+    return f"{d['cpu_model']} ({d['cores']} cores, torch CPU capability {d['torch_cpu_capability']}, {bf16}){gpus}"

@@ -1,0 +1,189 @@
+"""int8 with per-row activation scales: rows independent bit for bit, close to
+fp32, and every decoding path exact relative to the int8 target.
+
+Each property is paired with the per-tensor scales of torch.ao's
+quantize_dynamic, which must fail it: that is what the per-row design fixes.
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from ssd.engine import AREngine, SDEngine
+from ssd.engine.local import LocalSSD
+from ssd.models import TinyTokenizer, build_tiny_model, load_model
+from ssd.models.kv import KVSequence
+from ssd.models.loading import resolve_precision
+from ssd.models.quant import Int8Linear, int8_supported, precision_of, quantize_int8
+from ssd.spec.branches import TreeBranchDecoder
+from ssd.spec.builder import build_cache
+from ssd.spec.drafting import draft_chain
+from tests.conftest import TINY
+from tests.stats import ALPHA, chi_square_pvalue
+from tests.test_distribution import SMALL, exact_joint, sd_samples
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="needs torch's x86 int8 kernels")
+
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
+
+
+def per_tensor(model: nn.Module) -> nn.Module:
+    """torch.ao's dynamic int8: one activation scale per call (the design this module replaces)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def int8_tiny(tcfg: TinyModelConfig, quantize=quantize_int8) -> nn.Module:
+    return quantize(build_tiny_model(tcfg, torch.float32))
+
+
+def uneven_rows(n: int = 9, width: int = 64) -> torch.Tensor:
+    """Rows whose magnitudes span four orders: what one shared scale handles worst."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, width, generator=gen) * torch.logspace(-2, 2, n)[:, None]
+
+
+def linear(bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(64, 48, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rows_are_independent_bit_for_bit(bias):
+    layer, x = Int8Linear(linear(bias)), uneven_rows()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
+    assert torch.equal(layer(x[[3, 0, 7]]), alone[[3, 0, 7]])  # any subset, any order
+
+
+def test_per_tensor_scales_make_rows_depend_on_each_other():
+    layer, x = per_tensor(nn.Sequential(linear()))[0], uneven_rows()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert not torch.equal(layer(x), alone)
+
+
+@torch.no_grad()
+def test_every_row_is_close_to_fp32():
+    fp32, x = linear(), uneven_rows()
+    reference = fp32(x)
+
+    def worst_row_error(out):
+        return float(((out - reference).norm(dim=1) / reference.norm(dim=1)).max())
+
+    assert worst_row_error(Int8Linear(fp32)(x)) < 0.03
+    # One shared scale drowns the small rows (the power of the line above).
+    assert worst_row_error(per_tensor(nn.Sequential(linear()))(x)) > 0.3
+
+
+def test_any_leading_shape():
+    layer, x = Int8Linear(linear()), uneven_rows(6)
+    assert torch.equal(layer(x.reshape(2, 3, 64)).reshape(6, 48), layer(x))
+
+
+def scores_chunk_as_tokens(model: nn.Module, tokens: list[int]) -> float:
+    """Largest logit gap between scoring `tokens` in one cached forward and one at a time."""
+    chunk, single = KVSequence(model), KVSequence(model)
+    together = chunk.forward(tokens)
+    alone = torch.cat([single.forward([t]) for t in tokens])
+    return float((together - alone).abs().max())
+
+
+def test_a_verification_scores_each_position_as_decoding_would():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    assert scores_chunk_as_tokens(int8_tiny(TINY), tokens) < 1e-4
+    assert scores_chunk_as_tokens(int8_tiny(TINY, lambda m: per_tensor(m)), tokens) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def int8_pair():
+    return int8_tiny(TINY), int8_tiny(dataclasses.replace(TINY, noise=0.03))
+
+
+@pytest.fixture(scope="module")
+def int8_references(int8_pair):
+    tokenizer = TinyTokenizer.from_config(TINY)
+    engine = AREngine(int8_pair[0], tokenizer)
+    return {tuple(p): engine.generate(p, GREEDY, GenerationConfig(max_new_tokens=40)).token_ids for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7])
+def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
+    engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), k)
+    for prompt in PROMPTS:
+        out = engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        assert out.token_ids == int8_references[tuple(prompt)]
+        assert 0 < out.stats.accepted < out.stats.drafted
+        assert out.stats.precision == "target int8, draft int8"
+
+
+@pytest.mark.parametrize("backup", ["neural", "ngram"])
+def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backup):
+    from ssd.config import FanoutConfig, SpeculationConfig
+
+    spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8), backup=backup)
+    with LocalSSD(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
+        for prompt in PROMPTS:
+            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            assert out.token_ids == int8_references[tuple(prompt)]
+            assert out.stats.spec.hits > 0
+            assert "draft int8" in out.stats.summary()
+
+
+def tree_vs_chain_mismatches(draft: nn.Module, committed: list[int], k: int = 4, budget: int = 12) -> int:
+    """Greedy branches built together in one tree vs each drafted alone as a chain: tokens that differ."""
+    kv = KVSequence(draft)
+    drafted, _ = draft_chain(kv, committed, k, GREEDY, torch.Generator())
+    fanout = [budget // (k + 1)] * (k + 1)
+    entries = build_cache(kv, TreeBranchDecoder(), committed, drafted, fanout, GREEDY, torch.Generator())
+    mismatches = 0
+    for (kb, token), speculation in entries.items():
+        chain, _ = draft_chain(KVSequence(draft), committed + drafted[:kb] + [token], k, GREEDY, torch.Generator())
+        mismatches += sum(a != b for a, b in zip(chain, speculation.tokens))
+    return mismatches
+
+
+def test_tree_branches_draft_what_a_chain_would():
+    wide = dataclasses.replace(TINY, vocab_size=64, noise=0.03)
+    prompts = [[1, 2, 3], [7, 7, 0, 1, 9, 12], [40, 2, 33, 5]]
+    assert sum(tree_vs_chain_mismatches(int8_tiny(wide), p) for p in prompts) == 0
+    assert sum(tree_vs_chain_mismatches(int8_tiny(wide, lambda m: per_tensor(m)), p) for p in prompts) > 0
+
+
+def test_sd_samples_the_int8_target_distribution():
+    pair = (int8_tiny(SMALL), int8_tiny(dataclasses.replace(SMALL, noise=0.3)))
+    sampling = SamplingConfig(temperature=1.0)
+    pvalue = chi_square_pvalue(sd_samples(pair, sampling), exact_joint(pair[0], sampling))
+    assert pvalue > ALPHA, f"SD on the int8 pair deviates from the int8 target: p = {pvalue:.2e}"
+
+
+def test_load_model_quantizes_and_names_the_precision():
+    model = load_model(ModelConfig(name="tiny", quantization="int8"))
+    assert any(isinstance(m, Int8Linear) for m in model.modules())
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert precision_of(model) == "int8"
+    assert precision_of(load_model(ModelConfig(name="tiny", dtype="fp64"))) == "fp64"
+
+
+@pytest.mark.parametrize(
+    "int8, bf16, device, expected",
+    [
+        (True, True, "cpu", ("fp32", "int8")),
+        (True, False, "cpu", ("fp32", "int8")),
+        (False, True, "cpu", ("bf16", None)),
+        (False, False, "cpu", ("fp32", None)),
+        (True, False, "cuda", ("bf16", None)),
+    ],
+)
+def test_auto_precision_follows_the_host(monkeypatch, int8, bf16, device, expected):
+    monkeypatch.setattr("ssd.models.loading.int8_supported", lambda: int8)
+    monkeypatch.setattr("ssd.hardware.native_bf16", lambda: bf16)
+    resolved = resolve_precision(ModelConfig(dtype="auto", quantization="auto"), device)
+    assert (resolved.dtype, resolved.quantization) == expected
+    explicit = ModelConfig(dtype="bf16", quantization=None)
+    assert resolve_precision(explicit, device) == explicit  # only "auto" is ever replaced
