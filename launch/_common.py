@@ -15,6 +15,11 @@ if str(ROOT) not in sys.path:  # run from a fresh clone without installing
 from ssd.config import Config, ConfigError, load_config  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
+# --target-precision / --draft-precision: one name for a (dtype, quantization) pair.
+PRECISIONS = {
+    "auto": ("auto", "auto"), "int8": ("fp32", "int8"),
+    "bf16": ("bf16", None), "fp32": ("fp32", None), "fp64": ("fp64", None),
+}
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +37,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="override sampling.seed")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
+    for role in ("target", "draft"):
+        parser.add_argument(f"--{role}-precision", choices=sorted(PRECISIONS),
+                            help=f"override {role}.dtype and {role}.quantization (auto: fastest on this host)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -56,6 +64,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ]:
         if value is not None:
             overrides.setdefault(section, {})[key] = value
+    for role in ("target", "draft"):
+        precision = getattr(args, f"{role}_precision")
+        if precision:
+            dtype, quantization = PRECISIONS[precision]
+            overrides[role] = {"dtype": dtype, "quantization": quantization}
     try:
         return load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:

@@ -1,4 +1,5 @@
-"""The default CPU configuration (bf16 target, int8 draft): SD greedy == AR greedy
+"""A bf16 target (the auto precision on hosts with native bf16 and no int8 kernels,
+with an int8 draft): SD greedy == AR greedy
 up to near-ties. bf16 rounds one-token and multi-token forwards differently, so
 the outputs may part where the target's two best logits are within bf16
 rounding of each other; anywhere else a difference is a bug.

@@ -22,6 +22,7 @@ import torch
 
 from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
+from ssd.models.invariant import use_row_attention
 from ssd.models.quant import INT8, int8_supported, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
 
@@ -54,7 +55,8 @@ def load_model(cfg: ModelConfig) -> torch.nn.Module:
     else:
         model = _from_pretrained(cfg.name, dtype)
     if cfg.quantization == INT8:
-        model = quantize_int8(model)
+        # Both halves of batch invariance: verified positions score as decoded ones.
+        model = use_row_attention(quantize_int8(model))
     return _frozen(model)
 
 

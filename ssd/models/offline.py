@@ -147,6 +147,28 @@ def ensure_offline_model(
     return dest
 
 
+def ensure_offline_gguf(name: str, registry: Mapping[str, OfflineModel] | None = None,
+                        root: Path | None = None) -> Path:
+    """The joined, hash-checked GGUF file of offline model `name` (for llama.cpp peers).
+
+    Kept in `<cache>/gguf/`; the conversion to safetensors does not need it.
+    """
+    registry = OFFLINE_MODELS if registry is None else registry
+    if name not in registry:
+        raise ModelAssetError(f"{name!r} is not an offline model; known: {sorted(registry)}")
+    entry = registry[name]
+    dest = (root if root is not None else cache_dir()) / "gguf" / entry.gguf_filename
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest.parent / f".{entry.gguf_filename}.lock"):
+        if not dest.is_file():
+            partial = dest.with_suffix(".partial")
+            assemble(locate_parts(entry), partial, entry.sha256)
+            os.replace(partial, dest)
+    return dest
+
+
 def _is_complete(path: Path) -> bool:
     return (path / "config.json").is_file()
 

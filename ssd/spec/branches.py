@@ -25,6 +25,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
+from ssd.models.invariant import ROW_ATTENTION
 from ssd.models.kv import KVSequence
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def _model_mask(visible: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     "True = attend" (the form transformers' own sdpa_mask builds), while eager
     attention *adds* the mask to the scores, so it needs 0 / dtype-min floats.
     """
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in ("sdpa", ROW_ATTENTION):
         return visible
     zero = torch.zeros((), dtype=model.dtype)
     return torch.where(visible, zero, torch.finfo(model.dtype).min)
