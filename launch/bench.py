@@ -35,7 +35,7 @@ from _common import ROOT, add_config_args, config_from_args
 
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
-from ssd.bench.runner import MODES, BenchPlan, Results, run_cluster, run_local
+from ssd.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_cluster, run_local
 from ssd.engine.factory import load_pair
 
 PROMPT_DIR = ROOT / "configs" / "prompts"
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> Results:
     )
     results: Results = {}
     if plan.local_runs():
-        pair = load_pair(config, with_draft=any(m != "ar" for m, _ in plan.local_runs()))
+        pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
         results |= run_local(pair, config, plan)
         del pair
         gc.collect()  # free the weights before a cluster loads its own copies

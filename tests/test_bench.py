@@ -5,13 +5,15 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
 
 from ssd.bench.hf_assisted import HFAssistedEngine, _dense_input, hf_generation_config
 from ssd.bench.prompts import Prompt, load_prompt_set
-from ssd.bench.report import physical_limit, plot_throughput, summarize, write_csv, write_json
+from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
+from ssd.bench.report import format_tables, physical_limit, plot_throughput, summarize, write_csv, write_json
 from ssd.bench.runner import RunKey, Sample
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.ar import AREngine
@@ -137,11 +139,13 @@ def _sample(new_tokens, ttft, total, rounds=0, accepted=0, k=0, verify_s=0.0, hi
 
 
 def _synthetic():
-    """code / T=0: AR 10 tok/s at 1 thread, 20 at 2; SD 40; SSD 50 with 5 tok/round, 0.08 s verify; HF 30."""
+    """code / T=0: AR 10 tok/s at 1 thread, 20 at 2; SD 24 at 1, 40 at 2; SSD 50 with 5 tok/round,
+    0.08 s verify; HF 30."""
     key = lambda mode, k=0, threads=0, cluster=False: RunKey("code", 0.0, mode, k, threads, cluster)  # noqa: E731
     return {
         key("ar", threads=1): [_sample(11, 1.0, 2.0, rounds=10)],
         key("ar", threads=2): [_sample(11, 0.5, 1.0, rounds=10), _sample(21, 0.5, 1.5, rounds=20)],
+        key("sd", 4, threads=1): [_sample(25, 0.5, 1.5, rounds=6, accepted=18, k=4, verify_s=0.5)],
         key("sd", 4, threads=2): [_sample(41, 0.5, 1.5, rounds=10, accepted=30, k=4, verify_s=0.5)],
         key("ssd", 4, cluster=True): [
             _sample(51, 0.5, 1.5, rounds=10, accepted=40, k=4, verify_s=0.8, hits=9, lookups=10)
@@ -153,13 +157,14 @@ def _synthetic():
 def test_report_ratios_and_physical_limit():
     rows, limits = summarize(_synthetic())
     by = {r["label"]: r for r in rows}
-    assert [r["mode"] for r in rows] == ["ar", "ar", "sd", "ssd", "hf"]
+    assert [r["mode"] for r in rows] == ["ar", "ar", "sd", "sd", "ssd", "hf"]
     assert by["ar t=1"]["tok_s"] == pytest.approx(10)
     assert by["ar t=2"]["tok_s"] == pytest.approx(20)  # 30 tokens over 1.5 s, pooled
     assert by["ar t=1"]["x_ar"] == pytest.approx(0.5)  # against the best AR (2 threads)
     assert by["sd K=4 t=2"]["x_ar"] == pytest.approx(2.0)
     ssd = by["ssd K=4 cluster"]
     assert (ssd["tok_s"], ssd["x_sd"], ssd["threads"]) == (pytest.approx(50), pytest.approx(1.25), "1+1")
+    assert ssd["x_sd1"] == pytest.approx(50 / 24)  # the paper's setting: SD on the target's one core
     assert ssd["accepted_len"] == pytest.approx(4.0) and ssd["tokens_per_round"] == pytest.approx(5.0)
     assert ssd["hit_rate"] == pytest.approx(0.9) and ssd["t_verify_ms"] == pytest.approx(80)
     hf = by["hf K=4 t=2"]  # 30 tokens after the first round's 5, over 1 s
@@ -168,6 +173,25 @@ def test_report_ratios_and_physical_limit():
     assert limit.source == "ssd K=4 cluster" and limit.tok_s == pytest.approx(5.0 / 0.08)
     assert ssd["x_limit"] == pytest.approx(50 / 62.5)
     assert by["ar t=1"]["accepted_len"] is None and by["ar t=1"]["x_limit"] == pytest.approx(10 / 62.5)
+
+
+def test_rows_name_their_precision_and_the_machine():
+    results = _synthetic()
+    for samples in results.values():
+        samples[0].stats.precision = "target int8, draft bf16"
+    rows, limits = summarize(results)
+    assert {r["precision"] for r in rows} == {"int8/bf16"}
+    table = format_tables(rows, limits)
+    assert table.splitlines()[0].startswith("machine: ") and "torch CPU capability" in table
+    assert "int8/bf16" in table and "x SD1" in table
+
+
+def test_llama_cpp_peer_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    with pytest.raises(RuntimeError, match=r"ssd\[llamacpp\]"):
+        LlamaCppEngine(ROOT / "missing.gguf")
+    with pytest.raises(ValueError, match="no GGUF file"):
+        gguf_for("tiny")
 
 
 def test_physical_limit_falls_back_to_sd_then_none():
@@ -187,9 +211,10 @@ def test_json_csv_png_written(tmp_path):
     data = json.loads((tmp_path / "b.json").read_text())
     assert {"machine", "settings", "aggregates", "limits", "runs"} <= data.keys()
     assert data["machine"]["cpu_count"] and data["machine"]["torch_version"]
-    assert len(data["runs"]) == 5 and data["runs"][0]["samples"][0]["stats"]["new_tokens"] == 11
+    assert data["machine"]["cpu_model"] and data["machine"]["torch_cpu_capability"]
+    assert len(data["runs"]) == 6 and data["runs"][0]["samples"][0]["stats"]["new_tokens"] == 11
     table = list(csv.DictReader((tmp_path / "b.csv").open()))
-    assert len(table) == 5 and table[0]["hit_rate"] == "" and float(table[3]["hit_rate"]) == pytest.approx(0.9)
+    assert len(table) == 6 and table[0]["hit_rate"] == "" and float(table[4]["hit_rate"]) == pytest.approx(0.9)
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

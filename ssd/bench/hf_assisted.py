@@ -45,6 +45,7 @@ from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.base import GenerationResult
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import eos_token_ids
+from ssd.models.quant import precision_of
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,8 @@ class HFAssistedEngine:
     ) -> GenerationStats:
         """Our GenerationStats; the first round counts as the first token, as our prefill does."""
         stats = GenerationStats(mode=self.mode, k=self.k, prompt_tokens=prompt_tokens, new_tokens=len(tokens),
-                                total_s=total_s, time_to_first_token_s=rounds[0][0] if rounds else total_s)
+                                total_s=total_s, time_to_first_token_s=rounds[0][0] if rounds else total_s,
+                                precision=f"target {precision_of(self.target)}, draft {precision_of(self.draft)}")
         for _, admitted, drafted in rounds[1:]:
             stats.record_round(drafted=drafted, accepted=min(admitted - 1, drafted))
         return stats

@@ -1,8 +1,14 @@
 """Benchmark results -> aggregate rows, ratio tables, the physical limit, JSON / CSV / PNG.
 
 Rows are grouped by (prompt set, temperature). Within a group every row gets
-its speed over the best AR row ("x AR") and the best SD row ("x SD"), best
-over thread counts (and K), since the machine decides which is faster.
+its speed over the best AR row ("x AR") and two SD baselines, because two
+questions are asked of SSD (which holds one core for the target and one for
+the draft):
+- "x SD1": over SD on one core, the paper's setting (AR and SD on the
+  target's devices; SSD adds one device for the draft);
+- "x SDbest": over the best SD at any thread count, i.e. equal total hardware
+  when SD may use both cores.
+Each row names its precision (target/draft) and its cores ("1+1": one each).
 
 Physical limit of the pair on this machine: if every round were a cache hit,
 a round would cost one verification and nothing else, so
@@ -26,15 +32,16 @@ from typing import Any
 
 import torch
 
+from ssd import hardware
 from ssd.bench.runner import MODES, Results, RunKey, Sample
 
 log = logging.getLogger(__name__)
 
 # Aggregate row fields, in CSV column order.
 FIELDS = (
-    "prompt_set", "temperature", "mode", "name", "label", "k", "threads", "prompts", "new_tokens",
+    "prompt_set", "temperature", "mode", "name", "label", "precision", "k", "threads", "prompts", "new_tokens",
     "tok_s", "ms_per_token", "ttft_ms", "accepted_len", "acceptance", "tokens_per_round",
-    "hit_rate", "wait_hit", "t_verify_ms", "x_ar", "x_sd", "x_limit",
+    "hit_rate", "wait_hit", "t_verify_ms", "x_ar", "x_sd1", "x_sd", "x_limit",
 )
 
 
@@ -69,6 +76,7 @@ def aggregate(key: RunKey, samples: list[Sample]) -> dict[str, Any]:
         "mode": key.mode,
         "name": key.name,
         "label": key.label,
+        "precision": _short_precision(stats[0].precision) if stats else "",
         "k": key.k,
         "threads": key.threads_label,
         "prompts": len(samples),
@@ -99,10 +107,12 @@ def summarize(results: Results) -> tuple[list[dict[str, Any]], dict[tuple[str, f
     for group, members in _groups(rows).items():
         best_ar = _best(members, "ar")
         best_sd = _best(members, "sd")
+        sd_one_core = _best([r for r in members if r["threads"] == "1"], "sd")
         limit = limits[group] = physical_limit(members)
         for row in members:
             row["x_ar"] = row["tok_s"] / best_ar if best_ar else None
             row["x_sd"] = row["tok_s"] / best_sd if best_sd else None
+            row["x_sd1"] = row["tok_s"] / sd_one_core if sd_one_core else None
             row["x_limit"] = row["tok_s"] / limit.tok_s if limit else None
     return rows, limits
 
@@ -124,6 +134,12 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str
     return groups
 
 
+def _short_precision(precision: str) -> str:
+    """ "target int8, draft int8" -> "int8/int8"; "target bf16" -> "bf16"; other text as is."""
+    parts = [p.split()[-1] for p in precision.split(", ") if p.startswith(("target ", "draft "))]
+    return "/".join(parts) if parts else precision
+
+
 def _best(rows: list[dict[str, Any]], mode: str) -> float | None:
     speeds = [r["tok_s"] for r in rows if r["mode"] == mode and r["tok_s"]]
     return max(speeds) if speeds else None
@@ -133,7 +149,8 @@ def _best(rows: list[dict[str, Any]], mode: str) -> float | None:
 
 _COLUMNS = (  # header, field, width, format
     ("mode", "name", 16, "{}"),
-    ("threads", "threads", 7, "{}"),
+    ("precision", "precision", 9, "{}"),
+    ("cores", "threads", 7, "{}"),
     ("tok/s", "tok_s", 7, "{:.2f}"),
     ("ms/tok", "ms_per_token", 7, "{:.1f}"),
     ("TTFT ms", "ttft_ms", 8, "{:.0f}"),
@@ -143,14 +160,15 @@ _COLUMNS = (  # header, field, width, format
     ("hit rate", "hit_rate", 8, "{:.3f}"),
     ("wait/hit", "wait_hit", 8, "{:.1%}"),
     ("x AR", "x_ar", 5, "{:.2f}"),
-    ("x SD", "x_sd", 5, "{:.2f}"),
+    ("x SD1", "x_sd1", 5, "{:.2f}"),
+    ("x SDbest", "x_sd", 8, "{:.2f}"),
     ("x limit", "x_limit", 7, "{:.2f}"),
 )
 
 
 def format_tables(rows: list[dict[str, Any]], limits: dict[tuple[str, float], Limit | None]) -> str:
-    """One table per (prompt set, temperature); '-' where a measure does not apply."""
-    blocks = []
+    """One table per (prompt set, temperature), after a line naming the machine; '-' where a measure does not apply."""
+    blocks = [f"machine: {hardware.summary()}"]
     for group, members in _groups(rows).items():
         blocks.append("\n".join([_title(group, limits.get(group)), _header(), *(_line(r) for r in members)]))
     return "\n\n".join(blocks)
@@ -186,6 +204,7 @@ def machine_info() -> dict[str, Any]:
     import transformers
 
     return {
+        **hardware.describe(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

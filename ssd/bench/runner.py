@@ -1,7 +1,8 @@
 """Run every benchmark mode over prompt sets and temperatures; collect GenerationStats.
 
-Modes: "ar", "sd", "ssd" (our engines) and "hf" (transformers assisted
-generation on the same modules). In-process modes run once per torch thread
+Modes: "ar", "sd", "ssd" (our engines), "hf" (transformers assisted
+generation on the same modules) and "llama.cpp" (plain decoding of the
+target's GGUF file, an optional peer). In-process modes run once per torch thread
 count; SSD may instead run through the cluster runtime (target and draft on
 their own cores). Every mode sees the same prompt ids, sampling (seed = the
 config's seed + prompt index) and end conditions, so rows compare like for like.
@@ -20,6 +21,8 @@ import torch
 from tqdm import tqdm
 
 from ssd.bench.hf_assisted import HFAssistedEngine
+from ssd.bench.llamacpp import MODE as LLAMA_CPP
+from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
 from ssd.bench.prompts import Prompt
 from ssd.config import Config, GenerationConfig, SamplingConfig
 from ssd.engine.base import GenerationResult
@@ -28,7 +31,8 @@ from ssd.engine.metrics import GenerationStats
 
 log = logging.getLogger(__name__)
 
-MODES = ("ar", "sd", "ssd", "hf")
+MODES = ("ar", "sd", "ssd", "hf", "llama.cpp")
+UNSPECULATIVE = ("ar", "llama.cpp")  # modes without K
 WARM_UP_TOKENS = 4
 
 
@@ -46,7 +50,7 @@ class RunKey:
     @property
     def name(self) -> str:
         """Mode, K and placement; the thread count aside."""
-        name = self.mode if self.mode == "ar" else f"{self.mode} K={self.k}"
+        name = self.mode if self.mode in UNSPECULATIVE else f"{self.mode} K={self.k}"
         return f"{name} cluster" if self.cluster else name
 
     @property
@@ -99,8 +103,8 @@ class BenchPlan:
         unknown = set(self.modes) - set(MODES)
         if unknown:
             raise ValueError(f"unknown modes {sorted(unknown)}; known: {MODES}")
-        self.mode_runs = [(m, 0) for m in self.modes if m == "ar"] + [
-            (m, k) for m in self.modes if m != "ar" for k in self.ks
+        self.mode_runs = [(m, 0) for m in self.modes if m in UNSPECULATIVE] + [
+            (m, k) for m in self.modes if m not in UNSPECULATIVE for k in self.ks
         ]
 
     def local_runs(self) -> list[tuple[str, int]]:
@@ -121,7 +125,9 @@ class _Engine(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-def make_engine(pair: LoadedPair, config: Config, mode: str, k: int) -> _Engine:
+def make_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: int = 0) -> _Engine:
+    if mode == LLAMA_CPP:
+        return LlamaCppEngine(gguf_for(config.target.name), threads)
     if mode != "ar" and pair.draft is None:
         raise ValueError(f"mode {mode!r} needs a draft model; none was loaded")
     if mode == "hf":
@@ -147,7 +153,7 @@ def run_local(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
                 if threads:
                     torch.set_num_threads(threads)
                 for mode, k in runs:
-                    with make_engine(pair, config, mode, k) as engine:
+                    with make_engine(pair, config, mode, k, threads) as engine:
                         _warm_up(engine, next(iter(encoded.values()))[0], config)
                         _run_engine(engine, config, plan, encoded, mode, k, threads, results, bar)
     finally:
