@@ -271,3 +271,27 @@ def test_contention_cli_refuses_a_shared_core(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _launcher(monkeypatch, "contention").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--draft-core", "0"])
     assert "--target-core and --draft-core must differ" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ quality of a precision
+
+
+def test_quality_rows_compare_precisions_on_the_same_positions():
+    from ssd.bench.quality import compare, format_quality
+    from ssd.config import ModelConfig, TinyModelConfig
+    from ssd.models import load_model
+
+    tcfg = TinyModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, seed=4)
+    ids = torch.randint(0, 32, (97,), generator=torch.Generator().manual_seed(0)).tolist()
+    loaders = {
+        "fp32": lambda: load_model(ModelConfig(name="tiny", tiny=tcfg)),
+        "int8": lambda: load_model(ModelConfig(name="tiny", quantization="int8", tiny=tcfg)),
+        "other": lambda: load_model(ModelConfig(name="tiny", tiny=TinyModelConfig(vocab_size=32, seed=9))),
+    }
+    rows = {r["precision"]: r for r in compare(loaders, ids, chunk=32, progress=False)}
+    assert all(r["positions"] == 96 for r in rows.values())
+    assert rows["fp32"]["agreement_vs_fp32"] == 1.0 and rows["fp32"]["perplexity_delta"] == 0.0
+    # int8 agrees with its fp32 model far more than an unrelated model does
+    assert rows["int8"]["agreement_vs_fp32"] > 0.8 > rows["other"]["agreement_vs_fp32"]
+    assert abs(rows["int8"]["perplexity_delta"]) < abs(rows["other"]["perplexity_delta"])
+    assert "agree int8" in format_quality(list(rows.values()))
