@@ -50,8 +50,8 @@ def fresh_last_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
-def glued_kv(model) -> KVSequence:
-    kv = KVSequence(model)
+def glued_kv(model, fast: bool | None = None) -> KVSequence:
+    kv = KVSequence(model, fast)
     kv.forward(GLUE)
     return kv
 
@@ -66,7 +66,16 @@ def run_all_steps(decoder, kv, prefix, firsts) -> list[torch.Tensor]:
 
 
 def snapshot(kv: KVSequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys.clone(), layer.values.clone()) for layer in kv.cache.layers]
+    return [(k.clone(), v.clone()) for k, v in kv.prefix_kv(kv.cached)]
+
+
+def unchanged(kv: KVSequence, before) -> bool:
+    return kv.cached == len(GLUE) and all(
+        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv.prefix_kv(kv.cached), before)
+    )
+
+
+CARRIERS = pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
 
 
 @pytest.fixture
@@ -74,11 +83,12 @@ def draft(tiny_models):
     return tiny_models[1]
 
 
+@CARRIERS
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n", [1, 6, 16])
 @pytest.mark.parametrize("max_steps", [1, 8])  # 1: the mask buffer must grow mid-way
-def test_each_branch_matches_decoding_it_alone(draft, impl, n, max_steps):
-    kv = glued_kv(draft)
+def test_each_branch_matches_decoding_it_alone(draft, impl, n, max_steps, fast):
+    kv = glued_kv(draft, fast)
     prefix, firsts = branches(n)
     steps = run_all_steps(impl(max_steps), kv, prefix, firsts)
     for b in range(n):
@@ -89,38 +99,36 @@ def test_each_branch_matches_decoding_it_alone(draft, impl, n, max_steps):
             torch.testing.assert_close(logits[b], fresh_last_logits(draft, history), **TOL)
 
 
+@CARRIERS
 @pytest.mark.parametrize("impl", IMPLS)
-def test_finish_restores_the_sequence_cache(draft, impl):
-    kv = glued_kv(draft)
+def test_finish_restores_the_sequence_cache(draft, impl, fast):
+    kv = glued_kv(draft, fast)
     before = snapshot(kv)
     prefix, firsts = branches(16)
     run_all_steps(impl(), kv, prefix, firsts)
-    assert kv.tokens == GLUE and kv.length == kv.cache.get_seq_length() == len(GLUE)
-    for (keys, values), layer in zip(before, kv.cache.layers):
-        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    assert kv.tokens == GLUE and kv.length == len(GLUE) and unchanged(kv, before)
     # The sequence goes on as if no branch had ever been decoded.
     new = [12, 13, 14]
-    torch.testing.assert_close(kv.forward(new), glued_kv(draft).forward(new), rtol=0, atol=0)
+    torch.testing.assert_close(kv.forward(new), glued_kv(draft, fast).forward(new), rtol=0, atol=0)
 
 
-def test_batched_never_writes_the_sequence_cache(draft):
-    kv = glued_kv(draft)
-    tensors = [(layer.keys, layer.values) for layer in kv.cache.layers]
+@CARRIERS
+def test_batched_never_writes_the_sequence_cache(draft, fast):
+    kv = glued_kv(draft, fast)
     before = snapshot(kv)
     decoder = BatchedBranchDecoder()
     prefix, firsts = branches(8)
     decoder.start(kv, prefix, firsts)
     decoder.step(next_tokens(8, 0))
-    for (keys, values), (k0, v0), layer in zip(tensors, before, kv.cache.layers):
-        assert layer.keys is keys and layer.values is values
-        assert torch.equal(keys, k0) and torch.equal(values, v0)
+    assert unchanged(kv, before)  # while the branches are active, not only after
     decoder.finish()
 
 
-def test_implementations_agree(draft):
+@CARRIERS
+def test_implementations_agree(draft, fast):
     prefix, firsts = branches(16, seed=3)
-    tree = run_all_steps(TreeBranchDecoder(), glued_kv(draft), prefix, firsts)
-    batched = run_all_steps(BatchedBranchDecoder(), glued_kv(draft), prefix, firsts)
+    tree = run_all_steps(TreeBranchDecoder(), glued_kv(draft, fast), prefix, firsts)
+    batched = run_all_steps(BatchedBranchDecoder(), glued_kv(draft, fast), prefix, firsts)
     for a, b in zip(tree, batched):
         torch.testing.assert_close(a, b, **TOL)
 
@@ -150,17 +158,16 @@ def test_decoder_is_reusable_across_rounds(draft, impl):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@CARRIERS
 @pytest.mark.parametrize("impl", IMPLS)
-def test_failed_forward_restores_the_cache(draft, impl):
-    kv = glued_kv(draft)
+def test_failed_forward_restores_the_cache(draft, impl, fast):
+    kv = glued_kv(draft, fast)
     before = snapshot(kv)
     decoder = impl()
     decoder.start(kv, [7, 9], [1, 2])
     with pytest.raises(IndexError):
         decoder.step([3, 999])  # out of vocabulary: the embedding lookup fails
-    assert not decoder.active and kv.cache.get_seq_length() == len(GLUE)
-    for (keys, values), layer in zip(before, kv.cache.layers):
-        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    assert not decoder.active and unchanged(kv, before)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -182,7 +189,7 @@ def test_misuse_is_refused(draft, impl):
         decoder.step([1])
     decoder.finish()
     decoder.finish()  # idempotent
-    assert kv.cache.get_seq_length() == len(GLUE)
+    assert kv.cached == len(GLUE)
 
 
 def test_factory():

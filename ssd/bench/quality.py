@@ -91,11 +91,14 @@ def compare(
 
 def format_quality(rows: list[dict[str, Any]]) -> str:
     names = [r["precision"] for r in rows]
-    header = f"{'precision':<10}{'positions':>10}{'ppl':>9}{'d ppl':>9}" + "".join(f"{'agree ' + n:>13}" for n in names)
+    widths = [max(12, len(n) + 8) for n in names]
+    header = f"{'precision':<12}{'positions':>10}{'ppl':>9}{'d ppl':>9}" + "".join(
+        f"{'agree ' + n:>{w}}" for n, w in zip(names, widths)
+    )
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r['precision']:<10}{r['positions']:>10}{r['perplexity']:>9.4f}{r['perplexity_delta']:>+9.4f}"
-            + "".join(f"{r['agreement_vs_' + n]:>13.4f}" for n in names)
+            f"{r['precision']:<12}{r['positions']:>10}{r['perplexity']:>9.4f}{r['perplexity_delta']:>+9.4f}"
+            + "".join(f"{r['agreement_vs_' + n]:>{w}.4f}" for n, w in zip(names, widths))
         )
     return "\n".join(lines)

@@ -1,8 +1,13 @@
 """One sequence's KV cache on one model: prefill, decode, score, roll back.
 
-The cache always holds a prefix of the sequence's committed tokens. Engines
-feed whatever the cache lacks (`catch_up`), score several tokens in one
-forward, and roll back to the accepted length after verification.
+The cache always holds a prefix of the sequence's committed tokens, optionally
+followed by uncommitted entries (branch decoding appends those and drops them
+again). Engines feed whatever the cache lacks (`catch_up`), score several
+tokens in one forward, and roll back to the accepted length after verification.
+
+Two carriers behind one interface: the lean forward over a preallocated cache
+(ssd.models.fast) for the Llama-layout models it supports, transformers'
+forward over a DynamicCache for every other model (and tensor-parallel shards).
 """
 
 from __future__ import annotations
@@ -12,24 +17,44 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from ssd.models.fast import FastForward, StaticKV, fast_supported
+
 
 class KVSequence:
     """A causal LM plus the KV cache of one sequence (batch size 1)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fast: bool | None = None) -> None:
+        """fast: the lean forward (None: wherever it supports the model)."""
         self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.tokens: list[int] = []  # the ids whose keys and values are cached
+        use_fast = fast_supported(model) if fast is None else fast
+        self._fast = FastForward(model) if use_fast else None
+        self._clear()
 
     @property
     def length(self) -> int:
+        """Committed tokens in the cache."""
         return len(self.tokens)
 
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.tokens = []
+    @property
+    def cached(self) -> int:
+        """Entries in the cache: the committed tokens plus any uncommitted ones."""
+        return self.length + self._extra
 
-    @torch.inference_mode()
+    @property
+    def sliding(self) -> bool:
+        """Whether any layer keeps only a window of entries (transformers' carrier only)."""
+        return self._fast is None and any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+
+    def reset(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self.cache: StaticKV | DynamicCache = (
+            self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
+        )
+        self.tokens: list[int] = []  # the ids whose keys and values are cached
+        self._extra = 0
+
     def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Append `ids` to the cache; logits [len(ids), V] (or [1, V] if last_only).
 
@@ -37,14 +62,36 @@ class KVSequence:
         """
         if not ids:
             raise ValueError("forward needs at least one token")
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
-        # An index tensor, not `1`: the int form slices a strided view of the
-        # hidden states, and a bf16 Linear on that view takes a slow CPU
-        # kernel (measured: 2.3 s for the 1.5B's head, against 25 ms).
-        keep = torch.tensor([len(ids) - 1], device=self.model.device) if last_only else 0
-        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
+        if self._extra:
+            raise RuntimeError("drop the uncommitted entries before committing tokens")
+        logits = self._run(list(ids), positions=None, mask=None, last_only=last_only)
         self.tokens.extend(ids)
-        return out.logits[0].cpu()  # sampling and verification run on the CPU generator
+        return logits
+
+    def extend(self, ids: Sequence[int], positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Append uncommitted entries at explicit positions; logits [len(ids), V].
+
+        visible: bool [len(ids), cached + len(ids)], True where a new row may
+        attend (cached entries, then the new rows themselves).
+        """
+        logits = self._run(list(ids), positions, visible, last_only=False)
+        self._extra += len(ids)
+        return logits
+
+    def drop_uncommitted(self) -> None:
+        """Forget every entry past the committed tokens (also after a failed forward)."""
+        if self._fast is None:
+            for layer in self.cache.layers:  # per layer: a failed forward may have grown only some
+                extra = layer.get_seq_length() - self.length
+                if extra > 0:
+                    layer.crop(-extra)  # transformers 5.24: a negative count of tokens to drop
+        self._extra = 0
+
+    def prefix_kv(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of the first `length` cached keys and values per layer, [1, kv heads, length, D]."""
+        if self._fast is not None:
+            return [(k[None, :, :length], v[None, :, :length]) for k, v in zip(self.cache.keys, self.cache.values)]
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.cache.layers]
 
     def catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
         """Feed the tail of `sequence` the cache lacks; logits after its last token.
@@ -67,6 +114,51 @@ class KVSequence:
         """Keep only the first `length` cached tokens."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length} of {self.length} tokens")
+        if self._extra:
+            self.drop_uncommitted()
         if length < self.length:
-            self.cache.crop(length - self.length)  # negative: tokens to remove
+            if self._fast is None:
+                self.cache.crop(length - self.length)  # negative: tokens to remove
             del self.tokens[length:]
+
+    @torch.inference_mode()
+    def _run(
+        self, ids: list[int], positions: torch.Tensor | None, mask: torch.Tensor | None, last_only: bool
+    ) -> torch.Tensor:
+        device = self.model.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        # An index tensor, not `1`: the int form slices a strided view of the
+        # hidden states, and a bf16 Linear on that view takes a slow CPU
+        # kernel (measured: 2.3 s for the 1.5B's head, against 25 ms).
+        keep = torch.tensor([len(ids) - 1], device=device) if last_only else None
+        start = self.cached
+        if positions is None:
+            positions = torch.arange(start, start + len(ids), device=device)
+        if self._fast is not None:
+            logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
+        else:
+            logits = self.model(
+                input_ids=input_ids[None], cache=self.cache, use_cache=True,
+                position_ids=positions.to(device)[None], attention_mask=self._hf_mask(mask, device),
+                logits_to_keep=0 if keep is None else keep,
+            ).logits[0]
+        return logits.cpu()  # sampling and verification run on the CPU generator
+
+    def _hf_mask(self, visible: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """A custom mask in the form the model's attention takes it as a 4D mask.
+
+        transformers returns a 4D mask as-is and hands it straight to the
+        attention function: sdpa reads bool as "True = attend", while eager
+        attention *adds* the mask to the scores, so it needs 0 / dtype-min floats.
+        """
+        if visible is None:
+            return None
+        mask = visible.to(device)[None, None]
+        if self.model.config._attn_implementation == "eager":
+            zero = torch.zeros((), dtype=self.model.dtype, device=device)
+            mask = torch.where(mask, zero, torch.finfo(self.model.dtype).min)
+        return mask
+
+
+def _on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if mask is None else mask.to(device)

@@ -57,9 +57,9 @@ def _check_start(kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Seque
         )
     if not all(0 <= p <= kv.length for p in prefix_lens):
         raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
-    if kv.cache.get_seq_length() != kv.length:
-        raise ValueError(f"KV cache holds {kv.cache.get_seq_length()} entries for {kv.length} tokens")
-    if any(getattr(layer, "is_sliding", False) for layer in kv.cache.layers):
+    if kv.cached != kv.length:
+        raise ValueError(f"KV cache holds {kv.cached} entries for {kv.length} tokens")
+    if kv.sliding:
         # A sliding window drops old entries: prefix indices would no longer be positions.
         raise NotImplementedError("branch decoding needs full-attention cache layers")
 
@@ -160,37 +160,23 @@ class TreeBranchDecoder(_Base):
     def _build_mask(self) -> None:
         n = self.num_branches
         own = torch.eye(n, dtype=torch.bool).repeat(1, self._capacity)
-        visible = torch.cat([_glue_visibility(self._prefix, self._glue), own], dim=1)
-        self._mask = _model_mask(visible, self._kv.model)
+        self._mask = torch.cat([_glue_visibility(self._prefix, self._glue), own], dim=1)
 
-    @torch.inference_mode()
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
         kv = self._check_step(tokens)
         width = self._glue + (self._steps + 1) * self.num_branches
         try:
-            device = kv.model.device
-            out = kv.model(
-                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
-                attention_mask=self._mask[None, None, :, :width].to(device),
-                position_ids=(self._prefix + self._steps)[None, :].to(device),
-                cache=kv.cache,
-                use_cache=True,
-            )
+            logits = kv.extend(tokens, self._prefix + self._steps, self._mask[:, :width])
         except BaseException:
             self.finish()  # a failed forward may have grown some layers only
             raise
         self._steps += 1
-        return out.logits[0].cpu()  # sampling runs on the CPU generator
+        return logits
 
     def finish(self) -> None:
         if self._kv is None:
             return
-        # Per layer, so a forward that failed halfway is cleaned up too; the
-        # decoder never touches kv.tokens, so kv.length is the length to keep.
-        for layer in self._kv.cache.layers:
-            extra = layer.get_seq_length() - self._kv.length
-            if extra > 0:
-                layer.crop(-extra)  # transformers 5.24: a negative count of tokens to drop
+        self._kv.drop_uncommitted()  # kv.tokens were never touched: the committed cache is as before
         self._kv = None
         self._mask = None
 
@@ -247,17 +233,13 @@ def _expanded_cache(kv: KVSequence, length: int, batch: int) -> DynamicCache:
 
     `expand` is a view; DynamicLayer.update concatenates it onto an empty
     tensor, which materialises the copy without writing to kv's tensors.
+    Either carrier of `kv` gives the same tensors, so the batched decoder
+    always runs transformers' forward.
     """
     config = kv.model.config
     if length == 0:
         return DynamicCache(config=config)
-    data = [
-        (
-            layer.keys[:, :, :length].expand(batch, -1, -1, -1),
-            layer.values[:, :, :length].expand(batch, -1, -1, -1),
-        )
-        for layer in kv.cache.layers
-    ]
+    data = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in kv.prefix_kv(length)]
     return DynamicCache(data, config=config)
 
 

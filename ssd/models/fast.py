@@ -1,0 +1,162 @@
+"""A lean forward for Llama-layout decoders over a preallocated KV cache.
+
+transformers' generic forward builds masks, cache objects and output records
+on every call and re-concatenates each layer's whole KV cache per step
+(DynamicCache.update), so its overhead grows with the context. On a CPU
+where a draft step costs ~50-100 ms, that overhead is 10-15% of the step.
+This forward runs the model's own modules (embeddings, norms, projections,
+MLP, rotary embedding: the same numerics) and keeps keys and values in one
+buffer per layer, allocated ahead and grown by doubling: a forward writes its
+rows in place, and rolling back only moves a length.
+
+Attention, per forward of M new rows written at cache index `start`:
+- no mask, M <= ROW_LIMIT (decode, verification): one SDPA call per row over
+  that row's prefix, the very call a one-token step makes, so a verified
+  position is bit-identical to the same position decoded alone
+  (ssd.models.invariant explains why that matters for int8);
+- no mask, longer (prompt prefill): one SDPA call under a causal mask;
+- an explicit [M, start + M] mask (tree-masked branches): one SDPA call.
+
+Supported: Qwen2, Llama and Mistral layouts without sliding windows, on one
+device; anything else (and tensor-parallel shards) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ssd.models.invariant import ROW_LIMIT
+
+SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
+INITIAL_CAPACITY = 256
+
+
+def fast_supported(model: torch.nn.Module) -> bool:
+    """Whether `FastForward` can run `model` with transformers' numerics."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
+        return False
+    if config.model_type == "qwen2":
+        sliding = getattr(config, "use_sliding_window", False)
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None
+    if sliding:
+        return False
+    if getattr(model, "_tp_size", None) or getattr(model, "_device_mesh", None) is not None:
+        return False
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+class StaticKV:
+    """Keys and values of one sequence: per layer [kv heads, capacity, head dim]."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (kv_heads, INITIAL_CAPACITY, head_dim)
+        self.keys = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, length: int, keep: int) -> None:
+        """Room for `length` entries; the first `keep` survive a reallocation."""
+        if length <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < length:
+            capacity *= 2
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = old.new_zeros((old.shape[0], capacity, old.shape[2]))
+                new[:, :keep] = old[:, :keep]
+                store[i] = new
+
+
+class FastForward:
+    """Runs a supported model's modules over a StaticKV (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not fast_supported(model):
+            raise ValueError(f"the lean forward does not support {type(model).__name__}")
+        config = model.config
+        self.model = model
+        self.inner = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # The model's own rotary function, so Llama/Qwen2/Mistral variants agree with transformers.
+        self._rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+    def new_cache(self) -> StaticKV:
+        embed = self.inner.embed_tokens.weight
+        return StaticKV(len(self.inner.layers), self.kv_heads, self.head_dim, self._activation_dtype(), embed.device)
+
+    def _activation_dtype(self) -> torch.dtype:
+        return self.inner.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        cache: StaticKV,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(keep) or M, V] after writing M rows at cache index `start`.
+
+        ids, positions: [M]; mask: bool [M, start + M] (True: may attend) or
+        None for causal order; keep: row indices to compute logits for.
+        """
+        m = ids.shape[0]
+        cache.reserve(start + m, keep=start)
+        x = self.inner.embed_tokens(ids)[None]  # [1, M, H]
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        for index, layer in enumerate(self.inner.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, index, start, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.inner.norm(x)[0]
+        return self.model.lm_head(x if keep is None else x[keep])
+
+    def _attention(self, layer, h, cos, sin, cache, index, start, mask) -> torch.Tensor:
+        attn = layer.self_attn
+        m = h.shape[1]
+        q = attn.q_proj(h).view(1, m, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(1, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._rotary(q, k, cos, sin)
+        end = start + m
+        cache.keys[index][:, start:end] = k[0]
+        cache.values[index][:, start:end] = v[0]
+        keys, values = cache.keys[index][None], cache.values[index][None]
+        out = _attend(q, keys, values, start, end, mask, attn.scaling)  # [1, heads, M, D]
+        return attn.o_proj(out.transpose(1, 2).reshape(1, m, self.heads * self.head_dim))
+
+
+def _attend(q, keys, values, start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    m = q.shape[2]
+    if mask is None and m <= ROW_LIMIT:
+        rows = [
+            F.scaled_dot_product_attention(
+                q[:, :, i : i + 1], keys[:, :, : start + i + 1], values[:, :, : start + i + 1],
+                scale=scale, enable_gqa=True,
+            )
+            for i in range(m)
+        ]
+        return rows[0] if m == 1 else torch.cat(rows, dim=2)
+    if mask is None:
+        mask = _causal_tail(m, end, q.device)
+    return F.scaled_dot_product_attention(
+        q, keys[:, :, :end], values[:, :, :end], attn_mask=mask[None, None], scale=scale, enable_gqa=True
+    )
+
+
+def _causal_tail(m: int, end: int, device: torch.device) -> torch.Tensor:
+    """[m, end] bool: row i sees keys before end - m + i + 1."""
+    return torch.arange(end, device=device)[None, :] <= torch.arange(m, device=device)[:, None] + (end - m)
