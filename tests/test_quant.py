@@ -187,3 +187,22 @@ def test_auto_precision_follows_the_host(monkeypatch, int8, bf16, device, expect
     assert (resolved.dtype, resolved.quantization) == expected
     explicit = ModelConfig(dtype="bf16", quantization=None)
     assert resolve_precision(explicit, device) == explicit  # only "auto" is ever replaced
+
+
+def test_fused_projections_compute_exactly_what_the_separate_layers_do():
+    from ssd.models.invariant import use_row_attention
+    from ssd.models.quant import fuse_projections
+
+    tcfg = dataclasses.replace(TINY, hidden_size=64)
+    separate = use_row_attention(quantize_int8(build_tiny_model(tcfg)))
+    fused = fuse_projections(use_row_attention(quantize_int8(build_tiny_model(tcfg))))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids).logits, separate(input_ids=ids).logits)
+    attn, reference = fused.model.layers[0].self_attn, separate.model.layers[0].self_attn
+    x, y = uneven_rows(3, 64), uneven_rows(2, 64)
+    # Any call order, and inputs that change between calls, still give each layer's own output.
+    assert torch.equal(attn.v_proj(x), reference.v_proj(x))
+    assert torch.equal(attn.q_proj(y), reference.q_proj(y))
+    assert torch.equal(attn.k_proj(x), reference.k_proj(x))
+    assert precision_of(fused) == "int8"

@@ -23,7 +23,7 @@ import torch
 from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
 from ssd.models.invariant import use_row_attention
-from ssd.models.quant import INT8, int8_supported, quantize_int8
+from ssd.models.quant import INT8, fuse_projections, int8_supported, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def load_model(cfg: ModelConfig) -> torch.nn.Module:
         model = _from_pretrained(cfg.name, dtype)
     if cfg.quantization == INT8:
         # Both halves of batch invariance: verified positions score as decoded ones.
-        model = use_row_attention(quantize_int8(model))
+        model = use_row_attention(fuse_projections(quantize_int8(model)))
     return _frozen(model)
 
 
