@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -36,6 +37,7 @@ from _common import ROOT, add_config_args, config_from_args
 from ssd.ablation import costs as costs_mod
 from ssd.ablation import planner, report
 from ssd.ablation.compare import compare
+from ssd.ablation.neighbour import busy_neighbour, pin
 from ssd.ablation.plots import plot_miss_vs_fanout, write_all
 from ssd.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout
 from ssd.ablation.sweep import SweepGrid, sweep_tables
@@ -111,6 +113,8 @@ def _costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=POSITIVE, help="timed repetitions per point (default 3)")
     p.add_argument("--prefix", type=POSITIVE, default=200, help="context tokens in the KV cache")
     p.add_argument("--role-threads", type=POSITIVE, default=1, help="intra-op threads while timing a role")
+    p.add_argument("--under-load", action="store_true",
+                   help="time each role on one core while the other role decodes on another, as in SSD")
     add_config_args(p)
 
 
@@ -190,9 +194,17 @@ def cmd_costs(args: argparse.Namespace, config: Config) -> None:
         prefix=args.prefix, repeats=args.repeats or quick.get("repeats", 3), threads=args.role_threads,
         branch_decoder=config.speculation.branch_decoder, sampling=config.sampling,
     )
+    loads = {}
+    if args.under_load:
+        measured, other = _two_cores()
+        pin(measured)  # this process: the role being timed; the neighbour gets the other core
+        loads = {
+            "beside_draft": lambda: busy_neighbour(config.draft, other, config.speculation.fanout.budget),
+            "beside_target": lambda: busy_neighbour(config.target, other, config.speculation.k + 1),
+        }
     pair = load_pair(config)
     with tqdm(total=settings.measurements, desc="costs", file=sys.stderr) as bar:
-        costs = costs_mod.measure_costs(pair.target, pair.draft, settings, progress=bar.update)
+        costs = costs_mod.measure_costs(pair.target, pair.draft, settings, progress=bar.update, **loads)
     costs.meta.update(target=_model_info(config, "target"), draft=_model_info(config, "draft"))
     costs_mod.save_costs(costs, args.out)
     print(f"AR step {costs.ar_step_s * 1e3:.1f} ms")
@@ -202,6 +214,13 @@ def cmd_costs(args: argparse.Namespace, config: Config) -> None:
     cols += [(f"build_B{b}_ms", f"build B={b}", ">10.1f") for b in settings.budgets]
     print(report.table(rows, cols))
     print(f"wrote {args.out}")
+
+
+def _two_cores() -> tuple[int, int]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("error: --under-load needs two cores (one per role)")
+    return cores[0], cores[1]
 
 
 def cmd_sweep(args: argparse.Namespace, config: Config) -> None:

@@ -3,6 +3,7 @@ within sampling noise at T > 0), the power-law fit, the planner, plots, the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import random
@@ -279,6 +280,26 @@ def test_measure_costs_on_the_tiny_pair(tiny_models):
     costs = measure_costs(*tiny_models, settings)
     assert set(costs.build_s) == {(1, 2), (1, 4), (2, 2), (2, 4)}
     assert costs.ar_step_s > 0 and all(v > 0 for v in [*costs.verify_s.values(), *costs.backup_s.values()])
+
+
+def test_each_role_is_timed_beside_the_other_one_busy(tiny_models):
+    settings = CostSettings(ks=(1, 2), budgets=(2,), prefix=8, repeats=1)
+    active, ticks = [], {"draft busy": 0, "target busy": 0, "alone": 0}
+
+    @contextlib.contextmanager
+    def busy(role):
+        active.append(role)
+        yield
+        active.pop()
+
+    def tick():
+        ticks[active[-1] if active else "alone"] += 1
+
+    costs = measure_costs(*tiny_models, settings, progress=tick,
+                          beside_draft=lambda: busy("draft busy"), beside_target=lambda: busy("target busy"))
+    # AR + verify(K) for the target; backup(K) + build(K, B) for the draft.
+    assert ticks == {"draft busy": 3, "target busy": 4, "alone": 0}
+    assert costs.meta["under_load"] and costs.meta["machine"]["cpu_model"]
 
 
 # --------------------------------------------------------------------- plots

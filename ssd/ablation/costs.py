@@ -1,7 +1,9 @@
 """What one SSD round costs on this machine: measured once, priced many times.
 
 Measured on the loaded pair, one role at a time (each with `threads` intra-op
-threads, one by default, as each role gets its own core in SSD):
+threads, one by default, as each role gets its own core in SSD), alone or,
+with `ablate.py costs --under-load`, while the other role keeps decoding on
+the other core (ssd.ablation.neighbour), as it does in SSD:
 - ar_step: one target forward of 1 token after a `prefix`-token context;
 - verify(K): one target forward of K + 1 tokens after the prefix;
 - backup(K): the draft's chain of K tokens after a miss (its cache lacks only
@@ -25,17 +27,19 @@ kind (a line can dip below zero far outside the measured range).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 import torch
 
+from ssd import hardware
 from ssd.config import SamplingConfig
 from ssd.fanout import uniform_fanout
 from ssd.models.kv import KVSequence
@@ -170,8 +174,15 @@ class CostSettings:
 def measure_costs(
     target: torch.nn.Module, draft: torch.nn.Module, settings: CostSettings,
     progress: Callable[[], None] | None = None,
+    beside_draft: Callable[[], ContextManager] = contextlib.nullcontext,
+    beside_target: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> Costs:
-    """Time AR, verify, backup and build on the pair; `progress` is called after each quantity."""
+    """Time AR, verify, backup and build on the pair; `progress` is called after each quantity.
+
+    The target's costs are measured inside `beside_draft()` and the draft's
+    inside `beside_target()`: contexts in which the other role keeps busy
+    (ssd.ablation.neighbour), as in SSD. The defaults measure each role alone.
+    """
     tick = progress or (lambda: None)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -182,26 +193,29 @@ def measure_costs(
         tkv, dkv = KVSequence(target), KVSequence(draft)
         tkv.forward(prefix, last_only=True)
         dkv.forward(prefix, last_only=True)
-        ar = _target_forward(tkv, prefix, 1, settings, gen)
-        tick()
-        verify = {}
-        for k in settings.ks:
-            verify[k] = _target_forward(tkv, prefix, k + 1, settings, gen)
+        with beside_draft():
+            ar = _target_forward(tkv, prefix, 1, settings, gen)
             tick()
-        backup = {}
-        for k in settings.ks:
-            backup[k] = _backup(dkv, prefix, k, settings)
-            tick()
-        build = {}
-        decoder = _decoder(settings.branch_decoder)
-        for k in settings.ks:
-            for b in settings.budgets:
-                build[(k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
+            verify = {}
+            for k in settings.ks:
+                verify[k] = _target_forward(tkv, prefix, k + 1, settings, gen)
                 tick()
+        with beside_target():
+            backup = {}
+            for k in settings.ks:
+                backup[k] = _backup(dkv, prefix, k, settings)
+                tick()
+            build = {}
+            decoder = _decoder(settings.branch_decoder)
+            for k in settings.ks:
+                for b in settings.budgets:
+                    build[(k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
+                    tick()
     finally:
         torch.set_num_threads(threads)
     meta = {
         "prefix": settings.prefix, "repeats": settings.repeats, "threads": settings.threads,
+        "under_load": beside_draft is not contextlib.nullcontext, "machine": hardware.describe(),
         "branch_decoder": settings.branch_decoder, "temperature": settings.sampling.temperature,
     }
     return Costs(ar, verify, backup, build, meta)
