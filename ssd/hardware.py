@@ -18,6 +18,7 @@ import torch
 
 # cpuinfo flags (x86) and Features (arm64) that mean bf16 matmuls run natively.
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+_VNNI_FLAGS = {"avx512_vnni", "avx_vnni"}
 
 
 @functools.cache
@@ -49,12 +50,19 @@ def native_bf16() -> bool:
     return bool(cpu_flags() & _BF16_FLAGS)
 
 
+def int8_dot_product() -> bool:
+    """Whether this x86 CPU sums u8 x s8 products in 32 bits in one instruction (VNNI):
+    then full 8-bit activations cannot saturate an int16 intermediate."""
+    return bool(cpu_flags() & _VNNI_FLAGS)
+
+
 def describe() -> dict[str, Any]:
     """The facts a benchmark row needs to be compared with another machine's."""
     return {
         "cpu_model": cpu_model(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16(),
+        "int8_dot_product": int8_dot_product(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
