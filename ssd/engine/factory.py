@@ -15,6 +15,7 @@ from ssd.engine.base import Engine
 from ssd.engine.local import LocalSSD
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
+from ssd.models.quant import precision_of
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,7 @@ def _timed_load(role: str, config: Config) -> torch.nn.Module:
     model_config = getattr(config, role)
     started = time.perf_counter()
     model = load_model(model_config)
-    log.info(
-        "loaded %s %s (%s%s) in %.1f s", role, model_config.name, model_config.dtype,
-        f", {model_config.quantization}" if model_config.quantization else "",
-        time.perf_counter() - started,
-    )
+    log.info("loaded %s %s (%s) in %.1f s", role, model_config.name, precision_of(model), time.perf_counter() - started)
     return model
 
 
