@@ -276,8 +276,8 @@ def test_contention_cli_refuses_a_shared_core(monkeypatch, capsys):
 # ------------------------------------------------------------ quality of a precision
 
 
-def test_quality_rows_compare_precisions_on_the_same_positions():
-    from ssd.bench.quality import compare, format_quality
+def test_precision_rows_compare_speed_and_quality_on_the_same_positions():
+    from ssd.bench.precision import compare, format_rows
     from ssd.config import ModelConfig, TinyModelConfig
     from ssd.models import load_model
 
@@ -288,10 +288,12 @@ def test_quality_rows_compare_precisions_on_the_same_positions():
         "int8": lambda: load_model(ModelConfig(name="tiny", quantization="int8", tiny=tcfg)),
         "other": lambda: load_model(ModelConfig(name="tiny", tiny=TinyModelConfig(vocab_size=32, seed=9))),
     }
-    rows = {r["precision"]: r for r in compare(loaders, ids, chunk=32, progress=False)}
+    rows = {r["precision"]: r for r in compare(loaders, ids, chunk=32, progress=False, k=3)}
     assert all(r["positions"] == 96 for r in rows.values())
     assert rows["fp32"]["agreement_vs_fp32"] == 1.0 and rows["fp32"]["perplexity_delta"] == 0.0
     # int8 agrees with its fp32 model far more than an unrelated model does
     assert rows["int8"]["agreement_vs_fp32"] > 0.8 > rows["other"]["agreement_vs_fp32"]
     assert abs(rows["int8"]["perplexity_delta"]) < abs(rows["other"]["perplexity_delta"])
-    assert "agree int8" in format_quality(list(rows.values()))
+    assert all(r["step_ms"] > 0 and r["verify_ms"] > 0 and r["k"] == 3 for r in rows.values())
+    table = format_rows(list(rows.values()))
+    assert "agree int8" in table and "verify 4 ms" in table
