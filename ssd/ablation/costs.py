@@ -193,26 +193,23 @@ def measure_costs(
         tkv, dkv = KVSequence(target), KVSequence(draft)
         tkv.forward(prefix, last_only=True)
         dkv.forward(prefix, last_only=True)
+        target_probes = {("verify", k): _target_forward(tkv, prefix, k + 1, gen) for k in settings.ks}
+        target_probes[("ar", 1)] = _target_forward(tkv, prefix, 1, gen)
+        decoder = _decoder(settings.branch_decoder)
+        draft_probes = {("backup", k): _backup(dkv, prefix, k, settings) for k in settings.ks}
+        for k in settings.ks:
+            for b in settings.budgets:
+                draft_probes[("build", k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
         with beside_draft():
-            ar = _target_forward(tkv, prefix, 1, settings, gen)
-            tick()
-            verify = {}
-            for k in settings.ks:
-                verify[k] = _target_forward(tkv, prefix, k + 1, settings, gen)
-                tick()
+            timed = _round_robin(target_probes, settings.repeats, tick)
         with beside_target():
-            backup = {}
-            for k in settings.ks:
-                backup[k] = _backup(dkv, prefix, k, settings)
-                tick()
-            build = {}
-            decoder = _decoder(settings.branch_decoder)
-            for k in settings.ks:
-                for b in settings.budgets:
-                    build[(k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
-                    tick()
+            timed |= _round_robin(draft_probes, settings.repeats, tick)
     finally:
         torch.set_num_threads(threads)
+    ar = timed[("ar", 1)]
+    verify = {k: timed[("verify", k)] for k in settings.ks}
+    backup = {k: timed[("backup", k)] for k in settings.ks}
+    build = {(k, b): timed[("build", k, b)] for k in settings.ks for b in settings.budgets}
     meta = {
         "prefix": settings.prefix, "repeats": settings.repeats, "threads": settings.threads,
         "under_load": beside_draft is not contextlib.nullcontext, "machine": hardware.describe(),
@@ -221,41 +218,52 @@ def measure_costs(
     return Costs(ar, verify, backup, build, meta)
 
 
-def _median_time(run: Callable[[], None], reset: Callable[[], None], repeats: int) -> float:
-    """Median seconds of `run` over `repeats` timed calls after one warm-up; `reset` between calls."""
-    times = []
-    for i in range(repeats + 1):
+# A probe: (run, reset); reset puts the caches back where `run` expects them.
+Probe = tuple[Callable[[], Any], Callable[[], Any]]
+
+
+def _round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]) -> dict[Any, float]:
+    """Median seconds of each probe over `repeats` passes after one warm-up pass.
+
+    Each pass times every probe once, so a machine that speeds up or slows
+    down over minutes (a shared host does) shifts all of them alike instead of
+    whichever happened to be measured then: the ratios the planner uses hold.
+    """
+    times: dict[Any, list[float]] = {key: [] for key in probes}
+    for rep in range(repeats + 1):
+        for key, (run, reset) in probes.items():
+            reset()
+            started = time.perf_counter()
+            run()
+            if rep:
+                times[key].append(time.perf_counter() - started)
+            if rep == repeats:
+                tick()
+    for _, reset in probes.values():
         reset()
-        started = time.perf_counter()
-        run()
-        if i:
-            times.append(time.perf_counter() - started)
-    reset()
-    return statistics.median(times)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
-def _target_forward(kv: KVSequence, prefix: list[int], n: int, s: CostSettings, gen: torch.Generator) -> float:
+def _target_forward(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
     ids = torch.randint(kv.model.config.vocab_size, (n,), generator=gen).tolist()
-    return _median_time(lambda: kv.forward(ids), lambda: kv.rollback(len(prefix)), s.repeats)
+    return lambda: kv.forward(ids), lambda: kv.rollback(len(prefix))
 
 
-def _backup(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> float:
+def _backup(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
     """draft_chain after a miss: the cache lacks only t* (the last prefix token)."""
     gen = make_generator(s.seed)
-    return _median_time(
-        lambda: draft_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1), s.repeats
-    )
+    return lambda: draft_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1)
 
 
 def _build(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
-           vocab: int, s: CostSettings, gen: torch.Generator) -> float:
+           vocab: int, s: CostSettings, gen: torch.Generator) -> Probe:
     """build_cache after a hit: the glue feeds t* and K drafted tokens."""
     drafted = torch.randint(vocab, (k,), generator=gen).tolist()
     fanout = uniform_fanout(k, budget, caps=[vocab - 1] * k + [vocab])
     sample_gen = make_generator(s.seed)
-    return _median_time(
+    return (
         lambda: build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen),
-        lambda: kv.rollback(min(kv.length, len(prefix) - 1)), s.repeats,
+        lambda: kv.rollback(min(kv.length, len(prefix) - 1)),
     )
 
 
