@@ -27,7 +27,6 @@ the SSD row (or SD without SSD); "x limit" is each row's share of it.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from _common import ROOT, add_config_args, config_from_args
 
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
-from ssd.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_cluster, run_local
+from ssd.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_bench
 from ssd.engine.factory import load_pair
 
 PROMPT_DIR = ROOT / "configs" / "prompts"
@@ -53,14 +52,8 @@ def main(argv: list[str] | None = None) -> Results:
         cluster_ssd=args.cluster,
         progress=not args.no_progress,
     )
-    results: Results = {}
-    if plan.local_runs():
-        pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
-        results |= run_local(pair, config, plan)
-        del pair
-        gc.collect()  # free the weights before a cluster loads its own copies
-    if plan.cluster_runs():
-        results |= run_cluster(config, plan)
+    pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
+    results: Results = run_bench(pair, config, plan)
     rows, limits = summarize(results)
     print(format_tables(rows, limits))
     if args.json:

@@ -10,6 +10,7 @@ config's seed + prompt index) and end conditions, so rows compare like for like.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -140,44 +141,65 @@ def seeded(sampling: SamplingConfig, temperature: float, prompt_index: int) -> S
     return dataclasses.replace(sampling, temperature=temperature, seed=sampling.seed + prompt_index)
 
 
-def run_local(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
-    """The in-process modes, once per thread count; torch's thread count is restored after."""
-    runs = plan.local_runs()
+def run_bench(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
+    """Every mode on every prompt, interleaved: prompt after prompt, each mode in turn.
+
+    A shared machine speeds up and slows down over minutes; running mode
+    after mode would hand those swings to whichever mode ran then. Taking
+    turns on each prompt spreads them over all modes alike, so the ratios
+    between rows hold. In-process engines set torch's thread count before each
+    generation (restored after); SSD through the cluster keeps its actors
+    pinned to one core each (target core 0, draft core 1) and idle between turns.
+    """
     encoded = {name: [p.encode(pair.tokenizer) for p in prompts] for name, prompts in plan.prompt_sets.items()}
     results: Results = {}
     saved_threads = torch.get_num_threads()
-    total = len(runs) * len(plan.thread_counts) * plan.generations_per_run()
-    try:
+    with contextlib.ExitStack() as stack:
+        turns = _open_engines(pair, config, plan, stack)
+        warm_ids = next(iter(encoded.values()))[0]
+        for key, engine in turns:
+            _set_threads(key)
+            _warm_up(engine, warm_ids, config)
+        total = len(turns) * plan.generations_per_run()
         with _bar(total, "bench", plan.progress) as bar:
-            for threads in plan.thread_counts:
-                if threads:
-                    torch.set_num_threads(threads)
-                for mode, k in runs:
-                    with make_engine(pair, config, mode, k, threads) as engine:
-                        _warm_up(engine, next(iter(encoded.values()))[0], config)
-                        _run_engine(engine, config, plan, encoded, mode, k, threads, results, bar)
-    finally:
+            for set_name, prompts in encoded.items():
+                for temperature in plan.temperatures:
+                    for i, ids in enumerate(prompts):
+                        for key, engine in turns:
+                            key = dataclasses.replace(key, prompt_set=set_name, temperature=float(temperature))
+                            bar.set_postfix_str(f"{set_name} T={temperature} {key.label}")
+                            _set_threads(key)
+                            result = engine.generate(ids, seeded(config.sampling, temperature, i), config.generation)
+                            results.setdefault(key, []).append(Sample(
+                                i, result.stats, list(result.token_ids), getattr(result, "first_tokens", 1)
+                            ))
+                            log.debug("%s prompt %d: %s", key.label, i, result.stats.summary())
+                            bar.update()
         torch.set_num_threads(saved_threads)
     return results
 
 
-def run_cluster(config: Config, plan: BenchPlan) -> Results:
-    """SSD through Ray actors: the target on core 0, the draft on core 1."""
-    from ssd.cluster.devices import default_cpu_placement
-    from ssd.cluster.runtime import Cluster
+def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: contextlib.ExitStack) -> list:
+    """(RunKey without prompt set and temperature, engine) for every row of the plan."""
+    turns = []
+    for threads in plan.thread_counts:
+        for mode, k in plan.local_runs():
+            engine = stack.enter_context(make_engine(pair, config, mode, k, threads))
+            turns.append((RunKey("", 0.0, mode, k, threads), engine))
+    if plan.cluster_runs():
+        from ssd.cluster.devices import default_cpu_placement
+        from ssd.cluster.runtime import Cluster
 
-    runs = plan.cluster_runs()
-    results: Results = {}
-    if not runs:
-        return results
-    with Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)) as cluster:
-        encoded = {name: [cluster.encode(p.text, p.chat) for p in ps] for name, ps in plan.prompt_sets.items()}
-        with _bar(len(runs) * plan.generations_per_run(), "bench cluster", plan.progress) as bar:
-            for mode, k in runs:
-                engine = _ClusterEngine(cluster, dataclasses.replace(config.speculation, mode=mode, k=k))
-                _warm_up(engine, next(iter(encoded.values()))[0], config)
-                _run_engine(engine, config, plan, encoded, mode, k, 0, results, bar, cluster=True)
-    return results
+        cluster = stack.enter_context(Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)))
+        for mode, k in plan.cluster_runs():
+            spec = dataclasses.replace(config.speculation, mode=mode, k=k)
+            turns.append((RunKey("", 0.0, mode, k, 0, cluster=True), _ClusterEngine(cluster, spec)))
+    return turns
+
+
+def _set_threads(key: RunKey) -> None:
+    if key.threads and not key.cluster:
+        torch.set_num_threads(key.threads)
 
 
 @dataclass
@@ -191,23 +213,6 @@ class _ClusterEngine:
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
     ) -> GenerationResult:
         return self.cluster.generate(list(prompt_ids), sampling, generation, self.spec)
-
-
-def _run_engine(
-    engine: _Engine, config: Config, plan: BenchPlan, encoded: dict[str, list[list[int]]],
-    mode: str, k: int, threads: int, results: Results, bar: tqdm, cluster: bool = False,
-) -> None:
-    """Every prompt set x temperature x prompt on one engine."""
-    for set_name, prompts in encoded.items():
-        for temperature in plan.temperatures:
-            key = RunKey(set_name, float(temperature), mode, k, threads, cluster)
-            bar.set_postfix_str(f"{set_name} T={temperature} {key.label}")
-            samples = results.setdefault(key, [])
-            for i, ids in enumerate(prompts):
-                result = engine.generate(ids, seeded(config.sampling, temperature, i), config.generation)
-                samples.append(Sample(i, result.stats, list(result.token_ids), getattr(result, "first_tokens", 1)))
-                log.debug("%s prompt %d: %s", key.label, i, result.stats.summary())
-                bar.update()
 
 
 def _warm_up(engine: _Engine, ids: list[int], config: Config) -> None:
