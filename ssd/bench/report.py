@@ -265,6 +265,7 @@ def plot_throughput(
 
     Uses the Agg canvas directly, so no pyplot backend or global figure state.
     """
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -274,9 +275,11 @@ def plot_throughput(
     fig = Figure(figsize=(max(7.0, 3.0 + 0.4 * len(groups) * len(labels)), 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    palette = matplotlib.colormaps["tab20"]  # 20 distinct colours: rows must not share one
     for j, label in enumerate(labels):
         speeds = [next((r["tok_s"] for r in members if r["label"] == label), 0.0) for members in groups.values()]
-        ax.bar([i + (j - (len(labels) - 1) / 2) * width for i in range(len(groups))], speeds, width, label=label)
+        ax.bar([i + (j - (len(labels) - 1) / 2) * width for i in range(len(groups))], speeds, width, label=label,
+               color=palette(j % palette.N))
     marked = [(i, limits[g]) for i, g in enumerate(groups) if limits and limits.get(g)]
     for n, (i, limit) in enumerate(marked):
         ax.hlines(limit.tok_s, i - 0.45, i + 0.45, colors="black", linestyles="dashed",

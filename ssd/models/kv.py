@@ -139,25 +139,25 @@ class KVSequence:
         else:
             logits = self.model(
                 input_ids=input_ids[None], cache=self.cache, use_cache=True,
-                position_ids=positions.to(device)[None], attention_mask=self._hf_mask(mask, device),
+                position_ids=positions.to(device)[None],
+                attention_mask=None if mask is None else hf_attention_mask(mask.to(device)[None, None], self.model),
                 logits_to_keep=0 if keep is None else keep,
             ).logits[0]
         return logits.cpu()  # sampling and verification run on the CPU generator
 
-    def _hf_mask(self, visible: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        """A custom mask in the form the model's attention takes it as a 4D mask.
 
-        transformers returns a 4D mask as-is and hands it straight to the
-        attention function: sdpa reads bool as "True = attend", while eager
-        attention *adds* the mask to the scores, so it needs 0 / dtype-min floats.
-        """
-        if visible is None:
-            return None
-        mask = visible.to(device)[None, None]
-        if self.model.config._attn_implementation == "eager":
-            zero = torch.zeros((), dtype=self.model.dtype, device=device)
-            mask = torch.where(mask, zero, torch.finfo(self.model.dtype).min)
-        return mask
+def hf_attention_mask(visible: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A custom mask (bool, True = may attend) in the form the model's attention takes it.
+
+    transformers returns a 4D mask as-is and hands it straight to the
+    attention function: SDPA (and our row attention) read bool as "True =
+    attend", while eager attention *adds* the mask to the scores, so it needs
+    0 / dtype-min floats.
+    """
+    if model.config._attn_implementation != "eager":
+        return visible
+    zero = torch.zeros((), dtype=model.dtype, device=visible.device)
+    return torch.where(visible, zero, torch.finfo(model.dtype).min)
 
 
 def _on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

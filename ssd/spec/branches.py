@@ -25,8 +25,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.invariant import ROW_ATTENTION
-from ssd.models.kv import KVSequence
+from ssd.models.kv import KVSequence, hf_attention_mask
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +66,6 @@ def _check_start(kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Seque
 def _glue_visibility(prefix: torch.Tensor, glue_len: int) -> torch.Tensor:
     """[B, glue_len] bool: branch b sees cached entry j iff j < prefix_len_b."""
     return torch.arange(glue_len)[None, :] < prefix[:, None]
-
-
-def _model_mask(visible: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    """The mask in the form the model's attention takes a custom 4D mask.
-
-    transformers returns a 4D mask as-is (masking_utils._preprocess_mask_arguments)
-    and hands it straight to the attention function: sdpa reads bool as
-    "True = attend" (the form transformers' own sdpa_mask builds), while eager
-    attention *adds* the mask to the scores, so it needs 0 / dtype-min floats.
-    """
-    if model.config._attn_implementation in ("sdpa", ROW_ATTENTION):
-        return visible
-    zero = torch.zeros((), dtype=model.dtype)
-    return torch.where(visible, zero, torch.finfo(model.dtype).min)
 
 
 class _Base:
@@ -201,7 +186,7 @@ class BatchedBranchDecoder(_Base):
     def _build_mask(self) -> None:
         own = torch.ones(self.num_branches, self._capacity, dtype=torch.bool)
         visible = torch.cat([_glue_visibility(self._prefix, self._glue), own], dim=1)
-        self._mask = _model_mask(visible, self._kv.model)
+        self._mask = hf_attention_mask(visible, self._kv.model)
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
