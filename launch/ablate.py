@@ -43,7 +43,8 @@ from ssd.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout
 from ssd.ablation.sweep import SweepGrid, sweep_tables
 from ssd.ablation.trace import RecordSettings, Trace, load_trace, record_trace, save_trace
 from ssd.config import Config, SpeculationConfig
-from ssd.engine.factory import encode_prompt, load_pair
+from ssd.engine.factory import load_pair
+from ssd.models.tokenizer import encode_prompt
 
 log = logging.getLogger("ablate")
 PROMPT_FILE = ROOT / "configs" / "prompts" / "code.yaml"

@@ -35,7 +35,7 @@ from tqdm import tqdm  # noqa: E402
 from ssd.config import ModelConfig  # noqa: E402
 from ssd.models import load_model  # noqa: E402
 from ssd.models.kv import KVSequence  # noqa: E402
-from ssd.spec.branches import BRANCH_DECODERS, TreeBranchDecoder  # noqa: E402
+from ssd.speculation.branches import BRANCH_DECODERS, TreeBranchDecoder  # noqa: E402
 
 logger = logging.getLogger("bench_branches")
 

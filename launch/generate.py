@@ -12,7 +12,8 @@ import sys
 
 from _common import add_config_args, config_from_args
 
-from ssd.engine.factory import build_engine, encode_prompt
+from ssd.engine.factory import build_engine
+from ssd.models.tokenizer import encode_prompt
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from _common import ROOT, add_config_args, config_from_args
 
-from ssd.engine.factory import encode_prompt, load_pair
+from ssd.engine.factory import load_pair
+from ssd.models.tokenizer import encode_prompt
 from ssd.engine.metrics import GenerationStats
 
 

@@ -22,6 +22,8 @@ import math
 import operator
 from typing import Literal, Sequence
 
+from ssd.config import SpeculationConfig
+
 # Fractional parts closer than this count as equal, so that ties that are
 # exact in real arithmetic but not in floats still break "lower k first".
 _TIE_EPS = 1e-9
@@ -436,3 +438,16 @@ class FanoutPlanner:
                 self._schedules[h] = geometric_fanout(
                     self.a(h), self.r, self.k, self.budget, self.caps
                 )
+
+
+def make_planner(speculation: SpeculationConfig, vocab_size: int) -> FanoutPlanner:
+    """The fan-out planner of one sequence, shared by the speculator and the
+    trace replay (ssd.ablation), which must plan exactly as the speculator does.
+
+    Caps: at most V-1 guesses where the drafted token is excluded, V at k = K.
+    """
+    fanout = speculation.fanout
+    return FanoutPlanner(
+        fanout.kind, speculation.k, fanout.budget, caps=[vocab_size - 1] * speculation.k + [vocab_size],
+        refresh_every=fanout.refresh_every, prior_a=fanout.initial_a, prior_r=fanout.initial_r,
+    )

@@ -17,7 +17,7 @@ from ssd.bench.report import format_tables, physical_limit, plot_throughput, sum
 from ssd.bench.runner import RunKey, Sample
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.ar import AREngine
-from ssd.engine.factory import encode_prompt
+from ssd.models.tokenizer import encode_prompt
 from ssd.engine.metrics import GenerationStats
 from tests.conftest import ROOT
 

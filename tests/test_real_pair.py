@@ -15,7 +15,7 @@ import yaml
 from ssd.config import FanoutConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.local import LocalSSD
-from ssd.engine.factory import encode_prompt
+from ssd.models.tokenizer import encode_prompt
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from ssd.models.quant import int8_supported

@@ -10,7 +10,7 @@ import torch
 
 from ssd.config import GenerationConfig, ModelConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.factory import encode_prompt
+from ssd.models.tokenizer import encode_prompt
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from tests.test_real_pair import GREEDY, PROMPTS

@@ -9,7 +9,7 @@ from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, Speculati
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
 from ssd.models import build_tiny_model
-from ssd.spec.builder import guessed_outcomes
+from ssd.speculation.builder import guessed_outcomes
 from tests.conftest import TINY
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-import ssd.spec.builder as builder_module
-import ssd.spec.speculator as speculator_module
+import ssd.speculation.builder as builder_module
+import ssd.speculation.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine.local import LocalSSD
 from ssd.models import TinyTokenizer, build_tiny_model

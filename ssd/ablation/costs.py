@@ -7,8 +7,8 @@ the other core (ssd.ablation.neighbour), as it does in SSD:
 - ar_step: one target forward of 1 token after a `prefix`-token context;
 - verify(K): one target forward of K + 1 tokens after the prefix;
 - backup(K): the draft's chain of K tokens after a miss (its cache lacks only
-  t*, so: one 1-token forward, then K - 1 steps; ssd.spec.drafting.draft_chain);
-- build(K, B): the real ssd.spec.builder.build_cache with the configured
+  t*, so: one 1-token forward, then K - 1 steps; ssd.speculation.drafting.draft_chain);
+- build(K, B): the real ssd.speculation.builder.build_cache with the configured
   branch decoder, B branches (uniform split) after a hit (glue of K + 1 tokens).
 Each is the median of `repeats` timed runs after one warm-up. The context is
 random token ids: attention cost depends on length, not content. The roles
@@ -44,9 +44,9 @@ from ssd.config import SamplingConfig
 from ssd.fanout import uniform_fanout
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
-from ssd.spec.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
-from ssd.spec.builder import build_cache
-from ssd.spec.drafting import draft_chain
+from ssd.speculation.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.speculation.builder import build_cache
+from ssd.speculation.drafting import draft_chain
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.base import GenerationResult
 from ssd.engine.metrics import GenerationStats, Stopwatch
-from ssd.engine.output import eos_token_ids
+from ssd.models.tokenizer import eos_token_ids
 from ssd.models.quant import precision_of
 
 log = logging.getLogger(__name__)

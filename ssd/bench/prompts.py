@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ssd.engine.factory import encode_prompt
+from ssd.models.tokenizer import encode_prompt
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ class TargetWorker:
         self._cancel.set()
 
     def describe(self) -> dict[str, Any]:
-        from ssd.engine.output import eos_token_ids
+        from ssd.models.tokenizer import eos_token_ids
 
         return {
             "max_positions": int(getattr(self.model.config, "max_position_embeddings", 4096)),
@@ -147,13 +147,13 @@ class TargetWorker:
         }
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
-        from ssd.engine.factory import encode_prompt
+        from ssd.models.tokenizer import encode_prompt
 
         return encode_prompt(self.tokenizer, text, chat)
 
     def shutdown(self) -> None:
         """Stop the speculator's loop and the TP followers."""
-        from ssd.spec import protocol
+        from ssd.speculation import protocol
 
         ssd = self._engines.get("ssd")
         if ssd is not None and ssd.link_up:
@@ -204,7 +204,7 @@ class DraftWorker:
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
         pin_to_cores(self.cores)
-        from ssd.spec.speculator import Speculator
+        from ssd.speculation.speculator import Speculator
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(

@@ -16,7 +16,8 @@ import torch
 
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.metrics import GenerationStats, Stopwatch
-from ssd.engine.output import OutputTracker, Tokenizer, eos_token_ids
+from ssd.engine.output import OutputTracker
+from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
 from ssd.sampling import make_generator, probs_from_logits, sample

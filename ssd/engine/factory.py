@@ -61,26 +61,3 @@ def _timed_load(role: str, config: Config) -> torch.nn.Module:
     model = load_model(model_config)
     log.info("loaded %s %s (%s) in %.1f s", role, model_config.name, precision_of(model), time.perf_counter() - started)
     return model
-
-
-def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt; with chat=True wrapped in the model's chat template.
-
-    A tokenizer without a chat template (the tiny test tokenizer, base models)
-    encodes the text as is, so one prompt set serves every model pair.
-    """
-    if chat and has_chat_template(tokenizer):
-        return chat_ids(tokenizer, [{"role": "user", "content": text}])
-    if chat:
-        log.debug("tokenizer %s has no chat template; encoding the chat prompt as plain text", type(tokenizer).__name__)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation rendered by the model's chat template, ready for the assistant's turn."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")

@@ -11,11 +11,11 @@ import torch
 
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback, Verifier
-from ssd.engine.output import Tokenizer
+from ssd.models.tokenizer import Tokenizer
 from ssd.engine.ssd import SSDEngine
 from ssd.models.quant import precision_of
-from ssd.spec import protocol
-from ssd.spec.speculator import Speculator
+from ssd.speculation import protocol
+from ssd.speculation.speculator import Speculator
 from ssd.transport import inprocess_pair
 from ssd.verify import verify
 

@@ -6,15 +6,10 @@ at a time so that nothing past the end condition is ever emitted.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from ssd.config import GenerationConfig
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int | None
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+from ssd.models.tokenizer import Tokenizer
 
 
 class OutputTracker:
@@ -73,19 +68,3 @@ class OutputTracker:
             return False
         self.stop_text = text[: min(hits)]
         return True
-
-
-def eos_token_ids(tokenizer: Tokenizer, model: object | None = None) -> set[int]:
-    """EOS ids from the tokenizer and the model's generation config.
-
-    Chat models often end turns with a token (Qwen's <|im_end|>) other than
-    the tokenizer's own EOS; the generation config lists both.
-    """
-    ids: set[int] = set()
-    gen_config = getattr(model, "generation_config", None)
-    for eos in (getattr(tokenizer, "eos_token_id", None), getattr(gen_config, "eos_token_id", None)):
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos is not None:
-            ids.update(eos)
-    return ids

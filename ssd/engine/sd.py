@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ssd.engine.base import Engine, Request, Verifier
-from ssd.engine.output import Tokenizer
+from ssd.models.tokenizer import Tokenizer
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
-from ssd.spec.drafting import draft_chain
+from ssd.speculation.drafting import draft_chain
 from ssd.verify import verify
 
 

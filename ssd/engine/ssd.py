@@ -1,6 +1,6 @@
 """SSD, the target side: send each verification outcome to the draft, receive
 the next speculation (ready at once on a cache hit), verify it. Written only
-against the Channel interface; the draft side is ssd.spec.speculator.
+against the Channel interface; the draft side is ssd.speculation.speculator.
 
 A draft that fails, disconnects or stalls past `draft_timeout_s` never costs
 a request: the round it happened in has verified nothing yet, so the target
@@ -18,9 +18,9 @@ import torch
 
 from ssd.config import SpeculationConfig
 from ssd.engine.base import Engine, Request, Verifier
-from ssd.engine.output import Tokenizer
+from ssd.models.tokenizer import Tokenizer
 from ssd.models.kv import KVSequence
-from ssd.spec import protocol
+from ssd.speculation import protocol
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 from ssd.verify import Outcome, verify
 
@@ -89,17 +89,17 @@ class SSDEngine(Engine):
         lookup_k = None if self._first_round else self._outcome.k
         started = time.perf_counter()
         self.channel.send(protocol.round_(self._seq, self._outcome.k, self._outcome.token))
-        reply = protocol.parse_speculation(self.channel.recv(self.draft_timeout_s))
+        reply = protocol.parse_proposal(self.channel.recv(self.draft_timeout_s))
         waited = time.perf_counter() - started
         self._first_round = False
         # Never verify past max_new_tokens: the round adds up to K + 1 tokens.
-        k = min(len(reply.speculation.tokens), req.output.remaining - 1)
-        drafted = reply.speculation.tokens[:k]
-        q = None if reply.speculation.q is None else reply.speculation.q[:k]
+        k = min(len(reply.proposal.tokens), req.output.remaining - 1)
+        drafted = reply.proposal.tokens[:k]
+        q = None if reply.proposal.q is None else reply.proposal.q[:k]
         target_before = req.stats.target_s
         self._outcome = self._verify(req, drafted, q)
         req.stats.spec.record(
-            lookup_k=lookup_k, hit=reply.hit, source=reply.speculation.source,
+            lookup_k=lookup_k, hit=reply.hit, source=reply.proposal.source,
             tokens=self._outcome.k + 1, wait_s=waited, verify_s=req.stats.target_s - target_before,
             backup_s=reply.backup_s, build_s=reply.build_s,
         )

@@ -1,4 +1,4 @@
-"""Turn a ModelConfig into a ready-to-run model and its tokenizer.
+"""Turn a ModelConfig into a ready-to-run model (tokenizers: ssd.models.tokenizer).
 
 `cfg.name` is resolved in this order:
   1. "tiny": a small random Qwen2 model built from `cfg.tiny` (tests);
@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import string
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +85,10 @@ def _from_pretrained(name: str, dtype: torch.dtype) -> torch.nn.Module:
     load = functools.partial(
         AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa"
     )
-    return _load_resolved(name, load)
+    return load_resolved(name, load)
 
 
-def _load_resolved(name: str, load: Callable[[str], Any]) -> Any:
+def load_resolved(name: str, load: Callable[[str], Any]) -> Any:
     """`load(source)`; for a hub id, "not found / unreachable / invalid id" becomes one clear error."""
     source = resolve_source(name)
     if Path(source).is_dir():
@@ -168,72 +167,3 @@ def _add_relative_noise(model: torch.nn.Module, scale: float, seed: int) -> None
 
 # Printable, single-character, unambiguous tokens; lowercase first so small
 # vocabularies spell words ("abc...") that stop-string tests can use.
-_BASE_ALPHABET = (
-    string.ascii_lowercase + string.digits + string.ascii_uppercase + " \n.,:;!?()[]{}<>=+-*/_"
-)
-_EXTRA_START = 0x4E00  # CJK ideographs: printable single characters for larger vocabularies
-
-
-def tiny_alphabet(vocab_size: int) -> str:
-    """Character i is the text of token id i."""
-    extra = max(0, vocab_size - len(_BASE_ALPHABET))
-    return (_BASE_ALPHABET + "".join(chr(_EXTRA_START + i) for i in range(extra)))[:vocab_size]
-
-
-class TinyTokenizer:
-    """One character per token id, for tiny models; a subset of the HF tokenizer interface.
-
-    Engine code may call `encode`, `decode`, `len()` and read `vocab_size` /
-    `eos_token_id` on either kind of tokenizer.
-    """
-
-    def __init__(self, vocab_size: int, eos_token_id: int | None = None) -> None:
-        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
-            raise ValueError(f"eos_token_id {eos_token_id} outside vocabulary of {vocab_size}")
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self._chars = tiny_alphabet(vocab_size)
-        self._ids = {ch: i for i, ch in enumerate(self._chars)}
-
-    @classmethod
-    def from_config(cls, tcfg: TinyModelConfig) -> "TinyTokenizer":
-        return cls(tcfg.vocab_size, tcfg.eos_token_id)
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return [] if self.eos_token_id is None else [self.eos_token_id]
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; no special tokens are ever added (as with Qwen's tokenizer)."""
-        try:
-            return [self._ids[ch] for ch in text]
-        except KeyError as exc:
-            raise ValueError(
-                f"character {exc.args[0]!r} is not in this tiny vocabulary {self._chars!r}"
-            ) from None
-
-    def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids` (ints, or a 1-D tensor); eos is dropped when skip_special_tokens."""
-        if hasattr(ids, "tolist"):  # a tensor or numpy array
-            ids = ids.tolist()
-        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
-        if skip_special_tokens:
-            ids = [i for i in ids if i not in self.all_special_ids]
-        return "".join(self._chars[i] for i in ids)
-
-    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
-        if isinstance(ids, int):
-            return self._chars[ids]
-        return [self._chars[int(i)] for i in ids]
-
-
-def load_tokenizer(cfg: ModelConfig) -> Any:
-    """TinyTokenizer for "tiny", else the HF tokenizer stored with the model."""
-    if cfg.name == TINY:
-        return TinyTokenizer.from_config(cfg.tiny)
-    from transformers import AutoTokenizer
-
-    return _load_resolved(cfg.name, AutoTokenizer.from_pretrained)

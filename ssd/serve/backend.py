@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.base import GenerationResult, TokenCallback
-from ssd.engine.factory import LoadedPair, chat_ids, has_chat_template, load_pair
-from ssd.engine.output import eos_token_ids
+from ssd.engine.factory import LoadedPair, load_pair
+from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import torch
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
 from ssd.sampling import probs_from_logits, sample_rows
-from ssd.spec.branches import BranchDecoder
-from ssd.spec.cache import Speculation
-from ssd.spec.drafting import Saguaro
+from ssd.speculation.branches import BranchDecoder
+from ssd.speculation.cache import Proposal
+from ssd.speculation.drafting import Saguaro
 
-Entries = dict[tuple[int, int], Speculation]
+Entries = dict[tuple[int, int], Proposal]
 
 
 def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: Sequence[int]) -> list[tuple[int, int]]:
@@ -89,6 +89,6 @@ def build_cache(
         decoder.finish()
     q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [B, K, V]
     return {
-        key: Speculation([s[b] for s in steps], None if q_all is None else q_all[b], "cache")
+        key: Proposal([s[b] for s in steps], None if q_all is None else q_all[b], "cache")
         for b, key in enumerate(branches)
     }

@@ -10,8 +10,8 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
-from ssd.spec.cache import Speculation
-from ssd.spec.drafting import Saguaro, draft_chain
+from ssd.speculation.cache import Proposal
+from ssd.speculation.drafting import Saguaro, draft_chain
 
 
 class Backup(Protocol):
@@ -20,7 +20,7 @@ class Backup(Protocol):
     def propose(
         self, kv: KVSequence, context: Sequence[int], k: int, sampling: SamplingConfig,
         gen: torch.Generator, saguaro: Saguaro | None,
-    ) -> Speculation: ...
+    ) -> Proposal: ...
 
 
 class NeuralBackup:
@@ -31,7 +31,7 @@ class NeuralBackup:
     def propose(self, kv, context, k, sampling, gen, saguaro):
         tokens, rows = draft_chain(kv, context, k, sampling, gen, saguaro)
         q = None if sampling.greedy else torch.stack(rows)
-        return Speculation(tokens, q, self.kind)
+        return Proposal(tokens, q, self.kind)
 
 
 class NgramBackup:
@@ -47,7 +47,7 @@ class NgramBackup:
     def propose(self, kv, context, k, sampling, gen, saguaro):
         tokens = ngram_continuation(context, k, self.max_n)
         q = None if sampling.greedy else one_hot_rows(tokens, self.vocab_size)
-        return Speculation(tokens, q, self.kind)
+        return Proposal(tokens, q, self.kind)
 
 
 class RandomBackup:
@@ -61,7 +61,7 @@ class RandomBackup:
     def propose(self, kv, context, k, sampling, gen, saguaro):
         tokens = torch.randint(self.vocab_size, (k,), generator=gen).tolist()
         q = None if sampling.greedy else torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float64)
-        return Speculation(tokens, q, self.kind)
+        return Proposal(tokens, q, self.kind)
 
 
 def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
-from ssd.fanout import FanoutPlanner
+from ssd.fanout import FanoutPlanner, make_planner
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
-from ssd.spec import protocol
-from ssd.spec.backups import make_backup
-from ssd.spec.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
-from ssd.spec.builder import build_cache
-from ssd.spec.cache import Speculation, SpeculationCache
-from ssd.spec.drafting import Saguaro
+from ssd.speculation import protocol
+from ssd.speculation.backups import make_backup
+from ssd.speculation.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.speculation.builder import build_cache
+from ssd.speculation.cache import Proposal, SpeculationCache
+from ssd.speculation.drafting import Saguaro
 from ssd.transport.channel import Channel, Message
 
 log = logging.getLogger(__name__)
@@ -32,19 +32,6 @@ def draft_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)
 
 
-def make_planner(spec: SpeculationConfig, vocab_size: int) -> FanoutPlanner:
-    """The fan-out planner of one sequence; also used by the trace replay
-    (ssd.ablation), which must plan exactly as the speculator does.
-
-    Caps: at most V-1 guesses where the drafted token is excluded, V at k = K.
-    """
-    return FanoutPlanner(
-        spec.fanout.kind, spec.k, spec.fanout.budget, caps=[vocab_size - 1] * spec.k + [vocab_size],
-        refresh_every=spec.fanout.refresh_every,
-        prior_a=spec.fanout.initial_a, prior_r=spec.fanout.initial_r,
-    )
-
-
 @dataclass
 class DraftSequence:
     """What the draft keeps per sequence between rounds."""
@@ -52,11 +39,11 @@ class DraftSequence:
     kv: KVSequence
     committed: list[int]
     sampling: SamplingConfig
-    spec: SpeculationConfig
+    speculation: SpeculationConfig
     gen: torch.Generator
     planner: FanoutPlanner
     cache: SpeculationCache = field(default_factory=SpeculationCache)
-    in_flight: Speculation | None = None  # the speculation the target is verifying
+    in_flight: Proposal | None = None  # the proposal the target is verifying
     in_flight_hit: bool = False
     in_flight_fanout: list[int] = field(default_factory=list)
     build_s: float = 0.0
@@ -85,27 +72,27 @@ class Speculator:
                 self.channel.send(protocol.error(msg.header.get("seq", -1), f"{type(exc).__name__}: {exc}"))
 
     def _prefill(self, msg: Message) -> None:
-        seq_id, prompt, sampling, spec = protocol.parse_prefill(msg)
+        seq_id, prompt, sampling, speculation = protocol.parse_prefill(msg)
         kv = KVSequence(self.model)
         if len(prompt) > 1:
             kv.forward(prompt[:-1], last_only=True)  # overlaps the target's own prefill
-        planner = make_planner(spec, self.vocab_size)
+        planner = make_planner(speculation, self.vocab_size)
         gen = make_generator(draft_seed(sampling.seed))
-        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, spec, gen, planner)
+        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner)
 
     def _round(self, msg: Message) -> None:
         seq_id, k, token = msg.header["seq"], msg.header["k"], msg.header["token"]
         seq = self.sequences[seq_id]
         cached = self._commit(seq, k, token)
         started = time.perf_counter()
-        spec = cached or self._backup(seq)
+        proposal = cached or self._backup(seq)
         backup_s = 0.0 if cached else time.perf_counter() - started
-        reply = protocol.SpeculationReply(seq_id, cached is not None, spec, backup_s, seq.build_s)
-        self.channel.send(protocol.speculation(reply))
-        self._build(seq, spec, hit=cached is not None)
+        reply = protocol.ProposalReply(seq_id, cached is not None, proposal, backup_s, seq.build_s)
+        self.channel.send(protocol.proposal(reply))
+        self._build(seq, proposal, hit=cached is not None)
 
-    def _commit(self, seq: DraftSequence, k: int, token: int) -> Speculation | None:
-        """Advance the committed sequence by the outcome; the cached speculation for it, if any."""
+    def _commit(self, seq: DraftSequence, k: int, token: int) -> Proposal | None:
+        """Advance the committed sequence by the outcome; the cached proposal for it, if any."""
         if seq.in_flight is None:  # the first round follows the prefill's token
             seq.committed.append(token)
             return None
@@ -114,19 +101,19 @@ class Speculator:
         seq.committed += seq.in_flight.tokens[:k] + [token]
         return cached
 
-    def _backup(self, seq: DraftSequence) -> Speculation:
-        backup = make_backup(seq.spec.backup_for(batch_size=1), self.vocab_size)
-        saguaro = Saguaro(seq.spec.saguaro_c, seq.planner.schedule(after_hit=False))
-        return backup.propose(seq.kv, seq.committed, seq.spec.k, seq.sampling, seq.gen, saguaro)
+    def _backup(self, seq: DraftSequence) -> Proposal:
+        backup = make_backup(seq.speculation.backup_for(batch_size=1), self.vocab_size)
+        saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=False))
+        return backup.propose(seq.kv, seq.committed, seq.speculation.k, seq.sampling, seq.gen, saguaro)
 
-    def _build(self, seq: DraftSequence, spec: Speculation, hit: bool) -> None:
+    def _build(self, seq: DraftSequence, proposal: Proposal, hit: bool) -> None:
         started = time.perf_counter()
         fanout = seq.planner.schedule(after_hit=hit)
-        saguaro = Saguaro(seq.spec.saguaro_c, seq.planner.schedule(after_hit=True))
-        decoder = self.decoders[seq.spec.branch_decoder]
-        entries = build_cache(seq.kv, decoder, seq.committed, spec.tokens, fanout, seq.sampling, seq.gen, saguaro)
+        saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=True))
+        decoder = self.decoders[seq.speculation.branch_decoder]
+        entries = build_cache(seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro)
         seq.cache.replace(entries)
-        seq.in_flight, seq.in_flight_hit, seq.in_flight_fanout = spec, hit, fanout
+        seq.in_flight, seq.in_flight_hit, seq.in_flight_fanout = proposal, hit, fanout
         seq.build_s = time.perf_counter() - started
 
     def _release(self, msg: Message) -> None:

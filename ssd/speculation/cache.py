@@ -8,7 +8,7 @@ import torch
 
 
 @dataclass
-class Speculation:
+class Proposal:
     """K proposed tokens and the exact distributions they were drawn from.
 
     q is None under greedy decoding, where verification needs no q.
@@ -20,10 +20,10 @@ class Speculation:
 
 
 class SpeculationCache:
-    """Per-sequence map (k, t*) -> Speculation; replaced whole every round."""
+    """Per-sequence map (k, t*) -> Proposal; replaced whole every round."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], Speculation] = {}
+        self._entries: dict[tuple[int, int], Proposal] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -31,10 +31,10 @@ class SpeculationCache:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._entries
 
-    def lookup(self, k: int, token: int) -> Speculation | None:
+    def lookup(self, k: int, token: int) -> Proposal | None:
         return self._entries.get((k, token))
 
-    def replace(self, entries: dict[tuple[int, int], Speculation]) -> None:
+    def replace(self, entries: dict[tuple[int, int], Proposal]) -> None:
         """Install the speculations built for the outcome now being verified."""
         self._entries = entries
 

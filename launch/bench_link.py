@@ -1,0 +1,32 @@
+"""Round-trip latency of the draft link (gloo over loopback), both receive modes.
+
+    python launch/bench_link.py --rounds 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from ssd.bench.link import bench_link  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=300, help="round trips per message and receive mode")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    bench_link(args.rounds)
+
+
+if __name__ == "__main__":
+    main()

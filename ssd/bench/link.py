@@ -1,0 +1,74 @@
+"""Round-trip latency of the torch.distributed link (ssd.transport.distributed)
+against an echo peer in a second process: a header-only round message and
+q rows of the real pair's vocabulary. Run it with launch/bench_link.py."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import statistics
+import threading
+import time
+
+import torch
+
+from ssd.transport.channel import ChannelClosed, Message
+from ssd.transport.distributed import DistributedChannel
+
+log = logging.getLogger(__name__)
+
+# rank 0's receive mode per link; the echo peer always uses its receiver thread.
+_BENCH_LINKS = {"receiver thread": ("bench-thread", True), "caller thread": ("bench-caller", False)}
+
+
+def _echo(host: str, port: int) -> None:
+    """Rank 1: echo every bench link, each on its own thread, until rank 0 closes it."""
+    torch.set_num_threads(1)
+    channels = [DistributedChannel.connect(host, port, rank=1, prefix=prefix) for prefix, _ in _BENCH_LINKS.values()]
+    threads = [threading.Thread(target=_echo_one, args=(channel,)) for channel in channels]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _echo_one(channel: DistributedChannel) -> None:
+    try:
+        while True:
+            channel.send(channel.recv())
+    except ChannelClosed:
+        channel.close()
+
+
+def bench_link(rounds: int = 300) -> None:
+    """Round trips to an echo peer. The two rank-0 receive modes alternate
+    round by round, so machine load affects both alike."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    peer = multiprocessing.get_context("spawn").Process(target=_echo, args=("127.0.0.1", port))
+    peer.start()
+    links = {mode: DistributedChannel.connect("127.0.0.1", port, rank=0, prefix=prefix, receiver_thread=thread)
+             for mode, (prefix, thread) in _BENCH_LINKS.items()}
+    header = {"seq": 3, "k": 4, "token": 151643}
+    cases = {
+        "header only": Message("round", header),
+        "q [4,151936] float32": Message("speculation", header, [torch.rand(4, 151936)]),
+        "q [4,151936] float64": Message("speculation", header, [torch.rand(4, 151936, dtype=torch.float64)]),
+    }
+    for name, message in cases.items():
+        times: dict[str, list[float]] = {mode: [] for mode in links}
+        for _ in range(rounds):
+            for mode, channel in links.items():
+                started = time.perf_counter()
+                channel.send(message)
+                channel.recv(timeout=10)
+                times[mode].append((time.perf_counter() - started) * 1e3)
+        for mode, ms in times.items():
+            ms.sort()
+            log.info("%-22s rank 0 %-15s round trip ms: median %.3f  p10 %.3f  p90 %.3f  (%d)", name, mode,
+                     statistics.median(ms), ms[len(ms) // 10], ms[9 * len(ms) // 10], rounds)
+    for channel in links.values():
+        channel.close()
+    peer.join(10)

@@ -1,0 +1,130 @@
+"""Tokenizers and prompt encoding: the tiny one-character tokenizer for
+tests, the HF tokenizer stored with a model, chat templates and EOS ids."""
+
+from __future__ import annotations
+
+import logging
+import string
+from collections.abc import Iterable
+from typing import Any, Protocol, Sequence
+
+from ssd.config import ModelConfig, TinyModelConfig
+from ssd.models.loading import TINY, load_resolved
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+_BASE_ALPHABET = (
+    string.ascii_lowercase + string.digits + string.ascii_uppercase + " \n.,:;!?()[]{}<>=+-*/_"
+)
+_EXTRA_START = 0x4E00  # CJK ideographs: printable single characters for larger vocabularies
+
+
+def tiny_alphabet(vocab_size: int) -> str:
+    """Character i is the text of token id i."""
+    extra = max(0, vocab_size - len(_BASE_ALPHABET))
+    return (_BASE_ALPHABET + "".join(chr(_EXTRA_START + i) for i in range(extra)))[:vocab_size]
+
+
+class TinyTokenizer:
+    """One character per token id, for tiny models; a subset of the HF tokenizer interface.
+
+    Engine code may call `encode`, `decode`, `len()` and read `vocab_size` /
+    `eos_token_id` on either kind of tokenizer.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None) -> None:
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} outside vocabulary of {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._chars = tiny_alphabet(vocab_size)
+        self._ids = {ch: i for i, ch in enumerate(self._chars)}
+
+    @classmethod
+    def from_config(cls, tcfg: TinyModelConfig) -> "TinyTokenizer":
+        return cls(tcfg.vocab_size, tcfg.eos_token_id)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [] if self.eos_token_id is None else [self.eos_token_id]
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; no special tokens are ever added (as with Qwen's tokenizer)."""
+        try:
+            return [self._ids[ch] for ch in text]
+        except KeyError as exc:
+            raise ValueError(
+                f"character {exc.args[0]!r} is not in this tiny vocabulary {self._chars!r}"
+            ) from None
+
+    def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (ints, or a 1-D tensor); eos is dropped when skip_special_tokens."""
+        if hasattr(ids, "tolist"):  # a tensor or numpy array
+            ids = ids.tolist()
+        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        return "".join(self._chars[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self._chars[ids]
+        return [self._chars[int(i)] for i in ids]
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """TinyTokenizer for "tiny", else the HF tokenizer stored with the model."""
+    if cfg.name == TINY:
+        return TinyTokenizer.from_config(cfg.tiny)
+    from transformers import AutoTokenizer
+
+    return load_resolved(cfg.name, AutoTokenizer.from_pretrained)
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with chat=True wrapped in the model's chat template.
+
+    A tokenizer without a chat template (the tiny test tokenizer, base models)
+    encodes the text as is, so one prompt set serves every model pair.
+    """
+    if chat and has_chat_template(tokenizer):
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
+    if chat:
+        log.debug("tokenizer %s has no chat template; encoding the chat prompt as plain text", type(tokenizer).__name__)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, ready for the assistant's turn."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+
+
+def eos_token_ids(tokenizer: Tokenizer, model: object | None = None) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config.
+
+    Chat models often end turns with a token (Qwen's <|im_end|>) other than
+    the tokenizer's own EOS; the generation config lists both.
+    """
+    ids: set[int] = set()
+    gen_config = getattr(model, "generation_config", None)
+    for eos in (getattr(tokenizer, "eos_token_id", None), getattr(gen_config, "eos_token_id", None)):
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos is not None:
+            ids.update(eos)
+    return ids
