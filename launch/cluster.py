@@ -24,7 +24,13 @@ import sys
 from _common import add_config_args, config_from_args
 from serve import add_serve_args, options_from_args
 
-from ssd.cluster.devices import DeviceError, Placement, default_cpu_placement, plan_placement
+from ssd.cluster.devices import (
+    DeviceError,
+    Placement,
+    default_cpu_placement,
+    plan_placement,
+)
+from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger("cluster")
 
@@ -108,7 +114,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_one(cluster, config, prompt: str, chat: bool) -> None:
     ids = cluster.encode(prompt, chat)
-    result = cluster.generate(ids, config.sampling, config.generation, config.speculation)
+    result = cluster.generate(GenerationRequest(ids, config.sampling, config.generation, config.speculation))
     print(result.text, flush=True)
     print(f"--- finish: {result.finish_reason}; {result.stats.summary()}", file=sys.stderr, flush=True)
 

@@ -13,6 +13,7 @@ import sys
 from _common import add_config_args, config_from_args
 
 from ssd.engine.factory import build_engine
+from ssd.engine.request import GenerationRequest
 from ssd.models.tokenizer import encode_prompt
 
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids = encode_prompt(engine.tokenizer, args.prompt or config.prompt, args.chat)
     on_tokens = _streamer(engine.tokenizer) if args.stream else None
     try:
-        result = engine.generate(prompt_ids, config.sampling, config.generation, on_tokens)
+        result = engine.generate(GenerationRequest(prompt_ids, config.sampling, config.generation, on_tokens=on_tokens))
     finally:
         engine.close()
     if args.stream:

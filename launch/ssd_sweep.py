@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 import yaml
+from _common import ROOT, add_config_args, config_from_args
 from tqdm import tqdm
 
-from _common import ROOT, add_config_args, config_from_args
-
 from ssd.engine.factory import load_pair
-from ssd.models.tokenizer import encode_prompt
 from ssd.engine.metrics import GenerationStats
+from ssd.engine.request import GenerationRequest
+from ssd.models.tokenizer import encode_prompt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,18 +48,19 @@ def main(argv: list[str] | None = None) -> None:
         if t > 0 or c == 1.0
     ]
     rows = []
-    with tqdm(total=len(grid) * len(prompts), desc="sweep", file=sys.stderr) as bar:
+    with tqdm(total=len(grid) * len(prompts), desc="sweep", file=sys.stderr) as bar, \
+            pair.engine(dataclasses.replace(config.speculation, mode="ssd")) as engine:
         for kind, temperature, c in grid:
-            spec = dataclasses.replace(
+            speculation = dataclasses.replace(
                 config.speculation, mode="ssd", saguaro_c=c,
                 fanout=dataclasses.replace(config.speculation.fanout, kind=kind),
             )
             sampling = dataclasses.replace(config.sampling, temperature=temperature)
             stats = []
-            with pair.engine(spec) as engine:
-                for seed, ids in enumerate(prompts):
-                    stats.append(engine.generate(ids, dataclasses.replace(sampling, seed=seed), config.generation).stats)
-                    bar.update()
+            for seed, ids in enumerate(prompts):
+                request = GenerationRequest(ids, dataclasses.replace(sampling, seed=seed), config.generation, speculation)
+                stats.append(engine.generate(request).stats)
+                bar.update()
             rows.append({"fanout": kind, "temperature": temperature, "c": c, **summarise(stats)})
     print(f"K={config.speculation.k}, budget B={config.speculation.fanout.budget}, "
           f"{len(prompts)} prompts x {config.generation.max_new_tokens} tokens")

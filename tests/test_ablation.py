@@ -12,16 +12,37 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ssd.ablation.costs import Costs, CostSettings, load_costs, measure_costs, save_costs
+from ssd.ablation.costs import (
+    Costs,
+    CostSettings,
+    load_costs,
+    measure_costs,
+    save_costs,
+)
 from ssd.ablation.planner import candidates, recommend
 from ssd.ablation.plots import write_all
-from ssd.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout, replay, ssd_spec
+from ssd.ablation.replay import (
+    ReplayData,
+    fit_power_law,
+    miss_vs_fanout,
+    replay,
+    ssd_spec,
+)
 from ssd.ablation.trace import (
-    POSITION_FIELDS, RecordSettings, Trace, TraceMeta, TraceSequence, load_trace, positions_from_logits,
-    record_trace, save_trace, teacher_forced_logits,
+    POSITION_FIELDS,
+    RecordSettings,
+    Trace,
+    TraceMeta,
+    TraceSequence,
+    load_trace,
+    positions_from_logits,
+    record_trace,
+    save_trace,
+    teacher_forced_logits,
 )
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.local import LocalSSD
+from ssd.engine.request import GenerationRequest
 from tests.conftest import ROOT
 
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15], [4, 4, 2]]
@@ -103,8 +124,8 @@ def _live(models, tokenizer, spec, max_new, sampling=SamplingConfig(), seeds=(0,
     target, draft = models
     with LocalSSD(target, draft, tokenizer, spec) as ssd:
         return [
-            ssd.generate(p, SamplingConfig(temperature=sampling.temperature, seed=s),
-                         GenerationConfig(max_new_tokens=max_new)).stats
+            ssd.generate(GenerationRequest(p, SamplingConfig(temperature=sampling.temperature, seed=s),
+                         GenerationConfig(max_new_tokens=max_new))).stats
             for p in PROMPTS for s in seeds
         ]
 

@@ -11,14 +11,22 @@ import pytest
 import torch
 
 from ssd.bench.hf_assisted import HFAssistedEngine, _dense_input, hf_generation_config
-from ssd.bench.prompts import Prompt, load_prompt_set
 from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
-from ssd.bench.report import format_tables, physical_limit, plot_throughput, summarize, write_csv, write_json
+from ssd.bench.prompts import Prompt, load_prompt_set
+from ssd.bench.report import (
+    format_tables,
+    physical_limit,
+    plot_throughput,
+    summarize,
+    write_csv,
+    write_json,
+)
 from ssd.bench.runner import RunKey, Sample
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.ar import AREngine
-from ssd.models.tokenizer import encode_prompt
 from ssd.engine.metrics import GenerationStats
+from ssd.engine.request import GenerationRequest
+from ssd.models.tokenizer import encode_prompt
 from tests.conftest import ROOT
 
 GREEDY = SamplingConfig()
@@ -36,8 +44,8 @@ def test_hf_assisted_greedy_equals_ar(tiny_models, tiny_tokenizer):
     hf = HFAssistedEngine(target, draft, tiny_tokenizer, k=4)
     for prompt in PROMPTS:
         ids = tiny_tokenizer.encode(prompt)
-        expected = AREngine(target, tiny_tokenizer).generate(ids, GREEDY, gen).token_ids
-        result = hf.generate(ids, GREEDY, gen)
+        expected = AREngine(target, tiny_tokenizer).generate(GenerationRequest(ids, GREEDY, gen)).token_ids
+        result = hf.generate(GenerationRequest(ids, GREEDY, gen))
         assert result.token_ids == expected
         stats = result.stats
         assert stats.new_tokens == 24 and result.finish_reason == "length"
@@ -66,7 +74,7 @@ def test_hf_assisted_sampling_is_seeded(tiny_models, tiny_tokenizer):
     hf = HFAssistedEngine(target, draft, tiny_tokenizer, k=3)
     ids, gen = tiny_tokenizer.encode("abcab"), GenerationConfig(max_new_tokens=16)
     state = torch.get_rng_state()
-    runs = [hf.generate(ids, SamplingConfig(temperature=0.7, seed=s), gen).token_ids for s in (1, 1, 2)]
+    runs = [hf.generate(GenerationRequest(ids, SamplingConfig(temperature=0.7, seed=s), gen)).token_ids for s in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
     assert all(0 <= t < 16 for t in runs[2]) and len(runs[2]) == 16

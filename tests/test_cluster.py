@@ -14,6 +14,7 @@ from ssd.cluster.devices import plan_placement
 from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.engine import AREngine
+from ssd.engine.request import GenerationRequest
 from ssd.models import build_tiny_model, load_tokenizer
 from tests.conftest import ROOT
 from tests.exact import exact_marginal
@@ -29,7 +30,7 @@ PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 def local_ar(config, prompt, n):
     target = build_tiny_model(config.target.tiny, torch.float32)
     engine = AREngine(target, load_tokenizer(config.target))
-    return engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)).token_ids
+    return engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n))).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,14 @@ def cluster():
 
 def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
     for prompt in PROMPTS:
-        out = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == local_ar(CONFIG, prompt, 40)
         assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
 
 
 def test_ar_mode_through_the_cluster(cluster):
     spec = dataclasses.replace(CONFIG.speculation, mode="ar")
-    out = cluster.generate(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20), spec)
+    out = cluster.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20), spec))
     assert out.token_ids == local_ar(CONFIG, PROMPTS[0], 20)
 
 
@@ -61,7 +62,7 @@ def test_sampled_ssd_matches_target_through_the_cluster(cluster):
     config = GenerationConfig(max_new_tokens=4)
     sampling = SamplingConfig(temperature=1.0)
     samples = [
-        tuple(cluster.generate([1, 2], dataclasses.replace(sampling, seed=s), config, spec).token_ids[2:4])
+        tuple(cluster.generate(GenerationRequest([1, 2], dataclasses.replace(sampling, seed=s), config, spec)).token_ids[2:4])
         for s in range(600)
     ]
     target = build_tiny_model(CONFIG.target.tiny, torch.float32)
@@ -84,11 +85,11 @@ def test_killed_draft_loses_no_request_and_comes_back(cluster):
         if len(rounds) == 5:  # mid-generation, for sure
             ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after
 
-    out = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n), on_tokens=kill_after_five_rounds)
+    out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), on_tokens=kill_after_five_rounds))
     assert out.token_ids == expected
     assert [t for r in rounds for t in r] == expected  # nothing lost or repeated in the stream either
     assert out.stats.spec.degraded_rounds > 0, out.stats.summary()
-    again = cluster.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+    again = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
     assert again.token_ids == expected[:40]
     assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0, again.stats.summary()
 

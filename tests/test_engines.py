@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from ssd.config import GenerationConfig, SamplingConfig
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
+from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, build_tiny_model
 from tests.conftest import TINY
 
@@ -15,7 +16,7 @@ PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 
 
 def ar_tokens(target, tokenizer, prompt, n, sampling=GREEDY):
-    return AREngine(target, tokenizer).generate(prompt, sampling, GenerationConfig(max_new_tokens=n))
+    return AREngine(target, tokenizer).generate(GenerationRequest(prompt, sampling, GenerationConfig(max_new_tokens=n)))
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -24,7 +25,7 @@ def test_sd_greedy_equals_ar(tiny_models, tiny_tokenizer, k):
     engine = SDEngine(target, draft, tiny_tokenizer, k)
     for prompt in PROMPTS:
         ar = ar_tokens(target, tiny_tokenizer, prompt, 48)
-        sd = engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=48))
+        sd = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=48)))
         assert sd.token_ids == ar.token_ids
         assert sd.stats.accepted > 0 and sd.stats.accepted < sd.stats.drafted  # both branches ran
 
@@ -33,7 +34,7 @@ def test_sd_greedy_equals_ar(tiny_models, tiny_tokenizer, k):
 def test_sd_greedy_equals_ar_at_the_extremes_of_acceptance(tiny_models, tiny_tokenizer, draft_kind):
     target, _ = tiny_models
     other = target if draft_kind == "target" else build_tiny_model(dataclasses.replace(TINY, seed=5), torch.float64)
-    sd = SDEngine(target, other, tiny_tokenizer, 4).generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40))
+    sd = SDEngine(target, other, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert sd.token_ids == ar_tokens(target, tiny_tokenizer, [1, 2, 3], 40).token_ids
     if draft_kind == "target":
         assert sd.stats.acceptance_rate == 1.0
@@ -42,8 +43,8 @@ def test_sd_greedy_equals_ar_at_the_extremes_of_acceptance(tiny_models, tiny_tok
 def test_sd_engine_is_reusable_across_requests(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     engine = SDEngine(target, draft, tiny_tokenizer, 3)
-    first = [engine.generate(p, GREEDY, GenerationConfig(max_new_tokens=20)).token_ids for p in PROMPTS]
-    again = [engine.generate(p, GREEDY, GenerationConfig(max_new_tokens=20)).token_ids for p in PROMPTS]
+    first = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
+    again = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
     assert first == again
 
 
@@ -51,9 +52,9 @@ def test_sampled_output_is_reproducible_per_seed(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     engine = SDEngine(target, draft, tiny_tokenizer, 3)
     sampling = SamplingConfig(temperature=1.0, seed=42)
-    a = engine.generate([1, 2], sampling, GenerationConfig(max_new_tokens=30)).token_ids
-    b = engine.generate([1, 2], sampling, GenerationConfig(max_new_tokens=30)).token_ids
-    c = engine.generate([1, 2], SamplingConfig(temperature=1.0, seed=43), GenerationConfig(max_new_tokens=30)).token_ids
+    a = engine.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids
+    b = engine.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids
+    c = engine.generate(GenerationRequest([1, 2], SamplingConfig(temperature=1.0, seed=43), GenerationConfig(max_new_tokens=30))).token_ids
     assert a == b and a != c
 
 
@@ -69,7 +70,7 @@ def perfect_sd(tiny_models, tokenizer, k=4):
 @pytest.mark.parametrize("n", [1, 2, 5, 7, 13])
 def test_max_new_tokens_is_exact(tiny_models, tiny_tokenizer, n):
     ar = ar_tokens(tiny_models[0], tiny_tokenizer, [1, 2, 3], n)
-    sd = perfect_sd(tiny_models, tiny_tokenizer).generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n))
+    sd = perfect_sd(tiny_models, tiny_tokenizer).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n)))
     assert sd.token_ids == ar.token_ids and len(sd.token_ids) == n
     assert sd.finish_reason == ar.finish_reason == "length"
 
@@ -81,9 +82,9 @@ def test_stop_string_inside_an_accepted_round(tiny_models, tiny_tokenizer):
     stop = reference.text[5:7]
     assert reference.text.find(stop) == 5
     out = []
-    sd = perfect_sd(tiny_models, tiny_tokenizer).generate(
+    sd = perfect_sd(tiny_models, tiny_tokenizer).generate(GenerationRequest(
         [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40, stop=[stop]), on_tokens=out.extend
-    )
+    ))
     assert sd.finish_reason == "stop"
     assert sd.text == reference.text[:5]
     assert sd.token_ids == reference.token_ids[:7]  # nothing past the token that completed it
@@ -94,9 +95,9 @@ def test_earliest_stop_string_wins(tiny_models, tiny_tokenizer):
     reference = ar_tokens(tiny_models[0], tiny_tokenizer, [1, 2, 3], 40)
     late, early = reference.text[9:11], reference.text[3:4]
     first = reference.text.find(early)
-    sd = perfect_sd(tiny_models, tiny_tokenizer).generate(
+    sd = perfect_sd(tiny_models, tiny_tokenizer).generate(GenerationRequest(
         [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40, stop=[late, early])
-    )
+    ))
     assert sd.text == reference.text[:first]
 
 
@@ -110,7 +111,7 @@ def eos_at(tiny_models, tokenizer, position):
 def test_eos_inside_an_accepted_round(tiny_models, tiny_tokenizer):
     tokenizer, ids, first = eos_at(tiny_models, tiny_tokenizer, 6)
     target = tiny_models[0]
-    sd = SDEngine(target, target, tokenizer, 4).generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40))
+    sd = SDEngine(target, target, tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert sd.finish_reason == "eos"
     assert sd.token_ids == ids[: first + 1]  # EOS is the last token, nothing after it
 
@@ -119,13 +120,13 @@ def test_ignore_eos_runs_to_max_tokens(tiny_models, tiny_tokenizer):
     tokenizer, ids, _ = eos_at(tiny_models, tiny_tokenizer, 6)
     target = tiny_models[0]
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    sd = SDEngine(target, target, tokenizer, 4).generate([1, 2, 3], GREEDY, config)
+    sd = SDEngine(target, target, tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, config))
     assert sd.finish_reason == "length" and sd.token_ids == ids
 
 
 def test_metrics_are_consistent(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    sd = SDEngine(target, draft, tiny_tokenizer, 4).generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60))
+    sd = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60)))
     s = sd.stats
     assert s.new_tokens == 60 and s.mode == "sd" and s.k == 4
     assert s.accepted == sum(s.accepted_at) and s.drafted == sum(s.drafted_at)
@@ -138,16 +139,16 @@ def test_metrics_are_consistent(tiny_models, tiny_tokenizer):
 
 def test_empty_prompt_is_refused(tiny_models, tiny_tokenizer):
     with pytest.raises(ValueError, match="prompt_ids"):
-        AREngine(tiny_models[0], tiny_tokenizer).generate([], GREEDY, GenerationConfig())
+        AREngine(tiny_models[0], tiny_tokenizer).generate(GenerationRequest([], GREEDY, GenerationConfig()))
 
 
 def test_cancel_stops_within_one_round(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     rounds = []
-    out = SDEngine(target, draft, tiny_tokenizer, 4).generate(
+    out = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest(
         [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=100),
         on_tokens=rounds.append, cancelled=lambda: len(rounds) >= 3,
-    )
+    ))
     assert out.finish_reason == "aborted" and len(rounds) == 3
     assert out.token_ids == [t for r in rounds for t in r]
 
@@ -156,5 +157,25 @@ def test_every_round_times_the_target(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     config = GenerationConfig(max_new_tokens=12)
     for engine in (AREngine(target, tiny_tokenizer), SDEngine(target, draft, tiny_tokenizer, 3)):
-        stats = engine.generate([1, 2, 3], GREEDY, config).stats
+        stats = engine.generate(GenerationRequest([1, 2, 3], GREEDY, config)).stats
         assert stats.rounds > 0 and 0 < stats.target_s < stats.total_s
+
+
+def test_speculation_settings_travel_with_each_request(tiny_models, tiny_tokenizer):
+    """One engine serves every K: the request's settings win over the engine's default."""
+    target, draft = tiny_models
+    engine = SDEngine(target, draft, tiny_tokenizer, k=4)
+    for k in (1, 3, 6):
+        out = engine.generate(GenerationRequest(
+            [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40), SpeculationConfig(mode="sd", k=k)
+        ))
+        assert out.stats.k == k and len(out.stats.drafted_at) == k  # no round drafted more than k
+        assert out.token_ids == ar_tokens(target, tiny_tokenizer, [1, 2, 3], 40).token_ids
+    assert engine.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=8))).stats.k == 4
+
+
+def test_an_engine_refuses_a_mode_it_does_not_run(tiny_models, tiny_tokenizer):
+    with pytest.raises(ValueError, match="speculation.mode 'ssd' sent to the sd engine"):
+        SDEngine(*tiny_models, tiny_tokenizer, k=4).generate(
+            GenerationRequest([1, 2], GREEDY, speculation=SpeculationConfig(mode="ssd"))
+        )

@@ -15,6 +15,7 @@ from torch import nn
 from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.local import LocalSSD
+from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, build_tiny_model, load_model
 from ssd.models.kv import KVSequence
 from ssd.models.loading import resolve_precision
@@ -109,14 +110,14 @@ def int8_pair():
 def int8_references(int8_pair):
     tokenizer = TinyTokenizer.from_config(TINY)
     engine = AREngine(int8_pair[0], tokenizer)
-    return {tuple(p): engine.generate(p, GREEDY, GenerationConfig(max_new_tokens=40)).token_ids for p in PROMPTS}
+    return {tuple(p): engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=40))).token_ids for p in PROMPTS}
 
 
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
     engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), k)
     for prompt in PROMPTS:
-        out = engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        out = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == int8_references[tuple(prompt)]
         assert 0 < out.stats.accepted < out.stats.drafted
         assert out.stats.precision == "target int8, draft int8"
@@ -129,7 +130,7 @@ def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backu
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8), backup=backup)
     with LocalSSD(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
         for prompt in PROMPTS:
-            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == int8_references[tuple(prompt)]
             assert out.stats.spec.hits > 0
             assert "draft int8" in out.stats.summary()

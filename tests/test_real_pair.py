@@ -12,13 +12,20 @@ acceptance, never the output.
 import pytest
 import yaml
 
-from ssd.config import FanoutConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig
+from ssd.config import (
+    FanoutConfig,
+    GenerationConfig,
+    ModelConfig,
+    SamplingConfig,
+    SpeculationConfig,
+)
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.local import LocalSSD
-from ssd.models.tokenizer import encode_prompt
+from ssd.engine.request import GenerationRequest
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from ssd.models.quant import int8_supported
+from ssd.models.tokenizer import encode_prompt
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -42,13 +49,13 @@ def real_pair(request):
 def ar_outputs(real_pair):
     target, _, tokenizer = real_pair
     engine = AREngine(target, tokenizer)
-    return [engine.generate(encode_prompt(tokenizer, p), GREEDY, TOKENS).token_ids for p in PROMPTS]
+    return [engine.generate(GenerationRequest(encode_prompt(tokenizer, p), GREEDY, TOKENS)).token_ids for p in PROMPTS]
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)), ids=["fibonacci", "json", "stack"])
 def test_sd_greedy_equals_ar_on_code(real_pair, ar_outputs, index):
     target, draft, tokenizer = real_pair
-    sd = SDEngine(target, draft, tokenizer, k=4).generate(encode_prompt(tokenizer, PROMPTS[index]), GREEDY, TOKENS)
+    sd = SDEngine(target, draft, tokenizer, k=4).generate(GenerationRequest(encode_prompt(tokenizer, PROMPTS[index]), GREEDY, TOKENS))
     assert sd.token_ids == ar_outputs[index], sd.text
     assert sd.stats.acceptance_rate > 0.3, sd.stats.summary()  # the pair really speculates
 
@@ -58,6 +65,6 @@ def test_ssd_greedy_equals_ar_on_code(real_pair, ar_outputs):
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8))
     with LocalSSD(target, draft, tokenizer, spec) as ssd:
         for prompt, expected in zip(PROMPTS, ar_outputs):
-            out = ssd.generate(encode_prompt(tokenizer, prompt), GREEDY, TOKENS)
+            out = ssd.generate(GenerationRequest(encode_prompt(tokenizer, prompt), GREEDY, TOKENS))
             assert out.token_ids == expected, out.text
             assert out.stats.spec.hits > 0, out.stats.summary()

@@ -10,9 +10,10 @@ import torch
 
 from ssd.config import GenerationConfig, ModelConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.models.tokenizer import encode_prompt
+from ssd.engine.request import GenerationRequest
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
+from ssd.models.tokenizer import encode_prompt
 from tests.test_real_pair import GREEDY, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -41,8 +42,8 @@ def test_bf16_sd_equals_ar_except_at_near_ties(bf16_pair, prompt):
     target, draft, tokenizer = bf16_pair
     ids = encode_prompt(tokenizer, prompt)
     tokens = GenerationConfig(max_new_tokens=32)
-    ar = AREngine(target, tokenizer).generate(ids, GREEDY, tokens).token_ids
-    sd = SDEngine(target, draft, tokenizer, k=4).generate(ids, GREEDY, tokens).token_ids
+    ar = AREngine(target, tokenizer).generate(GenerationRequest(ids, GREEDY, tokens)).token_ids
+    sd = SDEngine(target, draft, tokenizer, k=4).generate(GenerationRequest(ids, GREEDY, tokens)).token_ids
     if sd == ar:
         return
     first = next(i for i, (a, b) in enumerate(zip(ar, sd)) if a != b)

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
+from ssd.engine.request import GenerationRequest
 from ssd.serve import protos
 from ssd.serve.backend import LocalBackend
 from ssd.serve.client import GenerationClient
@@ -43,7 +44,7 @@ class ControlledBackend:
         self.gate = gate
         self.info = inner.info if modes is None else dataclasses.replace(inner.info, modes=modes)
 
-    def generate(self, prompt_ids, sampling, generation, spec, on_tokens, cancelled):
+    def generate(self, request: GenerationRequest):
         if self.gate is not None:
             assert self.gate.wait(30), "test gate never opened"
         rounds = 0
@@ -53,10 +54,10 @@ class ControlledBackend:
             rounds += 1
             if self.fail_after_rounds is not None and rounds > self.fail_after_rounds:
                 raise RuntimeError("injected engine fault")
-            on_tokens(ids)
+            request.emit(ids)
             time.sleep(self.round_delay_s)
 
-        return self.inner.generate(prompt_ids, sampling, generation, spec, on_round, cancelled)
+        return self.inner.generate(dataclasses.replace(request, on_tokens=on_round))
 
     def encode(self, text):
         return self.inner.encode(text)
@@ -110,13 +111,13 @@ def client(served):
 
 def direct(backend: LocalBackend, mode: str, temperature: float, seed: int, max_new: int, stop=()):
     """The same request straight through a fresh engine, no server."""
-    spec = dataclasses.replace(backend.config.speculation, mode=mode)
-    engine = backend.pair.engine(spec)
+    speculation = dataclasses.replace(backend.config.speculation, mode=mode)
+    engine = backend.pair.engine(speculation)
     try:
-        return engine.generate(
+        return engine.generate(GenerationRequest(
             backend.encode(PROMPT), SamplingConfig(temperature=temperature, seed=seed),
-            GenerationConfig(max_new_tokens=max_new, stop=list(stop)),
-        )
+            GenerationConfig(max_new_tokens=max_new, stop=list(stop)), speculation,
+        ))
     finally:
         engine.close()
 

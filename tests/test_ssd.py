@@ -8,6 +8,7 @@ import torch
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
+from ssd.engine.request import GenerationRequest
 from ssd.models import build_tiny_model
 from ssd.speculation.builder import guessed_outcomes
 from tests.conftest import TINY
@@ -21,7 +22,7 @@ def ssd_spec(k=4, budget=8, kind="geometric", **kw) -> SpeculationConfig:
 
 
 def ar_ids(target, tokenizer, prompt, n):
-    return AREngine(target, tokenizer).generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)).token_ids
+    return AREngine(target, tokenizer).generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n))).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget
     target, draft = tiny_models
     with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
         for prompt in PROMPTS:
-            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
             assert out.stats.spec.lookups > 0
 
@@ -47,7 +48,7 @@ def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(tiny_models, tiny_to
     spec = ssd_spec(4, 4, backup=backup, branch_decoder=decoder)
     with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
         for prompt in PROMPTS:
-            out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+            out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
             assert set(out.stats.spec.backups) <= {backup}
             assert out.stats.spec.rounds_after_miss >= 1  # the first round always uses the backup
@@ -59,14 +60,14 @@ def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_to
     outs = []
     for decoder in ("tree", "batched"):
         with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
-            outs.append(ssd.generate([1, 2], sampling, GenerationConfig(max_new_tokens=30)).token_ids)
+            outs.append(ssd.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids)
     assert outs[0] == outs[1]
 
 
 def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references):
     target, _ = tiny_models
     with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
-        out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40))
+        out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == references[(1, 2, 3)]
     s = out.stats.spec
     assert s.hit_rate == 1.0
@@ -78,14 +79,14 @@ def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     spec = ssd_spec(2, 3 * TINY.vocab_size, kind="uniform")
     with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
-        out = ssd.generate([1, 2, 3], SamplingConfig(temperature=1.0, seed=2), GenerationConfig(max_new_tokens=30))
+        out = ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=2), GenerationConfig(max_new_tokens=30)))
     assert out.stats.spec.hit_rate == 1.0 and out.stats.spec.rounds_after_miss == 1
 
 
 def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
-        s = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60)).stats
+        s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60))).stats
     spec = s.spec
     assert spec.lookups == s.rounds - 1  # the first round has no cache to look in
     assert sum(spec.lookups_by_k.values()) == spec.lookups and sum(spec.hits_by_k.values()) == spec.hits
@@ -101,10 +102,10 @@ def test_end_conditions_inside_a_cached_round(tiny_models, tiny_tokenizer, refer
     reference = references[(1, 2, 3)]
     with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         for n in (1, 2, 7, 13):
-            out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n))
+            out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n)))
             assert out.token_ids == reference[:n] and out.finish_reason == "length"
         text = tiny_tokenizer.decode(reference)
-        out = ssd.generate([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40, stop=[text[8:10]]))
+        out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40, stop=[text[8:10]])))
         assert out.finish_reason == "stop" and out.text == text[: text.find(text[8:10])]
 
 
@@ -115,7 +116,7 @@ def test_failing_draft_does_not_lose_the_request(tiny_models, tiny_tokenizer, re
     broken = build_tiny_model(dataclasses.replace(TINY, vocab_size=8), torch.float64)
     prompt = PROMPTS[2]  # holds ids >= 8
     with LocalSSD(target, broken, tiny_tokenizer, ssd_spec(2, 2)) as ssd:
-        out = ssd.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
+        out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == references[tuple(prompt)]
         assert out.stats.spec.degraded_rounds == out.stats.rounds
         assert not ssd.engine.link_up

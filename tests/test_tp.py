@@ -22,10 +22,17 @@ import torch.multiprocessing as mp
 
 from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
+from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence
 from ssd.models.loading import load_model
-from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model, pin_threads, run_tp_follower
+from ssd.models.tp import (
+    TPLeaderSequence,
+    init_tp_world,
+    load_tp_model,
+    pin_threads,
+    run_tp_follower,
+)
 
 # fp32: gloo all-reduces fp64 as well, but fp32 is what TP runs in practice.
 TINY = TinyModelConfig(vocab_size=16, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=0)
@@ -56,7 +63,7 @@ def generations(target: torch.nn.Module | KVSequence) -> list[list[int]]:
     tok = TinyTokenizer.from_config(TINY)
     engines = [AREngine(target, tok), SDEngine(target, load_model(DRAFT), tok, k=3)]
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    return [engine.generate(p, GREEDY, gen).token_ids for engine in engines for p in PROMPTS]
+    return [engine.generate(GenerationRequest(p, GREEDY, gen)).token_ids for engine in engines for p in PROMPTS]
 
 
 def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:

@@ -18,6 +18,7 @@ from ssd.ablation.trace import Trace
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.factory import LoadedPair
 from ssd.engine.metrics import GenerationStats
+from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def run_live(
     with pair.engine(spec) as engine:
         for seq in trace.sequences:
             sampling = SamplingConfig(temperature=trace.meta.temperature, seed=seq.seed + seed_offset)
-            out = engine.generate(trace.prompts[seq.prompt_index], sampling, generation)
+            out = engine.generate(GenerationRequest(trace.prompts[seq.prompt_index], sampling, generation, spec))
             if trace.meta.greedy and out.token_ids != seq.tokens:
                 log.warning("live greedy output differs from the trace for prompt %d (numerics?)", seq.prompt_index)
             totals.add(out.stats)

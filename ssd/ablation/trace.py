@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.ar import AREngine
+from ssd.engine.request import GenerationRequest
 from ssd.models.kv import KVSequence
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def _record_one(
     prompt: list[int], seed: int, settings: RecordSettings,
 ) -> TraceSequence:
     sampling = dataclasses.replace(settings.sampling, seed=seed)
-    result = engine.generate(prompt, sampling, settings.generation)
+    result = engine.generate(GenerationRequest(prompt, sampling, settings.generation))
     tokens = result.token_ids
     positions = positions_from_logits(
         teacher_forced_logits(target, prompt, tokens, settings.chunk),

@@ -26,15 +26,14 @@ Measures: a streamer sees each round's admitted tokens (n accepted + 1) as
 one `put`, and a forward pre-hook on the draft counts its steps, so rounds,
 drafted and accepted tokens are exact. HF admits the first round's tokens
 together: time to first token is the time to that first round, and the
-decode rate counts the tokens and time after it (`HFResult.first_tokens`).
+decode rate counts the tokens and time after it (`GenerationResult.first_tokens`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,20 +41,15 @@ from transformers import GenerationConfig as HFGenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from ssd.config import GenerationConfig, SamplingConfig
-from ssd.engine.base import GenerationResult
 from ssd.engine.metrics import GenerationStats, Stopwatch
-from ssd.models.tokenizer import eos_token_ids
+from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models.quant import precision_of
+from ssd.models.tokenizer import eos_token_ids
 
 log = logging.getLogger(__name__)
 
 # The draft's generation_config fields assisted generation reads its drafting policy from.
 _ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-
-@dataclasses.dataclass
-class HFResult(GenerationResult):
-    first_tokens: int = 1  # tokens admitted with the first one (HF admits a whole round)
 
 
 class _RoundStreamer(BaseStreamer):
@@ -124,18 +118,20 @@ class HFAssistedEngine:
         self.dense_head_input = dense_head_input
         self.eos_ids = eos_token_ids(tokenizer, target)
 
-    def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig, **_: Any
-    ) -> HFResult:
-        """One assisted generation, sampled from torch's global RNG seeded with sampling.seed."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One assisted generation, sampled from torch's global RNG seeded with sampling.seed.
+
+        K comes from the request's speculation settings (else the engine's);
+        HF runs to the end, so token callbacks get the whole output at once.
+        """
+        sampling, generation = request.sampling, request.generation
+        k = request.speculation.k if request.speculation is not None else self.k
         if generation.stop:
             log.warning("HF assisted generation ignores stop strings %s", generation.stop)
         config = hf_generation_config(sampling, generation, set() if generation.ignore_eos else self.eos_ids)
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.target.device)
+        input_ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.target.device)
         # HF draws from torch's global RNG: seed it per request, and leave the caller's state as it was.
-        with torch.random.fork_rng(devices=[]), self._assistant_policy(), self._counted_draft() as steps, \
+        with torch.random.fork_rng(devices=[]), self._assistant_policy(k), self._counted_draft() as steps, \
                 self._dense_heads(), torch.inference_mode():
             torch.manual_seed(sampling.seed)
             clock = Stopwatch()
@@ -146,17 +142,18 @@ class HFAssistedEngine:
             )
             total_s = clock.elapsed()
         tokens = out[0, input_ids.shape[1]:].tolist()
-        stats = self._stats(len(prompt_ids), tokens, streamer.rounds, total_s)
+        stats = self._stats(len(request.prompt_ids), k, tokens, streamer.rounds, total_s)
         finish = "eos" if tokens and tokens[-1] in config_eos(config) else "length"
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         first = streamer.rounds[0][1] if streamer.rounds else len(tokens)
-        return HFResult(tokens, text, finish, stats, first_tokens=first)
+        request.emit(tokens)
+        return GenerationResult(tokens, text, finish, stats, first_tokens=first)
 
     def _stats(
-        self, prompt_tokens: int, tokens: list[int], rounds: list[tuple[float, int, int]], total_s: float
+        self, prompt_tokens: int, k: int, tokens: list[int], rounds: list[tuple[float, int, int]], total_s: float
     ) -> GenerationStats:
         """Our GenerationStats; the first round counts as the first token, as our prefill does."""
-        stats = GenerationStats(mode=self.mode, k=self.k, prompt_tokens=prompt_tokens, new_tokens=len(tokens),
+        stats = GenerationStats(mode=self.mode, k=k, prompt_tokens=prompt_tokens, new_tokens=len(tokens),
                                 total_s=total_s, time_to_first_token_s=rounds[0][0] if rounds else total_s,
                                 precision=f"target {precision_of(self.target)}, draft {precision_of(self.draft)}")
         for _, admitted, drafted in rounds[1:]:
@@ -164,11 +161,11 @@ class HFAssistedEngine:
         return stats
 
     @contextlib.contextmanager
-    def _assistant_policy(self) -> Iterator[None]:
+    def _assistant_policy(self, k: int) -> Iterator[None]:
         """Draft exactly K tokens a round; restore the draft's own settings after."""
         gen_config = self.draft.generation_config
         saved = {name: getattr(gen_config, name, None) for name in _ASSISTANT_FIELDS}
-        gen_config.num_assistant_tokens = self.k
+        gen_config.num_assistant_tokens = k
         gen_config.num_assistant_tokens_schedule = "constant"
         gen_config.assistant_confidence_threshold = 0.0
         try:

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-from ssd.config import GenerationConfig, SamplingConfig
-from ssd.engine.base import GenerationResult
 from ssd.engine.metrics import GenerationStats, Stopwatch
+from ssd.engine.request import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +57,9 @@ class LlamaCppEngine:
             n_ctx=n_ctx, verbose=False, logits_all=False,
         )
 
-    def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
-    ) -> GenerationResult:
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Plain decoding of the GGUF; token callbacks get the whole output at once."""
+        prompt_ids, sampling, generation = request.prompt_ids, request.sampling, request.generation
         clock = Stopwatch()
         stats = GenerationStats(mode=MODE, precision=self.precision, prompt_tokens=len(prompt_ids))
         eos = {self._llm.token_eos()}
@@ -84,10 +82,14 @@ class LlamaCppEngine:
         stats.total_s = clock.elapsed()
         stats.new_tokens = len(tokens)
         stats.rounds = max(0, stats.rounds - 1)  # decode steps after the first token, as for AR
+        request.emit(tokens)
         return GenerationResult(tokens, self._llm.detokenize(tokens).decode(errors="replace"), finish, stats)
+
+    def close(self) -> None:
+        self._llm.close()
 
     def __enter__(self) -> "LlamaCppEngine":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._llm.close()
+        self.close()

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -25,10 +25,10 @@ from ssd.bench.hf_assisted import HFAssistedEngine
 from ssd.bench.llamacpp import MODE as LLAMA_CPP
 from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
 from ssd.bench.prompts import Prompt
-from ssd.config import Config, GenerationConfig, SamplingConfig
-from ssd.engine.base import GenerationResult
+from ssd.config import Config, SamplingConfig, SpeculationConfig
 from ssd.engine.factory import LoadedPair
 from ssd.engine.metrics import GenerationStats
+from ssd.engine.request import GenerationRequest, Generator
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,7 @@ class BenchPlan:
         return len(self.temperatures) * sum(len(p) for p in self.prompt_sets.values())
 
 
-class _Engine(Protocol):
-    def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
-    ) -> GenerationResult: ...
-    def __enter__(self) -> Any: ...
-    def __exit__(self, *exc: object) -> None: ...
-
-
-def make_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: int = 0) -> _Engine:
+def make_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: int = 0) -> Generator:
     if mode == LLAMA_CPP:
         return LlamaCppEngine(gguf_for(config.target.name), threads)
     if mode != "ar" and pair.draft is None:
@@ -134,6 +126,27 @@ def make_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: in
     if mode == "hf":
         return HFAssistedEngine(pair.target, pair.draft, pair.tokenizer, k)
     return pair.engine(dataclasses.replace(config.speculation, mode=mode, k=k or config.speculation.k))
+
+
+def speculation_for(config: Config, mode: str, k: int) -> SpeculationConfig | None:
+    """The settings a row's requests carry: HF assisted generation is SD for its K;
+    AR and llama.cpp speculate nothing."""
+    if mode in UNSPECULATIVE:
+        return None
+    return dataclasses.replace(config.speculation, mode="sd" if mode == "hf" else mode, k=k or config.speculation.k)
+
+
+@dataclass
+class Turn:
+    """One row's generator and the speculation settings its requests carry."""
+
+    key: RunKey  # without prompt set and temperature
+    generator: Generator
+    speculation: SpeculationConfig | None
+
+    def generate(self, ids: list[int], sampling: SamplingConfig, config: Config, max_new_tokens: int = 0):
+        generation = dataclasses.replace(config.generation, max_new_tokens=max_new_tokens or config.generation.max_new_tokens)
+        return self.generator.generate(GenerationRequest(ids, sampling, generation, self.speculation))
 
 
 def seeded(sampling: SamplingConfig, temperature: float, prompt_index: int) -> SamplingConfig:
@@ -157,67 +170,49 @@ def run_bench(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
     with contextlib.ExitStack() as stack:
         turns = _open_engines(pair, config, plan, stack)
         warm_ids = next(iter(encoded.values()))[0]
-        for key, engine in turns:
-            _set_threads(key)
-            _warm_up(engine, warm_ids, config)
+        for turn in turns:  # first calls pay for lazy initialisation, not the measured rows
+            _set_threads(turn.key)
+            turn.generate(warm_ids, config.sampling, config, max_new_tokens=WARM_UP_TOKENS)
         total = len(turns) * plan.generations_per_run()
         with _bar(total, "bench", plan.progress) as bar:
             for set_name, prompts in encoded.items():
                 for temperature in plan.temperatures:
                     for i, ids in enumerate(prompts):
-                        for key, engine in turns:
-                            key = dataclasses.replace(key, prompt_set=set_name, temperature=float(temperature))
+                        for turn in turns:
+                            key = dataclasses.replace(turn.key, prompt_set=set_name, temperature=float(temperature))
                             bar.set_postfix_str(f"{set_name} T={temperature} {key.label}")
                             _set_threads(key)
-                            result = engine.generate(ids, seeded(config.sampling, temperature, i), config.generation)
-                            results.setdefault(key, []).append(Sample(
-                                i, result.stats, list(result.token_ids), getattr(result, "first_tokens", 1)
-                            ))
+                            result = turn.generate(ids, seeded(config.sampling, temperature, i), config)
+                            results.setdefault(key, []).append(
+                                Sample(i, result.stats, list(result.token_ids), result.first_tokens)
+                            )
                             log.debug("%s prompt %d: %s", key.label, i, result.stats.summary())
                             bar.update()
         torch.set_num_threads(saved_threads)
     return results
 
 
-def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: contextlib.ExitStack) -> list:
-    """(RunKey without prompt set and temperature, engine) for every row of the plan."""
+def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: contextlib.ExitStack) -> list[Turn]:
+    """A turn for every row of the plan."""
     turns = []
     for threads in plan.thread_counts:
         for mode, k in plan.local_runs():
-            engine = stack.enter_context(make_engine(pair, config, mode, k, threads))
-            turns.append((RunKey("", 0.0, mode, k, threads), engine))
+            engine = make_engine(pair, config, mode, k, threads)
+            stack.callback(engine.close)
+            turns.append(Turn(RunKey("", 0.0, mode, k, threads), engine, speculation_for(config, mode, k)))
     if plan.cluster_runs():
         from ssd.cluster.devices import default_cpu_placement
         from ssd.cluster.runtime import Cluster
 
         cluster = stack.enter_context(Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)))
         for mode, k in plan.cluster_runs():
-            spec = dataclasses.replace(config.speculation, mode=mode, k=k)
-            turns.append((RunKey("", 0.0, mode, k, 0, cluster=True), _ClusterEngine(cluster, spec)))
+            turns.append(Turn(RunKey("", 0.0, mode, k, 0, cluster=True), cluster, speculation_for(config, mode, k)))
     return turns
 
 
 def _set_threads(key: RunKey) -> None:
     if key.threads and not key.cluster:
         torch.set_num_threads(key.threads)
-
-
-@dataclass
-class _ClusterEngine:
-    """The cluster seen through the engine interface, for one speculation config."""
-
-    cluster: Any
-    spec: Any
-
-    def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingConfig, generation: GenerationConfig
-    ) -> GenerationResult:
-        return self.cluster.generate(list(prompt_ids), sampling, generation, self.spec)
-
-
-def _warm_up(engine: _Engine, ids: list[int], config: Config) -> None:
-    """One short generation: first calls pay for lazy initialisation, not the measured rows."""
-    engine.generate(ids, config.sampling, dataclasses.replace(config.generation, max_new_tokens=WARM_UP_TOKENS))
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:

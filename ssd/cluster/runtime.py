@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -21,8 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
 from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
-from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.base import GenerationResult, TokenCallback
+from ssd.config import Config
+from ssd.engine.request import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -121,33 +121,27 @@ class Cluster:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         return ray.get(self.targets[0].encode.remote(text, chat))
 
-    def generate(
-        self, prompt_ids: list[int], sampling: SamplingConfig, generation: GenerationConfig,
-        spec: SpeculationConfig | None = None, on_tokens: TokenCallback | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GenerationResult:
+    def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request on target rank 0; each round's tokens stream back as they land.
 
-        `cancelled` is polled as each round arrives; True stops the request
-        before its next round (finish reason "aborted").
+        `request.cancelled` is polled as each round arrives; True stops the
+        request before its next round (finish reason "aborted").
         """
-        spec = spec or self.config.speculation
-        if spec.mode == "ssd" and self.draft is None:
+        mode = (request.speculation or self.config.speculation).mode
+        if mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
-        stream = self.targets[0].generate_stream.options(num_returns="streaming").remote(
-            list(prompt_ids), dataclasses.asdict(sampling), dataclasses.asdict(generation), dataclasses.asdict(spec),
-        )
+        stream = self.targets[0].generate_stream.options(num_returns="streaming").remote(request.portable())
         result, aborting = None, False
         for ref in stream:
             item = ray.get(ref)
             if isinstance(item, GenerationResult):
                 result = item
-            elif on_tokens is not None:
-                on_tokens(item)
-            if cancelled is not None and not aborting and cancelled():
+            else:
+                request.emit(item)
+            if not aborting and request.is_cancelled():
                 aborting = True
                 self.targets[0].abort.remote()
-        if spec.mode == "ssd" and not ray.get(self.targets[0].link_up.remote()):
+        if mode == "ssd" and not ray.get(self.targets[0].link_up.remote()):
             self.heal()
         return result
 
@@ -169,6 +163,10 @@ class Cluster:
         remove_placement_group(self._pg)
         if self._started_ray:
             ray.shutdown()
+
+    def close(self) -> None:
+        """The Generator interface's name for shutdown."""
+        self.shutdown()
 
     def __enter__(self) -> "Cluster":
         return self

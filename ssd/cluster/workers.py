@@ -7,16 +7,20 @@ target rank 0 and the speculator.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig, from_dict
+from ssd.config import Config, from_dict
+
+if TYPE_CHECKING:
+    from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +106,21 @@ class TargetWorker:
     def link_up(self) -> bool:
         return "ssd" in self._engines and self._engines["ssd"].link_up
 
-    def generate_stream(self, prompt_ids: list[int], sampling: dict, generation: dict, spec: dict):
+    def generate_stream(self, request: GenerationRequest):
         """Yield each round's tokens as the engine admits them, then the GenerationResult.
 
         The engine runs in a thread of its own so this generator can hand
         chunks to Ray as they come, and `abort` (another actor thread) can stop it.
         """
-        spec_config = from_dict(SpeculationConfig, spec)
-        engine = self._engine(spec_config.mode)
-        if spec_config.mode == "ssd":
-            engine.spec = spec_config
+        engine = self._engine((request.speculation or self.config.speculation).mode)
         self._cancel = threading.Event()
         chunks: queue.Queue = queue.Queue()
+        request = dataclasses.replace(request, on_tokens=chunks.put, cancelled=self._cancel.is_set)
 
         def run() -> None:
             pin_to_cores(self.cores)
             try:
-                chunks.put(engine.generate(
-                    prompt_ids, from_dict(SamplingConfig, sampling), from_dict(GenerationConfig, generation),
-                    on_tokens=chunks.put, cancelled=self._cancel.is_set,
-                ))
+                chunks.put(engine.generate(request))
             except BaseException as exc:  # re-raised below, in the caller's stream
                 chunks.put(exc)
 
@@ -172,7 +171,7 @@ class TargetWorker:
                 self._engines[mode] = AREngine(self.sequence, self.tokenizer)
             elif mode == "ssd":
                 self._engines[mode] = SSDEngine(
-                    self.sequence, self.tokenizer, None, self.config.speculation,
+                    self.sequence, self.tokenizer, None, dataclasses.replace(self.config.speculation, mode="ssd"),
                     draft_timeout_s=self.config.cluster.draft_timeout_s,
                     draft_precision=_precision_name(resolve_precision(self.config.draft)),
                 )

@@ -1,8 +1,9 @@
-"""Decoding engines: AR (the reference) and SD, on one shared loop."""
+"""Decoding engines: AR (the reference), SD and SSD, on one shared loop and one interface."""
 
 from ssd.engine.ar import AREngine
-from ssd.engine.base import Engine, GenerationResult
+from ssd.engine.base import Engine
 from ssd.engine.metrics import GenerationStats
+from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.engine.sd import SDEngine
 
-__all__ = ["AREngine", "SDEngine", "Engine", "GenerationResult", "GenerationStats"]
+__all__ = ["AREngine", "SDEngine", "Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Generator"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ssd.engine.base import Engine, Request
+from ssd.engine.base import Engine, SequenceState
 
 
 class AREngine(Engine):
     mode = "ar"
 
-    def _round(self, req: Request) -> list[int]:
+    def _round(self, req: SequenceState) -> list[int]:
         return self._target_step(req)

@@ -10,50 +10,49 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from ssd.config import GenerationConfig, SamplingConfig
+from ssd.config import SamplingConfig, SpeculationConfig
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
-from ssd.models.tokenizer import Tokenizer, eos_token_ids
+from ssd.engine.request import GenerationRequest, GenerationResult, TokenCallback
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
+from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.sampling import make_generator, probs_from_logits, sample
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
 
-# Called with the tokens each round admits, as soon as they are known.
-TokenCallback = Callable[[list[int]], None]
 Verifier = Callable[..., Outcome]
 
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "eos" | "length" | "stop" | "aborted"
-    stats: GenerationStats
+__all__ = ["Engine", "GenerationRequest", "GenerationResult", "TokenCallback", "Verifier"]
 
 
 @dataclass
-class Request:
+class SequenceState:
     """One generation's state while it runs."""
 
-    sampling: SamplingConfig
+    request: GenerationRequest
+    speculation: SpeculationConfig | None  # the settings this request runs with (None: AR)
     gen: torch.Generator
     sequence: list[int]  # prompt + generated ids so far
     output: OutputTracker
     stats: GenerationStats
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.request.sampling
 
 
 class Engine(ABC):
     mode: str = ""
 
     def __init__(
-        self, target: torch.nn.Module | KVSequence, tokenizer: Tokenizer, verifier: Verifier = verify
+        self, target: torch.nn.Module | KVSequence, tokenizer: Tokenizer, verifier: Verifier = verify,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         # A KVSequence subclass may stand in for the model: the tensor-parallel
         # leader mirrors every cache operation to its follower ranks.
@@ -62,38 +61,32 @@ class Engine(ABC):
         self.eos_ids = eos_token_ids(tokenizer, self.target.model)
         self.verifier = verifier  # replaceable so tests can prove their power
         self.precision = f"target {precision_of(self.target.model)}"  # named in every stats line
+        self.speculation = speculation  # for requests that bring no settings of their own
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingConfig,
-        generation: GenerationConfig,
-        on_tokens: TokenCallback | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GenerationResult:
-        """Generate until an end condition; `cancelled` is polled before every
-        round, and a True ends generation with finish reason "aborted"."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate until an end condition or until `request.cancelled()` says stop."""
         clock = Stopwatch()
-        req = Request(
-            sampling=sampling,
-            gen=make_generator(sampling.seed),
-            sequence=list(prompt_ids),
-            output=OutputTracker(self.tokenizer, generation, self.eos_ids),
+        speculation = self._settings(request)
+        k = speculation.k if speculation is not None else 0
+        req = SequenceState(
+            request=request,
+            speculation=speculation,
+            gen=make_generator(request.sampling.seed),
+            sequence=list(request.prompt_ids),
+            output=OutputTracker(self.tokenizer, request.generation, self.eos_ids),
             stats=GenerationStats(
-                mode=self.mode, k=self.k, prompt_tokens=len(prompt_ids), precision=self.precision
+                mode=self.mode, k=k, prompt_tokens=len(request.prompt_ids), precision=self.precision
             ),
         )
         self._start(req)
         try:
-            self._emit(req, [self._first_token(req)], on_tokens)
+            self._emit(req, [self._first_token(req)])
             req.stats.time_to_first_token_s = clock.elapsed()
             while not req.output.finished:
-                if cancelled is not None and cancelled():
+                if request.is_cancelled():
                     req.output.finish_reason = "aborted"
                     break
-                self._emit(req, self._round(req), on_tokens)
+                self._emit(req, self._round(req))
         finally:
             self._finish(req)
         req.stats.total_s = clock.elapsed()
@@ -103,9 +96,12 @@ class Engine(ABC):
             req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats
         )
 
-    @property
-    def k(self) -> int:
-        return 0
+    def _settings(self, request: GenerationRequest) -> SpeculationConfig | None:
+        """The request's speculation settings (else the engine's); a mode this engine does not run is an error."""
+        speculation = request.speculation or self.speculation
+        if speculation is not None and speculation.mode != self.mode:
+            raise ValueError(f"speculation.mode {speculation.mode!r} sent to the {self.mode} engine")
+        return speculation if self.mode != "ar" else None
 
     def close(self) -> None:
         """Stop whatever the engine runs besides the caller's thread (nothing here)."""
@@ -116,23 +112,23 @@ class Engine(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: SequenceState) -> None:
         """Reset per-sequence state before the prompt is processed."""
         self.target.reset()
 
-    def _first_token(self, req: Request) -> int:
+    def _first_token(self, req: SequenceState) -> int:
         """Prefill the target with the prompt and sample the first token."""
         logits = self.target.forward(req.sequence, last_only=True)[-1]
         return sample(probs_from_logits(logits, req.sampling), req.gen)
 
     @abstractmethod
-    def _round(self, req: Request) -> list[int]:
+    def _round(self, req: SequenceState) -> list[int]:
         """Run one round; return the tokens it appends (at least one)."""
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: SequenceState) -> None:
         """Release per-sequence resources; runs even when generation fails."""
 
-    def _target_step(self, req: Request) -> list[int]:
+    def _target_step(self, req: SequenceState) -> list[int]:
         """One plain decoding step on the target alone (AR, and SSD without its draft)."""
         started = time.perf_counter()
         logits = self.target.catch_up(req.sequence)
@@ -140,7 +136,7 @@ class Engine(ABC):
         req.stats.record_round(drafted=0, accepted=0, target_s=time.perf_counter() - started)
         return [token]
 
-    def _verify(self, req: Request, drafted: list[int], q: torch.Tensor | None) -> Outcome:
+    def _verify(self, req: SequenceState, drafted: list[int], q: torch.Tensor | None) -> Outcome:
         """Score `drafted` with the target in one forward and verify it (SD and SSD).
 
         Leaves the target cache holding the sequence plus the accepted tokens.
@@ -160,8 +156,7 @@ class Engine(ABC):
         return outcome
 
     @staticmethod
-    def _emit(req: Request, tokens: list[int], on_tokens: TokenCallback | None) -> None:
+    def _emit(req: SequenceState, tokens: list[int]) -> None:
         admitted = req.output.add(tokens)
         req.sequence.extend(admitted)
-        if on_tokens and admitted:
-            on_tokens(admitted)
+        req.request.emit(admitted)

@@ -26,18 +26,19 @@ class LoadedPair:
     draft: torch.nn.Module | None
     tokenizer: Any
 
-    def engine(self, spec: SpeculationConfig) -> Engine | LocalSSD:
-        """An engine for spec.mode over these models (engines share weights, not caches).
+    def engine(self, speculation: SpeculationConfig) -> Engine | LocalSSD:
+        """An engine for speculation.mode over these models (engines share weights,
+        not caches); `speculation` is its default for requests that bring none.
 
         SSD runs in-process here: the speculator serves from a thread.
         """
-        if spec.mode == "ar":
+        if speculation.mode == "ar":
             return AREngine(self.target, self.tokenizer)
         if self.draft is None:
-            raise ValueError(f"mode {spec.mode!r} needs a draft model; none was loaded")
-        if spec.mode == "sd":
-            return SDEngine(self.target, self.draft, self.tokenizer, spec.k)
-        return LocalSSD(self.target, self.draft, self.tokenizer, spec)
+            raise ValueError(f"mode {speculation.mode!r} needs a draft model; none was loaded")
+        if speculation.mode == "sd":
+            return SDEngine(self.target, self.draft, self.tokenizer, speculation.k)
+        return LocalSSD(self.target, self.draft, self.tokenizer, speculation)
 
 
 def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:

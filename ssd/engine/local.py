@@ -5,15 +5,15 @@ torch.distributed; the engine code is the same one the cluster runs."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 import torch
 
-from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.base import GenerationResult, TokenCallback, Verifier
-from ssd.models.tokenizer import Tokenizer
+from ssd.config import SpeculationConfig
+from ssd.engine.base import Verifier
+from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.engine.ssd import SSDEngine
 from ssd.models.quant import precision_of
+from ssd.models.tokenizer import Tokenizer
 from ssd.speculation import protocol
 from ssd.speculation.speculator import Speculator
 from ssd.transport import inprocess_pair
@@ -28,29 +28,22 @@ class LocalSSD:
         target: torch.nn.Module,
         draft: torch.nn.Module,
         tokenizer: Tokenizer,
-        spec: SpeculationConfig,
+        speculation: SpeculationConfig,
         verifier: Verifier = verify,
     ) -> None:
         target_end, draft_end = inprocess_pair()
         self.speculator = Speculator(draft, draft_end)
         self._thread = threading.Thread(target=self.speculator.serve, name="ssd-speculator", daemon=True)
         self._thread.start()
-        self.engine = SSDEngine(target, tokenizer, target_end, spec, verifier, draft_precision=precision_of(draft))
+        self.engine = SSDEngine(target, tokenizer, target_end, speculation, verifier, draft_precision=precision_of(draft))
         self._channel = target_end
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingConfig,
-        generation: GenerationConfig,
-        on_tokens: TokenCallback | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GenerationResult:
-        return self.engine.generate(prompt_ids, sampling, generation, on_tokens, cancelled)
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        return self.engine.generate(request)
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ssd.engine.base import Engine, Request, Verifier
-from ssd.models.tokenizer import Tokenizer
+from ssd.config import SpeculationConfig
+from ssd.engine.base import Engine, SequenceState, Verifier
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
+from ssd.models.tokenizer import Tokenizer
 from ssd.speculation.drafting import draft_chain
 from ssd.verify import verify
 
@@ -21,25 +22,21 @@ class SDEngine(Engine):
         target: torch.nn.Module,
         draft: torch.nn.Module,
         tokenizer: Tokenizer,
-        k: int,
+        k: int = 4,
         verifier: Verifier = verify,
     ) -> None:
-        super().__init__(target, tokenizer, verifier)
+        """`k`: drafted tokens per round for requests that bring no speculation settings."""
+        super().__init__(target, tokenizer, verifier, SpeculationConfig(mode="sd", k=k))
         self.draft = KVSequence(draft)
-        self._k = k
         self.precision += f", draft {precision_of(draft)}"
 
-    @property
-    def k(self) -> int:
-        return self._k
-
-    def _start(self, req: Request) -> None:
+    def _start(self, req: SequenceState) -> None:
         super()._start(req)
         self.draft.reset()
 
-    def _round(self, req: Request) -> list[int]:
+    def _round(self, req: SequenceState) -> list[int]:
         # Never draft past max_new_tokens: the round adds up to K + 1 tokens.
-        k = min(self._k, req.output.remaining - 1)
+        k = min(req.speculation.k, req.output.remaining - 1)
         drafted, q_rows = draft_chain(self.draft, req.sequence, k, req.sampling, req.gen)
         q = torch.stack(q_rows) if q_rows else None
         outcome = self._verify(req, drafted, q)

@@ -17,9 +17,9 @@ import time
 import torch
 
 from ssd.config import SpeculationConfig
-from ssd.engine.base import Engine, Request, Verifier
-from ssd.models.tokenizer import Tokenizer
+from ssd.engine.base import Engine, SequenceState, Verifier
 from ssd.models.kv import KVSequence
+from ssd.models.tokenizer import Tokenizer
 from ssd.speculation import protocol
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 from ssd.verify import Outcome, verify
@@ -37,25 +37,21 @@ class SSDEngine(Engine):
         target: torch.nn.Module | KVSequence,
         tokenizer: Tokenizer,
         channel: Channel | None,
-        spec: SpeculationConfig,
+        speculation: SpeculationConfig,
         verifier: Verifier = verify,
         draft_timeout_s: float | None = None,
         draft_precision: str | None = None,
     ) -> None:
-        super().__init__(target, tokenizer, verifier)
+        """`speculation`: the settings for requests that bring none of their own."""
+        super().__init__(target, tokenizer, verifier, speculation)
         if draft_precision:  # the draft lives elsewhere: whoever placed it says what it is
             self.precision += f", draft {draft_precision}"
         self.channel = channel
-        self.spec = spec
         self.draft_timeout_s = draft_timeout_s
         self._seq_ids = itertools.count()
         self._seq = -1
         self._outcome = Outcome(0, 0)
         self._first_round = True
-
-    @property
-    def k(self) -> int:
-        return self.spec.k
 
     @property
     def link_up(self) -> bool:
@@ -65,18 +61,18 @@ class SSDEngine(Engine):
         """Use a (new) draft link from the next request on."""
         self.channel = channel
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: SequenceState) -> None:
         super()._start(req)
         self._seq = next(self._seq_ids)
-        self._send(protocol.prefill(self._seq, req.sequence, req.sampling, self.spec))
+        self._send(protocol.prefill(self._seq, req.sequence, req.sampling, req.speculation))
 
-    def _first_token(self, req: Request) -> int:
+    def _first_token(self, req: SequenceState) -> int:
         token = super()._first_token(req)
         self._outcome = Outcome(0, token)  # the prefill is round 0: nothing drafted, t* = token
         self._first_round = True  # no cache exists yet: not a lookup
         return token
 
-    def _round(self, req: Request) -> list[int]:
+    def _round(self, req: SequenceState) -> list[int]:
         if self.link_up:
             try:
                 return self._speculative_round(req)
@@ -85,7 +81,7 @@ class SSDEngine(Engine):
         req.stats.spec.degraded_rounds += 1
         return self._target_step(req)
 
-    def _speculative_round(self, req: Request) -> list[int]:
+    def _speculative_round(self, req: SequenceState) -> list[int]:
         lookup_k = None if self._first_round else self._outcome.k
         started = time.perf_counter()
         self.channel.send(protocol.round_(self._seq, self._outcome.k, self._outcome.token))
@@ -105,7 +101,7 @@ class SSDEngine(Engine):
         )
         return self._outcome.tokens(drafted)
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: SequenceState) -> None:
         self._send(protocol.release(self._seq))
 
     def _send(self, message: Message) -> None:

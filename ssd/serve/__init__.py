@@ -3,7 +3,7 @@
 protos.py     compiles the .proto into _proto/ on first use (generated, not committed)
 options.py    ServeOptions: bind address, token, TLS, request limits
 backend.py    the Backend protocol and LocalBackend (load_pair + one engine per spec)
-validation.py GenerateRequest -> ValidRequest, or INVALID_ARGUMENT naming the field
+validation.py GenerateRequest -> GenerationRequest, or INVALID_ARGUMENT naming the field
 worker.py     one generation at a time: FIFO queue, admission limit, cancel/abort
 streaming.py  text deltas that stay consistent with the final text
 metrics.py    server-wide counters and the Prometheus text exposition

@@ -6,15 +6,15 @@ The servicer sees only this protocol, so the tests can wrap the real backend
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
-from ssd.config import Config, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.base import GenerationResult, TokenCallback
+from ssd.config import Config
 from ssd.engine.factory import LoadedPair, load_pair
+from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 
 log = logging.getLogger(__name__)
@@ -36,18 +36,10 @@ class BackendInfo:
     defaults: Config  # sampling, generation.max_new_tokens and speculation defaults
 
 
-class Backend(Protocol):
-    info: BackendInfo
+class Backend(Generator, Protocol):
+    """A Generator that also tokenizes and describes itself to clients."""
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingConfig,
-        generation: GenerationConfig,
-        spec: SpeculationConfig,
-        on_tokens: TokenCallback | None,
-        cancelled: Callable[[], bool] | None,
-    ) -> GenerationResult: ...
+    info: BackendInfo
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -58,34 +50,26 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class EngineCache:
-    """Engines by speculation settings, least recently used dropped first.
+class EngineByMode:
+    """One engine per mode, made on first use; the request carries every other setting.
 
     Engines share the loaded weights; each holds its own KV cache and (SSD) a
-    speculator thread, so only a few are kept. Not thread-safe: the server
-    runs one generation at a time.
+    speculator thread. Not thread-safe: the server runs one generation at a time.
     """
 
-    def __init__(self, pair: LoadedPair, size: int = 4) -> None:
+    def __init__(self, pair: LoadedPair, defaults: Config) -> None:
         self.pair = pair
-        self.size = size
-        self._engines: OrderedDict[str, Any] = OrderedDict()
+        self.defaults = defaults
+        self._engines: dict[str, Any] = {}
 
-    def get(self, spec: SpeculationConfig) -> Any:
-        key = repr(spec)  # dataclass repr: every field, deterministic
-        if key in self._engines:
-            self._engines.move_to_end(key)
-            return self._engines[key]
-        engine = self.pair.engine(spec)
-        self._engines[key] = engine
-        while len(self._engines) > self.size:
-            _, old = self._engines.popitem(last=False)
-            old.close()
-        return engine
+    def get(self, mode: str) -> Any:
+        if mode not in self._engines:
+            self._engines[mode] = self.pair.engine(dataclasses.replace(self.defaults.speculation, mode=mode))
+        return self._engines[mode]
 
-    def discard(self, spec: SpeculationConfig) -> None:
+    def discard(self, mode: str) -> None:
         """Drop an engine whose generation failed: its state is not to be trusted."""
-        engine = self._engines.pop(repr(spec), None)
+        engine = self._engines.pop(mode, None)
         if engine is not None:
             _close_quietly(engine)
 
@@ -119,25 +103,18 @@ class LocalBackend(TokenizerMixin):
         self.config = config
         self.pair = load_pair(config, with_draft=with_draft)
         self.tokenizer = self.pair.tokenizer
-        self._engines = EngineCache(self.pair)
+        self._engines = EngineByMode(self.pair, config)
         self._lock = threading.Lock()  # the worker serializes; this guards misuse
         self.info = self._describe()
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingConfig,
-        generation: GenerationConfig,
-        spec: SpeculationConfig,
-        on_tokens: TokenCallback | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GenerationResult:
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        mode = (request.speculation or self.config.speculation).mode
         with self._lock:
-            engine = self._engines.get(spec)
+            engine = self._engines.get(mode)
             try:
-                return engine.generate(list(prompt_ids), sampling, generation, on_tokens, cancelled)
+                return engine.generate(request)
             except BaseException:
-                self._engines.discard(spec)
+                self._engines.discard(mode)
                 raise
 
     def close(self) -> None:

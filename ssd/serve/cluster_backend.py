@@ -3,11 +3,8 @@ rank 0 as one streaming Ray call each; rounds stream back as they land."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 from ssd.cluster.runtime import Cluster
-from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.base import GenerationResult, TokenCallback
+from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
 from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
 
@@ -19,16 +16,8 @@ class ClusterBackend(TokenizerMixin):
         self.tokenizer = load_tokenizer(self.config.target)  # tokenizing stays in the frontend
         self.info = self._describe()
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingConfig,
-        generation: GenerationConfig,
-        spec: SpeculationConfig,
-        on_tokens: TokenCallback | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GenerationResult:
-        return self.cluster.generate(list(prompt_ids), sampling, generation, spec, on_tokens, cancelled)
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        return self.cluster.generate(request)
 
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""

@@ -9,9 +9,8 @@ from ssd.engine.metrics import GenerationStats
 from ssd.serve.backend import BackendInfo
 from ssd.serve.metrics import Counters
 from ssd.serve.options import ServeOptions
-from ssd.serve.validation import MODE_VALUES, max_new_tokens_limit
-
-FINISH_REASONS = {"eos": 1, "length": 2, "stop": 3, "aborted": 4, "error": 5}  # ssd.v1.FinishReason
+from ssd.serve.protos import enum_values
+from ssd.serve.validation import max_new_tokens_limit
 
 
 def accepted_length_histogram(stats: GenerationStats) -> list[int]:
@@ -40,7 +39,7 @@ def spec_stats(pb: Any, stats: GenerationStats) -> Any:
 
 def request_stats(pb: Any, stats: GenerationStats, queue_s: float, ttft_s: float, total_s: float) -> Any:
     return pb.RequestStats(
-        mode=MODE_VALUES.get(stats.mode, 0), k=stats.k,
+        mode=enum_values("Mode").get(stats.mode, 0), k=stats.k,
         prompt_tokens=stats.prompt_tokens, new_tokens=stats.new_tokens,
         queue_s=queue_s, time_to_first_token_s=ttft_s, total_s=total_s,
         tokens_per_s=stats.tokens_per_s, decode_tokens_per_s=stats.decode_tokens_per_s,
@@ -55,7 +54,7 @@ def request_stats(pb: Any, stats: GenerationStats, queue_s: float, ttft_s: float
 def model_info(pb: Any, info: BackendInfo, options: ServeOptions) -> Any:
     return pb.ModelInfoResponse(
         target_model=info.target_model, draft_model=info.draft_model or "",
-        vocab_size=info.vocab_size, modes=[MODE_VALUES[m] for m in info.modes],
+        vocab_size=info.vocab_size, modes=[enum_values("Mode")[m] for m in info.modes],
         backups=list(BACKUPS), fanout_kinds=list(FANOUT_KINDS),
         chat_template=info.chat_template, eos_token_ids=list(info.eos_token_ids),
         limits=_limits(pb, info, options), defaults=_defaults(pb, info, options),
@@ -75,7 +74,7 @@ def _limits(pb: Any, info: BackendInfo, options: ServeOptions) -> Any:
 def _defaults(pb: Any, info: BackendInfo, options: ServeOptions) -> Any:
     d = info.defaults
     return pb.Defaults(
-        mode=MODE_VALUES[d.speculation.mode],
+        mode=enum_values("Mode")[d.speculation.mode],
         max_new_tokens=min(d.generation.max_new_tokens, max_new_tokens_limit(info, options)),
         temperature=d.sampling.temperature, top_k=d.sampling.top_k, top_p=d.sampling.top_p,
         seed=d.sampling.seed, k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 from ssd.engine.metrics import GenerationStats
+from ssd.serve.protos import enum_names
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-FINISH_REASONS = ("eos", "length", "stop", "aborted", "error")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Counters:
 
     requests_total: int = 0
     requests_rejected: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(enum_names("FinishReason").values(), 0))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     rounds: int = 0

@@ -13,6 +13,7 @@ which would collide with this package, so the modules are placed flat in
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib
 import logging
@@ -37,6 +38,20 @@ def load() -> tuple[ModuleType, ModuleType]:
     pb2 = importlib.import_module("ssd.serve._proto.generation_pb2")
     grpc_mod = importlib.import_module("ssd.serve._proto.generation_pb2_grpc")
     return pb2, grpc_mod
+
+
+@functools.cache
+def enum_names(enum: str) -> dict[int, str]:
+    """{value: name} of an ssd.v1 enum, its prefix stripped and lower-cased,
+    UNSPECIFIED left out: enum_names("Mode") == {1: "ar", 2: "sd", 3: "ssd"}."""
+    pb2, _ = load()
+    prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum).upper() + "_"
+    return {value: name.removeprefix(prefix).lower() for name, value in getattr(pb2, enum).items() if value}
+
+
+def enum_values(enum: str) -> dict[str, int]:
+    """The inverse of enum_names: enum_values("FinishReason")["eos"] == 1."""
+    return {name: value for value, name in enum_names(enum).items()}
 
 
 def proto_files() -> list[Path]:

@@ -132,7 +132,7 @@ class GenerationServicer:
 
     def _final(self, job: Job, done: Done, text: TextStream) -> Any:
         pb, result = self.pb, done.result
-        finished = pb.Finished(reason=convert.FINISH_REASONS[done.reason])
+        finished = pb.Finished(reason=protos.enum_values("FinishReason")[done.reason])
         delta = ""
         if result is not None:
             delta = text.finish(result.text)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from ssd.config import (
@@ -21,11 +20,11 @@ from ssd.config import (
     SamplingConfig,
     SpeculationConfig,
 )
+from ssd.engine.request import GenerationRequest
 from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
 from ssd.serve.options import ServeOptions
+from ssd.serve.protos import enum_names
 
-MODE_NAMES = {1: "ar", 2: "sd", 3: "ssd"}  # ssd.v1.Mode values
-MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
 MAX_REQUEST_ID_CHARS = 128
 SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
 
@@ -38,30 +37,18 @@ class InvalidArgument(ValueError):
         self.field = field
 
 
-@dataclass
-class ValidRequest:
-    request_id: str  # "" when the server is to assign one
-    prompt_ids: list[int]
-    sampling: SamplingConfig
-    generation: GenerationConfig
-    spec: SpeculationConfig
-
-    @property
-    def mode(self) -> str:
-        return self.spec.mode
-
-
-def validate(request: Any, backend: Backend, options: ServeOptions) -> ValidRequest:
-    """Check a GenerateRequest against the server's limits and the model."""
+def validate(request: Any, backend: Backend, options: ServeOptions) -> GenerationRequest:
+    """Check a GenerateRequest against the server's limits and the model; the
+    engine's request (without callbacks) when it passes."""
     info = backend.info
     request_id = _request_id(request)
     mode = _mode(request, info)
     generation = _generation(request, info, options)
     sampling = _sampling(request, info)
-    spec = _speculation(request, info, options, mode)
+    speculation = _speculation(request, info, options, mode)
     prompt_ids = _prompt(request, backend, options)
     _check_context(request, len(prompt_ids), generation.max_new_tokens, info)
-    return ValidRequest(request_id, prompt_ids, sampling, generation, spec)
+    return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id)
 
 
 def max_new_tokens_limit(info: BackendInfo, options: ServeOptions) -> int:
@@ -80,8 +67,8 @@ def _request_id(request: Any) -> str:
 def _mode(request: Any, info: BackendInfo) -> str:
     if request.mode == 0:
         mode = info.defaults.speculation.mode
-    elif request.mode in MODE_NAMES:
-        mode = MODE_NAMES[request.mode]
+    elif request.mode in enum_names("Mode"):
+        mode = enum_names("Mode")[request.mode]
     else:
         raise InvalidArgument("mode", f"unknown value {request.mode}; known: AR, SD, SSD")
     if mode not in info.modes:

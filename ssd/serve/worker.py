@@ -7,6 +7,7 @@ it but never starves them. Admission bounds queued + running jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -15,10 +16,9 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from ssd.engine.base import GenerationResult
+from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
-from ssd.serve.validation import ValidRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Done:
 
 @dataclass
 class Job:
-    request: ValidRequest
+    request: GenerationRequest  # without callbacks: the job supplies them
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() seconds
     arrived: float = field(default_factory=time.monotonic)
@@ -173,11 +173,11 @@ class GenerationWorker:
         job.started = time.monotonic()
         if job.cancelled():
             return Done()  # its deadline passed while queued
-        req = job.request
+        request = dataclasses.replace(
+            job.request, request_id=job.request_id, on_tokens=job.on_tokens, cancelled=job.cancelled
+        )
         try:
-            result = self.backend.generate(
-                req.prompt_ids, req.sampling, req.generation, req.spec, job.on_tokens, job.cancelled
-            )
+            result = self.backend.generate(request)
             return Done(result=result)
         except Exception as exc:  # an engine fault ends this request, never the server
             log.exception("request %s failed", job.request_id)

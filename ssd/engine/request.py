@@ -1,0 +1,64 @@
+"""The one generation interface: a GenerationRequest in, a GenerationResult out.
+
+Every way to generate implements `Generator`: the engines (AR, SD, SSD), SSD
+in one process, the serving backends, the cluster, and the bench's peers (HF
+assisted generation, llama.cpp). Speculation settings travel with each
+request, so one engine per mode serves every K, budget, backup and C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.metrics import GenerationStats
+
+# Called with the tokens each round admits, as soon as they are known.
+TokenCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # None: the generator's own settings. A generator refuses a mode it does not run.
+    speculation: SpeculationConfig | None = None
+    on_tokens: TokenCallback | None = None
+    # Polled before every round; True ends generation with finish reason "aborted".
+    cancelled: Callable[[], bool] | None = None
+    request_id: str = ""  # for logs; the server assigns one when empty
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = list(self.prompt_ids)
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+
+    def portable(self) -> "GenerationRequest":
+        """The request without its callbacks, to send to another process."""
+        return dataclasses.replace(self, on_tokens=None, cancelled=None)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled is not None and self.cancelled()
+
+    def emit(self, tokens: list[int]) -> None:
+        if self.on_tokens is not None and tokens:
+            self.on_tokens(tokens)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop" | "aborted"
+    stats: GenerationStats
+    # Tokens the first reply carried (1 for our engines; HF's first round may carry more).
+    first_tokens: int = 1
+
+
+class Generator(Protocol):
+    def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def close(self) -> None: ...
