@@ -24,7 +24,7 @@ from _common import ROOT, add_config_args, config_from_args
 from tqdm import tqdm
 
 from ssd.engine.factory import load_pair
-from ssd.engine.metrics import GenerationStats
+from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 from ssd.models.tokenizer import encode_prompt
 
@@ -70,15 +70,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summarise(stats: list[GenerationStats]) -> dict[str, float]:
-    spec = [s.spec for s in stats]
-    total = lambda name: sum(getattr(s, name) for s in spec)  # noqa: E731
-    rounds = sum(s.rounds for s in stats)
+    t = total(stats)
     return {
-        "hit_rate": total("hits") / max(1, total("lookups")),
-        "tokens_per_round": sum(s.new_tokens - 1 for s in stats) / max(1, rounds),
-        "after_hit": total("tokens_after_hit") / max(1, total("rounds_after_hit")),
-        "after_miss": total("tokens_after_miss") / max(1, total("rounds_after_miss")),
-        "acceptance": sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats)),
+        "hit_rate": t.spec.hit_rate,
+        "tokens_per_round": (t.new_tokens - t.requests) / max(1, t.rounds),
+        "after_hit": t.spec.tokens_per_round_after_hit,
+        "after_miss": t.spec.tokens_per_round_after_miss,
+        "acceptance": t.acceptance_rate,
     }
 
 

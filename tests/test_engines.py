@@ -179,3 +179,19 @@ def test_an_engine_refuses_a_mode_it_does_not_run(tiny_models, tiny_tokenizer):
         SDEngine(*tiny_models, tiny_tokenizer, k=4).generate(
             GenerationRequest([1, 2], GREEDY, speculation=SpeculationConfig(mode="ssd"))
         )
+
+
+def test_stats_total_pools_every_counter(tiny_models, tiny_tokenizer):
+    """The one stats merge (server metrics, bench rows, sweeps, live ablation):
+    counts add, per-position lists add by index, rates are pooled, not averaged."""
+    from ssd.engine.metrics import total
+
+    engine = SDEngine(*tiny_models, tiny_tokenizer, k=4)
+    runs = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).stats for p in PROMPTS]
+    t = total(runs)
+    assert t.requests == len(runs) and t.mode == "sd" and t.k == 4
+    for name in ("new_tokens", "rounds", "drafted", "accepted", "prompt_tokens"):
+        assert getattr(t, name) == sum(getattr(s, name) for s in runs)
+    assert t.accepted_at == [sum(s.accepted_at[i] for s in runs if i < len(s.accepted_at)) for i in range(4)]
+    assert t.acceptance_rate == sum(s.accepted for s in runs) / sum(s.drafted for s in runs)
+    assert runs[0].requests == 1 and t.accepted_at is not runs[0].accepted_at  # inputs untouched

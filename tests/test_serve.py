@@ -452,3 +452,11 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
     final = text[: text.find("b€")]
     assert "".join(deltas) + stream.finish(final) == final == "añ"
     assert "b" not in "".join(deltas)
+
+
+def test_mode_and_finish_reason_names_come_from_the_proto():
+    from ssd.config import MODES
+    from ssd.serve.protos import enum_names
+
+    assert tuple(enum_names("Mode").values()) == MODES
+    assert set(enum_names("FinishReason").values()) == {"eos", "length", "stop", "aborted", "error"}

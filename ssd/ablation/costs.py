@@ -88,11 +88,6 @@ class Costs:
         coef = np.linalg.lstsq(np.array([feats(*p) for p in pts]), np.array(list(self.build_s.values())), rcond=None)[0]
         return max(float(np.dot(coef, feats(k, budget))), min(self.build_s.values()) / 2)
 
-    def in_verify_units(self, k: int, budget: int) -> dict[str, float]:
-        """T_b (backup), T_p (build) and T_ar in units of one verification, as the paper writes them."""
-        v = self.verify(k)
-        return {"T_b": self.backup(k) / v, "T_p": self.build(k, budget) / v, "T_ar": self.ar_step_s / v}
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "meta": self.meta, "ar_step_s": self.ar_step_s,

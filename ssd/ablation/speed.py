@@ -1,6 +1,7 @@
 """Modelled decoding speed from replayed round statistics and measured costs.
 
-The paper (REFERENCES.md), in units of one verification:
+The paper (Kumar, Dao, May: Speculative Speculative Decoding, arXiv 2603.03251),
+in units of one verification:
   SD speedup over AR  = E_SD / (1 + T_SD)
   SSD speedup over AR = [p E_hit + (1-p) E_miss] / [p max(1, T_p) + (1-p)(1 + T_b)]
 Here the same in seconds, which also covers a verification of K + 1 tokens

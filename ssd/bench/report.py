@@ -34,6 +34,7 @@ import torch
 
 from ssd import hardware
 from ssd.bench.runner import MODES, Results, RunKey, Sample
+from ssd.engine.metrics import total
 
 log = logging.getLogger(__name__)
 
@@ -60,38 +61,35 @@ class Limit:
 
 def aggregate(key: RunKey, samples: list[Sample]) -> dict[str, Any]:
     """One row: totals over the prompts (decode tokens / decode time, not a mean of rates)."""
-    stats = [s.stats for s in samples]
+    stats = total((s.stats for s in samples), mode=key.mode)
     decode_tokens = sum(s.decode_tokens for s in samples)
     decode_s = sum(s.decode_s for s in samples)
-    rounds = sum(s.rounds for s in stats)
-    drafted = sum(s.drafted for s in stats)
     tok_s = decode_tokens / decode_s if decode_s > 0 else 0.0
-    target_s = sum(s.target_s for s in stats)
     ssd = key.mode == "ssd"
-    lookups = sum(s.spec.lookups for s in stats)
-    hit_busy = sum(s.spec.wait_hit_s + s.spec.verify_hit_s for s in stats)
+    spec, rounds = stats.spec, stats.rounds
+    hit_busy = spec.wait_hit_s + spec.verify_hit_s
     return {
         "prompt_set": key.prompt_set,
         "temperature": key.temperature,
         "mode": key.mode,
         "name": key.name,
         "label": key.label,
-        "precision": _short_precision(stats[0].precision) if stats else "",
+        "precision": _short_precision(stats.precision),
         "k": key.k,
         "threads": key.threads_label,
         "prompts": len(samples),
-        "new_tokens": sum(s.new_tokens for s in stats),
+        "new_tokens": stats.new_tokens,
         "tok_s": tok_s,
         "ms_per_token": 1000 / tok_s if tok_s else None,
-        "ttft_ms": 1000 * sum(s.time_to_first_token_s for s in stats) / len(stats) if stats else None,
-        "accepted_len": sum(s.accepted for s in stats) / rounds if key.k and rounds else None,
-        "acceptance": sum(s.accepted for s in stats) / drafted if drafted else None,
+        "ttft_ms": 1000 * stats.time_to_first_token_s / stats.requests if stats.requests else None,
+        "accepted_len": stats.mean_accepted_length if key.k and rounds else None,
+        "acceptance": stats.acceptance_rate if stats.drafted else None,
         "tokens_per_round": decode_tokens / rounds if rounds else None,
-        "hit_rate": sum(s.spec.hits for s in stats) / lookups if ssd and lookups else None,
+        "hit_rate": spec.hit_rate if ssd and spec.lookups else None,
         # Share of hit rounds' time the target spent waiting for the draft.
-        "wait_hit": sum(s.spec.wait_hit_s for s in stats) / hit_busy if ssd and hit_busy else None,
+        "wait_hit": spec.wait_fraction_on_hits if ssd and hit_busy else None,
         # The target's time per round; the physical limit uses it from SD/SSD rows.
-        "t_verify_ms": 1000 * target_s / rounds if key.k and target_s and rounds else None,
+        "t_verify_ms": 1000 * stats.target_s / rounds if key.k and stats.target_s and rounds else None,
     }
 
 

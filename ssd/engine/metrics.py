@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 
 @dataclass
@@ -88,6 +89,7 @@ class GenerationStats:
     mode: str
     k: int = 0  # drafted tokens per round (0 for AR)
     precision: str = ""  # e.g. "target int8, draft int8"
+    requests: int = 1  # generations counted here: 1, or more in a total (see `total`)
     prompt_tokens: int = 0
     new_tokens: int = 0
     time_to_first_token_s: float = 0.0
@@ -171,6 +173,43 @@ class GenerationStats:
         if self.mode == "ssd":
             line += f"; {self.spec.summary()}"
         return line
+
+
+# Fields that name what was measured; a total keeps the first generation's.
+_LABELS = frozenset({"mode", "k", "precision"})
+
+
+def add_into(total: Any, other: Any) -> None:
+    """Add dataclass `other` into `total`, field by field: numbers sum, count
+    dicts and per-position lists sum by key and index, nested stats recurse."""
+    for f in dataclasses.fields(total):
+        if f.name in _LABELS:
+            continue
+        mine, theirs = getattr(total, f.name), getattr(other, f.name)
+        if dataclasses.is_dataclass(mine):
+            add_into(mine, theirs)
+        elif isinstance(mine, dict):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        elif isinstance(mine, list):
+            mine += [0] * (len(theirs) - len(mine))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+        else:
+            setattr(total, f.name, mine + theirs)
+
+
+def total(stats: Iterable[GenerationStats], mode: str = "") -> GenerationStats:
+    """The sum of several generations' stats; rates on it are pooled over all
+    of them (hits / lookups, accepted / drafted), never means of rates.
+    Labels (mode, K, precision) come from the first generation."""
+    stats = list(stats)
+    out = GenerationStats(mode=mode or (stats[0].mode if stats else ""), requests=0)
+    if stats:
+        out.k, out.precision = stats[0].k, stats[0].precision
+    for s in stats:
+        add_into(out, s)
+    return out
 
 
 class Stopwatch:

@@ -112,10 +112,6 @@ def model_dir(name: str, root: Path | None = None) -> Path:
     return (root if root is not None else cache_dir()) / "models" / name
 
 
-def is_offline_model(name: str, registry: Mapping[str, OfflineModel] | None = None) -> bool:
-    return name in (OFFLINE_MODELS if registry is None else registry)
-
-
 def ensure_offline_model(
     name: str,
     registry: Mapping[str, OfflineModel] | None = None,

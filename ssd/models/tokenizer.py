@@ -76,12 +76,6 @@ class TinyTokenizer:
             ids = [i for i in ids if i not in self.all_special_ids]
         return "".join(self._chars[i] for i in ids)
 
-    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
-        if isinstance(ids, int):
-            return self._chars[ids]
-        return [self._chars[int(i)] for i in ids]
-
-
 def load_tokenizer(cfg: ModelConfig) -> Any:
     """TinyTokenizer for "tiny", else the HF tokenizer stored with the model."""
     if cfg.name == TINY:

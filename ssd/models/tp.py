@@ -8,7 +8,7 @@ tiny int64 command before running it, and `run_tp_follower` replays those
 commands on the other ranks until told to stop.
 
 The world built here holds only the target ranks: a draft rank in the same
-world (with TP on a sub-mesh) hung `from_pretrained` (see REFERENCES.md); the
+world (with TP on a sub-mesh) hung in `from_pretrained` when we tried it; the
 draft link is a separate two-rank group.
 """
 

@@ -84,11 +84,12 @@ def _defaults(pb: Any, info: BackendInfo, options: ServeOptions) -> Any:
 
 
 def stats_response(pb: Any, c: Counters, running: int, waiting: int, uptime_s: float, text: str) -> Any:
+    g = c.generation
     return pb.StatsResponse(
         requests_total=c.requests_total, requests_running=running, requests_waiting=waiting,
         finished_by_reason=c.finished, requests_rejected=c.requests_rejected,
-        prompt_tokens_total=c.prompt_tokens, generation_tokens_total=c.generation_tokens,
-        rounds_total=c.rounds, draft_tokens_total=c.drafted, accepted_tokens_total=c.accepted,
-        spec_cache_lookups_total=c.lookups, spec_cache_hits_total=c.hits,
-        spec_cache_hit_rate=c.hit_rate, uptime_s=uptime_s, prometheus_text=text,
+        prompt_tokens_total=g.prompt_tokens, generation_tokens_total=g.new_tokens,
+        rounds_total=g.rounds, draft_tokens_total=g.drafted, accepted_tokens_total=g.accepted,
+        spec_cache_lookups_total=g.spec.lookups, spec_cache_hits_total=g.spec.hits,
+        spec_cache_hit_rate=g.spec.hit_rate, uptime_s=uptime_s, prometheus_text=text,
     )

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ssd.engine.metrics import GenerationStats
+from ssd.engine.metrics import GenerationStats, add_into
 from ssd.serve.protos import enum_names
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -50,29 +50,10 @@ class Counters:
     requests_total: int = 0
     requests_rejected: int = 0
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(enum_names("FinishReason").values(), 0))
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)
-    lookups: int = 0
-    hits: int = 0
-    lookups_by_k: dict[int, int] = field(default_factory=dict)
-    hits_by_k: dict[int, int] = field(default_factory=dict)
-    backups: dict[str, int] = field(default_factory=dict)
-    wait_s: float = 0.0
-    verify_s: float = 0.0
-    build_s: float = 0.0
-    backup_s: float = 0.0
-    degraded_rounds: int = 0
+    generation: GenerationStats = field(default_factory=lambda: GenerationStats(mode="", requests=0))
     ttft: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
 
 
 class ServerMetrics:
@@ -101,7 +82,7 @@ class ServerMetrics:
             if ttft_s is not None:
                 c.ttft.observe(ttft_s)
             if stats is not None:
-                _add_generation(c, stats)
+                add_into(c.generation, stats)
 
     def snapshot(self) -> Counters:
         """A consistent copy to read without the lock."""
@@ -110,33 +91,6 @@ class ServerMetrics:
 
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
-
-
-def _add_generation(c: Counters, stats: GenerationStats) -> None:
-    c.prompt_tokens += stats.prompt_tokens
-    c.generation_tokens += stats.new_tokens
-    c.rounds += stats.rounds
-    c.drafted += stats.drafted
-    c.accepted += stats.accepted
-    c.accepted_at += [0] * (len(stats.accepted_at) - len(c.accepted_at))
-    for i, n in enumerate(stats.accepted_at):
-        c.accepted_at[i] += n
-    spec = stats.spec
-    c.lookups += spec.lookups
-    c.hits += spec.hits
-    _add_counts(c.lookups_by_k, spec.lookups_by_k)
-    _add_counts(c.hits_by_k, spec.hits_by_k)
-    _add_counts(c.backups, spec.backups)
-    c.wait_s += spec.wait_s
-    c.verify_s += spec.verify_s
-    c.build_s += spec.build_s
-    c.backup_s += spec.backup_s
-    c.degraded_rounds += spec.degraded_rounds
-
-
-def _add_counts(into: dict, extra: dict) -> None:
-    for key, n in extra.items():
-        into[key] = into.get(key, 0) + n
 
 
 def prometheus_text(c: Counters, running: int, waiting: int) -> str:
@@ -149,9 +103,9 @@ def prometheus_text(c: Counters, running: int, waiting: int) -> str:
             [("", c.requests_rejected)])
     _metric(lines, "ssd:request_success_total", "counter", "Finished requests by reason.",
             [(_labels(finished_reason=r), n) for r, n in sorted(c.finished.items())])
-    _metric(lines, "ssd:prompt_tokens_total", "counter", "Prompt tokens processed.", [("", c.prompt_tokens)])
-    _metric(lines, "ssd:generation_tokens_total", "counter", "Tokens generated.", [("", c.generation_tokens)])
-    _metric(lines, "ssd:num_rounds_total", "counter", "Engine rounds (verifications).", [("", c.rounds)])
+    _metric(lines, "ssd:prompt_tokens_total", "counter", "Prompt tokens processed.", [("", c.generation.prompt_tokens)])
+    _metric(lines, "ssd:generation_tokens_total", "counter", "Tokens generated.", [("", c.generation.new_tokens)])
+    _metric(lines, "ssd:num_rounds_total", "counter", "Engine rounds (verifications).", [("", c.generation.rounds)])
     _histogram(lines, "ssd:time_to_first_token_seconds", "Arrival to first token.", c.ttft)
     _histogram(lines, "ssd:e2e_request_latency_seconds", "Arrival to last token.", c.e2e)
     _histogram(lines, "ssd:request_queue_time_seconds", "Time waiting for the engine.", c.queue)
@@ -161,35 +115,37 @@ def prometheus_text(c: Counters, running: int, waiting: int) -> str:
 
 
 def _spec_decode(lines: list[str], c: Counters) -> None:
+    g = c.generation
     _metric(lines, "ssd:spec_decode_num_draft_tokens_total", "counter", "Drafted tokens verified.",
-            [("", c.drafted)])
+            [("", g.drafted)])
     _metric(lines, "ssd:spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens accepted.",
-            [("", c.accepted)])
+            [("", g.accepted)])
     _metric(lines, "ssd:spec_decode_num_accepted_tokens_per_pos", "counter",
             "Drafted tokens accepted at each position.",
-            [(_labels(position=i), n) for i, n in enumerate(c.accepted_at)])
+            [(_labels(position=i), n) for i, n in enumerate(g.accepted_at)])
 
 
 def _spec_cache(lines: list[str], c: Counters) -> None:
-    _metric(lines, "ssd_spec_cache_lookups_total", "counter", "SSD cache lookups.", [("", c.lookups)])
-    _metric(lines, "ssd_spec_cache_hits_total", "counter", "SSD cache hits.", [("", c.hits)])
+    s = c.generation.spec
+    _metric(lines, "ssd_spec_cache_lookups_total", "counter", "SSD cache lookups.", [("", s.lookups)])
+    _metric(lines, "ssd_spec_cache_hits_total", "counter", "SSD cache hits.", [("", s.hits)])
     _metric(lines, "ssd_spec_cache_hit_rate", "gauge", "SSD cache hits / lookups since start.",
-            [("", c.hit_rate)])
+            [("", s.hit_rate)])
     _metric(lines, "ssd_spec_cache_lookups_by_k", "counter", "SSD cache lookups by accepted length k.",
-            [(_labels(k=k), n) for k, n in sorted(c.lookups_by_k.items())])
+            [(_labels(k=k), n) for k, n in sorted(s.lookups_by_k.items())])
     _metric(lines, "ssd_spec_cache_hits_by_k", "counter", "SSD cache hits by accepted length k.",
-            [(_labels(k=k), n) for k, n in sorted(c.hits_by_k.items())])
+            [(_labels(k=k), n) for k, n in sorted(s.hits_by_k.items())])
     _metric(lines, "ssd_spec_backups_total", "counter", "Speculations made by a backup (misses), by kind.",
-            [(_labels(kind=k), n) for k, n in sorted(c.backups.items())])
+            [(_labels(kind=k), n) for k, n in sorted(s.backups.items())])
     _metric(lines, "ssd_spec_target_wait_seconds_total", "counter", "Target time blocked on the draft.",
-            [("", c.wait_s)])
-    _metric(lines, "ssd_spec_verify_seconds_total", "counter", "Target verification time.", [("", c.verify_s)])
+            [("", s.wait_s)])
+    _metric(lines, "ssd_spec_verify_seconds_total", "counter", "Target verification time.", [("", s.verify_s)])
     _metric(lines, "ssd_spec_build_seconds_total", "counter", "Draft cache construction time.",
-            [("", c.build_s)])
+            [("", s.build_s)])
     _metric(lines, "ssd_spec_backup_seconds_total", "counter", "Draft backup speculation time.",
-            [("", c.backup_s)])
+            [("", s.backup_s)])
     _metric(lines, "ssd_spec_degraded_rounds_total", "counter", "Rounds the target ran alone (draft lost).",
-            [("", c.degraded_rounds)])
+            [("", s.degraded_rounds)])
 
 
 def _metric(lines: list[str], name: str, kind: str, help_text: str,

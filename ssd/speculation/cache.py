@@ -37,7 +37,3 @@ class SpeculationCache:
     def replace(self, entries: dict[tuple[int, int], Proposal]) -> None:
         """Install the speculations built for the outcome now being verified."""
         self._entries = entries
-
-    def keys_at(self, k: int) -> list[int]:
-        """The tokens cached for acceptance length k (for metrics and tests)."""
-        return [t for (kk, t) in self._entries if kk == k]

@@ -16,7 +16,7 @@ from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
 from ssd.speculation import protocol
 from ssd.speculation.backups import make_backup
-from ssd.speculation.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.speculation.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
 from ssd.speculation.builder import build_cache
 from ssd.speculation.cache import Proposal, SpeculationCache
 from ssd.speculation.drafting import Saguaro
@@ -56,9 +56,7 @@ class Speculator:
         self.vocab_size = model.config.vocab_size
         self.sequences: dict[int, DraftSequence] = {}
         # Decoders keep their mask buffers between rounds: one of each kind.
-        self.decoders: dict[str, BranchDecoder] = {
-            "tree": TreeBranchDecoder(), "batched": BatchedBranchDecoder(),
-        }
+        self.decoders: dict[str, BranchDecoder] = {kind: make_branch_decoder(kind) for kind in BRANCH_DECODERS}
 
     def serve(self) -> None:
         """Handle messages until shutdown. A failure is reported, not swallowed:
