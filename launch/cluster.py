@@ -2,6 +2,7 @@
 on separate devices, linked by torch.distributed, behind the gRPC frontend.
 
     python launch/cluster.py --target-gpus 0-3 --draft-gpu 4 --config configs/<pair>.yaml
+    python launch/cluster.py --target-gpus 0 --draft-gpu 0 --colocate    # one GPU, both roles on it
     python launch/cluster.py --cpu                          # serve on 127.0.0.1:50051 (gloo, cores as devices)
     python launch/cluster.py --cpu "def add(a, b):"         # one generation, then exit
     python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("prompt", nargs="?", help="prompt text (default: the config's prompt)")
     parser.add_argument("--target-gpus", help="GPUs for the target ranks, e.g. 0-3 (tensor parallel)")
     parser.add_argument("--draft-gpu", help="GPU for the draft, e.g. 4")
+    parser.add_argument("--colocate", action="store_true",
+                        help="let the draft share a target GPU (one-GPU machines; not the paper's setting)")
     parser.add_argument("--cpu", action="store_true", help="CPU mode: cores play the devices (automatic without a GPU)")
     parser.add_argument("--target-cores", help="CPU mode: cores for the target ranks, one rank per core")
     parser.add_argument("--draft-core", help="CPU mode: the draft's core")
@@ -52,21 +55,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def placement_from_args(args: argparse.Namespace, with_draft: bool) -> Placement:
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if args.cpu or gpus == 0:
+def placement_from_args(args: argparse.Namespace, with_draft: bool, gpus: int | None = None) -> Placement:
+    """GPU mode when GPUs are named (or visible), else CPU mode; `gpus` defaults to torch's count."""
+    if gpus is None:
+        gpus = available_gpus()
+    if args.cpu or (gpus == 0 and not (args.target_gpus or args.draft_gpu)):
         if args.target_gpus or args.draft_gpu:
             raise DeviceError("--target-gpus/--draft-gpu need GPUs; in CPU mode use --target-cores/--draft-core")
         cores = os.cpu_count() or 1
         if args.target_cores is None and args.draft_core is None:
             return default_cpu_placement(cores, with_draft)
         return plan_placement(args.target_cores or "0", args.draft_core if with_draft else None, cores, "cpu")
+    if args.target_cores or args.draft_core:
+        raise DeviceError("--target-cores/--draft-core are for CPU mode; with GPUs use --target-gpus/--draft-gpu")
+    if gpus == 0:
+        raise DeviceError("--target-gpus/--draft-gpu need GPUs and this machine has none; use --cpu (cores as devices)")
     draft = args.draft_gpu if with_draft else None
-    return plan_placement(args.target_gpus or "0", draft, gpus, "cuda")
+    return plan_placement(args.target_gpus or "0", draft, gpus, "cuda", colocate=args.colocate)
 
 
+def available_gpus() -> int:
+    """GPUs torch sees here, or those a running Ray instance declares (logical GPUs in tests)."""
+    import ray
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if ray.is_initialized():
+        gpus = max(gpus, int(ray.cluster_resources().get("GPU", 0)))
+    return gpus
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)

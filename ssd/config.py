@@ -182,13 +182,25 @@ class ClusterConfig:
     # A draft that answers no round within this time is treated as lost: the
     # target finishes the request alone and the draft is restarted.
     draft_timeout_s: float = 30.0
-    link_backend: str | None = None  # None: nccl on GPUs, gloo on CPU
+    # The draft link carries host-memory payloads (token ids, q rows) and must
+    # survive a lost peer: gloo. (NCCL point-to-point blocks the GPU, and a
+    # timed-out NCCL wait aborts the communicator and, by default, the process.)
+    link_backend: str = "gloo"
+    # Where the actors compute. None: as placed (GPUs when --target-gpus is
+    # given). "cpu": GPU-placed actors compute on the CPU; for orchestration
+    # tests on machines without GPUs, and for debugging.
+    compute_device: str | None = None
 
     def __post_init__(self) -> None:
         if not self.draft_timeout_s > 0:
             raise ConfigError(f"cluster.draft_timeout_s must be > 0, got {self.draft_timeout_s}")
-        if self.link_backend not in (None, "gloo", "nccl"):
-            raise ConfigError(f"cluster.link_backend must be gloo or nccl, got {self.link_backend!r}")
+        if self.link_backend != "gloo":
+            raise ConfigError(
+                f"cluster.link_backend must be gloo (the link carries host-memory token ids and q rows, "
+                f"and an NCCL link does not survive a lost draft), got {self.link_backend!r}"
+            )
+        if self.compute_device not in (None, "cpu"):
+            raise ConfigError(f"cluster.compute_device must be null or cpu, got {self.compute_device!r}")
 
 
 @dataclass

@@ -55,3 +55,12 @@ def test_bad_values_name_the_field(tmp_path, text, field):
     path.write_text(text + "\n")
     with pytest.raises(ConfigError, match=field):
         load_config(path)
+
+
+def test_the_draft_link_is_gloo_only():
+    from ssd.config import ClusterConfig
+
+    with pytest.raises(ConfigError, match="cluster.link_backend must be gloo"):
+        ClusterConfig(link_backend="nccl")
+    with pytest.raises(ConfigError, match="cluster.compute_device"):
+        ClusterConfig(compute_device="cuda:1")

@@ -296,3 +296,8 @@ def test_real_model_writes_plausible_code(name: str) -> None:
     text = tokenizer.decode(out[0, ids.shape[1]:])
     assert "return" in text or "if n" in text, text
     assert "fibonacci" in text or "n - 1" in text or "n-1" in text or "<=" in text, text
+
+
+def test_int8_is_refused_on_a_gpu_before_loading():
+    with pytest.raises(ConfigError, match="model.quantization int8 runs on CPU only"):
+        load_model(ModelConfig(name="tiny", quantization="int8"), device="cuda")

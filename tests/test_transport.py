@@ -296,7 +296,7 @@ def test_peer_close_is_seen_after_its_last_messages(peer: Peer) -> None:
 
 
 def test_caller_thread_receive_timeout_breaks_link(peer: Peer) -> None:
-    """The nccl mode (receive on the caller's thread), exercised over gloo:
+    """The caller-thread receive mode (receiver_thread=False):
     a timed-out gloo receive closes the pair, so the link is dead afterwards."""
     channel = peer.link(receiver_thread=False)
     assert round_trip(channel, Message("round", {"sync": True}, [torch.arange(3)])).header == {"sync": True}

@@ -42,24 +42,40 @@ class Placement:
     kind: str  # "cuda" | "cpu"
     target: tuple[int, ...]  # one device (GPU) or core (CPU) per target rank
     draft: tuple[int, ...]  # the draft's device(s); empty when no draft runs
+    # The draft shares a target GPU (one-GPU machines). Not the paper's
+    # setting: the two roles contend for one device.
+    colocate: bool = False
 
     @property
     def tp_size(self) -> int:
         return len(self.target)
 
+    def gpu_share(self, device: int) -> float:
+        """The fraction of GPU `device` each actor placed on it reserves."""
+        return 1.0 / (self.target + self.draft).count(device)
 
-def plan_placement(target: str, draft: str | None, available: int, kind: str) -> Placement:
+
+def plan_placement(
+    target: str, draft: str | None, available: int, kind: str, colocate: bool = False
+) -> Placement:
     """Validate the two device lists against each other and the machine."""
     noun = "GPU" if kind == "cuda" else "CPU core"
     target_ids = parse_devices(target, "target devices")
     draft_ids = parse_devices(draft, "draft device") if draft else []
     overlap = sorted(set(target_ids) & set(draft_ids))
-    if overlap:
-        raise DeviceError(f"target and draft devices overlap on {noun} {overlap}: each role needs its own")
+    if colocate and kind != "cuda":
+        raise DeviceError("--colocate shares a GPU between target and draft; on CPU each role gets its own core")
+    if colocate and not overlap:
+        raise DeviceError("--colocate puts the draft on one of the target's GPUs; the device lists do not overlap")
+    if overlap and not colocate:
+        raise DeviceError(
+            f"target and draft devices overlap on {noun} {overlap}: each role needs its own"
+            + (" (or pass --colocate to share one GPU, which is not the paper's setting)" if kind == "cuda" else "")
+        )
     missing = [i for i in target_ids + draft_ids if i >= available]
     if missing:
         raise DeviceError(f"{noun} {missing} requested but this machine has {available} ({noun} 0-{available - 1})")
-    return Placement(kind, tuple(target_ids), tuple(draft_ids))
+    return Placement(kind, tuple(target_ids), tuple(draft_ids), colocate)
 
 
 def default_cpu_placement(cores: int, with_draft: bool) -> Placement:

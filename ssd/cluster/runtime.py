@@ -3,7 +3,11 @@ serve requests, heal the draft link, shut everything down.
 
 Placement: one Ray placement group bundle per target rank and one for the
 speculator, packed on one node. On CPU each bundle is a core the actor pins
-itself to; on GPU each actor sees only its device (CUDA_VISIBLE_DEVICES).
+itself to; on GPU each bundle is {GPU: share, CPU: 1} (an actor that names
+resources also takes one CPU) and each actor sees exactly the GPU the user
+named (CUDA_VISIBLE_DEVICES, set by us, not by Ray). Colocated roles share
+one GPU with fractional bundles. `cluster.compute_device: cpu` keeps the
+placement but computes on the CPU (orchestration tests without GPUs).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
 from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
-from ssd.config import Config
+from ssd.config import Config, ConfigError
 from ssd.engine.request import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -32,10 +36,30 @@ RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
 RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
 
 
+def compute_device(config: Config, placement: Placement) -> str:
+    """Where the actors compute: as placed, unless the config keeps them on the CPU."""
+    return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"
+
+
+def refuse_unworkable(config: Config, placement: Placement) -> None:
+    """Configurations that cannot run as placed, refused before any actor starts."""
+    if compute_device(config, placement) != "cuda":
+        return
+    roles = [("target", config.target)] + ([("draft", config.draft)] if placement.draft else [])
+    for role, model in roles:
+        if model.quantization == "int8":
+            raise ConfigError(
+                f"{role}.quantization int8 runs on CPU only (fbgemm kernels) but the {role} is placed on a GPU; "
+                f"set {role}.quantization to null or auto (auto picks none on GPUs)"
+            )
+
+
 class Cluster:
     def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
+        refuse_unworkable(config, placement)
         self.config = config
         self.placement = placement
+        self.device = compute_device(config, placement)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
@@ -49,22 +73,39 @@ class Cluster:
 
     # ----------------------------------------------------------------- start-up
 
+    def _devices(self) -> list[int]:
+        """The device of each bundle: target ranks first, then the draft."""
+        return list(self.placement.target + self.placement.draft)
+
+    def _bundle(self, device: int) -> dict[str, float]:
+        if self.placement.kind == "cuda":
+            return {"GPU": self.placement.gpu_share(device), "CPU": 1}
+        return {"CPU": 1}
+
     def _reserve(self):
-        resource = {"GPU": 1} if self.placement.kind == "cuda" else {"CPU": 1}
-        bundles = [dict(resource) for _ in self.placement.target + self.placement.draft]
-        pg = placement_group(bundles, strategy="STRICT_PACK")
-        ray.get(pg.ready(), timeout=60)
+        pg = placement_group([self._bundle(d) for d in self._devices()], strategy="STRICT_PACK")
+        try:
+            ray.get(pg.ready(), timeout=60)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray could not reserve {[self._bundle(d) for d in self._devices()]} on one node "
+                f"within 60 s; its resources: {ray.available_resources()}"
+            ) from None
         return pg
 
     def _options(self, bundle: int, device: int) -> dict[str, Any]:
+        resources = self._bundle(device)
         options: dict[str, Any] = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
+            "num_cpus": resources["CPU"],
         }
         if self.placement.kind == "cuda":
-            options["num_gpus"] = 1
-            options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": str(device)}}
-        else:
-            options["num_cpus"] = 1
+            options["num_gpus"] = resources["GPU"]
+            # The GPU the user named, not the one Ray would pick for the bundle.
+            options["runtime_env"] = {"env_vars": {
+                "CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+            }}
         return options
 
     def _cores(self, device: int) -> list[int] | None:
@@ -74,7 +115,9 @@ class Cluster:
         config = dataclasses.asdict(self.config)
         world, tp_port = self.placement.tp_size, free_port()
         targets = [
-            RemoteTarget.options(**self._options(rank, device)).remote(config, rank, world, self._cores(device), tp_port)
+            RemoteTarget.options(**self._options(rank, device)).remote(
+                config, rank, world, self._cores(device), tp_port, self.device
+            )
             for rank, device in enumerate(self.placement.target)
         ]
         ray.get([t.ready.remote() for t in targets])  # loading is collective under TP
@@ -85,7 +128,7 @@ class Cluster:
         device = self.placement.draft[0]
         bundle = len(self.placement.target)
         draft = RemoteDraft.options(**self._options(bundle, device)).remote(
-            dataclasses.asdict(self.config), self._cores(device)
+            dataclasses.asdict(self.config), self._cores(device), self.device
         )
         ray.get(draft.ready.remote())
         return draft

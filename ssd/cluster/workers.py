@@ -42,13 +42,14 @@ def pin_to_cores(cores: list[int] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
-def to_device(model: torch.nn.Module) -> torch.nn.Module:
-    """GPU actors see exactly one device (CUDA_VISIBLE_DEVICES): use it."""
-    return model.to("cuda") if torch.cuda.is_available() else model
-
-
-def link_backend(config: Config) -> str:
-    return config.cluster.link_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+def whereabouts(device: str) -> dict[str, Any]:
+    """What this actor process sees: for logs and the orchestration tests."""
+    return {
+        "pid": os.getpid(), "device": device,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
 
 
 def free_port() -> int:
@@ -60,21 +61,25 @@ def free_port() -> int:
 class TargetWorker:
     """One target rank. Rank 0 also runs the engines and owns the draft link."""
 
-    def __init__(self, config: dict[str, Any], rank: int, world: int, cores: list[int] | None, tp_port: int) -> None:
+    def __init__(
+        self, config: dict[str, Any], rank: int, world: int, cores: list[int] | None, tp_port: int,
+        device: str = "cpu",
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target[{rank}] %(name)s: %(message)s")
         pin_to_cores(cores)
         from ssd.models import load_model, load_tokenizer
         from ssd.models.kv import KVSequence
-        from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model
+        from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model, tp_backend
 
         self.config: Config = from_dict(Config, config)
         self.cores = cores
+        self.device = device  # "cuda": the one GPU this process sees
         self.rank, self.world = rank, world
         if world > 1:
-            init_tp_world(rank, world, "127.0.0.1", tp_port)
-            self.model = load_tp_model(self.config.target)
+            init_tp_world(rank, world, "127.0.0.1", tp_port, backend=tp_backend(device))
+            self.model = load_tp_model(self.config.target, device)
         else:
-            self.model = to_device(load_model(self.config.target))
+            self.model = load_model(self.config.target, device)
         if rank == 0:
             self.tokenizer = load_tokenizer(self.config.target)
             self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
@@ -83,6 +88,9 @@ class TargetWorker:
 
     def ready(self) -> int:
         return os.getpid()
+
+    def whereabouts(self) -> dict[str, Any]:
+        return whereabouts(self.device) | {"rank": self.rank, "world": self.world}
 
     def run_follower(self) -> int:
         """Ranks > 0: mirror rank 0's forwards until it stops them."""
@@ -99,7 +107,7 @@ class TargetWorker:
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(
-            "127.0.0.1", port, rank=0, backend=link_backend(self.config), timeout_s=timeout_s, prefix=prefix
+            "127.0.0.1", port, rank=0, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix
         )
         self._engine("ssd").attach(channel)
 
@@ -173,7 +181,7 @@ class TargetWorker:
                 self._engines[mode] = SSDEngine(
                     self.sequence, self.tokenizer, None, dataclasses.replace(self.config.speculation, mode="ssd"),
                     draft_timeout_s=self.config.cluster.draft_timeout_s,
-                    draft_precision=_precision_name(resolve_precision(self.config.draft)),
+                    draft_precision=_precision_name(resolve_precision(self.config.draft, self.device)),
                 )
             else:
                 raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
@@ -187,18 +195,22 @@ def _precision_name(cfg: Any) -> str:
 class DraftWorker:
     """The speculator: the draft model on its own device, serving one link at a time."""
 
-    def __init__(self, config: dict[str, Any], cores: list[int] | None) -> None:
+    def __init__(self, config: dict[str, Any], cores: list[int] | None, device: str = "cpu") -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(name)s: %(message)s")
         pin_to_cores(cores)
         from ssd.models import load_model
 
         self.config: Config = from_dict(Config, config)
         self.cores = cores
-        self.model = to_device(load_model(self.config.draft))
+        self.device = device
+        self.model = load_model(self.config.draft, device)
         self._serving: threading.Thread | None = None
 
     def ready(self) -> int:
         return os.getpid()
+
+    def whereabouts(self) -> dict[str, Any]:
+        return whereabouts(self.device)
 
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
@@ -207,7 +219,7 @@ class DraftWorker:
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(
-            "127.0.0.1", port, rank=1, backend=link_backend(self.config), timeout_s=timeout_s, prefix=prefix
+            "127.0.0.1", port, rank=1, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix
         )
         try:
             Speculator(self.model, channel).serve()

@@ -35,18 +35,23 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def load_model(cfg: ModelConfig) -> torch.nn.Module:
-    """The model `cfg` names, in eval mode with gradients off, on the CPU.
+def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
+    """The model `cfg` names, in eval mode with gradients off, on `device`.
 
     With `quantization="int8"` every Linear gets int8 weights and per-row
-    int8 activations (ssd.models.quant); the weights are loaded in fp32 and
-    the rest of the model computes in fp32, so `dtype` must then be "fp32".
-    "auto" in either field is resolved for this host first.
+    int8 activations (ssd.models.quant, CPU only); the weights are loaded in
+    fp32 and the rest of the model computes in fp32, so `dtype` must then be
+    "fp32". "auto" in either field is resolved for `device` first.
     """
-    cfg = resolve_precision(cfg)
+    cfg = resolve_precision(cfg, device)
     if cfg.quantization == INT8 and cfg.dtype != "fp32":
         raise ConfigError(
             f"model.quantization int8 computes in fp32; set model.dtype to fp32 (got {cfg.dtype!r})"
+        )
+    if cfg.quantization == INT8 and device != "cpu":
+        raise ConfigError(
+            f"model.quantization int8 runs on CPU only (fbgemm kernels), not on {device}; "
+            "set model.quantization to null or auto"
         )
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.name == TINY:
@@ -56,7 +61,7 @@ def load_model(cfg: ModelConfig) -> torch.nn.Module:
     if cfg.quantization == INT8:
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(fuse_projections(quantize_int8(model)))
-    return _frozen(model)
+    return _frozen(model.to(device) if device != "cpu" else model)
 
 
 def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:

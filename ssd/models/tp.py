@@ -45,6 +45,16 @@ _HEADER = 3
 IDLE_TIMEOUT = timedelta(days=30)
 
 
+def tp_backend(device: str) -> str:
+    """The TP world's backend for ranks computing on `device`.
+
+    Control commands are host tensors and go over gloo; on GPUs the model's
+    all-reduces are CUDA tensors and go over NCCL. torch dispatches each
+    collective by its tensors' device.
+    """
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
 def init_tp_world(
     rank: int,
     world_size: int,
@@ -58,10 +68,10 @@ def init_tp_world(
     `timeout` bounds every collective, including a follower's wait between
     commands, i.e. the longest the leader may stay idle (see IDLE_TIMEOUT).
     """
-    # transformers reads these when it sets up its device mesh (LOCAL_RANK picks
-    # the accelerator); keep them consistent with the world we create.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
+    # transformers reads these when it sets up its device mesh: LOCAL_RANK
+    # picks the accelerator. Each rank is a process of its own that sees
+    # exactly one device (CUDA_VISIBLE_DEVICES), so its local rank is 0.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     dist.init_process_group(
         backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, timeout=timeout
     )
@@ -76,17 +86,21 @@ def pin_threads(rank: int, threads: int) -> None:
         os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
 
 
-def load_tp_model(cfg: ModelConfig) -> torch.nn.Module:
+def load_tp_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     """The target, sharded over the default world when it has more than one rank.
 
-    Every rank of the world must call this (loading is collective).
+    Every rank of the world must call this (loading is collective). On
+    "cuda", the rank's one visible GPU (transformers places the shard on
+    cuda:LOCAL_RANK, which init_tp_world sets to 0).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return load_model(cfg)
+        return load_model(cfg, device)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     if cfg.quantization == AUTO:  # int8 layers cannot be sharded: auto means unquantized here
         cfg = dataclasses.replace(cfg, quantization=None)
-    cfg = resolve_precision(cfg)
+    cfg = resolve_precision(cfg, device)
     if cfg.quantization:
         raise ConfigError("tensor parallelism does not support model.quantization")
     if cfg.name == TINY:

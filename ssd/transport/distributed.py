@@ -33,14 +33,13 @@ link intact, and a message is queued only once every part has arrived. Close
 is a handshake (each side sends one close marker) because that is the only
 way to release the receiver thread's pending wait.
 
-NCCL (untested here: no GPU) runs without the receiver thread: a receive
-posted on another thread would serialise ahead of our sends on the NCCL
-stream and deadlock. There ``recv`` receives on the caller's thread, the
-protocol must alternate (no simultaneous sends), and a recv timeout breaks
-the link (reconnect with a new prefix). The caller selects the CUDA device
-(torch.cuda.set_device) before connect; received tensors live on it. The
-same caller-thread mode can be chosen for gloo (receiver_thread=False); the
-tests exercise it there.
+The link is gloo only, also between GPUs: what travels (token ids, q rows)
+is small and lives in host memory by the time it is sent, and NCCL
+point-to-point would block the GPU, deadlock with a receive posted on another
+thread, and abort the process when a wait times out, so a lost draft would
+cost the target. A caller-thread receive mode (receiver_thread=False: recv
+on the caller's thread, the protocol must alternate, a recv timeout breaks
+the link) is kept for the link benchmark and tested.
 """
 
 from __future__ import annotations
@@ -193,7 +192,7 @@ class DistributedChannel(Channel):
         timeout_s: float = 30.0,
         prefix: str = "ssd-link",
         store: dist.Store | None = None,
-        receiver_thread: bool | None = None,
+        receiver_thread: bool = True,
     ) -> DistributedChannel:
         """Rendezvous with the peer and build the two-rank group.
 
@@ -205,7 +204,7 @@ class DistributedChannel(Channel):
         owns it and keeps prefixes apart). Blocks until the peer arrives, or raises
         ChannelTimeout after about `timeout_s`. `timeout_s` also bounds each
         send and each part of a message after its first. `receiver_thread`
-        defaults to True for gloo and False for nccl (see the module docstring).
+        (default) keeps a receive posted at all times (see the module docstring).
         """
         if rank not in _PEER:
             raise ValueError(f"rank must be 0 or 1, got {rank}")
@@ -218,8 +217,6 @@ class DistributedChannel(Channel):
             if _is_timeout(exc):
                 raise ChannelTimeout(f"no peer at {host}:{port} ({prefix}) within {timeout_s} s") from exc
             raise ChannelClosed(f"cannot connect to {host}:{port} ({prefix}): {exc}") from exc
-        if receiver_thread is None:
-            receiver_thread = backend == "gloo"
         log.debug("link %s rank %d connected over %s at %s:%d", prefix, rank, backend, host, port)
         return cls(_Wire(pg, rank, device), store, timeout_s, receiver_thread)
 
@@ -256,8 +253,7 @@ class DistributedChannel(Channel):
         drained what we sent), wait for its marker, then drop the group.
 
         abort() and shutdown() do nothing for gloo in torch 2.13, so the close
-        marker is what releases the receiver threads; for nccl shutdown()
-        frees the communicator."""
+        marker is what releases the receiver threads."""
         if self._closed:
             return
         self._send_close(wants_ack=self._thread is not None)
@@ -266,11 +262,6 @@ class DistributedChannel(Channel):
             if self._thread.is_alive():  # peer alive but silent: the daemon thread stays blocked
                 log.warning("link receiver still blocked after close; leaving it behind")
         self._closed = True
-        if self._wire.device.type == "cuda":  # gloo's abort/shutdown are no-ops
-            if self._end is not None:  # an op may be stuck on the NCCL stream: abort, not drain
-                self._wire.pg.abort()
-            else:
-                self._wire.pg.shutdown()
         self._wire.pg = None  # the last reference: destroys the group and its connections
         self._store = None
 
@@ -359,15 +350,4 @@ def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta) 
     """The backend object itself, not a ProcessGroup wrapper: no default group needed."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, timeout), torch.device("cpu")
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise ValueError("backend 'nccl' is not available in this torch build")
-        options = dist.ProcessGroupNCCL.Options()
-        # The watchdog tears the process down when an op outlives this, and an
-        # idle draft's receive is pending until the next request: every wait
-        # here passes its own bound instead.
-        options._timeout = _FOREVER
-        options.is_high_priority_stream = False
-        device = torch.device("cuda", torch.cuda.current_device())
-        return dist.ProcessGroupNCCL(store, rank, 2, options), device
-    raise ValueError(f"unknown backend {backend!r} (gloo or nccl)")
+    raise ValueError(f"the link runs over gloo only, got backend {backend!r} (see the module docstring)")

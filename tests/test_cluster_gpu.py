@@ -1,0 +1,134 @@
+"""The GPU launcher path on a CPU machine: Ray declares logical GPUs.
+
+`launch/cluster.py --target-gpus 0-3 --draft-gpu 4` (and `0,1` / `2`, and a
+colocated `0` / `0`) goes through the real placement: GPU bundles, actor
+options, CUDA_VISIBLE_DEVICES per actor, tensor-parallel init. The config's
+`cluster.compute_device: cpu` then makes the actors compute on the CPU, so
+the tiny pair generates, and its greedy output must equal AR's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import ray
+import yaml
+
+from ssd.cluster.runtime import Cluster, refuse_unworkable
+from ssd.config import ConfigError, GenerationConfig, load_config
+from ssd.engine.request import GenerationRequest
+from tests.conftest import ROOT
+from tests.test_cluster import GREEDY, local_ar
+
+pytestmark = pytest.mark.cluster
+
+sys.path.insert(0, str(ROOT / "launch"))
+import cluster as launcher  # noqa: E402  (launch/cluster.py)
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def logical_gpus():
+    """A Ray instance on this CPU machine that declares five GPUs."""
+    assert not ray.is_initialized()
+    ray.init(num_cpus=6, num_gpus=5, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    """The tiny cluster pair, with heads that split four ways, computing on the CPU."""
+    data = yaml.safe_load((ROOT / "configs" / "tiny-cluster.yaml").read_text())
+    for role in ("target", "draft"):
+        data[role]["tiny"].update(num_attention_heads=4, num_key_value_heads=4)
+    data["cluster"]["compute_device"] = "cpu"
+    path = tmp_path_factory.mktemp("gpu") / "tiny-logical-gpus.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(argv: list[str], config_path) -> Cluster:
+    """What launch/cluster.py does before serving: parse, place, start."""
+    args = launcher.parse_args([*argv, "--config", str(config_path)])
+    config = launcher.config_from_args(args)
+    return Cluster(config, launcher.placement_from_args(args, with_draft=True))
+
+
+@pytest.mark.parametrize("target, draft", [("0-3", "4")])  # "0,1" / "2": the launcher test below
+def test_each_actor_gets_its_gpu_and_greedy_ssd_equals_ar(logical_gpus, config_path, target, draft):
+    cluster = start(["--target-gpus", target, "--draft-gpu", draft], config_path)
+    actors = [*cluster.targets, cluster.draft]
+    try:
+        seen = ray.get([a.whereabouts.remote() for a in actors])
+        assert [w["CUDA_VISIBLE_DEVICES"] for w in seen] == [str(d) for d in cluster.placement.target + (int(draft),)]
+        assert all(w["device"] == "cpu" for w in seen)  # compute_device: cpu
+        ranks = seen[:-1]
+        assert [w["rank"] for w in ranks] == list(range(len(ranks)))
+        if len(ranks) > 1:  # each rank sees one GPU: its local rank is 0
+            assert all(w["LOCAL_RANK"] == "0" for w in ranks)
+        out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
+        assert out.token_ids == local_ar(cluster.config, PROMPT, 24)
+        assert out.stats.mode == "ssd" and out.stats.spec.hits > 0
+    finally:
+        cluster.shutdown()
+    for actor in actors:  # shut down clean: no actor survives
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ready.remote(), timeout=30)
+
+
+def test_colocated_roles_share_one_gpu(logical_gpus, config_path):
+    with start(["--target-gpus", "0", "--draft-gpu", "0", "--colocate"], config_path) as cluster:
+        seen = ray.get([cluster.targets[0].whereabouts.remote(), cluster.draft.whereabouts.remote()])
+        assert [w["CUDA_VISIBLE_DEVICES"] for w in seen] == ["0", "0"]
+        assert cluster.placement.gpu_share(0) == 0.5
+        out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
+        assert out.token_ids == local_ar(cluster.config, PROMPT, 24)
+
+
+def test_the_launcher_runs_a_prompt_on_logical_gpus(logical_gpus, config_path, capsys):
+    assert launcher.main(["--target-gpus", "0,1", "--draft-gpu", "2", "--config", str(config_path), "abc"]) == 0
+    config = load_config(config_path)
+    from ssd.models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.target)
+    expected = local_ar(config, tokenizer.encode("abc"), config.generation.max_new_tokens)
+    assert capsys.readouterr().out.strip() == tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_overlapping_gpus_need_colocate(logical_gpus, config_path):
+    args = launcher.parse_args(["--target-gpus", "0", "--draft-gpu", "0", "--config", str(config_path)])
+    with pytest.raises(launcher.DeviceError, match="--colocate"):
+        launcher.placement_from_args(args, with_draft=True)
+
+
+def test_int8_on_a_gpu_is_refused_naming_the_option(config_path):
+    config = load_config(config_path)
+    gpu_config = dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, compute_device=None))
+    int8_draft = dataclasses.replace(gpu_config, draft=dataclasses.replace(config.draft, quantization="int8"))
+    placement = launcher.plan_placement("0", "1", 2, "cuda")
+    with pytest.raises(ConfigError, match="draft.quantization"):
+        refuse_unworkable(int8_draft, placement)
+    refuse_unworkable(dataclasses.replace(int8_draft, cluster=config.cluster), placement)  # computing on CPU: fine
+
+
+def test_compute_device_and_backends_follow_the_placement_not_the_host(config_path, monkeypatch):
+    """--cpu on a GPU host computes on the CPU; the link is gloo everywhere; TP
+    all-reduces of CUDA tensors go over NCCL, control over gloo."""
+    import torch
+
+    from ssd.cluster.runtime import compute_device
+    from ssd.models.tp import tp_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    config = load_config(ROOT / "configs" / "tiny-cluster.yaml")
+    args = launcher.parse_args(["--cpu", "--config", str(config_path)])
+    placement = launcher.placement_from_args(args, with_draft=True)
+    assert placement.kind == "cpu" and compute_device(config, placement) == "cpu"
+    assert compute_device(config, launcher.plan_placement("0", "1", 2, "cuda")) == "cuda"
+    assert config.cluster.link_backend == "gloo"
+    assert tp_backend("cuda") == "cpu:gloo,cuda:nccl" and tp_backend("cpu") == "gloo"
