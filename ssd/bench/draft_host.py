@@ -147,12 +147,11 @@ def _spec_dict(spec: RandomModelSpec) -> dict[str, Any]:
 
 def host_main(port: int, device: str, timeout_s: float, threads: int | None, log_level: int,
               started: Any) -> None:
-    """Entry point of the spawned process (`started`: an Event set once our modules are imported)."""
+    """Entry point of the spawned process (`started`: an Event set just before it joins the control link)."""
     logging.basicConfig(level=log_level, format="%(asctime)s draft-host %(name)s: %(message)s")
-    started.set()
     code = 0
     try:
-        _host_loop(port, device, timeout_s, threads)
+        _host_loop(port, device, timeout_s, threads, started)
     except BaseException:  # noqa: BLE001 - printed here; the exit status tells the parent
         traceback.print_exc()
         code = 1
@@ -164,12 +163,13 @@ def host_main(port: int, device: str, timeout_s: float, threads: int | None, log
     os._exit(code)
 
 
-def _host_loop(port: int, device: str, timeout_s: float, threads: int | None) -> None:
+def _host_loop(port: int, device: str, timeout_s: float, threads: int | None, started: Any) -> None:
     if threads:
         torch.set_num_threads(threads)
     exact_fp32()
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device).index or 0)
+    started.set()
     control = DistributedChannel.connect(HOST, port, rank=1, prefix=CONTROL_PREFIX, timeout_s=timeout_s)
     models: dict[str, torch.nn.Module] = {}
     try:
