@@ -41,6 +41,13 @@ def _echo_one(channel: DistributedChannel) -> None:
         channel.close()
 
 
+def summarize_ms(seconds: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 of round trips, in milliseconds."""
+    ms = sorted(s * 1e3 for s in seconds)
+    return {"median_ms": statistics.median(ms), "p10_ms": ms[len(ms) // 10], "p90_ms": ms[9 * len(ms) // 10],
+            "rounds": len(ms)}
+
+
 def bench_link(rounds: int = 300) -> None:
     """Round trips to an echo peer. The two rank-0 receive modes alternate
     round by round, so machine load affects both alike."""
@@ -64,11 +71,11 @@ def bench_link(rounds: int = 300) -> None:
                 started = time.perf_counter()
                 channel.send(message)
                 channel.recv(timeout=10)
-                times[mode].append((time.perf_counter() - started) * 1e3)
-        for mode, ms in times.items():
-            ms.sort()
+                times[mode].append(time.perf_counter() - started)
+        for mode, seconds in times.items():
+            ms = summarize_ms(seconds)
             log.info("%-22s rank 0 %-15s round trip ms: median %.3f  p10 %.3f  p90 %.3f  (%d)", name, mode,
-                     statistics.median(ms), ms[len(ms) // 10], ms[9 * len(ms) // 10], rounds)
+                     ms["median_ms"], ms["p10_ms"], ms["p90_ms"], rounds)
     for channel in links.values():
         channel.close()
     peer.join(10)
