@@ -141,7 +141,6 @@ class GenerationServicer:
             finished.stats.CopyFrom(self._request_stats(job, result.stats))
         if done.error is not None:
             finished.error = f"{type(done.error).__name__}: {done.error}"
-        _log_finished(job, done)
         return pb.GenerateResponse(request_id=job.request_id, text=delta, finished=finished)
 
     def _request_stats(self, job: Job, stats: Any) -> Any:
@@ -175,12 +174,6 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     if remaining is None or remaining > NO_DEADLINE_S:
         return None
     return time.monotonic() + max(remaining, 0.0)
-
-
-def _log_finished(job: Job, done: Done) -> None:
-    tokens = len(done.result.token_ids) if done.result is not None else 0
-    log.info("request %s finished: %s, %d tokens in %.3f s", job.request_id, done.reason, tokens,
-             time.monotonic() - job.arrived)
 
 
 class GenerationServer:

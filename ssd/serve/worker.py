@@ -184,7 +184,9 @@ class GenerationWorker:
             return Done(error=exc)
 
     def _complete(self, job: Job, done: Done) -> None:
+        """Every job ends here, however it ended: counted, logged, handed to its stream."""
         self._record(job, done)
+        _log_finished(job, done)
         job.events.put(done)
 
     def _record(self, job: Job, done: Done) -> None:
@@ -193,3 +195,13 @@ class GenerationWorker:
         ttft = job.first_token - job.arrived if job.first_token is not None else None
         stats = done.result.stats if done.result is not None else None
         self.metrics.finished(done.reason, stats, ttft, now - job.arrived, started - job.arrived)
+
+
+def _log_finished(job: Job, done: Done) -> None:
+    tokens = len(done.result.token_ids) if done.result is not None else 0
+    reason = done.reason
+    if reason == "aborted":  # say by what: the deadline, or a cancel (client gone, Abort, shutdown)
+        expired = job.deadline is not None and time.monotonic() >= job.deadline
+        reason += " (deadline)" if expired else " (cancelled)"
+    log.info("request %s finished: %s, %d tokens in %.3f s", job.request_id, reason, tokens,
+             time.monotonic() - job.arrived)

@@ -1,0 +1,31 @@
+"""Every way a request ends leaves one "finished" log line saying how."""
+
+from __future__ import annotations
+
+import logging
+
+from tests.test_serve import (  # noqa: F401  (fixtures)
+    PROMPT,
+    ControlledBackend,
+    backend,
+    code_of,
+    config,
+    running,
+    wait_until,
+)
+
+
+def test_cancel_and_deadline_are_logged_as_finished(backend, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO, logger="ssd.serve.worker")
+    with running(lambda: ControlledBackend(backend, round_delay_s=0.02)) as (_, client):
+        call = client.stream(text=PROMPT, mode="ar", max_new_tokens=400, request_id="cancelled-one")
+        for _ in range(3):
+            next(call)
+        call.cancel()
+        code_of(lambda: client.generate(text=PROMPT, mode="ar", max_new_tokens=400, timeout=0.4,
+                                        request_id="late-one"))
+        client.generate(text=PROMPT, mode="ar", max_new_tokens=3, request_id="plain-one")
+        assert wait_until(lambda: caplog.text.count("finished:") == 3), caplog.text
+    assert "request cancelled-one finished: aborted (cancelled)" in caplog.text
+    assert "request late-one finished: aborted (deadline)" in caplog.text
+    assert "request plain-one finished: length, 3 tokens" in caplog.text
