@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ssd.serve import convert, protos
+from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics, prometheus_text
@@ -176,6 +176,24 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + max(remaining, 0.0)
 
 
+def _parsing(rpc: Callable[..., Any], request_cls: Any, streaming: bool) -> Callable[..., Any]:
+    """`rpc` called on the parsed request; a request that does not parse is INVALID_ARGUMENT."""
+    def parsed(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            return decoding.parse(request_cls, raw)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    if streaming:
+        def handle_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+            yield from rpc(parsed(raw, context), context)
+        return handle_stream
+
+    def handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+        return rpc(parsed(raw, context), context)
+    return handle
+
+
 class GenerationServer:
     """A running gRPC server; `load_backend` runs in a thread after the port is bound."""
 
@@ -231,6 +249,18 @@ class GenerationServer:
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
 
+    def _add_generation_service(self, server: grpc.Server) -> None:
+        """ssd.v1.GenerationService with requests parsed by us (ssd.serve.decoding), so
+        a malformed one gets INVALID_ARGUMENT naming the field, not INTERNAL."""
+        handlers = {}
+        for method in self.pb.DESCRIPTOR.services_by_name["GenerationService"].methods:
+            handle = _parsing(getattr(self.servicer, method.name), getattr(self.pb, method.input_type.name),
+                              method.server_streaming)
+            make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[method.name] = make(handle, response_serializer=getattr(self.pb, method.output_type.name).SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
     def _build_server(self) -> grpc.Server:
         opts = self.options
         interceptors = [BearerTokenInterceptor(opts.token)] if opts.token else []
@@ -242,7 +272,7 @@ class GenerationServer:
             ("grpc.max_send_message_length", opts.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server must fail to bind, not share the port
         ])
-        self.pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, server)
+        self._add_generation_service(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
