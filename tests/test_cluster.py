@@ -6,6 +6,7 @@ Each Cluster starts Ray (several seconds); the tests share one where they can.
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -78,20 +79,42 @@ def test_killed_draft_loses_no_request_and_comes_back(cluster):
 
     prompt, n = PROMPTS[0], 400
     expected = local_ar(CONFIG, prompt, n)
-    rounds = []
+    rounds, killed = [], []
 
     def kill_after_five_rounds(tokens):
         rounds.append(tokens)
         if len(rounds) == 5:  # mid-generation, for sure
             ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after
+            killed.append(time.monotonic())
 
     out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), on_tokens=kill_after_five_rounds))
+    returned = time.monotonic()
     assert out.token_ids == expected
     assert [t for r in rounds for t in r] == expected  # nothing lost or repeated in the stream either
     assert out.stats.spec.degraded_rounds > 0, out.stats.summary()
+    # Healing (restart, reload, re-link: several seconds) is not on the request's path.
+    healed = cluster.wait_linked(timeout=120)
+    assert healed and returned - killed[0] < time.monotonic() - killed[0], "the result waited for the heal"
     again = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
     assert again.token_ids == expected[:40]
     assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0, again.stats.summary()
+
+
+def test_a_draft_killed_while_idle_is_healed_before_the_next_request(cluster):
+    """The watcher notices the restarted speculator between requests; the next
+    request speculates from its first round (mid-request adoption: test_ssd)."""
+    import ray
+
+    assert cluster.wait_linked(timeout=120)
+    before = ray.get(cluster.draft.ready.remote())
+    ray.kill(cluster.draft, no_restart=False)
+    deadline = time.monotonic() + 120
+    while cluster.draft_pid == before or not cluster.linked():  # healed: a new speculator, linked
+        assert time.monotonic() < deadline, "the watcher did not heal the draft"
+        time.sleep(0.5)
+    out = cluster.generate(GenerationRequest(PROMPTS[1], GREEDY, GenerationConfig(max_new_tokens=40)))
+    assert out.token_ids == local_ar(CONFIG, PROMPTS[1], 40)
+    assert out.stats.spec.degraded_rounds == 0 and out.stats.spec.hits > 0, out.stats.summary()
 
 
 def test_grpc_frontend_over_the_cluster_streams_and_aborts(cluster):

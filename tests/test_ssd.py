@@ -127,3 +127,35 @@ def test_guessed_outcomes_exclude_the_drafted_token_only_where_a_rejection_happe
     drafted = [0, 1]  # K = 2: positions 0 and 1 exclude their drafted token, the bonus none
     guesses = guessed_outcomes(logits, drafted, [5, 1, 5])
     assert guesses == [(0, 1), (0, 2), (1, 2), (2, 2), (2, 0), (2, 1)]
+
+
+def test_a_link_attached_mid_request_is_adopted_at_the_next_round(tiny_models, tiny_tokenizer, references):
+    """The target runs alone (no link), a speculator arrives after round 5 (as a
+    healed draft does); from the next round on the request speculates again,
+    with the speculator prefilled from the sequence so far: output unchanged."""
+    import threading
+
+    from ssd.engine.ssd import SSDEngine
+    from ssd.speculation.speculator import Speculator
+    from ssd.transport import inprocess_pair
+
+    target, draft = tiny_models
+    engine = SSDEngine(target, tiny_tokenizer, None, ssd_spec())
+    target_end, draft_end = inprocess_pair()
+    serving = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
+    rounds = []
+
+    def attach_after_five_rounds(tokens):
+        rounds.append(tokens)
+        if len(rounds) == 5:
+            serving.start()
+            engine.attach(target_end)
+
+    prompt = PROMPTS[0]
+    out = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40),
+                                            on_tokens=attach_after_five_rounds))
+    assert out.token_ids == references[tuple(prompt)]
+    assert out.stats.spec.degraded_rounds == 4 and out.stats.spec.hits > 0, out.stats.summary()
+    engine.stop_draft()
+    serving.join(timeout=10)
+    assert not serving.is_alive()  # stop_draft told the speculator to stop

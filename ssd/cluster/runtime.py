@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # needs a second thread for ping/ready calls.
 RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
 RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
+WATCH_INTERVAL_S = 2.0  # how often the watcher checks the draft between requests
 
 
 def compute_device(config: Config, placement: Placement) -> str:
@@ -68,8 +70,14 @@ class Cluster:
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
         self._serving = None
+        self._draft_pid: int | None = None
+        self._watching = threading.Event()  # set: the watcher should look now
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
         if self.draft is not None:
             self.link()
+            self._watcher = threading.Thread(target=self._watch_draft, name="ssd-draft-watcher", daemon=True)
+            self._watcher.start()
 
     # ----------------------------------------------------------------- start-up
 
@@ -136,18 +144,65 @@ class Cluster:
     # ------------------------------------------------------------------ the link
 
     def link(self) -> None:
-        """(Re)connect target rank 0 and the speculator over a fresh two-rank group."""
+        """(Re)connect target rank 0 and the speculator over a fresh two-rank group.
+
+        The target adopts the new link before its next round, also in the
+        middle of a request."""
         timeout = self.config.cluster.draft_timeout_s
+        self._draft_pid = ray.get(self.draft.ready.remote(), timeout=60)
         port = ray.get(self.targets[0].free_port.remote())
         prefix = next(self._prefixes)
         self._serving = self.draft.serve.remote(port, prefix, timeout)
         ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout))
         log.info("draft linked (%s)", prefix)
 
+    @property
+    def draft_pid(self) -> int | None:
+        """The speculator process the target was last linked to."""
+        return self._draft_pid
+
+    def linked(self) -> bool:
+        """The target holds a link to the speculator process that is running now."""
+        try:
+            pid = ray.get(self.draft.ready.remote(), timeout=10)
+            return pid == self._draft_pid and ray.get(self.targets[0].link_up.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def wait_linked(self, timeout: float) -> bool:
+        """Wait for the watcher to (re)link the draft; True once linked."""
+        deadline = time.monotonic() + timeout
+        while not self.linked():
+            if time.monotonic() > deadline:
+                return False
+            self._watching.set()
+            time.sleep(0.2)
+        return True
+
+    def _watch_draft(self) -> None:
+        """Heal the draft off the request path: requests run degraded meanwhile
+        and pick the new link up at their next round."""
+        while not self._stopping.is_set():
+            self._watching.wait(WATCH_INTERVAL_S)
+            self._watching.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                if not self.linked():
+                    self.heal()
+            except Exception:  # noqa: BLE001 - the watcher must outlive a failed attempt; it retries
+                log.exception("healing the draft failed; retrying")
+
     def heal(self) -> None:
-        """After the target lost its draft: restart the speculator and link it again."""
-        log.warning("restarting the speculator and re-linking")
-        ray.kill(self.draft, no_restart=False)
+        """After the target lost its draft: restart the speculator (unless Ray
+        already did) and link it again."""
+        try:
+            restarted = ray.get(self.draft.ready.remote(), timeout=10) != self._draft_pid
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            restarted = False
+        if not restarted:  # alive but unlinked or stuck: its state is not to be trusted
+            log.warning("restarting the speculator")
+            ray.kill(self.draft, no_restart=False)
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -184,8 +239,8 @@ class Cluster:
             if not aborting and request.is_cancelled():
                 aborting = True
                 self.targets[0].abort.remote()
-        if mode == "ssd" and not ray.get(self.targets[0].link_up.remote()):
-            self.heal()
+        if mode == "ssd":
+            self._watching.set()  # the watcher checks the link now, not on the request's path
         return result
 
     def describe(self) -> dict[str, Any]:
@@ -195,6 +250,10 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Stop the speculator and the followers, free the actors and Ray."""
+        self._stopping.set()
+        self._watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=60)
         try:
             ray.get(self.targets[0].shutdown.remote(), timeout=30)
             ray.get(self._followers, timeout=30)

@@ -160,12 +160,9 @@ class TargetWorker:
 
     def shutdown(self) -> None:
         """Stop the speculator's loop and the TP followers."""
-        from ssd.speculation import protocol
-
         ssd = self._engines.get("ssd")
-        if ssd is not None and ssd.link_up:
-            ssd.channel.send(protocol.shutdown())
-            ssd.channel.close()
+        if ssd is not None:
+            ssd.stop_draft()
         if self.world > 1:
             self.sequence.stop()
 

@@ -4,14 +4,17 @@ against the Channel interface; the draft side is ssd.speculation.speculator.
 
 A draft that fails, disconnects or stalls past `draft_timeout_s` never costs
 a request: the round it happened in has verified nothing yet, so the target
-finishes the request alone (plain decoding, counted as degraded rounds) and
-the link stays down until `attach` gives it a new one.
+continues alone (plain decoding, counted as degraded rounds) until `attach`
+hands it a new link, from any thread: the engine adopts it before its next
+round, mid-request too, by prefilling the new speculator with the sequence
+so far.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -48,6 +51,8 @@ class SSDEngine(Engine):
             self.precision += f", draft {draft_precision}"
         self.channel = channel
         self.draft_timeout_s = draft_timeout_s
+        self._pending: Channel | None = None  # a new link, adopted before the next round
+        self._pending_lock = threading.Lock()
         self._seq_ids = itertools.count()
         self._seq = -1
         self._outcome = Outcome(0, 0)
@@ -55,14 +60,37 @@ class SSDEngine(Engine):
 
     @property
     def link_up(self) -> bool:
-        return self.channel is not None
+        return self.channel is not None or self._pending is not None
 
     def attach(self, channel: Channel) -> None:
-        """Use a (new) draft link from the next request on."""
+        """Use a (new) draft link from the next round on; safe from any thread."""
+        with self._pending_lock:
+            old, self._pending = self._pending, channel
+        if old is not None:
+            _close_quietly(old)
+
+    def stop_draft(self) -> None:
+        """Tell the speculator to stop serving and close the link (shutdown)."""
+        self._adopt()
+        self._send(protocol.shutdown())
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            _close_quietly(channel)
+
+    def _adopt(self) -> bool:
+        """Switch to a pending link, if one came; True if it did."""
+        with self._pending_lock:
+            channel, self._pending = self._pending, None
+        if channel is None:
+            return False
+        if self.channel is not None:
+            _close_quietly(self.channel)
         self.channel = channel
+        return True
 
     def _start(self, req: SequenceState) -> None:
         super()._start(req)
+        self._adopt()
         self._seq = next(self._seq_ids)
         self._send(protocol.prefill(self._seq, req.sequence, req.sampling, req.speculation))
 
@@ -73,13 +101,23 @@ class SSDEngine(Engine):
         return token
 
     def _round(self, req: SequenceState) -> list[int]:
-        if self.link_up:
+        if self._adopt():  # a new link mid-request: the new speculator starts from here
+            self._resume(req)
+        if self.channel is not None:
             try:
                 return self._speculative_round(req)
             except LINK_FAILURES as exc:
                 self._link_down(exc)
         req.stats.spec.degraded_rounds += 1
         return self._target_step(req)
+
+    def _resume(self, req: SequenceState) -> None:
+        """Prefill a new speculator with the sequence so far, as if its last token were the first."""
+        self._seq = next(self._seq_ids)
+        self._send(protocol.prefill(self._seq, req.sequence[:-1], req.sampling, req.speculation))
+        self._outcome = Outcome(0, req.sequence[-1])
+        self._first_round = True
+        log.info("draft link adopted mid-request at token %d", len(req.sequence))
 
     def _speculative_round(self, req: SequenceState) -> list[int]:
         lookup_k = None if self._first_round else self._outcome.k
@@ -105,7 +143,7 @@ class SSDEngine(Engine):
         self._send(protocol.release(self._seq))
 
     def _send(self, message: Message) -> None:
-        if not self.link_up:
+        if self.channel is None:
             return
         try:
             self.channel.send(message)
@@ -115,7 +153,11 @@ class SSDEngine(Engine):
     def _link_down(self, exc: BaseException) -> None:
         log.warning("draft link lost (%s: %s); the target continues alone", type(exc).__name__, exc)
         channel, self.channel = self.channel, None
-        try:
-            channel.close()
-        except Exception:  # noqa: BLE001 - the link is already broken; closing is best effort
-            log.debug("closing the broken link failed", exc_info=True)
+        _close_quietly(channel)
+
+
+def _close_quietly(channel: Channel) -> None:
+    try:
+        channel.close()
+    except Exception:  # noqa: BLE001 - the link may be broken already; closing is best effort
+        log.debug("closing a draft link failed", exc_info=True)
