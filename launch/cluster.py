@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("placement: %s", placement)
     with Cluster(config, placement, args.address) as cluster:
+        # ray.init installs a SIGTERM handler of its own (it exits the driver
+        # at once, aborting it mid-shutdown): take the signal back.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             if args.prompt or args.interactive:
                 prompts = sys.stdin if args.interactive else [args.prompt]
@@ -125,6 +128,8 @@ def serve(cluster, options) -> None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean shutdown; a second TERM must not cut it
+    log.info("SIGTERM: draining (running requests get the grace period), then shutting down")
     raise KeyboardInterrupt
 
 

@@ -165,3 +165,46 @@ def test_launcher_rejects_unknown_config_keys(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode != 0 and "fan_out" in run.stderr
+
+
+def test_sigterm_drains_the_running_request_and_leaves_no_process_behind():
+    """launch/cluster.py serving, a request streaming, SIGTERM: the stream gets
+    its final message, the launcher exits 0, and every process it started is gone."""
+    import signal
+
+    import grpc
+    import psutil
+
+    from ssd.cluster.workers import free_port
+    from ssd.serve.client import GenerationClient
+
+    port = free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "cluster.py"), "--cpu", "--config", str(ROOT / "configs" / "tiny-cluster.yaml"),
+         "--port", str(port), "--grace-s", "30"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        with GenerationClient(f"127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if client.health(timeout=2) == "SERVING":
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline and launcher.poll() is None, "the launcher never served"
+                time.sleep(0.5)
+            started = psutil.Process(launcher.pid).children(recursive=True)
+            stream = client.stream(text="abcab", max_new_tokens=500, timeout=120)
+            first = next(stream)
+            launcher.send_signal(signal.SIGTERM)
+            messages = [first, *stream]
+        assert messages[-1].HasField("finished") and messages[-1].finished.reason == 2  # LENGTH: drained, not cut
+        assert sum(len(m.token_ids) for m in messages) == 500
+        assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-3000:]
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [p.cmdline()[:3] for p in alive]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
