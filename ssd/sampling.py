@@ -97,11 +97,6 @@ def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
     return tokens
 
 
-def uniform(gen: torch.Generator) -> float:
-    """One U[0, 1) draw from the request's generator."""
-    return float(torch.rand((), generator=gen, dtype=torch.float64))
-
-
 def uniforms(gen: torch.Generator, shape: int | Sequence[int] = ()) -> torch.Tensor:
     """U[0, 1) draws in float64 from the request's generator, always on the CPU."""
     return torch.rand(shape, generator=gen, dtype=torch.float64)
