@@ -127,3 +127,26 @@ def test_guessed_outcomes_exclude_the_drafted_token_only_where_a_rejection_happe
     drafted = [0, 1]  # K = 2: positions 0 and 1 exclude their drafted token, the bonus none
     guesses = guessed_outcomes(logits, drafted, [5, 1, 5])
     assert guesses == [(0, 1), (0, 2), (1, 2), (2, 2), (2, 0), (2, 1)]
+
+
+def per_row_guesses(logits, drafted, fanout):
+    """One top-k per acceptance length, the drafted token masked out (the plain reading of the rule)."""
+    out = []
+    for k, f in enumerate(fanout):
+        if f <= 0:
+            continue
+        row = logits[k].clone()
+        if k < len(drafted):
+            row[drafted[k]] = float("-inf")
+        out += [(k, int(t)) for t in torch.topk(row, min(f, row.shape[-1] - (k < len(drafted)))).indices]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_guessed_outcomes_take_one_topk_for_all_rows_with_the_same_result(seed):
+    g = torch.Generator().manual_seed(seed)
+    k, vocab = int(torch.randint(0, 5, (), generator=g)), 12
+    logits = torch.randn(k + 1, vocab, generator=g)
+    drafted = torch.randint(vocab, (k,), generator=g).tolist()
+    fanout = torch.randint(0, vocab + 2, (k + 1,), generator=g).tolist()
+    assert guessed_outcomes(logits, drafted, fanout) == per_row_guesses(logits, drafted, fanout)
