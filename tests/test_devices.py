@@ -2,10 +2,19 @@
 moving small tensors between host and device. 'meta' stands in for an
 accelerator where there is none; the CUDA checks run only where one is."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 
+from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine import AREngine, SDEngine
+from ssd.engine.local import LocalSSD
+from ssd.engine.request import GenerationRequest
 from ssd.hardware import sync, to_device, to_host
+from ssd.sampling import make_generator, sample, sample_ids, sample_rows
+from ssd.verify import verify
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,8 +70,6 @@ def rows(n, v, seed, device="cpu"):
 
 @CUDA
 def test_cuda_sampling_draws_what_the_host_draws():
-    from ssd.sampling import make_generator, sample, sample_ids, sample_rows
-
     probs = rows(16, 1000, 0)
     assert torch.equal(sample_ids(probs.cuda(), make_generator(3)).cpu(), sample_ids(probs, make_generator(3)))
     assert sample_rows(probs.cuda(), make_generator(4)) == sample_rows(probs, make_generator(4))
@@ -71,9 +78,6 @@ def test_cuda_sampling_draws_what_the_host_draws():
 
 @CUDA
 def test_cuda_verification_equals_the_hosts():
-    from ssd.sampling import make_generator, sample
-    from ssd.verify import verify
-
     for case in range(40):
         q, p = rows(4, 50, case), rows(5, 50, 100 + case)
         p[:4] = 0.7 * q + 0.3 * p[:4]
@@ -86,9 +90,6 @@ def test_cuda_verification_equals_the_hosts():
 
 @CUDA
 def test_cuda_verification_refuses_a_host_q():
-    from ssd.sampling import make_generator
-    from ssd.verify import verify
-
     with pytest.raises(ValueError, match=r"q is on cpu but p is on cuda:0; move q to p's device"):
         verify([1, 2], rows(2, 10, 0), rows(3, 10, 1, "cuda"), make_generator(0))
 
@@ -98,17 +99,13 @@ def test_cuda_verification_refuses_a_host_q():
 def test_engines_on_cuda_give_the_hosts_output(tiny_models, tiny_tokenizer, where):
     """AR, SD and SSD (both decoders) with the models on a GPU, or split between a GPU and
     the host (q crossing in either direction): greedy and seeded sampled output equal the host's."""
-    import copy
-
-    from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-    from ssd.engine import AREngine, SDEngine
-    from ssd.engine.local import LocalSSD
-    from ssd.engine.request import GenerationRequest
-
     target, draft = tiny_models
     t_dev = copy.deepcopy(target).cuda() if where in ("both", "target") else target
     d_dev = copy.deepcopy(draft).cuda() if where in ("both", "draft") else draft
-    request = lambda sampling: GenerationRequest([1, 2, 3], sampling, GenerationConfig(max_new_tokens=24))  # noqa: E731
+
+    def request(sampling):
+        return GenerationRequest([1, 2, 3], sampling, GenerationConfig(max_new_tokens=24))
+
     cases = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, seed=7), SamplingConfig(temperature=0.7, top_k=5, seed=8)]
     for sampling in cases:
         ar_host = AREngine(target, tiny_tokenizer).generate(request(sampling)).token_ids
@@ -134,10 +131,6 @@ def test_cuda_verification_waits_for_the_device_twice_at_most(k):
     """Host syncs per verification: the stopping position and the drawn token
     (greedy: the argmaxes alone), whatever K; the loop it replaced read two
     floats per reached position."""
-    import warnings
-
-    from ssd.sampling import make_generator, sample
-    from ssd.verify import verify
 
     q, p = rows(k, 32000, k, "cuda"), rows(k + 1, 32000, 50 + k, "cuda")
     p[:k] = q  # every position accepts: the old loop's worst case
