@@ -131,7 +131,6 @@ def test_cuda_verification_waits_for_the_device_twice_at_most(k):
     """Host syncs per verification: the stopping position and the drawn token
     (greedy: the argmaxes alone), whatever K; the loop it replaced read two
     floats per reached position."""
-
     q, p = rows(k, 32000, k, "cuda"), rows(k + 1, 32000, 50 + k, "cuda")
     p[:k] = q  # every position accepts: the old loop's worst case
     gen = make_generator(0)
