@@ -65,7 +65,7 @@ def verify(
     k = _first_stop(drafted, q, p, gen)
     if k == len(drafted):
         return Outcome(k, sample(p[-1], gen))
-    return Outcome(k, sample(residual(p[k], q[k]), gen))
+    return Outcome(k, sample(_residual_weights(p[k], q[k]), gen))
 
 
 def _first_stop(drafted: Sequence[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> int:
@@ -101,6 +101,15 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_(min=0.0)
     mass = r.sum(dim=-1, keepdim=True)
     return torch.where(mass > RESIDUAL_EPS, r.div_(mass), p)  # a row's 0/0 is never picked
+
+
+def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """One row's residual up to its normalisation, which sampling does anyway."""
+    r = (p - q).clamp_(min=0.0)
+    mass = r.sum()
+    if r.device.type == "cpu":  # the host reads its own memory without a sync: no select pass
+        return r if float(mass) > RESIDUAL_EPS else p
+    return torch.where(mass > RESIDUAL_EPS, r, p)
 
 
 def _verify_greedy(drafted: Sequence[int], p: torch.Tensor) -> Outcome:
