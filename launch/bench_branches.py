@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ssd.config import ModelConfig  # noqa: E402
+from ssd.hardware import sync  # noqa: E402
 from ssd.models import load_model  # noqa: E402
 from ssd.models.kv import KVSequence  # noqa: E402
 from ssd.speculation.branches import BRANCH_DECODERS, TreeBranchDecoder  # noqa: E402
@@ -144,7 +145,7 @@ def glued_sequence(model: torch.nn.Module, length: int, vocab: int, seed: int) -
 def time_plain_forward(kv: KVSequence) -> float:
     """Seconds of one 1-token forward on the cache (rolled back after)."""
     t0 = time.perf_counter()
-    kv.forward([1], last_only=True)
+    sync(kv.forward([1], last_only=True))
     elapsed = time.perf_counter() - t0
     kv.rollback(kv.length - 1)
     return elapsed
@@ -161,13 +162,13 @@ def branch_layout(kv: KVSequence, n: int, k: int, seed: int) -> tuple[list[int],
 def time_round(decoder, kv: KVSequence, prefix: list[int], firsts: list[int], steps: int) -> tuple[float, list[float]]:
     """(start seconds, [step seconds]) for one round of branch decoding."""
     t0 = time.perf_counter()
-    decoder.start(kv, prefix, firsts)
+    sync(decoder.start(kv, prefix, firsts))
     start = time.perf_counter() - t0
     step_times = []
     for i in range(steps):
         tokens = [(f + 7 * (i + 1)) % 30000 for f in firsts]
         t0 = time.perf_counter()
-        decoder.step(tokens)
+        sync(decoder.step(tokens))
         step_times.append(time.perf_counter() - t0)
     decoder.finish()
     return start, step_times

@@ -21,6 +21,7 @@ import time
 from _common import add_config_args, config_from_args
 
 from ssd.ablation.neighbour import arbitrary_ids, busy_neighbour, pin, prefilled
+from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 
 
@@ -59,7 +60,7 @@ def _median_ms(kv: KVSequence, ids: list[int], repeats: int) -> float:
     for _ in range(repeats):
         length = kv.length
         started = time.perf_counter()
-        kv.forward(ids)
+        sync(kv.forward(ids))
         times.append(time.perf_counter() - started)
         kv.rollback(length)
     return 1000 * statistics.median(times)

@@ -1,4 +1,7 @@
 """What machine a figure came from: CPU model, torch's CPU capability, native bf16.
+And the few device helpers the hot path needs: timing a device's work
+(`sync`) and moving small tensors between host and device (`to_host`,
+`to_device`).
 
 Machines of one kind differ in CPU, and the fastest precision differs with
 them (bf16 matmuls are native on AMX / AVX512-BF16 cores and emulated, about
@@ -75,3 +78,41 @@ def summary() -> str:
     bf16 = "native bf16" if d["native_bf16"] else "no native bf16"
     gpus = f", GPUs: {', '.join(d['cuda_devices'])}" if d["cuda_devices"] else ""
     return f"{d['cpu_model']} ({d['cores']} cores, torch CPU capability {d['torch_cpu_capability']}, {bf16}){gpus}"
+
+
+# --- devices ---------------------------------------------------------------------
+
+
+def sync(where: torch.Tensor | torch.device | str | None) -> None:
+    """Wait until `where`'s device (a tensor's, or a device) has run its queued work.
+
+    A host timer read after this covers the device's work, not only its
+    launch. A no-op off CUDA (the CPU runs eagerly).
+    """
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where or "cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory. A CUDA tensor goes through a pinned buffer with one
+    non-blocking copy and one wait for it; a host tensor is returned as is."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()  # the copy must land before the host reads it
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. Towards a device the copy is queued (non-blocking: the
+    device's later work is ordered after it); towards the host it is `to_host`."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return to_host(t)
+    return t.to(device, non_blocking=True)

@@ -5,9 +5,17 @@ greedy and yields a one-hot distribution on the argmax, so greedy decoding is
 the same code path as sampling (a one-hot q or p verifies exactly like any
 other distribution). Draws come from a per-request torch.Generator so a seed
 fixes the output.
+
+Devices: probabilities stay where the logits are (a GPU's, in the cluster);
+the generator stays on the CPU, so a seed gives the same draws on any device.
+The uniforms are drawn there, moved (a few bytes) to the probabilities'
+device, and the inverse CDF runs beside the probabilities; only the chosen
+ids come back to the host, once per call.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -60,32 +68,38 @@ def _mask_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """Draw one token id from a probability row [V] (need not be normalised)."""
-    cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
+def sample_ids(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Token ids on probs' device: one per row of [..., V] (rows need not be normalised).
+
+    One uniform per row from the CPU generator; nothing is read back to the host.
+    """
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    # r <= 1 - 2**-53 (torch draws float64 uniforms as multiples of 2**-53), so
+    # u = r * total stays strictly below total after rounding: some cdf entry exceeds it.
+    u = uniforms(gen, (*probs.shape[:-1], 1)).to(cdf.device, non_blocking=True) * cdf[..., -1:]
     # right=True: the first index whose cdf exceeds u, never a zero-mass token.
-    token = int(torch.searchsorted(cdf, u, right=True))
-    if token >= probs.shape[-1]:  # u rounded up to the total: take the last live token
-        token = int(torch.nonzero(probs)[-1])
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """Draw one token id from a probability row [V] (need not be normalised): one host read."""
+    token = int(sample_ids(probs, gen))
+    if token >= probs.shape[-1]:
+        raise ValueError("cannot sample from a row without probability mass")
     return token
 
 
 def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
-    """One draw per row of [B, V]; the same inverse-CDF rule as `sample`, vectorised."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    over = tokens >= probs.shape[-1]
-    if over.any():  # u rounded up to a row's total: take that row's last live token
-        last_live = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
-        tokens = torch.where(over, last_live, tokens)
-    return tokens.tolist()
+    """One draw per row of [B, V]; the same inverse-CDF rule as `sample`, one host read."""
+    tokens = sample_ids(probs, gen).tolist()
+    if any(t >= probs.shape[-1] for t in tokens):
+        raise ValueError("cannot sample from a row without probability mass")
+    return tokens
 
 
-def uniform(gen: torch.Generator) -> float:
-    """One U[0, 1) draw from the request's generator."""
-    return float(torch.rand((), generator=gen, dtype=torch.float64))
+def uniforms(gen: torch.Generator, shape: int | Sequence[int] = ()) -> torch.Tensor:
+    """U[0, 1) draws in float64 from the request's generator, always on the CPU."""
+    return torch.rand(shape, generator=gen, dtype=torch.float64)
 
 
 def saguaro_rescale_rows(q: torch.Tensor, f: int, c: float) -> torch.Tensor:

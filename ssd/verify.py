@@ -6,6 +6,10 @@ returns the outcome (k, t*): k accepted tokens and the one token the target
 adds — a correction drawn from norm(max(0, p - q)) after a rejection, or a
 bonus token drawn from p at position K+1 when every draft passed. The output is
 distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
+
+It runs where p is (the target's device): the K ratio tests are one gather
+and one comparison, the first rejection one reduction, and the host reads
+two small results per round, the stopping position and the drawn token.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ssd.sampling import sample, uniform
+from ssd.sampling import sample, uniforms
 
 # A residual with less mass than this is rounding noise: it only arises when
 # p <= q everywhere, i.e. p == q up to rounding, where rejection has
@@ -47,7 +51,8 @@ def verify(
     """Outcome of verifying `drafted` (K ids) with q [K, V] and p [K+1, V].
 
     greedy: p rows are one-hot argmaxes; accept while the draft matches them.
-    q is then not needed (None is allowed), and no random numbers are drawn.
+    q is then not needed (None is allowed, nor is its device looked at), and
+    no random numbers are drawn. Otherwise q must be on p's device.
     """
     if greedy:
         _check_shapes(drafted, q, p)
@@ -55,24 +60,61 @@ def verify(
     if q is None:
         raise ValueError("stochastic verification needs the draft distributions q")
     _check_shapes(drafted, q, p)
-    for i, x in enumerate(drafted):
-        qx, px = float(q[i, x]), float(p[i, x])
-        if qx <= 0.0:
-            raise ProposerError(f"drafted token {x} at position {i} has q = {qx}")
-        if uniform(gen) * qx < px:  # accept with probability min(1, p/q)
-            continue
-        return Outcome(i, sample(residual(p[i], q[i]), gen))
-    return Outcome(len(drafted), sample(p[-1], gen))
+    if q.device != p.device:
+        raise ValueError(f"q is on {q.device} but p is on {p.device}; move q to p's device")
+    k = _first_stop(drafted, q, p, gen)
+    if k == len(drafted):
+        return Outcome(k, sample(p[-1], gen))
+    return Outcome(k, sample(_residual_weights(p[k], q[k]), gen))
+
+
+def _first_stop(drafted: Sequence[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> int:
+    """The first position whose draft is rejected (K if none is), in one host read.
+
+    Position i accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)). All
+    K uniforms are drawn at once; a position past the first rejection never
+    counts, so neither its draw nor its q matters. A q_i(x_i) <= 0 at a
+    reached position is a proposer bug (ProposerError); past the first
+    rejection it is not looked at.
+    """
+    k = len(drafted)
+    if k == 0:
+        return 0
+    ids = torch.tensor(drafted, dtype=torch.long).to(p.device, non_blocking=True)[:, None]
+    qx, px = q.gather(1, ids)[:, 0], p[:k].gather(1, ids)[:, 0]
+    u = uniforms(gen, k).to(p.device, non_blocking=True)
+    q_ok = ~(qx <= 0)
+    passed = q_ok & (u * qx < px)
+    # Leading runs (cumprod of 0/1): the accepted prefix, and the prefix with q > 0.
+    accepted, q_ok_run = torch.stack([passed, q_ok]).to(torch.uint8).cumprod(1).sum(1).tolist()
+    if accepted < k and q_ok_run == accepted:  # the stop came from q <= 0, not a rejection
+        x = drafted[accepted]
+        raise ProposerError(f"drafted token {x} at position {accepted} has q = {float(q[accepted, x])}")
+    return accepted
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)), falling back to p when the residual is rounding noise."""
-    r = torch.clamp(p - q, min=0.0)
-    mass = float(r.sum())
-    return r / mass if mass > RESIDUAL_EPS else p
+    """norm(max(0, p - q)), falling back to p when the residual is rounding noise.
+
+    Rows of [..., V]; computed where p and q are, without a host read.
+    """
+    r = (p - q).clamp_(min=0.0)
+    mass = r.sum(dim=-1, keepdim=True)
+    return torch.where(mass > RESIDUAL_EPS, r.div_(mass), p)  # a row's 0/0 is never picked
+
+
+def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """One row's residual up to its normalisation, which sampling does anyway."""
+    r = (p - q).clamp_(min=0.0)
+    mass = r.sum()
+    if r.device.type == "cpu":  # the host reads its own memory without a sync: no select pass
+        return r if float(mass) > RESIDUAL_EPS else p
+    return torch.where(mass > RESIDUAL_EPS, r, p)
 
 
 def _verify_greedy(drafted: Sequence[int], p: torch.Tensor) -> Outcome:
+    # One argmax where p is and one host read of its K + 1 ids; comparing them
+    # with the (host) drafted ids there needs no upload of the draft.
     best = p.argmax(dim=-1).tolist()
     for i, x in enumerate(drafted):
         if x != best[i]:

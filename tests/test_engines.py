@@ -9,6 +9,7 @@ from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, build_tiny_model
+from ssd.verify import verify
 from tests.conftest import TINY
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -195,3 +196,32 @@ def test_stats_total_pools_every_counter(tiny_models, tiny_tokenizer):
     assert t.accepted_at == [sum(s.accepted_at[i] for s in runs if i < len(s.accepted_at)) for i in range(4)]
     assert t.acceptance_rate == sum(s.accepted for s in runs) / sum(s.drafted for s in runs)
     assert runs[0].requests == 1 and t.accepted_at is not runs[0].accepted_at  # inputs untouched
+
+
+def test_sampled_q_rows_are_moved_to_the_targets_device_before_verifying(tiny_models, tiny_tokenizer, monkeypatch):
+    """q rows may arrive on another device than p (over a host link they are in
+    host memory, the target on a GPU). 'meta' stands in for the far side: the
+    engine hands the verifier q on p's device."""
+    target, draft = tiny_models
+    vocab = TINY.vocab_size
+
+    def far_draft(kv, sequence, k, sampling, gen, saguaro=None):
+        return [1] * k, [torch.empty(vocab, dtype=torch.float64, device="meta")] * k
+
+    moves, verified_on = [], []
+
+    def move(t, device):
+        moves.append((t.device.type, torch.device(device).type))
+        return torch.full(t.shape, 1.0 / vocab, dtype=t.dtype, device=device)  # stands in for the copy
+
+    def recording_verify(drafted, q, p, gen, greedy=False):
+        verified_on.append((q.device, p.device))
+        return verify(drafted, q, p, gen, greedy)
+
+    monkeypatch.setattr("ssd.engine.sd.draft_chain", far_draft)
+    monkeypatch.setattr("ssd.engine.base.to_device", move)
+    engine = SDEngine(target, draft, tiny_tokenizer, 3, verifier=recording_verify)
+    out = engine.generate(GenerationRequest([1, 2], SamplingConfig(temperature=1.0, seed=0), GenerationConfig(max_new_tokens=12)))
+    assert len(out.token_ids) == 12
+    assert moves and set(moves) == {("meta", "cpu")}
+    assert all(q == p == torch.device("cpu") for q, p in verified_on)

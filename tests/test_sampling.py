@@ -1,8 +1,12 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ssd.config import ConfigError, SamplingConfig
-from ssd.sampling import make_generator, probs_from_logits, sample, sample_rows, saguaro_rescale_rows
+from ssd.sampling import (
+    make_generator, probs_from_logits, sample, sample_ids, sample_rows, saguaro_rescale_rows, uniforms,
+)
 from tests.stats import ALPHA, chi_square_pvalue
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -115,3 +119,68 @@ def test_saguaro_c_one_is_identity_and_c_zero_keeps_an_all_top_row():
     out = saguaro_rescale_rows(q, 2, 0.0)
     torch.testing.assert_close(out[0], q[0])  # all mass on the top-2: nothing left to move to
     torch.testing.assert_close(out[1], torch.tensor([0, 0, 2 / 3, 1 / 3], dtype=torch.float64))
+
+
+# --- devices: uniforms from the CPU generator, the inverse CDF where the probabilities are ---
+
+def test_sample_ids_are_inverse_cdf_of_cpu_uniforms():
+    probs = probs_from_logits(torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 0.3]), SamplingConfig(temperature=0.8))
+    gen, reference = make_generator(5), make_generator(5)
+    for _ in range(50):
+        u = torch.rand(3, generator=reference, dtype=torch.float64)
+        cdf = torch.cumsum(probs, -1)
+        expected = [int(torch.searchsorted(cdf[b], u[b] * cdf[b, -1], right=True)) for b in range(3)]
+        assert sample_ids(probs, gen).tolist() == expected
+    assert torch.equal(gen.get_state(), reference.get_state())
+
+
+def test_sample_and_sample_rows_read_the_same_ids_as_sample_ids():
+    probs = probs_from_logits(torch.stack([LOGITS, LOGITS.flip(0)]), SamplingConfig(temperature=0.8))
+    assert sample_rows(probs, make_generator(3)) == sample_ids(probs, make_generator(3)).tolist()
+    assert sample(probs[1], make_generator(3)) == int(sample_ids(probs[1], make_generator(3)))
+
+
+@pytest.mark.parametrize("shape", [(6,), (4, 6)])
+def test_sampling_runs_on_the_probs_device_with_cpu_uniforms(shape):
+    """'meta' stands in for an accelerator: the ids stay there; the generator
+    (CPU) advances exactly as it does for host probabilities."""
+    probs = torch.empty(shape, dtype=torch.float64, device="meta")
+    gen, reference = make_generator(0), make_generator(0)
+    ids = sample_ids(probs, gen)
+    assert ids.device.type == "meta" and ids.shape == shape[:-1]
+    uniforms(reference, shape[:-1])
+    assert torch.equal(gen.get_state(), reference.get_state())
+
+
+def test_sample_reads_the_host_only_for_the_id():
+    """On a device the only failing step for 'meta' is the final host read (no device mismatch before)."""
+    probs = torch.empty(6, dtype=torch.float64, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        sample(probs, make_generator(0))
+    with pytest.raises(RuntimeError, match="meta"):  # NotImplementedError is one
+        sample_rows(probs.expand(2, 6), make_generator(0))
+
+
+def test_float64_uniforms_are_multiples_of_2_to_the_minus_53():
+    """What sample_ids relies on: u = r * total, rounded, stays below the total."""
+    r = uniforms(make_generator(0), 100_000)
+    assert torch.equal(r * 2.0**53, torch.floor(r * 2.0**53)) and float(r.max()) < 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(1e-300, 1e300))
+def test_the_largest_uniform_times_any_total_stays_below_it(total):
+    assert (1.0 - 2.0**-53) * total < total
+
+
+def test_the_largest_uniform_takes_the_last_live_token(monkeypatch):
+    largest = 1.0 - 2.0**-53
+    monkeypatch.setattr("ssd.sampling.uniforms", lambda gen, shape=(): torch.full(shape, largest, dtype=torch.float64))
+    probs = torch.tensor([[0.2, 0.3, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert sample_rows(probs, make_generator(0)) == [2, 1]
+    assert sample(probs[0] * 3, make_generator(0)) == 2
+
+
+def test_a_row_without_mass_is_refused():
+    with pytest.raises(ValueError, match="probability mass"):
+        sample(torch.zeros(4, dtype=torch.float64), make_generator(0))

@@ -159,3 +159,26 @@ def test_a_link_attached_mid_request_is_adopted_at_the_next_round(tiny_models, t
     engine.stop_draft()
     serving.join(timeout=10)
     assert not serving.is_alive()  # stop_draft told the speculator to stop
+
+
+def per_row_guesses(logits, drafted, fanout):
+    """One top-k per acceptance length, the drafted token masked out (the plain reading of the rule)."""
+    out = []
+    for k, f in enumerate(fanout):
+        if f <= 0:
+            continue
+        row = logits[k].clone()
+        if k < len(drafted):
+            row[drafted[k]] = float("-inf")
+        out += [(k, int(t)) for t in torch.topk(row, min(f, row.shape[-1] - (k < len(drafted)))).indices]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_guessed_outcomes_take_one_topk_for_all_rows_with_the_same_result(seed):
+    g = torch.Generator().manual_seed(seed)
+    k, vocab = int(torch.randint(0, 5, (), generator=g)), 12
+    logits = torch.randn(k + 1, vocab, generator=g)
+    drafted = torch.randint(vocab, (k,), generator=g).tolist()
+    fanout = torch.randint(0, vocab + 2, (k + 1,), generator=g).tolist()
+    assert guessed_outcomes(logits, drafted, fanout) == per_row_guesses(logits, drafted, fanout)

@@ -212,6 +212,14 @@ def test_sender_may_mutate_after_send(link: Channel) -> None:
     assert torch.equal(link.recv(timeout=10).tensors[0], torch.ones(2, 3))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_cross_a_gloo_link_through_host_memory(gloo_link: Channel) -> None:
+    """A draft on a GPU sends its q rows over a host link: they arrive bit-identical, on the host."""
+    sent = [torch.randn(3, 151, dtype=torch.float64, device="cuda"), torch.arange(12.0, device="cuda").reshape(3, 4).t()]
+    back = round_trip(gloo_link, Message("speculation", {}, sent))
+    assert all(b.device.type == "cpu" and same_bits(a.cpu(), b) for a, b in zip(sent, back.tensors))
+
+
 def test_many_messages_keep_order(link: Channel) -> None:
     """All sent before any is received: both ends send while the other is sending."""
     n = 200

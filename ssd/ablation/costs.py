@@ -241,7 +241,7 @@ def _round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None
 
 def _target_forward(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
     ids = torch.randint(kv.model.config.vocab_size, (n,), generator=gen).tolist()
-    return lambda: kv.forward(ids), lambda: kv.rollback(len(prefix))
+    return lambda: hardware.sync(kv.forward(ids)), lambda: kv.rollback(len(prefix))
 
 
 def _backup(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
@@ -257,7 +257,7 @@ def _build(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, bu
     fanout = uniform_fanout(k, budget, caps=[vocab - 1] * k + [vocab])
     sample_gen = make_generator(s.seed)
     return (
-        lambda: build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen),
+        lambda: (build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen), hardware.sync(kv.model.device)),
         lambda: kv.rollback(min(kv.length, len(prefix) - 1)),
     )
 

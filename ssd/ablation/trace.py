@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.engine.ar import AREngine
 from ssd.engine.request import GenerationRequest
+from ssd.hardware import to_host
 from ssd.models.kv import KVSequence
 
 log = logging.getLogger(__name__)
@@ -150,11 +151,11 @@ def teacher_forced_logits(
     sequence = list(prompt) + list(tokens[:-1])
     kv = KVSequence(model)
     if chunk == 0:
-        return kv.forward(sequence)[len(prompt) - 1 :]
+        return to_host(kv.forward(sequence)[len(prompt) - 1 :])  # traces are stored from the host
     if len(prompt) > 1:
         kv.forward(sequence[: len(prompt) - 1], last_only=True)
     rest = sequence[len(prompt) - 1 :]
-    return torch.cat([kv.forward(rest[i : i + chunk]) for i in range(0, len(rest), chunk)])
+    return to_host(torch.cat([kv.forward(rest[i : i + chunk]) for i in range(0, len(rest), chunk)]))
 
 
 @dataclass

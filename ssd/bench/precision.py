@@ -55,6 +55,7 @@ class Scores:
 
 def forward_times(model: torch.nn.Module, k: int, prefix: int = 200, repeats: int = 5) -> tuple[float, float]:
     """Median seconds of a 1-token and a (k+1)-token forward after `prefix` cached tokens."""
+    from ssd.hardware import sync
     from ssd.models.kv import KVSequence
 
     kv = KVSequence(model)
@@ -65,7 +66,7 @@ def forward_times(model: torch.nn.Module, k: int, prefix: int = 200, repeats: in
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             started = time.perf_counter()
-            kv.forward([(7 + i) % vocab for i in range(n)])
+            sync(kv.forward([(7 + i) % vocab for i in range(n)]))  # the timer covers the device's work
             times.append(time.perf_counter() - started)
             kv.rollback(prefix)
         return statistics.median(times[1:])

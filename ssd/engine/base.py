@@ -18,6 +18,7 @@ from ssd.config import SamplingConfig, SpeculationConfig
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
 from ssd.engine.request import GenerationRequest, GenerationResult, TokenCallback
+from ssd.hardware import sync, to_device
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
@@ -133,6 +134,7 @@ class Engine(ABC):
         started = time.perf_counter()
         logits = self.target.catch_up(req.sequence)
         token = sample(probs_from_logits(logits, req.sampling), req.gen)
+        sync(logits)  # the timer covers the device's work
         req.stats.record_round(drafted=0, accepted=0, target_s=time.perf_counter() - started)
         return [token]
 
@@ -140,18 +142,23 @@ class Engine(ABC):
         """Score `drafted` with the target in one forward and verify it (SD and SSD).
 
         Leaves the target cache holding the sequence plus the accepted tokens.
+        p stays on the target's device; sampled q rows are moved there (over a
+        host link they arrive in host memory).
         """
         started = time.perf_counter()
         k = len(drafted)
         scored = req.sequence + drafted
         logits = self.target.forward(scored[self.target.length :])[-(k + 1) :]
         p = probs_from_logits(logits, req.sampling)
-        if q is None and not req.sampling.greedy:
-            if k:
-                raise ValueError("a sampled speculation arrived without its q rows")
-            q = p.new_zeros(0, p.shape[-1])
+        if not req.sampling.greedy:  # greedy verification never reads q
+            if q is None:
+                if k:
+                    raise ValueError("a sampled speculation arrived without its q rows")
+                q = p.new_zeros(0, p.shape[-1])
+            q = to_device(q, p.device)
         outcome = self.verifier(drafted, q, p, req.gen, greedy=req.sampling.greedy)
         self.target.rollback(len(req.sequence) + outcome.k)
+        sync(p)  # the timer covers the device's work
         req.stats.record_round(drafted=k, accepted=outcome.k, target_s=time.perf_counter() - started)
         return outcome
 

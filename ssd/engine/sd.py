@@ -38,7 +38,7 @@ class SDEngine(Engine):
         # Never draft past max_new_tokens: the round adds up to K + 1 tokens.
         k = min(req.speculation.k, req.output.remaining - 1)
         drafted, q_rows = draft_chain(self.draft, req.sequence, k, req.sampling, req.gen)
-        q = torch.stack(q_rows) if q_rows else None
+        q = torch.stack(q_rows) if q_rows and not req.sampling.greedy else None  # greedy never reads q
         outcome = self._verify(req, drafted, q)
         # The draft never fed its last drafted token, so it may hold fewer.
         self.draft.rollback(min(self.draft.length, len(req.sequence) + outcome.k))

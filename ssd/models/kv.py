@@ -68,13 +68,14 @@ class KVSequence:
         self.tokens.extend(ids)
         return logits
 
-    def extend(self, ids: Sequence[int], positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def extend(self, ids: Sequence[int] | torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Append uncommitted entries at explicit positions; logits [len(ids), V].
 
-        visible: bool [len(ids), cached + len(ids)], True where a new row may
-        attend (cached entries, then the new rows themselves).
+        ids may be a tensor on the model's device (sampled there: never read
+        by the host). visible: bool [len(ids), cached + len(ids)], True where
+        a new row may attend (cached entries, then the new rows themselves).
         """
-        logits = self._run(list(ids), positions, visible, last_only=False)
+        logits = self._run(ids if isinstance(ids, torch.Tensor) else list(ids), positions, visible, last_only=False)
         self._extra += len(ids)
         return logits
 
@@ -123,10 +124,10 @@ class KVSequence:
 
     @torch.inference_mode()
     def _run(
-        self, ids: list[int], positions: torch.Tensor | None, mask: torch.Tensor | None, last_only: bool
+        self, ids: list[int] | torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, last_only: bool
     ) -> torch.Tensor:
         device = self.model.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        input_ids = token_tensor(ids, device)
         # An index tensor, not `1`: the int form slices a strided view of the
         # hidden states, and a bf16 Linear on that view takes a slow CPU
         # kernel (measured: 2.3 s for the 1.5B's head, against 25 ms).
@@ -143,7 +144,14 @@ class KVSequence:
                 attention_mask=None if mask is None else hf_attention_mask(mask.to(device)[None, None], self.model),
                 logits_to_keep=0 if keep is None else keep,
             ).logits[0]
-        return logits.cpu()  # sampling and verification run on the CPU generator
+        return logits  # on the model's device: sampling and verification run there
+
+
+def token_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids as a long tensor on `device` (a tensor already there is used as is)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long, non_blocking=True)
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def hf_attention_mask(visible: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:

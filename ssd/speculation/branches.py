@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.kv import KVSequence, hf_attention_mask
+from ssd.models.kv import KVSequence, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class BranchDecoder(Protocol):
         """Feed each branch's first token; logits [B, V] after it."""
         ...
 
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append one token per branch; logits [B, V] after it."""
+    def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append one token per branch (ids, or a tensor of them on the model's device); logits [B, V] after it."""
         ...
 
     def finish(self) -> None:
@@ -111,13 +111,13 @@ class _Base:
     def _build_mask(self) -> None:
         raise NotImplementedError
 
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def finish(self) -> None:
         raise NotImplementedError
 
-    def _check_step(self, tokens: Sequence[int]) -> KVSequence:
+    def _check_step(self, tokens: Sequence[int] | torch.Tensor) -> KVSequence:
         if self._kv is None:
             raise RuntimeError("no active branches: call start() first")
         if len(tokens) != self.num_branches:
@@ -147,7 +147,7 @@ class TreeBranchDecoder(_Base):
         own = torch.eye(n, dtype=torch.bool).repeat(1, self._capacity)
         self._mask = torch.cat([_glue_visibility(self._prefix, self._glue), own], dim=1)
 
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         kv = self._check_step(tokens)
         width = self._glue + (self._steps + 1) * self.num_branches
         try:
@@ -189,13 +189,13 @@ class BatchedBranchDecoder(_Base):
         self._mask = hf_attention_mask(visible, self._kv.model)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         kv = self._check_step(tokens)
         width = self._glue + self._steps + 1
         try:
             device = kv.model.device
             out = kv.model(
-                input_ids=torch.tensor(list(tokens), dtype=torch.long, device=device)[:, None],
+                input_ids=token_tensor(tokens, device)[:, None],
                 attention_mask=self._mask[:, None, None, :width].to(device),
                 position_ids=(self._prefix + self._steps)[:, None].to(device),
                 cache=self._cache,
@@ -205,7 +205,7 @@ class BatchedBranchDecoder(_Base):
             self.finish()
             raise
         self._steps += 1
-        return out.logits[:, -1].cpu()
+        return out.logits[:, -1]  # on the model's device: the builder samples there
 
     def finish(self) -> None:
         self._kv = None

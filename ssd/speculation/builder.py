@@ -4,6 +4,10 @@ One draft pass over [t', s1..sK] (the "glue") gives the draft's distribution
 at every acceptance length k; the top-F_k tokens there (for k < K without
 s_{k+1}, which a rejection can never produce) are the guessed outcomes
 (k, t*). Then K decode steps run for all guessed branches at once.
+
+Everything stays on the draft's device: each step's sampled ids feed the next
+step from there, and the host reads the guesses once and every branch's
+tokens once, at the end.
 """
 
 from __future__ import annotations
@@ -13,31 +17,39 @@ from typing import Sequence
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.models.kv import KVSequence
-from ssd.sampling import probs_from_logits, sample_rows
+from ssd.models.kv import KVSequence, token_tensor
+from ssd.sampling import probs_from_logits, sample_ids
 from ssd.speculation.branches import BranchDecoder
 from ssd.speculation.cache import Proposal
 from ssd.speculation.drafting import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
 
+# The builder's sampler, looked up by this name so a test can swap in a wrong
+# one: (q [B, V], gen) -> one id per row, a tensor on q's device (or a list).
+sample_rows = sample_ids
+
 
 def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: Sequence[int]) -> list[tuple[int, int]]:
     """(k, t*) pairs to prepare: the top-F_k draft tokens at each acceptance length.
 
     Ranked by raw logits, so greedy decoding (one-hot q) still gets F_k
-    distinct guesses per position.
+    distinct guesses per position. One top-k over all rows, one host read.
     """
+    vocab = glue_logits.shape[-1]
+    widest = max(fanout, default=0)
+    if widest <= 0:
+        return []
+    # One spare candidate per row: a rejection never yields the drafted token.
+    ranked = torch.topk(glue_logits[: len(fanout)], min(widest + 1, vocab), dim=-1).indices.tolist()
     branches = []
     for k, f in enumerate(fanout):
         if f <= 0:
             continue
-        row, guesses = glue_logits[k], min(f, glue_logits.shape[-1])
-        if k < len(drafted):  # a rejection never yields the drafted token: V - 1 candidates
-            row = row.clone()
-            row[drafted[k]] = float("-inf")
-            guesses = min(f, row.shape[-1] - 1)
-        branches += [(k, int(t)) for t in torch.topk(row, guesses).indices]
+        if k < len(drafted):  # V - 1 candidates here
+            branches += [(k, t) for t in ranked[k] if t != drafted[k]][: min(f, vocab - 1)]
+        else:
+            branches += [(k, t) for t in ranked[k][: min(f, vocab)]]
     return branches
 
 
@@ -71,24 +83,25 @@ def build_cache(
         return {}
     prefix_lens = [len(committed) + kb for kb, _ in branches]
     logits = decoder.start(kv, prefix_lens, [t for _, t in branches])
-    steps: list[list[int]] = []  # [step][branch]
+    steps: list[torch.Tensor] = []  # [step] -> [B] ids on the draft's device
     q_steps: list[torch.Tensor] = []  # [step] -> [B, V]
     try:
         for step in range(k):
             if step:
                 logits = decoder.step(steps[-1])
             if sampling.greedy:
-                steps.append(logits.argmax(dim=-1).tolist())
+                steps.append(logits.argmax(dim=-1))
                 continue
             q = probs_from_logits(logits, sampling)
             if saguaro is not None:
                 q = saguaro.apply_rows(q, step)
-            steps.append(sample_rows(q, gen))
+            steps.append(token_tensor(sample_rows(q, gen), q.device))
             q_steps.append(q)
     finally:
         decoder.finish()
+    tokens = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in branches]  # [B][K]: one host read
     q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [B, K, V]
     return {
-        key: Proposal([s[b] for s in steps], None if q_all is None else q_all[b], "cache")
+        key: Proposal(tokens[b], None if q_all is None else q_all[b], "cache")
         for b, key in enumerate(branches)
     }

@@ -43,7 +43,8 @@ def draft_chain(
 
     Whatever `kv` holds beyond its longest common prefix with `sequence` is
     dropped; afterwards it holds sequence + the first k-1 drafted tokens (the
-    last is never fed).
+    last is never fed). The q rows stay on the draft's device; each drafted
+    id is read by the host once, since the next forward needs it.
     """
     if k == 0:
         return [], []

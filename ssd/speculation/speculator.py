@@ -12,6 +12,7 @@ import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
 from ssd.fanout import FanoutPlanner, make_planner
+from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
 from ssd.speculation import protocol
@@ -84,6 +85,7 @@ class Speculator:
         cached = self._commit(seq, k, token)
         started = time.perf_counter()
         proposal = cached or self._backup(seq)
+        sync(self.model.device)  # the timers cover the device's work
         backup_s = 0.0 if cached else time.perf_counter() - started
         reply = protocol.ProposalReply(seq_id, cached is not None, proposal, backup_s, seq.build_s)
         self.channel.send(protocol.proposal(reply))
@@ -112,6 +114,7 @@ class Speculator:
         entries = build_cache(seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro)
         seq.cache.replace(entries)
         seq.in_flight, seq.in_flight_hit, seq.in_flight_fanout = proposal, hit, fanout
+        sync(self.model.device)
         seq.build_s = time.perf_counter() - started
 
     def _release(self, msg: Message) -> None:

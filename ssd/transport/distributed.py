@@ -55,6 +55,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from ssd.hardware import to_device
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,9 @@ class _Wire:
     def _send_all(self, parts: list[torch.Tensor], timeout: timedelta) -> None:
         # Post every part before waiting: each send completes only when the
         # peer posts its receive, so waiting one by one costs a round trip each.
-        parts = [p.to(self.device) for p in parts]
+        # A CUDA tensor bound for a host (gloo) link goes through pinned memory
+        # with one wait; host parts bound for an NCCL link are queued copies.
+        parts = [to_device(p, self.device) for p in parts]
         works = [self.pg.send([p], self.peer, _TAG) for p in parts]
         for work in works:
             work.wait(timeout)
