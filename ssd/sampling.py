@@ -37,7 +37,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingConfig) -> torch.Ten
     logits = logits.to(torch.float64)
     if params.greedy:
         return one_hot_argmax(logits)
-    logits = logits / params.temperature
+    # Shift before scaling: (l - max) / T is <= 0, so a tiny T (even a subnormal
+    # one) sends every non-maximal logit to -inf instead of overflowing the
+    # maximum to +inf (inf - inf = nan). Tiny temperatures thus approach greedy
+    # continuously: uniform over exact ties of the maximum, one-hot otherwise.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         logits = _mask_top_k(logits, params.top_k)
     probs = torch.softmax(logits, dim=-1)

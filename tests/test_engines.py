@@ -225,3 +225,13 @@ def test_sampled_q_rows_are_moved_to_the_targets_device_before_verifying(tiny_mo
     assert len(out.token_ids) == 12
     assert moves and set(moves) == {("meta", "cpu")}
     assert all(q == p == torch.device("cpu") for q, p in verified_on)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-310])
+def test_a_tiny_temperature_decodes_like_greedy(tiny_models, tiny_tokenizer, temperature):
+    target, draft = tiny_models
+    greedy = ar_tokens(target, tiny_tokenizer, [1, 2, 3], 30).token_ids
+    sampling = SamplingConfig(temperature=temperature, seed=5)
+    assert ar_tokens(target, tiny_tokenizer, [1, 2, 3], 30, sampling).token_ids == greedy
+    sd = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], sampling, GenerationConfig(max_new_tokens=30)))
+    assert sd.token_ids == greedy

@@ -184,3 +184,12 @@ def test_the_largest_uniform_takes_the_last_live_token(monkeypatch):
 def test_a_row_without_mass_is_refused():
     with pytest.raises(ValueError, match="probability mass"):
         sample(torch.zeros(4, dtype=torch.float64), make_generator(0))
+
+
+def test_tiny_temperatures_approach_greedy_instead_of_overflowing():
+    """logits / 1e-310 overflowed to inf and softmax gave nan (the last id, repeated)."""
+    logits = torch.tensor([[0.5, 3.0, -2.0, 2.9], [1.0, 7.0, 7.0, -1.0]], dtype=torch.float64)
+    for t in (1e-6, 1e-300, 1e-310, 5e-324):
+        probs = probs_from_logits(logits, SamplingConfig(temperature=t))
+        assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64))
+        assert torch.equal(probs[1], torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64))  # exact ties share
