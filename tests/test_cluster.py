@@ -15,6 +15,7 @@ from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.engine import AREngine
 from ssd.models import build_tiny_model, load_tokenizer
+from ssd.models.loading import TORCH_DTYPES
 from tests.conftest import ROOT
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue
@@ -27,7 +28,7 @@ PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 
 
 def local_ar(config, prompt, n):
-    target = build_tiny_model(config.target.tiny, torch.float32)
+    target = build_tiny_model(config.target.tiny, TORCH_DTYPES[config.target.dtype])
     engine = AREngine(target, load_tokenizer(config.target))
     return engine.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=n)).token_ids
 
