@@ -113,8 +113,11 @@ def test_grpc_frontend_over_the_cluster_streams_and_aborts(cluster):
             first = next(iter(stream))
             assert client.abort(first.request_id)
             rest = list(stream)
-            assert rest[-1].finished.stats is not None
-            assert len([t for m in [first, *rest] for t in m.token_ids]) < 400
+            # A protobuf field is never None: check what the final message carries.
+            finished, streamed = rest[-1].finished, [t for m in [first, *rest] for t in m.token_ids]
+            assert finished.reason == 4 and finished.HasField("stats")  # ABORTED, with the request's stats
+            assert list(finished.output_token_ids) == streamed and finished.stats.new_tokens == len(streamed)
+            assert len(streamed) < 400 and finished.stats.mode == 3
     finally:
         server.stop()
 
