@@ -61,10 +61,12 @@ def test_sampled_ssd_matches_target_through_the_cluster(cluster):
     )
     config = GenerationConfig(max_new_tokens=4)
     sampling = SamplingConfig(temperature=1.0)
-    samples = [
-        tuple(cluster.generate([1, 2], dataclasses.replace(sampling, seed=s), config, spec).token_ids[2:4])
-        for s in range(600)
-    ]
+    outs = [cluster.generate([1, 2], dataclasses.replace(sampling, seed=s), config, spec) for s in range(600)]
+    samples = [tuple(out.token_ids[2:4]) for out in outs]
+    # The per-request spec reached the draft: with every outcome cached, every lookup hits
+    # (the configured geometric budget of 8 would miss often at T = 1).
+    lookups, hits = sum(o.stats.spec.lookups for o in outs), sum(o.stats.spec.hits for o in outs)
+    assert lookups > 50 and hits == lookups
     target = build_tiny_model(CONFIG.target.tiny, torch.float32)
     expected = exact_marginal(target, [1, 2], 4, sampling, [2, 3])
     assert chi_square_pvalue(samples, expected) > ALPHA
