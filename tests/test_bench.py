@@ -78,6 +78,10 @@ def test_hf_assisted_sampling_is_seeded(tiny_models, tiny_tokenizer):
     assert runs[0] == runs[1]
     assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
     assert all(0 <= t < 16 for t in runs[2]) and len(runs[2]) == 16
+    # The seed (and the temperature) act: another seed samples another output, and
+    # none of them is the greedy one.
+    greedy = hf.generate(GenerationRequest(ids, GREEDY, gen)).token_ids
+    assert runs[2] != runs[0] and greedy not in runs
 
 
 def test_hf_generation_config_matches_our_sampling():

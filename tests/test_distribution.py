@@ -17,6 +17,7 @@ from ssd.engine import SDEngine
 from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.sampling import probs_from_logits, sample
 from ssd.verify import Outcome, residual, verify
+from ssd.engine.request import GenerationRequest
 from tests.stats import ALPHA, chi_square_pvalue
 
 SMALL = TinyModelConfig(vocab_size=6, seed=3)
@@ -58,7 +59,7 @@ def sd_samples(pair, sampling: SamplingConfig, verifier=verify) -> list[tuple[in
     engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), k=2, verifier=verifier)
     config = GenerationConfig(max_new_tokens=N_TOKENS)
     return [
-        tuple(engine.generate(PROMPT, dataclasses.replace(sampling, seed=seed), config).token_ids)
+        tuple(engine.generate(GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), config)).token_ids)
         for seed in range(SAMPLES)
     ]
 

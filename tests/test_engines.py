@@ -29,6 +29,7 @@ def test_sd_greedy_equals_ar(tiny_models, tiny_tokenizer, k):
         sd = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=48)))
         assert sd.token_ids == ar.token_ids
         assert sd.stats.accepted > 0 and sd.stats.accepted < sd.stats.drafted  # both branches ran
+        assert len(sd.stats.drafted_at) == k  # rounds drafted K tokens, no more
 
 
 @pytest.mark.parametrize("draft_kind", ["target", "unrelated"])
@@ -46,7 +47,8 @@ def test_sd_engine_is_reusable_across_requests(tiny_models, tiny_tokenizer):
     engine = SDEngine(target, draft, tiny_tokenizer, 3)
     first = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
     again = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
-    assert first == again
+    # Each request is AR's output, not merely the same (possibly wrong) output twice.
+    assert first == again == [ar_tokens(target, tiny_tokenizer, p, 20).token_ids for p in PROMPTS]
 
 
 def test_sampled_output_is_reproducible_per_seed(tiny_models, tiny_tokenizer):

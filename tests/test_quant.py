@@ -132,7 +132,7 @@ def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backu
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == int8_references[tuple(prompt)]
-            assert out.stats.spec.hits > 0
+            assert out.stats.spec.hits > 0 and set(out.stats.spec.backups) == {backup}
             assert "draft int8" in out.stats.summary()
 
 

@@ -28,6 +28,7 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.server import SERVICE_NAME, GenerationServer
 from ssd.serve.streaming import TextStream
 from tests.conftest import ROOT
+from tests.spies import record_builds, saguaro_errors
 
 PROMPT = "abcab"
 
@@ -311,10 +312,25 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, fields, field):
     assert details.startswith(f"{field}:"), details
 
 
-def test_good_speculation_settings_are_honoured(client, backend):
-    out = client.generate(text=PROMPT, mode="ssd", k=3, fanout_budget=6, fanout_kind="uniform",
-                          saguaro_c=0.5, backup="ngram", max_new_tokens=24)
-    assert out.stats.k == 3 and out.token_ids == direct(backend, "ar", 0.0, 0, 24).token_ids
+def test_good_speculation_settings_are_honoured(client, backend, monkeypatch):
+    """Each setting is seen to act, none only read back: K in the drafts, the
+    backup in the stats, budget and kind in the cached outcomes, C in their q'
+    rows. Every value differs from the server's default (K 4, geometric, 16, C 1, neural)."""
+    settings = dict(mode="ssd", k=3, fanout_budget=6, fanout_kind="uniform", saguaro_c=0.5, backup="ngram")
+    builds = record_builds(monkeypatch)  # the speculator runs in this process (a thread)
+    out = client.generate(text=PROMPT, max_new_tokens=24, **settings)
+    assert out.token_ids == direct(backend, "ar", 0.0, 0, 24).token_ids
+    s = out.stats
+    assert len(s.acceptance_by_position) == 3 and 0 < s.drafted <= 3 * s.rounds
+    assert dict(s.spec.backups) == {"ngram": s.rounds - s.spec.hits}  # every miss, the first round included
+    # uniform: 6 outcomes over k = 0..3, the remainder to the lowest k
+    assert builds and all(len(b.drafted) == 3 and b.per_k(3) == [2, 2, 1, 1] for b in builds)
+
+    builds.clear()  # C acts on sampled rows only
+    client.generate(text=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, **settings)
+    assert builds and all(b.sampling.temperature == 1.0 for b in builds)
+    for build in builds[:3]:
+        assert max(saguaro_errors(backend.pair.draft, build, 0.5, [2, 2, 1, 1])) < 1e-9
 
 
 def test_mode_without_its_model_is_refused(backend):

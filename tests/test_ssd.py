@@ -1,17 +1,21 @@
 """SSD through the in-process channel: greedy == AR, and the protocol's behaviour."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
+import ssd.speculation.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
 from ssd.engine.request import GenerationRequest
 from ssd.models import build_tiny_model
 from ssd.speculation.builder import guessed_outcomes
+from ssd.verify import verify
 from tests.conftest import TINY
+from tests.spies import count_decoder_starts, record_builds, saguaro_errors
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
@@ -32,36 +36,85 @@ def references(tiny_models, tiny_tokenizer):
 
 @pytest.mark.parametrize("k, budget", [(1, 1), (2, 3), (3, 8), (4, 8), (4, 16), (6, 4), (8, 24)])
 @pytest.mark.parametrize("kind", ["uniform", "geometric"])
-def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind):
+def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind, monkeypatch):
     target, draft = tiny_models
+    builds = record_builds(monkeypatch)
     with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
-            assert out.stats.spec.lookups > 0
+            assert out.stats.spec.lookups > 0 and len(out.stats.drafted_at) == k  # K tokens drafted, no more
+    # The settings took effect: every cache held `budget` outcomes, prepared for a K-token speculation.
+    assert builds and all(len(b.entries) == budget and len(b.drafted) == k for b in builds)
 
 
 @pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
 @pytest.mark.parametrize("decoder", ["tree", "batched"])
-def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(tiny_models, tiny_tokenizer, references, backup, decoder):
+def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(
+    tiny_models, tiny_tokenizer, references, backup, decoder, monkeypatch
+):
     target, draft = tiny_models
+    starts = count_decoder_starts(monkeypatch)
     spec = ssd_spec(4, 4, backup=backup, branch_decoder=decoder)
     with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
-            assert set(out.stats.spec.backups) <= {backup}
-            assert out.stats.spec.rounds_after_miss >= 1  # the first round always uses the backup
+            # Every miss (the first round always is one) was served by the chosen backup.
+            s = out.stats.spec
+            assert s.rounds_after_miss >= 1 and s.backups == {backup: s.rounds_after_miss}
+    assert set(starts) == {decoder}  # every cache was built by the chosen decoder
 
 
-def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_tokenizer):
+def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_tokenizer, monkeypatch):
     target, draft = tiny_models
     sampling = SamplingConfig(temperature=1.0, seed=11)
     outs = []
     for decoder in ("tree", "batched"):
+        starts = count_decoder_starts(monkeypatch)
         with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
-            outs.append(ssd.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids)
+            out = ssd.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30)))
+        outs.append(out.token_ids)
+        assert set(starts) == {decoder} and out.stats.spec.hits > 0  # two decoders really ran, and mattered
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind, k, budget", [("uniform", 3, 10), ("geometric", 3, 10), ("uniform", 2, 5)])
+def test_budget_and_kind_set_the_cached_outcomes(tiny_models, tiny_tokenizer, monkeypatch, kind, k, budget):
+    """The budget is the number of outcomes each cache holds; the kind spreads them over k."""
+    target, draft = tiny_models
+    builds = record_builds(monkeypatch)
+    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
+        ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=5), GenerationConfig(max_new_tokens=40)))
+    assert len(builds) > 5 and all(len(b.entries) == budget for b in builds)
+    if kind == "uniform":  # as even as whole numbers allow, the remainder to the lowest k
+        for b in builds:
+            counts = b.per_k(k)
+            assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    else:  # the first schedule, from the priors a = 0.7, r = 1: F_k ~ P(k)^(1/2)
+        a, r = 0.7, 1.0
+        pmf = [(1 - a) * a**i for i in range(k)] + [a**k]
+        weights = [p ** (1 / (1 + r)) for p in pmf]
+        first = builds[0].per_k(k)
+        assert all(abs(f - budget * w / sum(weights)) < 1 for f, w in zip(first, weights))
+        assert first[k] > first[k - 1]  # not the uniform spread, whose remainder goes to the lowest k
+
+
+@pytest.mark.parametrize("c", [0.5, 0.0, 1.0])
+def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monkeypatch, c):
+    """Each cached speculation carries q': the draft's q with its top-F_j tokens
+    scaled by C, recomputed here from fresh draft forwards (C = 1: plain q)."""
+    target, draft = tiny_models
+    k, budget, fanout = 3, 10, [3, 3, 2, 2]  # uniform: 10 over 4 lengths, the remainder to the lowest
+    builds = record_builds(monkeypatch)
+    spec = ssd_spec(k, budget, "uniform", saguaro_c=c)
+    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+        ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=7), GenerationConfig(max_new_tokens=12)))
+    assert builds
+    for build in builds[:3]:
+        assert max(saguaro_errors(draft, build, c, fanout)) < 1e-9
+    if c != 1.0:  # the check has power: plain q is far from q'
+        assert min(saguaro_errors(draft, builds[0], 1.0, fanout)) > 1e-3
 
 
 def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references):
@@ -92,9 +145,64 @@ def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     assert sum(spec.lookups_by_k.values()) == spec.lookups and sum(spec.hits_by_k.values()) == spec.hits
     assert 0 < spec.hit_rate < 1
     assert spec.rounds_after_hit + spec.rounds_after_miss == s.rounds
-    assert spec.verify_s > 0 and spec.build_s > 0 and spec.backup_s > 0
-    assert spec.verify_s == pytest.approx(s.target_s)  # every round verified: the same timing
+    assert spec.verify_s > 0 and spec.build_s > 0 and spec.backup_s > 0 and spec.wait_s > 0
     assert "hit rate" in s.summary()
+
+
+# Far above a tiny-model forward (~1 ms) and a light cache build (~10 ms; 40 ms
+# measured with both cores busy elsewhere), so each timer's share is
+# unmistakable under load.
+VERIFY_DELAY_S, DRAFT_DELAY_S = 0.1, 0.05
+
+
+def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monkeypatch):
+    """A slowed verification shows in verify_s (and not wait_s); a slowed draft
+    (cache build and backup) shows in build_s, backup_s and the target's wait_s
+    (and not verify_s). Lower bounds come from sleeping; in each cross check a
+    sleep faces a few tiny-model forwards (a margin of ~10x unloaded, ~3x with
+    both cores busy elsewhere)."""
+    target, draft = tiny_models
+    gen = GenerationConfig(max_new_tokens=16)
+
+    def slow_verify(*args, **kwargs):
+        time.sleep(VERIFY_DELAY_S)
+        return verify(*args, **kwargs)
+
+    # A light draft (2 branches, n-gram backup): its work hides inside the verification.
+    light = ssd_spec(4, 2, backup="ngram")
+    with LocalSSD(target, draft, tiny_tokenizer, light, verifier=slow_verify) as ssd:
+        s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, gen)).stats
+    spec = s.spec
+    assert spec.verify_s >= s.rounds * VERIFY_DELAY_S
+    assert spec.verify_hit_s >= spec.rounds_after_hit * VERIFY_DELAY_S
+    assert spec.rounds_after_hit > 0 and s.target_s >= spec.verify_s
+    assert spec.wait_s < spec.verify_s / 2  # the draft built its cache while the target verified
+
+    real_build, real_backup = speculator_module.build_cache, speculator_module.make_backup
+
+    def slow_build(*args, **kwargs):
+        time.sleep(DRAFT_DELAY_S)
+        return real_build(*args, **kwargs)
+
+    class SlowBackup:
+        def __init__(self, inner):
+            self.inner, self.kind = inner, inner.kind
+
+        def propose(self, *args, **kwargs):
+            time.sleep(DRAFT_DELAY_S)
+            return self.inner.propose(*args, **kwargs)
+
+    monkeypatch.setattr(speculator_module, "build_cache", slow_build)
+    monkeypatch.setattr(speculator_module, "make_backup", lambda *a, **kw: SlowBackup(real_backup(*a, **kw)))
+    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+        s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=30))).stats
+    spec = s.spec
+    assert spec.rounds_after_miss > 0
+    assert spec.backup_s >= spec.rounds_after_miss * DRAFT_DELAY_S
+    # Each reply but the first reports the build before it; each waits for that build.
+    assert spec.build_s >= (s.rounds - 1) * DRAFT_DELAY_S
+    assert spec.wait_s + spec.verify_s >= 0.8 * (s.rounds - 1 + spec.rounds_after_miss) * DRAFT_DELAY_S
+    assert spec.verify_s < spec.wait_s / 2
 
 
 def test_end_conditions_inside_a_cached_round(tiny_models, tiny_tokenizer, references):

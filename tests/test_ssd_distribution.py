@@ -20,6 +20,7 @@ from ssd.engine.local import LocalSSD
 from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.sampling import sample_rows, saguaro_rescale_rows
 from ssd.verify import verify
+from ssd.engine.request import GenerationRequest
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import accept_all, correction_from_p, skip_ratio_test
@@ -51,7 +52,7 @@ def ssd_samples(pair, spec_config, sampling, verifier=verify):
     with LocalSSD(target, draft, TinyTokenizer(SMALL.vocab_size), spec_config, verifier) as ssd:
         samples, hits, lookups = [], 0, 0
         for seed in range(SAMPLES):
-            out = ssd.generate(PROMPT, dataclasses.replace(sampling, seed=seed), config)
+            out = ssd.generate(GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), config))
             samples.append(tuple(out.token_ids[i] for i in POSITIONS))
             hits, lookups = hits + out.stats.spec.hits, lookups + out.stats.spec.lookups
     return samples, hits / max(1, lookups)

@@ -1,6 +1,6 @@
 """Tensor-parallel target on real processes (gloo on loopback, 2 ranks x 1 thread).
 
-TP=2 must reproduce TP=1: the same logits (up to fp32 summation order) and
+TP=2 must reproduce TP=1: the same logits (up to summation order, in fp64) and
 the same greedy tokens through the AR and SD engines, with rank 1 mirroring
 rank 0's cache operations. Every spawned world has a hard deadline, after
 which its processes are killed, so a hang fails the test instead of the suite.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -34,10 +35,20 @@ from ssd.models.tp import (
     run_tp_follower,
 )
 
-# fp32: gloo all-reduces fp64 as well, but fp32 is what TP runs in practice.
+# fp64, not the fp32 TP runs in practice: TP=2 adds the ranks' partial sums in
+# another order than TP=1's single dot product, which in fp32 moved logits by
+# up to 1.5e-5 (a flaky 1e-5 tolerance) and could flip a greedy near-tie. The
+# sharding, all-reduces and cache mirroring under test are the same in fp64.
 TINY = TinyModelConfig(vocab_size=16, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=0)
-TARGET = ModelConfig(name="tiny", dtype="fp32", tiny=TINY)
-DRAFT = ModelConfig(name="tiny", dtype="fp32", tiny=dataclasses.replace(TINY, noise=0.03))
+TARGET = ModelConfig(name="tiny", dtype="fp64", tiny=TINY)
+DRAFT = ModelConfig(name="tiny", dtype="fp64", tiny=dataclasses.replace(TINY, noise=0.03))
+# The logits tolerance, from the reduction order: reordering a sum of n terms
+# moves it by at most ~n * eps * sum|terms|. fp32 showed 1.5e-5 on logits of
+# magnitude ~8, i.e. ~2^8 eps(fp32) * |logit|; the same reordering in fp64 is
+# ~2^8 * 2.2e-16 * 8 ~ 5e-13. Allowing 2^16 eps(fp64) * max|logit| (~1e-10)
+# leaves a 256x margin for summation order and is still some 10^9 times
+# smaller than what a wrong shard or a missing all-reduce does (O(0.1-1)).
+REORDER_ULPS = 2**16
 PROMPTS = [[1, 2, 3], [7, 7, 0, 1, 9, 12, 15]]
 GREEDY = SamplingConfig(temperature=0.0)
 NEW_TOKENS = 32
@@ -87,8 +98,14 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
                 bad()
         logits = cache_script(leader)
         tokens = generations(leader)
-    torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / "rank0.pt")
+    shards = {name: tuple(local_tensor(p).shape) for name, p in model.named_parameters()}
+    torch.save({"logits": logits, "tokens": tokens, "shards": shards}, Path(out_dir) / "rank0.pt")
     dist.destroy_process_group()
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds (a DTensor's local shard)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _free_port() -> int:
@@ -123,12 +140,27 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(out / "rank0.pt")
 
 
+def test_tp_ranks_hold_shards(tp_run: dict) -> None:
+    """TP really splits the model: without it the comparisons below compare TP=1 with itself."""
+    full = {name: tuple(p.shape) for name, p in load_model(TARGET).named_parameters()}
+    shards = tp_run["shards"]
+    assert shards.keys() == full.keys()
+    layer = "model.layers.0."
+    for name, dim in [("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0), ("mlp.up_proj.weight", 0),
+                      ("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)]:
+        want = list(full[layer + name])
+        want[dim] //= WORLD
+        assert list(shards[layer + name]) == want, name
+    assert sum(math.prod(s) for s in shards.values()) < 0.7 * sum(math.prod(s) for s in full.values())
+
+
 def test_tp_logits_equal_tp1(tp_run: dict) -> None:
     reference = cache_script(KVSequence(load_model(TARGET)))
     assert len(tp_run["logits"]) == len(reference)
     for got, want in zip(tp_run["logits"], reference):
-        assert got.shape == want.shape  # the full vocabulary on rank 0
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got.shape == want.shape and got.dtype == want.dtype == torch.float64  # the full vocabulary on rank 0
+        tol = REORDER_ULPS * torch.finfo(torch.float64).eps * float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
 def test_tp_greedy_generation_equals_tp1(tp_run: dict) -> None:

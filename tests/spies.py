@@ -1,0 +1,86 @@
+"""Spies on the draft side of SSD, so tests can observe what a setting did:
+the speculations each cache build prepared (budget and fan-out kind in the
+number of cached outcomes per acceptance length, Saguaro C in their q' rows)
+and which branch decoder built them. Each wraps the real code and records;
+nothing is replaced."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import ssd.speculation.speculator as speculator_module
+from ssd.config import SamplingConfig
+from ssd.speculation.branches import BRANCH_DECODERS
+from ssd.speculation.cache import Proposal
+
+
+@dataclass
+class Build:
+    """One cache build: the outcome being verified and what was prepared for it."""
+
+    committed: list[int]
+    drafted: list[int]
+    sampling: SamplingConfig
+    entries: dict[tuple[int, int], Proposal]
+
+    def per_k(self, big_k: int) -> list[int]:
+        """Cached outcomes per acceptance length k = 0..K."""
+        counts = Counter(k for k, _ in self.entries)
+        return [counts[k] for k in range(big_k + 1)]
+
+
+def record_builds(monkeypatch: pytest.MonkeyPatch) -> list[Build]:
+    """Every cache the speculator builds from now on (in this process), in order."""
+    builds: list[Build] = []
+    real = speculator_module.build_cache
+
+    def spy(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None):
+        entries = real(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro)
+        builds.append(Build(list(committed), list(drafted), sampling, entries))
+        return entries
+
+    monkeypatch.setattr(speculator_module, "build_cache", spy)
+    return builds
+
+
+def count_decoder_starts(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Branch-decoder runs by kind ("tree", "batched") from now on."""
+    starts: Counter = Counter()
+    for kind, cls in BRANCH_DECODERS.items():
+        def start(self, *args, _real=cls.start, _kind=kind, **kwargs):
+            starts[_kind] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "start", start)
+    return starts
+
+
+@torch.no_grad()
+def saguaro_errors(draft: torch.nn.Module, build: Build, c: float, fanout: list[int]) -> list[float]:
+    """Largest deviation, per cached speculation, of its q rows from q' recomputed here.
+
+    Row j of the speculation for outcome (k, t) is the draft's distribution
+    after committed + drafted[:k] + [t] + its own first j tokens (one fresh
+    forward, temperature 1), with the top-F_j tokens scaled by c and the row
+    renormalised (F_j: the fan-out at acceptance length j when the speculation
+    is verified).
+    """
+    assert build.sampling.temperature == 1.0 and not build.sampling.top_k and build.sampling.top_p == 1.0
+    errors = []
+    for (k, t), speculation in build.entries.items():
+        context = build.committed + build.drafted[:k] + [t]
+        worst = 0.0
+        for j, row in enumerate(speculation.q):
+            ids = torch.tensor([context + speculation.tokens[:j]])
+            q = torch.softmax(draft(input_ids=ids).logits[0, -1].double(), -1)
+            top = torch.topk(q, fanout[j]).indices
+            want = q.clone()
+            want[top] *= c
+            want /= want.sum()
+            worst = max(worst, float((row - want).abs().max()))
+        errors.append(worst)
+    return errors
