@@ -144,7 +144,8 @@ class Turn:
     generator: Generator
     speculation: SpeculationConfig | None
 
-    def generate(self, ids: list[int], sampling: SamplingConfig, config: Config, max_new_tokens: int = 0):
+    def run(self, ids: list[int], sampling: SamplingConfig, config: Config, max_new_tokens: int = 0):
+        """One request of this row: its prompt, sampling, the config's limits, its speculation."""
         generation = dataclasses.replace(config.generation, max_new_tokens=max_new_tokens or config.generation.max_new_tokens)
         return self.generator.generate(GenerationRequest(ids, sampling, generation, self.speculation))
 
@@ -172,7 +173,7 @@ def run_bench(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
         warm_ids = next(iter(encoded.values()))[0]
         for turn in turns:  # first calls pay for lazy initialisation, not the measured rows
             _set_threads(turn.key)
-            turn.generate(warm_ids, config.sampling, config, max_new_tokens=WARM_UP_TOKENS)
+            turn.run(warm_ids, config.sampling, config, max_new_tokens=WARM_UP_TOKENS)
         total = len(turns) * plan.generations_per_run()
         with _bar(total, "bench", plan.progress) as bar:
             for set_name, prompts in encoded.items():
@@ -182,7 +183,7 @@ def run_bench(pair: LoadedPair, config: Config, plan: BenchPlan) -> Results:
                             key = dataclasses.replace(turn.key, prompt_set=set_name, temperature=float(temperature))
                             bar.set_postfix_str(f"{set_name} T={temperature} {key.label}")
                             _set_threads(key)
-                            result = turn.generate(ids, seeded(config.sampling, temperature, i), config)
+                            result = turn.run(ids, seeded(config.sampling, temperature, i), config)
                             results.setdefault(key, []).append(
                                 Sample(i, result.stats, list(result.token_ids), result.first_tokens)
                             )
