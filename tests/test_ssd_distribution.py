@@ -141,7 +141,7 @@ _EXACT: dict[tuple, dict] = {}
 
 
 def exact(pair, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
-    """The target's exact law at the window, cached: 4^7 prefixes take seconds."""
+    """The target's exact law at the window, cached: its 4^7 prefixes take about a second."""
     key = (id(pair[0]), dataclasses.astuple(sampling), window)
     if key not in _EXACT:
         _EXACT[key] = exact_marginal(pair[0], PROMPT, window.n_tokens, sampling, list(window.positions))
