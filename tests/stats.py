@@ -39,6 +39,6 @@ def chi_square_pvalue(samples: list[Hashable], expected: Mapping[Hashable, float
     return float(stats.chisquare(observed, [e * scale for e in predicted]).pvalue)
 
 
-def report_pvalue(path: str, setting: str, variant: str, pvalue: float) -> None:
-    """One row of the p-value table (path, setting, variant): `pytest -s | grep '^| '`."""
-    print(f"\n| {path} | {setting} | {variant} | {pvalue:.1e} |")
+def report_pvalue(path: str, setting: str, variant: str, samples: int, pvalue: float) -> None:
+    """One row of the p-value table: `pytest -s | grep '^| '` collects them."""
+    print(f"\n| {path} | {setting} | {variant} | {samples} | {pvalue:.1e} |")

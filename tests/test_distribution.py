@@ -124,7 +124,7 @@ def test_sd_matches_target_joint_distribution(small_pair, case):
     draws = draw(small_pair, sampling)
     assert_first_round_ends_at_every_depth(draws)
     pvalue = chi_square_pvalue(draws.samples, exact_joint(small_pair[0], sampling))
-    report_pvalue("sd", case, "exact", pvalue)
+    report_pvalue("sd", case, "exact", len(draws.samples), pvalue)
     assert pvalue > ALPHA, f"SD output deviates from the target ({case}): p = {pvalue:.2e}"
 
 
@@ -184,7 +184,7 @@ def test_distribution_test_rejects_broken_verifiers(small_pair, case, broken, sa
     draws = draw(small_pair, sampling, broken, samples)
     expected = exact_joint(small_pair[0], sampling)
     pvalue = chi_square_pvalue(draws.samples, expected)
-    report_pvalue("sd", case, broken.__name__, pvalue)
+    report_pvalue("sd", case, broken.__name__, samples, pvalue)
     assert pvalue < ALPHA, f"{broken.__name__} went undetected at {case}: p = {pvalue:.2e}"
     if broken in DEEP_ONLY:  # token 1 alone is exact: only the deeper positions catch it
         token_1: dict[int, float] = {}

@@ -154,8 +154,11 @@ def exact(pair, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...
     return _EXACT[key]
 
 
-def pvalue(pair, draws: Draws, sampling: SamplingConfig, window: Window) -> float:
-    return chi_square_pvalue(draws.samples, exact(pair, sampling, window))
+def pvalue(pair, draws: Draws, sampling: SamplingConfig, window: Window, row: tuple[str, str, str]) -> float:
+    """The chi-square p-value, reported as a (path, setting, variant) row of the table."""
+    p = chi_square_pvalue(draws.samples, exact(pair, sampling, window))
+    report_pvalue(*row, len(draws.samples), p)
+    return p
 
 
 def assert_slots_reached(draws: Draws, deepest: int) -> None:
@@ -194,8 +197,9 @@ def reversed_ranks(q: torch.Tensor) -> torch.Tensor:
 
 def break_cache(monkeypatch, drawn_from) -> None:
     """Cache path only: every cached speculation ships the plain q of each step,
-    but its tokens are drawn from drawn_from(q, step, saguaro) (step 0: depth 1).
-    The backups and the verifier are untouched."""
+    but its tokens are drawn from drawn_from(q, step, saguaro) (step 0: depth 1;
+    drawing q there, under Saguaro too, stays exact). The backups and the
+    verifier are untouched."""
     real_build, real_sample_rows = speculator_module.build_cache, builder_module.sample_rows
     pending: list[torch.Tensor] = []  # what the builder's next draw really samples from
 
@@ -302,8 +306,7 @@ def test_cache_hit_path_matches_target(small_pair, name):
     case = HIT_CASES[name]
     draws = hit_draws(small_pair, case)
     assert_slots_reached(draws, case.deepest)
-    p = pvalue(small_pair, draws, case.sampling, LATE)
-    report_pvalue("cache hit", name, "exact", p)
+    p = pvalue(small_pair, draws, case.sampling, LATE, ("cache hit", name, "exact"))
     assert p > ALPHA, f"cache hits at {name}: p = {p:.2e}"
 
 
@@ -311,8 +314,8 @@ def test_cache_hit_path_matches_target(small_pair, name):
 def test_cache_hit_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
     case = HIT_CASES[name]
     case.broken(monkeypatch)
-    p = pvalue(small_pair, hit_draws(small_pair, case, case.broken_samples), case.sampling, LATE)
-    report_pvalue("cache hit", name, case.broken.__name__, p)
+    draws = hit_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, LATE, ("cache hit", name, case.broken.__name__))
     assert p < ALPHA, f"{case.broken.__name__} went undetected at {name}: p = {p:.2e}"
 
 
@@ -336,8 +339,7 @@ def test_backup_path_matches_target(small_pair, always_miss, name):
     case = BACKUP_CASES[name]
     draws = backup_draws(small_pair, case)
     assert_slots_reached(draws, case.deepest)
-    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND)
-    report_pvalue(f"{name} backup", "t1.0", "exact", p)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, (f"{name} backup", "t1.0", "exact"))
     assert p > ALPHA, f"{name} backup: p = {p:.2e}"
 
 
@@ -345,8 +347,8 @@ def test_backup_path_matches_target(small_pair, always_miss, name):
 def test_backup_test_rejects_a_broken_backup(small_pair, always_miss, monkeypatch, name):
     case = BACKUP_CASES[name]
     case.broken(monkeypatch)
-    p = pvalue(small_pair, backup_draws(small_pair, case, case.broken_samples), case.sampling, FIRST_ROUND)
-    report_pvalue(f"{name} backup", "t1.0", case.broken.__name__, p)
+    draws = backup_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, (f"{name} backup", "t1.0", case.broken.__name__))
     assert p < ALPHA, f"{case.broken.__name__} went undetected: p = {p:.2e}"
 
 
@@ -355,8 +357,8 @@ def test_backup_test_rejects_a_broken_backup_while_the_cache_works(small_pair, m
     case.broken(monkeypatch)
     draws = draw(small_pair, spec(backup="neural"), case.sampling, FIRST_ROUND)
     assert draws.lookups > 0 and draws.hits == draws.lookups  # the cache served every lookup
-    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND)
-    report_pvalue("neural backup, cache working", "t1.0", case.broken.__name__, p)
+    row = ("neural backup, cache working", "t1.0", case.broken.__name__)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, row)
     assert p < ALPHA, f"a broken backup next to a working cache went undetected: p = {p:.2e}"
 
 
@@ -381,8 +383,7 @@ def test_saguaro_matches_target(small_pair, name):
     case = SAGUARO_CASES[name]
     draws = saguaro_draws(small_pair, case)
     assert_slots_reached(draws, case.deepest)
-    p = pvalue(small_pair, draws, case.sampling, LATE)
-    report_pvalue(f"saguaro {name}", "t1.0", "exact", p)
+    p = pvalue(small_pair, draws, case.sampling, LATE, (f"saguaro {name}", "t1.0", "exact"))
     assert p > ALPHA, f"Saguaro {name}: p = {p:.2e}"
 
 
@@ -390,6 +391,6 @@ def test_saguaro_matches_target(small_pair, name):
 def test_saguaro_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
     case = SAGUARO_CASES[name]
     case.broken(monkeypatch)
-    p = pvalue(small_pair, saguaro_draws(small_pair, case, case.broken_samples), case.sampling, LATE)
-    report_pvalue(f"saguaro {name}", "t1.0", case.broken.__name__, p)
+    draws = saguaro_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, LATE, (f"saguaro {name}", "t1.0", case.broken.__name__))
     assert p < ALPHA, f"{case.broken.__name__} went undetected at Saguaro {name}: p = {p:.2e}"
