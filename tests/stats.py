@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable, Mapping
+from collections.abc import Hashable, Mapping
 
 from scipy import stats
 
@@ -37,3 +37,8 @@ def chi_square_pvalue(samples: list[Hashable], expected: Mapping[Hashable, float
         raise ValueError("too few cells for a chi-square test; draw more samples")
     scale = sum(observed) / sum(predicted)  # absorbs float drift in `expected`
     return float(stats.chisquare(observed, [e * scale for e in predicted]).pvalue)
+
+
+def report_pvalue(path: str, setting: str, variant: str, samples: int, pvalue: float) -> None:
+    """One row of the p-value table: `pytest -s | grep '^| '` collects them."""
+    print(f"\n| {path} | {setting} | {variant} | {samples} | {pvalue:.1e} |")

@@ -1,66 +1,172 @@
-"""SSD samples exactly the target's distribution, on every path.
+"""SSD samples exactly the target's distribution on every path, deep into its rounds.
 
-Tiny 6-token model, K = 2, four generated tokens; the joint of tokens 3 and 4
-(the first speculative round's and, mostly, a later round's) is compared with the target's exact distribution (chi-square, alpha 0.001).
-Paths are isolated by construction: a budget covering every token makes
-every round after the first a cache hit; a speculator whose cache is always
-empty makes every round a backup round. Each path is paired with a broken
-variant that the same test must reject.
+Model, prompt and sampling settings as in test_distribution (one layer, a
+4-token vocabulary, draft = target + 10 % weight noise), K = 3, SAMPLES fixed
+seeds per run, LocalSSD (the speculator in a thread). Chi-square against the
+target's exact law by enumeration, cells with expected count < 5 pooled into
+one, alpha 0.001. Each generation records the tokens every round emits, so
+each test asserts where its tested tokens came from: which round, and which
+slot of it (slot i < K: drafted depth i + 1, or the correction there; slot K:
+the bonus). "Reaches slots 0..d": each holds >= 5 % of the tested tokens.
+
+Paths, each isolated by construction:
+- cache hit: budget (K + 1) * V caches every outcome, so every round after the
+  first is a hit (asserted: hits == lookups). Tested: the joint of tokens 5-7
+  of 8 (15-19 whole cells, 87-94 % of the mass). Round 1 follows the prefill,
+  has no cache to look in and ends by token K + 1 = 4, so every tested token
+  comes from a hit round (asserted); slots 0..3 reached. Settings: T = 0.6,
+  T = 1, top-k 2, top-p 0.8.
+- backup (neural, n-gram, random): the cache is always empty, so every round
+  is a backup round (asserted: no hits). Tested: the joint of tokens 1-4 of 5,
+  the first round's slots 0..3 as in SD. T = 1. Neural reaches slots 0..3,
+  random 0..2; the n-gram's proposals are rarely accepted on this random
+  model, so it reaches slots 0..1.
+- Saguaro c = 0.5 (uniform budget K + 1), c = 0.1 (geometric budget 2(K + 1)),
+  c = 0 (uniform budget K + 1): hits and misses interleave (asserted:
+  0 < hit rate < 1; measured 0.55, 0.92, 0.87). Tested: tokens 5-7 of 8, all
+  from rounds after the first (asserted). T = 1. c = 0.5 and 0.1 reach slots
+  0..3; at c = 0 the drafts avoid the draft's own top token, are rarely
+  accepted, and slots 0..1 are reached.
+
+Power: each path broken alone, at the same path, setting and seeds as the
+passing test it pairs with; gross breaks (cache hit at T = 0.6 and T = 1,
+n-gram, Saguaro c = 0) use only the first STRONG_SAMPLES seeds, since fewer
+samples only make detection harder.
+- cache hit, at each setting: `cache_draws_reversed`: cached tokens at
+  depth >= 2 drawn with q's ranks reversed but shipped with q. Only the
+  builder is patched: the backup and the verifier are untouched, and the
+  tested tokens come from hit rounds only (asserted again in the broken run).
+  Top-p 0.8 leaves most rows one or two tokens, where a deep-only break is too
+  rare to see in SAMPLES seeds, so there it starts at depth 1:
+  `cache_draws_reversed_at_every_depth`.
+- backups, with the always-empty cache: `neural_draws_flat` (drafts at
+  depth >= 2 drawn uniformly over q's support, shipped with q),
+  `random_repeats_first` (depth >= 2 repeats the first token, shipped with
+  the uniform q), `ngram_ships_uniform_q` (uniform q rows instead of the
+  one-hot rows of its deterministic proposal, at every depth: its drafts past
+  depth 1 are almost never verified).
+- a broken backup next to a working cache: `neural_draws_flat` with every
+  outcome cached (asserted: every lookup hits) still fails the backup test's
+  tokens 1-4, which round 1, always a backup round, produces.
+- Saguaro, the cache alone: at c = 0.1 and c = 0 `cache_ships_q_not_q_prime`
+  (cached tokens drawn from Saguaro's q' but shipped with the plain q, at
+  every depth); at c = 0.5, whose q' is too close to q for that to show in
+  SAMPLES seeds, `cache_draws_reversed`.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import ssd.speculation.backups as backups_module
 import ssd.speculation.builder as builder_module
+import ssd.speculation.drafting as drafting_module
 import ssd.speculation.speculator as speculator_module
-from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
+from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.local import LocalSSD
-from ssd.models import TinyTokenizer, build_tiny_model
-from ssd.sampling import sample_rows, saguaro_rescale_rows
-from ssd.verify import verify
+from ssd.models import TinyTokenizer
 from ssd.engine.request import GenerationRequest
 from tests.exact import exact_marginal
-from tests.stats import ALPHA, chi_square_pvalue
-from tests.test_distribution import accept_all, correction_from_p, skip_ratio_test
+from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
+from tests.test_distribution import CASES, PROMPT, SMALL, small_models
 
-SMALL = TinyModelConfig(vocab_size=6, seed=3)
-PROMPT = [0, 1, 2]
-N_TOKENS = 4
-POSITIONS = [2, 3]
-SAMPLES = 1000  # the weakest broken variant still gives p ~ 3e-8
-K = 2
-FULL = (K + 1) * SMALL.vocab_size  # every token at every k: every outcome cached
-T1 = SamplingConfig(temperature=1.0)
+K = 3
+V = SMALL.vocab_size
+FULL = (K + 1) * V  # every token at every acceptance length: every outcome cached
+SAMPLES = 400  # the weakest broken variant below still gives p < 1e-6
+STRONG_SAMPLES = 200  # gross breaks: still p < 1e-10
+T1 = CASES["t1.0"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which generated tokens a test reads, out of how many."""
+
+    n_tokens: int
+    positions: tuple[int, ...]
+
+
+LATE = Window(8, (5, 6, 7))  # past round 1, which ends by token K + 1
+FIRST_ROUND = Window(K + 2, (1, 2, 3, 4))  # round 1's slots 0..K
 
 
 @pytest.fixture(scope="module")
 def small_pair():
-    target = build_tiny_model(SMALL, torch.float64)
-    draft = build_tiny_model(dataclasses.replace(SMALL, noise=0.3), torch.float64)
-    return target, draft
+    return small_models()
 
 
-def spec(budget=FULL, kind="uniform", **kw) -> SpeculationConfig:
+def spec(budget: int = FULL, kind: str = "uniform", **kw) -> SpeculationConfig:
     return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(kind=kind, budget=budget), **kw)
 
 
-def ssd_samples(pair, spec_config, sampling, verifier=verify):
+def run(ssd, prompt, sampling, generation, on_tokens=None):
+    """The one call to generate in this file."""
+    return ssd.generate(GenerationRequest(prompt, sampling, generation, on_tokens=on_tokens))
+
+
+@dataclass
+class Draws:
+    samples: list[tuple[int, ...]]  # tokens at the window's positions, one tuple per seed
+    hits: int
+    lookups: int
+    tested_from_round_1: int  # tested tokens that round 1 (never a cache hit) produced
+    slots: Counter  # slot of each tested token in its round -> count
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.lookups)
+
+
+def draw(
+    pair, spec_config: SpeculationConfig, sampling: SamplingConfig, window: Window, samples: int = SAMPLES
+) -> Draws:
     target, draft = pair
-    config = GenerationConfig(max_new_tokens=N_TOKENS)
-    with LocalSSD(target, draft, TinyTokenizer(SMALL.vocab_size), spec_config, verifier) as ssd:
-        samples, hits, lookups = [], 0, 0
-        for seed in range(SAMPLES):
-            out = ssd.generate(GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), config))
-            samples.append(tuple(out.token_ids[i] for i in POSITIONS))
-            hits, lookups = hits + out.stats.spec.hits, lookups + out.stats.spec.lookups
-    return samples, hits / max(1, lookups)
+    generation = GenerationConfig(max_new_tokens=window.n_tokens)
+    draws = Draws([], 0, 0, 0, Counter())
+    with LocalSSD(target, draft, TinyTokenizer(V), spec_config) as ssd:
+        for seed in range(samples):
+            rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
+            out = run(ssd, PROMPT, dataclasses.replace(sampling, seed=seed), generation, rounds.append)
+            draws.samples.append(tuple(out.token_ids[i] for i in window.positions))
+            draws.hits += out.stats.spec.hits
+            draws.lookups += out.stats.spec.lookups
+            origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
+            for position in window.positions:
+                round_index, slot = origin[position]
+                draws.tested_from_round_1 += round_index == 1
+                draws.slots[slot] += 1
+    return draws
 
 
-def pvalue(pair, spec_config, sampling, verifier=verify):
-    samples, hit_rate = ssd_samples(pair, spec_config, sampling, verifier)
-    return chi_square_pvalue(samples, exact_marginal(pair[0], PROMPT, N_TOKENS, sampling, POSITIONS)), hit_rate
+_EXACT: dict[tuple, dict] = {}
+
+
+def exact(pair, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
+    """The target's exact law at the window, cached: its 4^7 prefixes take about a second."""
+    key = (id(pair[0]), dataclasses.astuple(sampling), window)
+    if key not in _EXACT:
+        _EXACT[key] = exact_marginal(pair[0], PROMPT, window.n_tokens, sampling, list(window.positions))
+    return _EXACT[key]
+
+
+def pvalue(pair, draws: Draws, sampling: SamplingConfig, window: Window, row: tuple[str, str, str]) -> float:
+    """The chi-square p-value, reported as a (path, setting, variant) row of the table."""
+    p = chi_square_pvalue(draws.samples, exact(pair, sampling, window))
+    report_pvalue(*row, len(draws.samples), p)
+    return p
+
+
+def assert_slots_reached(draws: Draws, deepest: int) -> None:
+    """Slots 0..deepest each hold >= 5 % of the tested tokens."""
+    total = sum(draws.slots.values())
+    shares = {slot: round(draws.slots[slot] / total, 3) for slot in range(K + 1)}
+    assert all(shares[slot] >= 0.05 for slot in range(deepest + 1)), f"slot shares {shares}"
 
 
 @pytest.fixture
@@ -69,53 +175,223 @@ def always_miss(monkeypatch):
     monkeypatch.setattr(speculator_module, "build_cache", lambda *args, **kwargs: {})
 
 
-HIT_CASES = {
-    "t1.0": (spec(), T1),
-    "t0.6_top_k": (spec(), SamplingConfig(temperature=0.6, top_k=3)),
-    "top_p": (spec(), SamplingConfig(temperature=1.0, top_p=0.8)),
-    "saguaro_c0.5": (spec(saguaro_c=0.5, budget=K + 1), T1),
-    "saguaro_c0.1": (spec(saguaro_c=0.1, budget=2 * (K + 1)), T1),
-    "saguaro_c0": (spec(saguaro_c=0.0, budget=2 * (K + 1)), T1),
-    "geometric_mixed_t0.7": (spec(budget=4, kind="geometric"), SamplingConfig(temperature=0.7)),
+# --- broken paths: each breaks one path alone -------------------------------------------
+
+Break = Callable[[pytest.MonkeyPatch], None]
+
+
+def flat(q: torch.Tensor) -> torch.Tensor:
+    """Uniform over q's support (same support: no drafted token becomes impossible)."""
+    support = (q > 0).to(q.dtype)
+    return support / support.sum(dim=-1, keepdim=True)
+
+
+def reversed_ranks(q: torch.Tensor) -> torch.Tensor:
+    """q's probabilities dealt out in reverse order of rank within its support:
+    the likeliest token gets the smallest mass (same support)."""
+    values, order = q.sort(dim=-1, descending=True)  # support first, zeros last
+    rank = torch.arange(q.shape[-1]).expand_as(q)
+    size = (q > 0).sum(dim=-1, keepdim=True)
+    source = torch.where(rank < size, size - 1 - rank, rank)
+    return torch.zeros_like(q).scatter(-1, order, values.gather(-1, source))
+
+
+def break_cache(monkeypatch, drawn_from) -> None:
+    """Cache path only: every cached speculation ships the plain q of each step,
+    but its tokens are drawn from drawn_from(q, step, saguaro) (step 0: depth 1;
+    drawing q there, under Saguaro too, stays exact). The backups and the
+    verifier are untouched."""
+    real_build, real_sample_rows = speculator_module.build_cache, builder_module.sample_rows
+    pending: list[torch.Tensor] = []  # what the builder's next draw really samples from
+
+    class ShipsPlainQ:  # stands in for the builder's Saguaro: q' is never shipped
+        def __init__(self, saguaro):
+            self.saguaro = saguaro
+
+        def apply_rows(self, q, step):
+            pending.append(drawn_from(q, step, self.saguaro))
+            return q
+
+    def build_cache(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None):
+        return real_build(kv, decoder, committed, drafted, fanout, sampling, gen, ShipsPlainQ(saguaro))
+
+    monkeypatch.setattr(speculator_module, "build_cache", build_cache)
+    monkeypatch.setattr(builder_module, "sample_rows", lambda q, gen: real_sample_rows(pending.pop(), gen))
+
+
+def cache_draws_reversed(monkeypatch) -> None:
+    """Cached tokens at depth >= 2 drawn with q's ranks reversed, shipped with q."""
+    break_cache(monkeypatch, lambda q, step, saguaro: q if step == 0 else reversed_ranks(q))
+
+
+def cache_draws_reversed_at_every_depth(monkeypatch) -> None:
+    """Cached tokens at every depth drawn with q's ranks reversed, shipped with q."""
+    break_cache(monkeypatch, lambda q, step, saguaro: reversed_ranks(q))
+
+
+def cache_ships_q_not_q_prime(monkeypatch) -> None:
+    """Cached tokens drawn from Saguaro's q' but shipped with the plain q."""
+    break_cache(monkeypatch, lambda q, step, saguaro: saguaro.apply_rows(q, step))
+
+
+def neural_draws_flat(monkeypatch) -> None:
+    """Neural backup: drafts at depth >= 2 drawn uniformly over q's support, shipped with q."""
+    real_chain, real_sample = backups_module.draft_chain, drafting_module.sample
+    depth = [0]
+
+    def draft_chain(*args, **kwargs):
+        depth[0] = 0
+        return real_chain(*args, **kwargs)
+
+    def sample(q, gen):  # draft_chain's only draw: one per drafted token
+        depth[0] += 1
+        return real_sample(q if depth[0] == 1 else flat(q), gen)
+
+    monkeypatch.setattr(backups_module, "draft_chain", draft_chain)
+    monkeypatch.setattr(drafting_module, "sample", sample)
+
+
+def ngram_ships_uniform_q(monkeypatch) -> None:
+    """n-gram backup: uniform q rows shipped instead of its one-hot rows."""
+    real_propose = backups_module.NgramBackup.propose
+
+    def propose(self, *args, **kwargs):
+        out = real_propose(self, *args, **kwargs)
+        out.q.fill_(1.0 / V)
+        return out
+
+    monkeypatch.setattr(backups_module.NgramBackup, "propose", propose)
+
+
+def random_repeats_first(monkeypatch) -> None:
+    """Random backup: depth >= 2 repeats the first token, still shipped with uniform q."""
+    real_propose = backups_module.RandomBackup.propose
+
+    def propose(self, *args, **kwargs):
+        out = real_propose(self, *args, **kwargs)
+        out.tokens[1:] = [out.tokens[0]] * (len(out.tokens) - 1)
+        return out
+
+    monkeypatch.setattr(backups_module.RandomBackup, "propose", propose)
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: SpeculationConfig
+    sampling: SamplingConfig
+    deepest: int  # slots 0..deepest must be reached
+    broken: Break  # breaks this path alone; the same test must then fail
+    broken_samples: int = SAMPLES  # seeds for the broken run: fewer only make detection harder
+
+
+# --- cache hits ---------------------------------------------------------------------------
+
+HIT_CASES = {  # T = 0.6, T = 1, top-k 2, top-p 0.8
+    "t0.6": Case(spec(), CASES["t0.6"], K, cache_draws_reversed, STRONG_SAMPLES),
+    "t1.0": Case(spec(), CASES["t1.0"], K, cache_draws_reversed, STRONG_SAMPLES),
+    "top_k": Case(spec(), CASES["top_k"], K, cache_draws_reversed),
+    # top-p rows keep one or two tokens: a deep-only break is too rare to see
+    "top_p": Case(spec(), CASES["top_p"], K, cache_draws_reversed_at_every_depth),
 }
 
 
-@pytest.mark.parametrize("case", HIT_CASES)
-def test_cache_path_matches_target(small_pair, case):
-    spec_config, sampling = HIT_CASES[case]
-    p, hit_rate = pvalue(small_pair, spec_config, sampling)
-    assert p > ALPHA, f"{case}: p = {p:.2e}"
-    if spec_config.fanout.budget == FULL:
-        assert hit_rate > 0.99
-    else:  # both paths ran, interleaved
-        assert 0 < hit_rate < 1
+def hit_draws(pair, case: Case, samples: int = SAMPLES) -> Draws:
+    draws = draw(pair, case.spec, case.sampling, LATE, samples)
+    assert draws.lookups > 0 and draws.hits == draws.lookups  # every round after the first hit
+    assert draws.tested_from_round_1 == 0  # so every tested token comes from a hit round
+    return draws
 
 
-@pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
-def test_backup_path_matches_target(small_pair, always_miss, backup):
-    p, hit_rate = pvalue(small_pair, spec(backup=backup), T1)
-    assert hit_rate == 0.0
-    assert p > ALPHA, f"{backup} backup: p = {p:.2e}"
+@pytest.mark.parametrize("name", HIT_CASES)
+def test_cache_hit_path_matches_target(small_pair, name):
+    case = HIT_CASES[name]
+    draws = hit_draws(small_pair, case)
+    assert_slots_reached(draws, case.deepest)
+    p = pvalue(small_pair, draws, case.sampling, LATE, ("cache hit", name, "exact"))
+    assert p > ALPHA, f"cache hits at {name}: p = {p:.2e}"
 
 
-# --- power: the same tests reject broken variants ------------------------------------
-
-def test_cache_path_rejects_accept_all(small_pair):
-    p, _ = pvalue(small_pair, spec(), T1, accept_all)
-    assert p < ALPHA, f"accept-all went undetected: p = {p:.2e}"
-
-
-def test_saguaro_rejects_verifying_with_q_instead_of_q_prime(small_pair, monkeypatch):
-    """Tokens drawn from q' (c = 0.1 on the top-2) but shipped with plain q."""
-    def sample_from_q_prime(q, gen):
-        return sample_rows(saguaro_rescale_rows(q, 2, 0.1), gen)
-
-    monkeypatch.setattr(builder_module, "sample_rows", sample_from_q_prime)
-    p, _ = pvalue(small_pair, spec(budget=2 * (K + 1)), T1)
-    assert p < ALPHA, f"q instead of q' went undetected: p = {p:.2e}"
+@pytest.mark.parametrize("name", HIT_CASES)
+def test_cache_hit_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
+    case = HIT_CASES[name]
+    case.broken(monkeypatch)
+    draws = hit_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, LATE, ("cache hit", name, case.broken.__name__))
+    assert p < ALPHA, f"{case.broken.__name__} went undetected at {name}: p = {p:.2e}"
 
 
-@pytest.mark.parametrize("backup, broken", [("random", skip_ratio_test), ("ngram", correction_from_p)])
-def test_backup_path_rejects_broken_verifiers(small_pair, always_miss, backup, broken):
-    p, _ = pvalue(small_pair, spec(backup=backup), T1, broken)
-    assert p < ALPHA, f"{broken.__name__} with {backup} backup went undetected: p = {p:.2e}"
+# --- backups ------------------------------------------------------------------------------
+
+BACKUP_CASES = {
+    "neural": Case(spec(backup="neural"), T1, K, neural_draws_flat),
+    "ngram": Case(spec(backup="ngram"), T1, 1, ngram_ships_uniform_q, STRONG_SAMPLES),
+    "random": Case(spec(backup="random"), T1, 2, random_repeats_first),
+}
+
+
+def backup_draws(pair, case: Case, samples: int = SAMPLES) -> Draws:
+    draws = draw(pair, case.spec, case.sampling, FIRST_ROUND, samples)
+    assert draws.lookups > 0 and draws.hits == 0  # every round a backup round
+    return draws
+
+
+@pytest.mark.parametrize("name", BACKUP_CASES)
+def test_backup_path_matches_target(small_pair, always_miss, name):
+    case = BACKUP_CASES[name]
+    draws = backup_draws(small_pair, case)
+    assert_slots_reached(draws, case.deepest)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, (f"{name} backup", "t1.0", "exact"))
+    assert p > ALPHA, f"{name} backup: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("name", BACKUP_CASES)
+def test_backup_test_rejects_a_broken_backup(small_pair, always_miss, monkeypatch, name):
+    case = BACKUP_CASES[name]
+    case.broken(monkeypatch)
+    draws = backup_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, (f"{name} backup", "t1.0", case.broken.__name__))
+    assert p < ALPHA, f"{case.broken.__name__} went undetected: p = {p:.2e}"
+
+
+def test_backup_test_rejects_a_broken_backup_while_the_cache_works(small_pair, monkeypatch):
+    case = BACKUP_CASES["neural"]
+    case.broken(monkeypatch)
+    draws = draw(small_pair, spec(backup="neural"), case.sampling, FIRST_ROUND)
+    assert draws.lookups > 0 and draws.hits == draws.lookups  # the cache served every lookup
+    row = ("neural backup, cache working", "t1.0", case.broken.__name__)
+    p = pvalue(small_pair, draws, case.sampling, FIRST_ROUND, row)
+    assert p < ALPHA, f"a broken backup next to a working cache went undetected: p = {p:.2e}"
+
+
+# --- Saguaro ------------------------------------------------------------------------------
+
+SAGUARO_CASES = {
+    "c0.5": Case(spec(saguaro_c=0.5, budget=K + 1), T1, K, cache_draws_reversed),
+    "c0.1": Case(spec(saguaro_c=0.1, budget=2 * (K + 1), kind="geometric"), T1, K, cache_ships_q_not_q_prime),
+    "c0": Case(spec(saguaro_c=0.0, budget=K + 1), T1, 1, cache_ships_q_not_q_prime, STRONG_SAMPLES),
+}
+
+
+def saguaro_draws(pair, case: Case, samples: int = SAMPLES) -> Draws:
+    draws = draw(pair, case.spec, case.sampling, LATE, samples)
+    assert 0 < draws.hit_rate < 1  # both paths ran, interleaved
+    assert draws.tested_from_round_1 == 0
+    return draws
+
+
+@pytest.mark.parametrize("name", SAGUARO_CASES)
+def test_saguaro_matches_target(small_pair, name):
+    case = SAGUARO_CASES[name]
+    draws = saguaro_draws(small_pair, case)
+    assert_slots_reached(draws, case.deepest)
+    p = pvalue(small_pair, draws, case.sampling, LATE, (f"saguaro {name}", "t1.0", "exact"))
+    assert p > ALPHA, f"Saguaro {name}: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("name", SAGUARO_CASES)
+def test_saguaro_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
+    case = SAGUARO_CASES[name]
+    case.broken(monkeypatch)
+    draws = saguaro_draws(small_pair, case, case.broken_samples)
+    p = pvalue(small_pair, draws, case.sampling, LATE, (f"saguaro {name}", "t1.0", case.broken.__name__))
+    assert p < ALPHA, f"{case.broken.__name__} went undetected at Saguaro {name}: p = {p:.2e}"
