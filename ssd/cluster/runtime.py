@@ -197,10 +197,13 @@ class Cluster:
         """After the target lost its draft: restart the speculator (unless Ray
         already did) and link it again."""
         try:
-            restarted = ray.get(self.draft.ready.remote(), timeout=10) != self._draft_pid
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            restarted = False
-        if not restarted:  # alive but unlinked or stuck: its state is not to be trusted
+            # The same process, alive but unlinked: its state is not to be trusted.
+            stale = ray.get(self.draft.ready.remote(), timeout=10) == self._draft_pid
+        except ray.exceptions.GetTimeoutError:  # hung as a whole
+            stale = True
+        except ray.exceptions.RayActorError:  # dead or restarting: Ray brings it back (max_restarts=-1)
+            stale = False
+        if stale:
             log.warning("restarting the speculator")
             ray.kill(self.draft, no_restart=False)
         deadline = time.monotonic() + 300
