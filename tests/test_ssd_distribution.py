@@ -201,7 +201,7 @@ def break_cache(monkeypatch, drawn_from) -> None:
     but its tokens are drawn from drawn_from(q, step, saguaro) (step 0: depth 1;
     drawing q there, under Saguaro too, stays exact). The backups and the
     verifier are untouched."""
-    real_build, real_sample_rows = speculator_module.build_cache, builder_module.sample_rows
+    real_build, real_sample_ids = speculator_module.build_cache, builder_module.sample_ids
     pending: list[torch.Tensor] = []  # what the builder's next draw really samples from
 
     class ShipsPlainQ:  # stands in for the builder's Saguaro: q' is never shipped
@@ -216,7 +216,7 @@ def break_cache(monkeypatch, drawn_from) -> None:
         return real_build(kv, decoder, committed, drafted, fanout, sampling, gen, ShipsPlainQ(saguaro))
 
     monkeypatch.setattr(speculator_module, "build_cache", build_cache)
-    monkeypatch.setattr(builder_module, "sample_rows", lambda q, gen: real_sample_rows(pending.pop(), gen))
+    monkeypatch.setattr(builder_module, "sample_ids", lambda q, gen: real_sample_ids(pending.pop(), gen))
 
 
 def cache_draws_reversed(monkeypatch) -> None:

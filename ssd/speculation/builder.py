@@ -25,10 +25,6 @@ from ssd.speculation.drafting import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
 
-# The builder's sampler, looked up by this name so a test can swap in a wrong
-# one: (q [B, V], gen) -> one id per row, a tensor on q's device (or a list).
-sample_rows = sample_ids
-
 
 def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: Sequence[int]) -> list[tuple[int, int]]:
     """(k, t*) pairs to prepare: the top-F_k draft tokens at each acceptance length.
@@ -95,7 +91,7 @@ def build_cache(
             q = probs_from_logits(logits, sampling)
             if saguaro is not None:
                 q = saguaro.apply_rows(q, step)
-            steps.append(token_tensor(sample_rows(q, gen), q.device))
+            steps.append(token_tensor(sample_ids(q, gen), q.device))
             q_steps.append(q)
     finally:
         decoder.finish()
