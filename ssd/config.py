@@ -176,6 +176,28 @@ class RuntimeConfig:
 
 
 @dataclass
+class BatchingConfig:
+    """Continuous batching (ssd.engine.batch): how many requests run together."""
+
+    max_rows: int = 8  # requests decoding together; beyond, they queue
+    max_batched_tokens: int = 2048  # tokens in one batched forward (prefill chunks + rounds)
+    prefill_chunk: int = 512  # a long prompt is prefilled this many tokens per step
+    kv_memory_mb: float = 4096.0  # KV cache of all rows together; a request that would exceed it waits
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_batched_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"batching.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk > self.max_batched_tokens:
+            raise ConfigError(
+                f"batching.prefill_chunk ({self.prefill_chunk}) must not exceed "
+                f"batching.max_batched_tokens ({self.max_batched_tokens})"
+            )
+        if not self.kv_memory_mb > 0:
+            raise ConfigError(f"batching.kv_memory_mb must be > 0, got {self.kv_memory_mb}")
+
+
+@dataclass
 class ClusterConfig:
     """The distributed runtime (launch/cluster.py)."""
 
@@ -211,6 +233,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     prompt: str = "def fibonacci(n):"
 
