@@ -27,6 +27,11 @@ Paths, each isolated by construction:
   from rounds after the first (asserted). T = 1. c = 0.5 and 0.1 reach slots
   0..3; at c = 0 the drafts avoid the draft's own top token, are rarely
   accepted, and slots 0..1 are reached.
+- a link adopted mid-request (a healed draft): each request runs its first
+  round without a link; the link arrives after token 1 and the next round
+  prefills the speculator with the sequence so far. Tested: tokens 6-8 of 9,
+  all from hit rounds after the adoption round (asserted). T = 0.6 and T = 1;
+  power: `accept_all_after_adoption`.
 
 Power: each path broken alone, at the same path, setting and seeds as the
 passing test it pairs with; gross breaks (cache hit at T = 0.6 and T = 1,
@@ -57,6 +62,7 @@ samples only make detection harder.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -395,3 +401,71 @@ def test_saguaro_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
     draws = saguaro_draws(small_pair, case, case.broken_samples)
     p = pvalue(small_pair, draws, case.sampling, LATE, (f"saguaro {name}", "t1.0", case.broken.__name__))
     assert p < ALPHA, f"{case.broken.__name__} went undetected at Saguaro {name}: p = {p:.2e}"
+
+
+# --- a draft link adopted mid-request (a healed draft) -----------------------------------
+
+ADOPTED = Window(9, (6, 7, 8))  # past the adoption round, which spans tokens 2..K + 2
+
+
+def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples: int = SAMPLES) -> Draws:
+    """Each request starts without a link and runs alone for one round; the
+    link arrives after token 1 (as a healed draft's does) and is adopted at the
+    next round, which prefills the speculator with the sequence so far.
+    broken: once adopted, verification accepts every draft (the test must see it)."""
+    from ssd.engine.ssd import SSDEngine
+    from ssd.speculation.speculator import Speculator
+    from ssd.transport import inprocess_pair
+    from ssd.verify import verify
+    from tests.test_distribution import accept_all
+
+    target, draft = pair
+    adopted = [False]
+
+    def verifier(*args, **kwargs):
+        return (accept_all if broken and adopted[0] else verify)(*args, **kwargs)
+
+    engine = SSDEngine(target, TinyTokenizer(V), None, spec(), verifier)
+    target_end, draft_end = inprocess_pair()
+    speculator = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
+    speculator.start()
+    draws = Draws([], 0, 0, 0, Counter())
+    for seed in range(samples):
+        rounds: list[list[int]] = []
+
+        def attach_after_token_1(tokens: list[int]) -> None:
+            rounds.append(tokens)
+            if len(rounds) == 2:  # the prefill's token, then one round alone
+                engine.attach(target_end)
+                adopted[0] = True
+
+        engine.channel, adopted[0] = None, False  # as a lost link leaves it
+        out = run(engine, PROMPT, dataclasses.replace(sampling, seed=seed),
+                  GenerationConfig(max_new_tokens=ADOPTED.n_tokens), attach_after_token_1)
+        assert out.stats.spec.degraded_rounds == 1 and out.stats.spec.lookups > 0, out.stats.summary()
+        draws.samples.append(tuple(out.token_ids[i] for i in ADOPTED.positions))
+        draws.hits += out.stats.spec.hits
+        draws.lookups += out.stats.spec.lookups
+        origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
+        for position in ADOPTED.positions:
+            round_index, slot = origin[position]
+            draws.tested_from_round_1 += round_index <= 2  # before or in the adoption round
+            draws.slots[slot] += 1
+    engine.stop_draft()
+    speculator.join(timeout=10)
+    return draws
+
+
+@pytest.mark.parametrize("name", ["t0.6", "t1.0"])
+def test_a_link_adopted_mid_request_keeps_the_target_law(small_pair, name):
+    draws = adoption_draws(small_pair, CASES[name])
+    assert draws.tested_from_round_1 == 0 and draws.hits == draws.lookups  # tested tokens: hit rounds after adoption
+    assert_slots_reached(draws, K)
+    p = pvalue(small_pair, draws, CASES[name], ADOPTED, ("adopted link", name, "exact"))
+    assert p > ALPHA, f"after a mid-request adoption at {name}: p = {p:.2e}"
+
+
+def test_the_adoption_test_rejects_accept_all_after_adoption(small_pair):
+    draws = adoption_draws(small_pair, T1, broken=True, samples=STRONG_SAMPLES)
+    p = pvalue(small_pair, draws, T1, ADOPTED, ("adopted link", "t1.0", "accept_all_after_adoption"))
+    assert p < ALPHA, f"accept-all after adoption went undetected: p = {p:.2e}"

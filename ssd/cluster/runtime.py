@@ -1,5 +1,14 @@
 """The driver's view of a cluster: start Ray, place the actors, link them,
-serve requests, heal the draft link, shut everything down.
+serve requests, heal the draft link, restart a lost target, shut everything
+down.
+
+Faults: the speculator restarts under Ray (max_restarts=-1) and the watcher
+re-links it in the background while requests run degraded. A target rank
+that dies takes the service down: health listeners hear NOT_SERVING, the
+watcher starts every rank again, re-links the draft and reports SERVING. A
+request that had streamed nothing yet waits and runs again from its prompt;
+one that had streamed tokens fails with GeneratorUnavailable (the client
+retries), since a re-run need not reproduce a sampled prefix.
 
 Placement: one Ray placement group bundle per target rank and one for the
 speculator, packed on one node. On CPU each bundle is a core the actor pins
@@ -18,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -27,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ssd.cluster.devices import Placement
 from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
 from ssd.config import Config, ConfigError
-from ssd.engine.request import GenerationRequest, GenerationResult
+from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,12 @@ log = logging.getLogger(__name__)
 # needs a second thread for ping/ready calls.
 RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
 RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
-WATCH_INTERVAL_S = 2.0  # how often the watcher checks the draft between requests
+WATCH_INTERVAL_S = 2.0  # how often the watcher checks the actors between requests
+RECOVERY_WAIT_S = 600.0  # how long a queued request waits for a lost target to come back
+START_TIMEOUT_S = 300.0  # loading a target rank or the draft
+
+# (serving, why not): called when the cluster goes down or comes back.
+HealthListener = Callable[[bool, str | None], None]
 
 
 def compute_device(config: Config, placement: Placement) -> str:
@@ -73,11 +87,16 @@ class Cluster:
         self._draft_pid: int | None = None
         self._watching = threading.Event()  # set: the watcher should look now
         self._stopping = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._up = threading.Event()  # clear while the target is lost and restarting
+        self._why_down: str | None = None
+        self._listeners: list[HealthListener] = []
+        self._listeners_lock = threading.Lock()
+        self.target_restarts = 0
         if self.draft is not None:
             self.link()
-            self._watcher = threading.Thread(target=self._watch_draft, name="ssd-draft-watcher", daemon=True)
-            self._watcher.start()
+        self._up.set()
+        self._watcher = threading.Thread(target=self._watch, name="ssd-cluster-watcher", daemon=True)
+        self._watcher.start()
 
     # ----------------------------------------------------------------- start-up
 
@@ -128,7 +147,12 @@ class Cluster:
             )
             for rank, device in enumerate(self.placement.target)
         ]
-        ray.get([t.ready.remote() for t in targets])  # loading is collective under TP
+        try:
+            ray.get([t.ready.remote() for t in targets], timeout=START_TIMEOUT_S)  # loading is collective under TP
+        except Exception:
+            for target in targets:  # none may linger holding a bundle
+                ray.kill(target, no_restart=True)
+            raise
         self._followers = [t.run_follower.remote() for t in targets[1:]]
         return targets
 
@@ -138,7 +162,7 @@ class Cluster:
         draft = RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
-        ray.get(draft.ready.remote())
+        ray.get(draft.ready.remote(), timeout=START_TIMEOUT_S)
         return draft
 
     # ------------------------------------------------------------------ the link
@@ -179,8 +203,9 @@ class Cluster:
             time.sleep(0.2)
         return True
 
-    def _watch_draft(self) -> None:
-        """Heal the draft off the request path: requests run degraded meanwhile
+    def _watch(self) -> None:
+        """Heal off the request path: a lost target is restarted (the service is
+        down meanwhile); a lost draft is re-linked while requests run degraded
         and pick the new link up at their next round."""
         while not self._stopping.is_set():
             self._watching.wait(WATCH_INTERVAL_S)
@@ -188,14 +213,91 @@ class Cluster:
             if self._stopping.is_set():
                 return
             try:
-                if not self.linked():
+                if not self._up.is_set() or not self.targets_alive():
+                    self.restart_targets()
+                elif self.draft is not None and not self.linked():
                     self.heal()
             except Exception:  # noqa: BLE001 - the watcher must outlive a failed attempt; it retries
-                log.exception("healing the draft failed; retrying")
+                log.exception("healing the cluster failed; retrying")
+
+    # ------------------------------------------------------------- the target
+
+    def add_health_listener(self, listener: HealthListener) -> None:
+        """Call `listener(serving, why)` whenever the cluster goes down or comes back."""
+        with self._listeners_lock:
+            self._listeners.append(listener)
+
+    @property
+    def serving(self) -> bool:
+        return self._up.is_set()
+
+    def targets_alive(self) -> bool:
+        """Every target rank answers (a dead rank raises at once; a hung one times out)."""
+        try:
+            ray.get([t.ready.remote() for t in self.targets], timeout=30)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def _down(self, why: str) -> None:
+        """Mark the service down (once) and wake the watcher to restart the target."""
+        if self._up.is_set():
+            self._why_down = why
+            self._up.clear()
+            log.error("target lost (%s): not serving until it is restarted", why)
+            self._tell(False, why)
+        self._watching.set()
+
+    def _tell(self, serving: bool, why: str | None) -> None:
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(serving, why)
+            except Exception:  # noqa: BLE001 - a listener's fault must not stop the recovery
+                log.exception("a health listener failed")
+
+    def restart_targets(self) -> None:
+        """Start every target rank again (a TP group cannot take one new rank),
+        re-link the draft, and report SERVING."""
+        self._down(self._why_down or "a target rank does not answer")
+        started = time.monotonic()
+        for target in self.targets:
+            ray.kill(target, no_restart=True)
+        self.targets = self._start_targets()
+        if self.draft is not None:
+            self._relink_after_target_loss()
+        self.target_restarts += 1
+        self._why_down = None
+        self._up.set()
+        log.info("target restarted in %.1f s; serving", time.monotonic() - started)
+        self._tell(True, None)
+
+    def _relink_after_target_loss(self) -> None:
+        """The speculator's link ended with its peer: link the same process again
+        once its serve call has returned, else restart it."""
+        try:
+            ray.get(self._serving, timeout=self.config.cluster.draft_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.heal()
+            return
+        except Exception:  # noqa: BLE001 - the link's end is expected to raise here
+            pass
+        try:
+            self.link()
+        except Exception:  # noqa: BLE001 - a speculator that cannot link is restarted
+            log.warning("re-linking the speculator failed; restarting it", exc_info=True)
+            self.heal()
+
+    # -------------------------------------------------------------- the draft
 
     def heal(self) -> None:
         """After the target lost its draft: restart the speculator (unless Ray
-        already did) and link it again."""
+        already did) and link it again. A lost target is restarted instead
+        (which re-links the draft)."""
+        if not self.targets_alive():
+            self._down("a target rank does not answer")
+            return
         try:
             # The same process, alive but unlinked: its state is not to be trusted.
             stale = ray.get(self.draft.ready.remote(), timeout=10) == self._draft_pid
@@ -226,25 +328,54 @@ class Cluster:
         """One request on target rank 0; each round's tokens stream back as they land.
 
         `request.cancelled` is polled as each round arrives; True stops the
-        request before its next round (finish reason "aborted").
+        request before its next round (finish reason "aborted"). While the
+        target is lost the request waits for it; see the module docstring.
         """
         mode = (request.speculation or self.config.speculation).mode
         if mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
-        stream = self.targets[0].generate_stream.options(num_returns="streaming").remote(request.portable())
+        while True:
+            self._wait_up(request)
+            streamed: list[int] = []
+            try:
+                result = self._run(request, streamed)
+            except ray.exceptions.RayActorError as exc:
+                self._down(f"{type(exc).__name__} during request {request.request_id or '(unnamed)'}")
+                if streamed:
+                    raise GeneratorUnavailable(
+                        f"the target was lost after {len(streamed)} streamed tokens; retry the request"
+                    ) from exc
+                log.warning("target lost before request %s streamed anything: it runs again once the target is back",
+                            request.request_id or "(unnamed)")
+                continue
+            if mode == "ssd":
+                self._watching.set()  # the watcher checks the link now, not on the request's path
+            return result
+
+    def _run(self, request: GenerationRequest, streamed: list[int]) -> GenerationResult:
+        target = self.targets[0]
+        stream = target.generate_stream.options(num_returns="streaming").remote(request.portable())
         result, aborting = None, False
         for ref in stream:
             item = ray.get(ref)
             if isinstance(item, GenerationResult):
                 result = item
             else:
+                streamed.extend(item)
                 request.emit(item)
             if not aborting and request.is_cancelled():
                 aborting = True
-                self.targets[0].abort.remote()
-        if mode == "ssd":
-            self._watching.set()  # the watcher checks the link now, not on the request's path
+                target.abort.remote()
         return result
+
+    def _wait_up(self, request: GenerationRequest) -> None:
+        """Block while the target restarts; a cancelled request stops waiting."""
+        deadline = time.monotonic() + RECOVERY_WAIT_S
+        while not self._up.wait(0.2):
+            if self._stopping.is_set() or time.monotonic() > deadline:
+                raise GeneratorUnavailable(f"the target is not back ({self._why_down})")
+            if request.is_cancelled():
+                raise GeneratorUnavailable("cancelled while the target was restarting")
 
     def describe(self) -> dict[str, Any]:
         return ray.get(self.targets[0].describe.remote())

@@ -58,6 +58,12 @@ class GenerationResult:
     first_tokens: int = 1
 
 
+class GeneratorUnavailable(RuntimeError):
+    """The generator lost its model in the middle of this request, after tokens
+    were streamed (so it could not retry unseen): the client should retry; the
+    server answers UNAVAILABLE."""
+
+
 class Generator(Protocol):
     def generate(self, request: GenerationRequest) -> GenerationResult: ...
 

@@ -19,6 +19,10 @@ class ClusterBackend(TokenizerMixin):
     def generate(self, request: GenerationRequest) -> GenerationResult:
         return self.cluster.generate(request)
 
+    def watch_health(self, listener) -> None:
+        """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
+        self.cluster.add_health_listener(listener)
+
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""
 

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ssd.engine.request import GeneratorUnavailable
 from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
@@ -151,7 +152,10 @@ class GenerationServicer:
 
     @staticmethod
     def _set_status(job: Job, done: Done, context: grpc.ServicerContext) -> None:
-        if done.error is not None:
+        if isinstance(done.error, GeneratorUnavailable):
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(f"{done.error}")
+        elif done.error is not None:
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details(f"generation failed: {type(done.error).__name__}: {done.error}")
         elif done.reason == "aborted" and job.deadline is not None and time.monotonic() >= job.deadline:
@@ -309,8 +313,26 @@ class GenerationServer:
             self._worker = GenerationWorker(backend, self.metrics, self.options.max_queue)
             self.servicer.attach(backend, self._worker)
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            if hasattr(backend, "watch_health"):
+                backend.watch_health(self._backend_health)
         log.info("model loaded: %s; serving", backend.info.target_model)
         self._ready.set()
+
+    def _backend_health(self, serving: bool, why: str | None) -> None:
+        """The backend lost its model or got it back: health and admission follow.
+
+        Requests already queued stay queued; the backend runs them once it is back."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            if serving:
+                self.servicer.unavailable = None
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                log.info("backend recovered: SERVING")
+            else:
+                self.servicer.refuse(f"the model is restarting: {why}")
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.warning("backend lost (%s): NOT_SERVING", why)
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

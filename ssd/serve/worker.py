@@ -16,7 +16,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from ssd.engine.request import GenerationRequest, GenerationResult
+from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
 
@@ -179,6 +179,9 @@ class GenerationWorker:
         try:
             result = self.backend.generate(request)
             return Done(result=result)
+        except GeneratorUnavailable as exc:  # the model was lost mid-request: the client retries
+            log.warning("request %s failed: %s", job.request_id, exc)
+            return Done(error=exc)
         except Exception as exc:  # an engine fault ends this request, never the server
             log.exception("request %s failed", job.request_id)
             return Done(error=exc)

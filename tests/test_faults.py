@@ -1,0 +1,226 @@
+"""Fault injection through the whole stack: gRPC server, cluster, Ray actors, gloo link.
+
+A seeded plan kills the speculator or the target rank (SIGKILL, as the OOM
+killer or a crashed driver would) at a random round of a streaming request,
+or while idle. A thread polls gRPC health throughout. Checked at every fault:
+- draft killed: the request finishes with the output it would have had (its
+  greedy AR output), health stays SERVING (the service runs degraded), and the
+  draft is linked again in the background;
+- target killed mid-stream: the RPC ends UNAVAILABLE after a prefix of the
+  right output, health goes NOT_SERVING and back to SERVING, and the request
+  run again gives the right output;
+- target killed while idle: NOT_SERVING, then SERVING, then right output.
+At the end every process the cluster started (and restarted) is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from ssd.cluster.devices import plan_placement
+from ssd.cluster.runtime import Cluster
+from ssd.config import load_config
+from tests.conftest import ROOT
+from tests.test_cluster import local_ar
+
+pytestmark = pytest.mark.cluster
+
+CONFIG = load_config(ROOT / "configs" / "tiny-cluster.yaml")
+SEED = 13
+FAULTS = 6
+NEW_TOKENS = 150
+RECOVERY_S = 120.0
+FINISH_REASON_ERROR = 5
+
+
+class HealthLog:
+    """Polls gRPC health every 50 ms in a thread: (time, status) on every change."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.changes: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                status = self.client.health(timeout=2)
+            except grpc.RpcError as exc:
+                status = f"error {exc.code().name}"
+            if not self.changes or self.changes[-1][1] != status:
+                self.changes.append((time.monotonic(), status))
+
+    def since(self, t: float) -> list[str]:
+        """Statuses seen from time t on (the one in force at t first)."""
+        before = [s for at, s in self.changes if at <= t][-1:]
+        return before + [s for at, s in self.changes if at > t]
+
+    def wait_serving_after(self, t: float, timeout: float) -> float:
+        """Seconds from t until health reads SERVING again after going down."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            statuses = [(at, s) for at, s in self.changes if at > t]
+            down = next((i for i, (_, s) in enumerate(statuses) if s != "SERVING"), None)
+            if down is not None:
+                back = next((at for at, s in statuses[down:] if s == "SERVING"), None)
+                if back is not None:
+                    return back - t
+            time.sleep(0.05)
+        raise AssertionError(f"health did not come back: {self.since(t)}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    import ray
+
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    cluster = Cluster(CONFIG, plan_placement("0", "1", 2, "cpu"))
+    server = GenerationServer(ServeOptions(port=0, grace_s=2.0), lambda: ClusterBackend(cluster))
+    server.start()
+    client = GenerationClient(f"127.0.0.1:{server.port}")
+    pids: set[int] = set()
+    try:
+        assert server.wait_ready(60)
+        health = HealthLog(client)
+        yield cluster, client, health, pids
+        health.stop()
+    finally:
+        client.close()
+        server.stop()
+        pids |= actor_pids(cluster)
+        cluster.shutdown()
+        assert not ray.is_initialized()
+    assert_gone(pids)
+
+
+def actor_pids(cluster: Cluster) -> set[int]:
+    import ray
+
+    try:
+        return set(ray.get([a.ready.remote() for a in [*cluster.targets, cluster.draft]], timeout=30))
+    except Exception:  # noqa: BLE001 - a dead actor has no pid to collect
+        return set()
+
+
+def assert_gone(pids: set[int]) -> None:
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def fault_plan(seed: int, n: int) -> list[tuple[str, int | None]]:
+    """(role, round) pairs: round None kills while idle. Both roles, both timings, shuffled."""
+    rng = random.Random(seed)
+    plan = [("draft", rng.randint(2, 12)), ("target", rng.randint(2, 12)), ("target", None), ("draft", None)]
+    plan += [(rng.choice(["draft", "target"]), rng.choice([None, rng.randint(1, 15)])) for _ in range(n - len(plan))]
+    rng.shuffle(plan)
+    return plan
+
+
+def test_killed_workers_lose_no_request_and_health_tells_the_truth(stack):
+    import ray
+
+    cluster, client, health, pids = stack
+    prompt = cluster.encode(CONFIG.prompt)
+    expected = local_ar(CONFIG, prompt, NEW_TOKENS)
+    for role, at_round in fault_plan(SEED, FAULTS):
+        wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
+        pids |= actor_pids(cluster)
+        actor = cluster.targets[0] if role == "target" else cluster.draft
+        pid = ray.get(actor.ready.remote())
+        if at_round is None:
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            if role == "target":
+                health.wait_serving_after(killed, RECOVERY_S)
+        else:
+            killed = stream_and_kill(client, pid, at_round, role, expected)
+            assert_health_after(health, role, killed)
+        out = client.generate(text=CONFIG.prompt, max_new_tokens=NEW_TOKENS, timeout=RECOVERY_S)
+        assert out.token_ids == expected, (role, at_round)
+    assert cluster.target_restarts == sum(role == "target" for role, _ in fault_plan(SEED, FAULTS))
+
+
+def stream_and_kill(client, pid: int, at_round: int, role: str, expected: list[int]) -> float:
+    """Stream the request, SIGKILL `pid` after `at_round` token messages; check what the client got."""
+    streamed: list[int] = []
+    killed = None
+    stream = client.stream(text=CONFIG.prompt, max_new_tokens=NEW_TOKENS, timeout=RECOVERY_S)
+    try:
+        for message in stream:
+            streamed.extend(message.token_ids)
+            if message.token_ids:
+                at_round -= 1
+                if at_round == 0 and killed is None:
+                    killed = time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+            if message.HasField("finished") and role == "draft":
+                assert list(message.finished.output_token_ids) == expected
+            elif message.HasField("finished"):  # the final message says why, then the status
+                assert message.finished.reason == FINISH_REASON_ERROR and "retry" in message.finished.error
+        assert killed is not None, "the request finished before the planned round"
+    except grpc.RpcError as exc:
+        assert role == "target", f"a killed draft failed the request: {exc}"
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        assert "retry" in exc.details()
+    assert streamed == expected[: len(streamed)], "the stream carried wrong tokens"
+    if role == "draft":
+        assert streamed == expected
+    return killed
+
+
+def assert_health_after(health: HealthLog, role: str, killed: float) -> None:
+    if role == "target":
+        health.wait_serving_after(killed, RECOVERY_S)
+        assert "NOT_SERVING" in health.since(killed)
+    else:
+        time.sleep(0.3)  # let the poller see whatever followed the request
+        assert set(health.since(killed)) == {"SERVING"}, "a lost draft must not take the service down"
+
+
+def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stack):
+    """Killed before the request reached it: the request waits for the restart
+    and runs from its prompt, invisible to the caller but for the delay."""
+    import ray
+
+    from ssd.config import GenerationConfig, SamplingConfig
+    from ssd.engine.request import GenerationRequest
+
+    cluster, _, health, pids = stack
+    wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
+    pids |= actor_pids(cluster)
+    prompt = cluster.encode(CONFIG.prompt)
+    os.kill(ray.get(cluster.targets[0].ready.remote()), signal.SIGKILL)
+    out = cluster.generate(GenerationRequest(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=40)))
+    assert out.token_ids == local_ar(CONFIG, prompt, 40)
+    assert cluster.serving
