@@ -1,8 +1,11 @@
-"""Draft recovery times through the cluster (tiny pair, CPU cores as devices).
+"""Recovery times through the cluster (tiny pair, CPU cores as devices).
 
-Kills the speculator while idle and mid-request, and prints how long until
-the target is linked again (full-speed SSD) and how soon the interrupted
-request returned.
+Draft: kills the speculator while idle and mid-request, and prints how long
+until the target is linked again (full-speed SSD) and how soon the
+interrupted request returned. Target: SIGKILLs target rank 0 while idle and
+mid-request, and prints how long until the cluster noticed (NOT_SERVING),
+until it serves again (every rank restarted, the draft re-linked: SERVING),
+and how soon the interrupted request got its UNAVAILABLE.
 
     python launch/recovery.py --trials 3
 """
@@ -10,6 +13,8 @@ request returned.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
 
 from _common import ROOT
@@ -20,7 +25,7 @@ from ssd import hardware
 from ssd.cluster.devices import plan_placement
 from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, load_config
-from ssd.engine.request import GenerationRequest
+from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
 
 def relinked_after(cluster: Cluster, before: int | None, started: float) -> float:
@@ -53,6 +58,47 @@ def trial(cluster: Cluster) -> str:
             f"-> linked (full-speed SSD) {linked:.1f} s")
 
 
+def health_marks(cluster: Cluster) -> list[tuple[float, bool]]:
+    marks: list[tuple[float, bool]] = []
+    cluster.add_health_listener(lambda serving, why: marks.append((time.monotonic(), serving)))
+    return marks
+
+
+def target_trial(cluster: Cluster, marks: list[tuple[float, bool]]) -> str:
+    assert cluster.wait_linked(120)
+    killed = time.monotonic()
+    os.kill(ray.get(cluster.targets[0].ready.remote()), signal.SIGKILL)
+    down, up = serving_again(cluster, marks, killed)
+    rounds: list[list[int]] = []
+    kill: dict[str, float] = {}
+
+    def kill_after_three_rounds(tokens: list[int]) -> None:
+        rounds.append(tokens)
+        if len(rounds) == 3:
+            kill["at"] = time.monotonic()
+            os.kill(ray.get(cluster.targets[0].ready.remote()), signal.SIGKILL)
+
+    request = GenerationRequest([1, 2, 3], SamplingConfig(), GenerationConfig(max_new_tokens=400),
+                                on_tokens=kill_after_three_rounds)
+    try:
+        cluster.generate(request)
+        raise AssertionError("the request outlived its target")
+    except GeneratorUnavailable:
+        told = time.monotonic() - kill["at"]
+    _, up_mid = serving_again(cluster, marks, kill["at"])
+    return (f"killed idle -> NOT_SERVING {down:.2f} s, -> SERVING {up:.1f} s; killed mid-request -> "
+            f"UNAVAILABLE {told:.2f} s, -> SERVING {up_mid:.1f} s")
+
+
+def serving_again(cluster: Cluster, marks: list[tuple[float, bool]], since: float) -> tuple[float, float]:
+    """Seconds from `since` until the cluster reported itself down, and until back up."""
+    while not any(at > since and serving for at, serving in marks) or not cluster.linked():
+        time.sleep(0.05)
+    down = next(at for at, serving in marks if at > since and not serving)
+    up = next(at for at, serving in marks if at > down and serving)
+    return down - since, up - since
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
@@ -60,8 +106,11 @@ def main() -> None:
     print(hardware.summary())
     config = load_config(ROOT / "configs" / "tiny-cluster.yaml")
     with Cluster(config, plan_placement("0", "1", 2, "cpu")) as cluster:
+        marks = health_marks(cluster)
         for n in range(args.trials):
-            print(f"trial {n}: {trial(cluster)}", flush=True)
+            print(f"draft trial {n}: {trial(cluster)}", flush=True)
+        for n in range(args.trials):
+            print(f"target trial {n}: {target_trial(cluster, marks)}", flush=True)
 
 
 if __name__ == "__main__":
