@@ -1,0 +1,37 @@
+"""The serving load generator: what it counts, against a real server on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssd.bench.load import LoadResult, Timeline, format_load_table, run_load
+from ssd.config import load_config
+from ssd.serve.options import ServeOptions
+from ssd.serve.server import serve_config
+from tests.conftest import ROOT
+
+
+def test_a_round_of_several_tokens_shares_its_gap():
+    timeline = Timeline(sent=0.0, arrivals=[(0.5, 1), (0.7, 1), (1.1, 4)])
+    assert timeline.tokens == 6 and timeline.ttft == 0.5
+    assert timeline.token_gaps() == pytest.approx([0.2, 0.1, 0.1, 0.1, 0.1])
+
+
+def test_the_table_gives_throughput_relative_to_the_first_row_of_each_concurrency():
+    rows = [LoadResult("ar", 1, 2, 100, 10.0, [0.1], [0.01], []), LoadResult("sd", 1, 2, 100, 5.0, [0.1], [0.01], [])]
+    table = format_load_table(rows)
+    assert "| sd | 1 | 2 | 100 | 20.0 | 2.00 |" in table
+
+
+def test_concurrent_clients_against_a_real_server():
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    server = serve_config(config, ServeOptions(port=0), with_draft=False)
+    try:
+        assert server.wait_ready(60)
+        result = run_load(f"127.0.0.1:{server.port}", "ar", concurrency=3, prompts=["abcab", "ponm"],
+                          requests_per_client=2, request_fields={"max_new_tokens": 12, "mode": "ar"})
+    finally:
+        server.stop()
+    assert result.errors == [] and result.requests == 6 and result.tokens == 6 * 12
+    assert len(result.ttft) == 6 and len(result.gaps) == 6 * 11  # a gap per token after the first
+    assert result.throughput > 0 and result.row()["itl_p99_ms"] >= result.row()["itl_p50_ms"]
