@@ -19,6 +19,10 @@ class ClusterBackend(TokenizerMixin):
     def generate(self, request: GenerationRequest) -> GenerationResult:
         return self.cluster.generate(request)
 
+    def batch_engine(self, mode: str) -> None:
+        """None: the cluster runs one request at a time (every mode goes through generate)."""
+        return None
+
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""
 
