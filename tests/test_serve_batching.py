@@ -42,14 +42,14 @@ def expected(seed: int, n: int) -> list[int]:
 class EngineLog:
     """What the fake engines saw, shared by all of one backend's engines."""
 
-    steps: list[tuple[str, int]] = field(default_factory=list)  # (mode, rows) per step
+    steps: list[tuple[str, int, bool]] = field(default_factory=list)  # (mode, rows, held by the gate)
     admitted: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     alone: list[str] = field(default_factory=list)  # run through generate()
     closed: list[str] = field(default_factory=list)
 
     def max_rows(self, mode: str) -> int:
-        return max((rows for m, rows in self.steps if m == mode), default=0)
+        return max((rows for m, rows, _ in self.steps if m == mode), default=0)
 
 
 @dataclass
@@ -80,9 +80,10 @@ class FakeBatchEngine(BatchEngine):
         self._rows.append(Row(request))
 
     def step(self) -> list[Finished]:
-        self.log.steps.append((self.mode, len(self._rows)))
+        held = self.backend.gate is not None and not self.backend.gate.is_set()
+        self.log.steps.append((self.mode, len(self._rows), held))
         finished = [self._leave(row, "aborted") for row in list(self._rows) if row.request.is_cancelled()]
-        if self.backend.gate is not None and not self.backend.gate.is_set():
+        if held:
             time.sleep(0.005)  # held: rows wait, cancels still land
             return finished
         time.sleep(self.backend.step_delay_s)
@@ -308,7 +309,7 @@ def test_abort_stops_one_batched_row():
 
 
 def test_shutdown_with_grace_drains_running_rows():
-    fake = FakeBackend(step_delay_s=0.02)
+    fake = FakeBackend(step_delay_s=0.01, gate=threading.Event())
     with running(lambda: fake) as (server, client):
         results: dict[int, Any] = {}
         threads = [stream_all(server, results, seed, mode="ar", seed=seed, max_new_tokens=25) for seed in range(4)]
@@ -317,6 +318,7 @@ def test_shutdown_with_grace_drains_running_rows():
         stopper.start()
         assert wait_until(lambda: client.health() == "NOT_SERVING")
         assert code_of(lambda: client.generate(text=PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
+        fake.gate.set()  # the rows start only once shutdown has begun
         for thread in threads:
             thread.join(30)
         stopper.join(15)
@@ -341,8 +343,8 @@ def test_modes_take_turns_and_an_unbatched_request_runs_alone_between_rounds():
         for seed, (name, call) in enumerate(calls.items()):
             messages = list(call)
             assert [m.token_ids[0] for m in messages if m.token_ids] == expected(seed, 8), name
-    stepped = [mode for mode, rows in fake.log.steps if rows]
-    assert stepped.count("ar") >= 8 and stepped.count("sd") >= 8
+    stepped = [mode for mode, rows, held in fake.log.steps if rows and not held]
+    assert stepped.count("ar") == stepped.count("sd") == 8
     assert all(a != b for a, b in zip(stepped, stepped[1:]))  # in turn while both have rows
     assert fake.log.alone == [fake.log.alone[0]] and len(fake.log.admitted) == 4
 
@@ -384,7 +386,7 @@ def test_metrics_endpoint_serves_prometheus_text():
         assert m["ssd:request_queue_time_seconds_count"] == 3 and "ssd:request_queue_time_seconds_bucket{le=+Inf}" in m
         assert m["ssd:batch_size_bucket{le=2.0}"] == m["ssd:batch_size_count"] >= 5  # never more than 2 rows
         assert m["ssd:batch_size_bucket{le=1.0}"] >= 1 and m["ssd:batch_size_sum"] == sum(
-            rows for _, rows in fake.log.steps)
+            rows for _, rows, _ in fake.log.steps)
         text = client.stats().prometheus_text  # the same registry writes the Stats RPC's text
         assert "ssd:request_admitted_total 3.0\n" in text and "ssd:batch_size_bucket" in text
 
