@@ -209,6 +209,24 @@ def test_rows_limit_admits_in_arrival_order():
         assert [m.token_ids[0] for m in messages if m.token_ids] == expected(i, 6)
 
 
+def test_a_head_that_does_not_fit_holds_back_other_modes():
+    """FIFO across modes: sd has room, but the sd request arrived after an ar one
+    that waits for an ar row, so it waits too (nothing is overtaken forever)."""
+    fake = FakeBackend(max_rows=1, gate=threading.Event())
+    with running(lambda: fake) as (server, client):
+        calls = []
+        for seed, name in enumerate(("ar-0", "ar-1", "sd-2")):
+            calls.append(client.stream(text=PROMPT, mode=name[:2], seed=seed, max_new_tokens=4, request_id=name))
+            next(calls[-1])
+        assert wait_until(lambda: counts(client) == (1, 2))
+        time.sleep(0.05)  # rounds pass; still nobody overtakes
+        assert counts(client) == (1, 2) and fake.log.admitted == ["ar-0"]
+        fake.gate.set()
+        for seed, call in enumerate(calls):
+            assert [m.token_ids[0] for m in call if m.token_ids] == expected(seed, 4)
+    assert fake.log.admitted == ["ar-0", "ar-1", "sd-2"]
+
+
 def test_cancelled_and_expired_rows_leave_without_disturbing_others():
     fake = FakeBackend(step_delay_s=0.02)
     with running(lambda: fake) as (server, client):
