@@ -2,6 +2,7 @@
 
     python launch/serve.py --config configs/tiny.yaml --port 50051
     python launch/serve.py --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem
+    python launch/serve.py --metrics-port 9400   # Prometheus scrapes http://127.0.0.1:9400/metrics
 
 Config flags (--mode, --max-new-tokens, --temperature, ...) set the defaults
 for requests that leave those fields unset. The token may also come from

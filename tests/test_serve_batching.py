@@ -8,6 +8,7 @@ client can check it got exactly its own stream while the rows share steps.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import threading
 import time
@@ -62,7 +63,7 @@ class FakeBatchEngine(BatchEngine):
     """One token per row per step. A request id starting with "fail" fails its row
     after two tokens; one starting with "crash" makes the whole step raise."""
 
-    def __init__(self, mode: str, backend: "FakeBackend") -> None:
+    def __init__(self, mode: str, backend: FakeBackend) -> None:
         self.mode = mode
         self.backend = backend
         self.log = backend.log
@@ -194,7 +195,7 @@ def test_eight_streams_run_together_each_gets_its_own_tokens():
 
 def test_rows_limit_admits_in_arrival_order():
     fake = FakeBackend(max_rows=3, gate=threading.Event())
-    with running(lambda: fake) as (server, client):
+    with running(lambda: fake) as (_, client):
         calls = []
         for i in range(8):
             call = client.stream(text=PROMPT, mode="sd", seed=i, max_new_tokens=6, request_id=f"r{i}")
@@ -213,7 +214,7 @@ def test_a_head_that_does_not_fit_holds_back_other_modes():
     """FIFO across modes: sd has room, but the sd request arrived after an ar one
     that waits for an ar row, so it waits too (nothing is overtaken forever)."""
     fake = FakeBackend(max_rows=1, gate=threading.Event())
-    with running(lambda: fake) as (server, client):
+    with running(lambda: fake) as (_, client):
         calls = []
         for seed, name in enumerate(("ar-0", "ar-1", "sd-2")):
             calls.append(client.stream(text=PROMPT, mode=name[:2], seed=seed, max_new_tokens=4, request_id=name))
@@ -292,7 +293,7 @@ def test_failing_step_fails_its_rows_and_the_mode_gets_a_fresh_engine():
 
 def test_queue_full_is_resource_exhausted_with_rows_running():
     fake = FakeBackend(gate=threading.Event())
-    with running(lambda: fake, max_queue=3) as (server, client):
+    with running(lambda: fake, max_queue=3) as (_, client):
         calls = [client.stream(text=PROMPT, mode="ar", seed=i, max_new_tokens=400) for i in range(3)]
         for call in calls:
             next(call)
@@ -348,7 +349,7 @@ def test_shutdown_with_grace_drains_running_rows():
 
 def test_modes_take_turns_and_an_unbatched_request_runs_alone_between_rounds():
     fake = FakeBackend(gate=threading.Event())
-    with running(lambda: fake) as (server, client):
+    with running(lambda: fake) as (_, client):
         calls = {name: client.stream(text=PROMPT, mode=name[:2], seed=seed, max_new_tokens=8, request_id=name)
                  for seed, name in enumerate(("ar-0", "sd-1", "ar-2", "sd-3"))}
         for call in calls.values():
@@ -363,7 +364,7 @@ def test_modes_take_turns_and_an_unbatched_request_runs_alone_between_rounds():
             assert [m.token_ids[0] for m in messages if m.token_ids] == expected(seed, 8), name
     stepped = [mode for mode, rows, held in fake.log.steps if rows and not held]
     assert stepped.count("ar") == stepped.count("sd") == 8
-    assert all(a != b for a, b in zip(stepped, stepped[1:]))  # in turn while both have rows
+    assert all(a != b for a, b in itertools.pairwise(stepped))  # in turn while both have rows
     assert fake.log.alone == [fake.log.alone[0]] and len(fake.log.admitted) == 4
 
 

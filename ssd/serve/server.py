@@ -15,8 +15,8 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from wsgiref.simple_server import WSGIServer
 from typing import Any, Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
