@@ -439,3 +439,41 @@ def test_metrics_port_option():
     assert cli.options_from_args(parser.parse_args(["--metrics-port", "9400"])).metrics_port == 9400
     with pytest.raises(ConfigError, match="metrics_port"):
         ServeOptions(metrics_port=70000)
+
+
+# --- the LocalBackend hook ------------------------------------------------------
+
+
+def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
+    """Before LoadedPair.batch_engine exists every mode runs alone; once it does,
+    ar and sd are batched with the config's limits, SSD still runs alone."""
+    from ssd.engine.factory import LoadedPair
+    from ssd.serve.backend import LocalBackend
+
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    local = LocalBackend(config)
+    try:
+        if not hasattr(LoadedPair, "batch_engine"):
+            assert local.batch_engine("ar") is None
+        fake = FakeBackend()
+        made = []
+
+        def batch_engine(pair, speculation, batching):
+            made.append((speculation.mode, batching))
+            return FakeBatchEngine(speculation.mode, fake)
+
+        monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine, raising=False)
+        assert isinstance(local.batch_engine("sd"), FakeBatchEngine) and local.batch_engine("ssd") is None
+        assert made == [("sd", config.batching)]
+        with running(lambda: local) as (_, client):
+            assert_own_tokens(client.generate(text=PROMPT, mode="ar", seed=5, max_new_tokens=6), 5, 6)
+            assert client.generate(text=PROMPT, mode="ssd", max_new_tokens=4).finish_reason == "length"
+        assert fake.log.admitted and fake.log.closed == ["ar"]
+
+        def unsupported(pair, speculation, batching):
+            raise NotImplementedError
+
+        monkeypatch.setattr(LoadedPair, "batch_engine", unsupported)
+        assert local.batch_engine("ar") is None
+    finally:
+        local.close()
