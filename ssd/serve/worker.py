@@ -222,6 +222,7 @@ class GenerationWorker:
                 if engine is not None and not head.cancelled() and not self._fits(engine, head):
                     return None  # the head waits for room; the jobs behind it wait too (FIFO)
             except Exception as exc:  # no engine for this mode, or it refuses the request for good
+                log.exception("request %s cannot be scheduled", head.request_id)
                 if self._take(head):
                     self._finish(head, Done(error=exc))
                 continue
