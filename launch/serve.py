@@ -2,6 +2,7 @@
 
     python launch/serve.py --config configs/tiny.yaml --port 50051
     python launch/serve.py --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem
+    python launch/serve.py --metrics-port 9400   # Prometheus scrapes http://127.0.0.1:9400/metrics
 
 Config flags (--mode, --max-new-tokens, --temperature, ...) set the defaults
 for requests that leave those fields unset. The token may also come from
@@ -72,6 +73,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
     parser.add_argument("--grace-s", type=float, default=defaults.grace_s,
                         help="on SIGINT/SIGTERM: seconds running requests may finish")
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -79,7 +82,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(
         host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
-        max_message_bytes=args.max_message_bytes, grace_s=args.grace_s,
+        max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
     )
 
 

@@ -432,11 +432,11 @@ def test_stats_and_prometheus_text(client):
     text = after.prometheus_text
     for name in ("ssd:num_requests_running", "ssd:num_requests_waiting", "ssd:generation_tokens_total",
                  "ssd:time_to_first_token_seconds_bucket", "ssd:request_success_total",
-                 "ssd_spec_cache_hit_rate", 'ssd_spec_cache_hits_by_k{k="', 'ssd_spec_backups_total{kind="',
+                 "ssd_spec_cache_hit_rate", 'ssd_spec_cache_hits_by_k_total{k="', 'ssd_spec_backups_total{kind="',
                  "ssd_spec_target_wait_seconds_total", "ssd_spec_degraded_rounds_total"):
         assert name in text, name
-    assert f"ssd:generation_tokens_total {after.generation_tokens_total}\n" in text
-    assert f"ssd:time_to_first_token_seconds_count {sum(after.finished_by_reason.values())}\n" in text
+    assert f"ssd:generation_tokens_total {float(after.generation_tokens_total)}\n" in text
+    assert f"ssd:time_to_first_token_seconds_count {float(sum(after.finished_by_reason.values()))}\n" in text
 
 
 # --- pieces ---------------------------------------------------------------------

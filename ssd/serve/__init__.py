@@ -4,9 +4,9 @@ protos.py     compiles the .proto into _proto/ on first use (generated, not comm
 options.py    ServeOptions: bind address, token, TLS, request limits
 backend.py    the Backend protocol and LocalBackend (load_pair + one engine per spec)
 validation.py GenerateRequest -> GenerationRequest, or INVALID_ARGUMENT naming the field
-worker.py     one generation at a time: FIFO queue, admission limit, cancel/abort
+worker.py     continuous batching (or one at a time): FIFO admission, cancel/abort
 streaming.py  text deltas that stay consistent with the final text
-metrics.py    server-wide counters and the Prometheus text exposition
+metrics.py    server-wide counters; a prometheus_client registry per server (/metrics, Stats)
 auth.py       bearer-token interceptor (health and reflection stay open)
 convert.py    engine values -> ssd.v1 messages
 server.py     GenerationServicer and GenerationServer (health, reflection, TLS, lifecycle)

@@ -2,6 +2,8 @@
 
 The servicer sees only this protocol, so the tests can wrap the real backend
 (slow it down, make it fail) and the cluster backend (cluster_backend.py) slots in.
+A backend may also offer `batch_engine(mode)` (ssd.serve.worker.BatchingBackend):
+the worker then runs that mode's requests together (continuous batching).
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence
 
 from ssd.config import Config
+from ssd.engine.batch import BatchEngine
 from ssd.engine.factory import LoadedPair, load_pair
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 
 log = logging.getLogger(__name__)
+
+# Modes LoadedPair.batch_engine batches; SSD runs one request at a time until
+# its batched engine exists.
+BATCHED_MODES = ("ar", "sd")
 
 
 class UnsupportedRequest(ValueError):
@@ -116,6 +123,17 @@ class LocalBackend(TokenizerMixin):
             except BaseException:
                 self._engines.discard(mode)
                 raise
+
+    def batch_engine(self, mode: str) -> BatchEngine | None:
+        """A new batch engine for `mode` over the loaded weights (the caller owns and
+        closes it); None: the pair has no batched engine for it, so it runs alone."""
+        make = getattr(self.pair, "batch_engine", None)  # absent before the batched engines land
+        if make is None or mode not in BATCHED_MODES:
+            return None
+        try:
+            return make(dataclasses.replace(self.config.speculation, mode=mode), self.config.batching)
+        except NotImplementedError:
+            return None
 
     def close(self) -> None:
         with self._lock:

@@ -23,6 +23,10 @@ class ClusterBackend(TokenizerMixin):
         """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
         self.cluster.add_health_listener(listener)
 
+    def batch_engine(self, mode: str) -> None:
+        """None: the cluster runs one request at a time (every mode goes through generate)."""
+        return None
+
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""
 

@@ -1,8 +1,12 @@
-"""Server-wide counters and their Prometheus text exposition.
+"""Server-wide counters, exposed through one prometheus_client registry.
 
 Names follow vLLM's habit (`ssd:` for request-level metrics, where vLLM has
-`vllm:`) and the design's `ssd_spec_` prefix for speculation metrics. Written
-by hand: a few counters and histograms do not justify a dependency.
+`vllm:`) and the design's `ssd_spec_` prefix for speculation metrics.
+ServerMetrics keeps the plain numbers (the Stats RPC reads them too);
+`ServerCollector` turns a snapshot into metric families at scrape time, so
+the HTTP /metrics endpoint and the Stats RPC's Prometheus text are one
+source of truth. Each server has its own CollectorRegistry: two servers in
+one process never share (or clash over) a metric.
 """
 
 from __future__ import annotations
@@ -12,12 +16,24 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ssd.engine.metrics import GenerationStats, add_into
 from ssd.serve.protos import enum_names
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows per engine step
 
 
 @dataclass
@@ -35,12 +51,13 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def lines(self, name: str) -> list[str]:
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, count) pairs as Prometheus wants them: cumulative, ending at +Inf."""
         out, running = [], 0
-        for bound, count in zip([*map(_num, self.buckets), "+Inf"], self.counts):
+        for bound, count in zip([*map(floatToGoString, self.buckets), "+Inf"], self.counts):
             running += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        return out + [f"{name}_sum {_num(self.total)}", f"{name}_count {self.n}"]
+            out.append((bound, running))
+        return out
 
 
 @dataclass
@@ -54,10 +71,11 @@ class Counters:
     ttft: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
+    batch: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
 
 
 class ServerMetrics:
-    """Thread-safe: handler threads count admissions, the worker counts results."""
+    """Thread-safe: handler threads count admissions, the worker counts steps and results."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -71,6 +89,11 @@ class ServerMetrics:
     def rejected(self) -> None:
         with self._lock:
             self._c.requests_rejected += 1
+
+    def stepped(self, rows: int) -> None:
+        """One batched engine step over `rows` requests."""
+        with self._lock:
+            self._c.batch.observe(rows)
 
     def finished(self, reason: str, stats: GenerationStats | None, ttft_s: float | None,
                  e2e_s: float, queue_s: float) -> None:
@@ -93,79 +116,94 @@ class ServerMetrics:
         return time.monotonic() - self.started
 
 
-def prometheus_text(c: Counters, running: int, waiting: int) -> str:
-    """The text exposition format (version 0.0.4)."""
-    lines: list[str] = []
-    _metric(lines, "ssd:num_requests_running", "gauge", "Requests generating now.", [("", running)])
-    _metric(lines, "ssd:num_requests_waiting", "gauge", "Requests queued for the engine.", [("", waiting)])
-    _metric(lines, "ssd:request_admitted_total", "counter", "Requests admitted.", [("", c.requests_total)])
-    _metric(lines, "ssd:request_rejected_total", "counter", "Requests refused: queue full.",
-            [("", c.requests_rejected)])
-    _metric(lines, "ssd:request_success_total", "counter", "Finished requests by reason.",
-            [(_labels(finished_reason=r), n) for r, n in sorted(c.finished.items())])
-    _metric(lines, "ssd:prompt_tokens_total", "counter", "Prompt tokens processed.", [("", c.generation.prompt_tokens)])
-    _metric(lines, "ssd:generation_tokens_total", "counter", "Tokens generated.", [("", c.generation.new_tokens)])
-    _metric(lines, "ssd:num_rounds_total", "counter", "Engine rounds (verifications).", [("", c.generation.rounds)])
-    _histogram(lines, "ssd:time_to_first_token_seconds", "Arrival to first token.", c.ttft)
-    _histogram(lines, "ssd:e2e_request_latency_seconds", "Arrival to last token.", c.e2e)
-    _histogram(lines, "ssd:request_queue_time_seconds", "Time waiting for the engine.", c.queue)
-    _spec_decode(lines, c)
-    _spec_cache(lines, c)
-    return "\n".join(lines) + "\n"
+Counts = Callable[[], tuple[int, int]]  # (running, waiting), read at scrape time
 
 
-def _spec_decode(lines: list[str], c: Counters) -> None:
+class ServerCollector(Collector):
+    """The server's metric families, built from one snapshot per scrape."""
+
+    def __init__(self, metrics: ServerMetrics, counts: Counts) -> None:
+        self.metrics = metrics
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        running, waiting = self.counts()
+        c = self.metrics.snapshot()
+        yield _gauge("ssd:num_requests_running", "Requests generating now (rows in a batch, or the one alone).",
+                     running)
+        yield _gauge("ssd:num_requests_waiting", "Requests queued for the engine.", waiting)
+        yield from _requests(c)
+        yield _histogram("ssd:batch_size", "Rows per batched engine step.", c.batch)
+        yield _histogram("ssd:time_to_first_token_seconds", "Arrival to first token.", c.ttft)
+        yield _histogram("ssd:e2e_request_latency_seconds", "Arrival to last token.", c.e2e)
+        yield _histogram("ssd:request_queue_time_seconds", "Arrival to admission into the engine.", c.queue)
+        yield from _spec_decode(c)
+        yield from _spec_cache(c)
+
+
+def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:
+    """A registry of this server's own (no process-global state)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(metrics, counts))
+    return registry
+
+
+def prometheus_text(registry: CollectorRegistry) -> str:
+    """The text exposition format (version 0.0.4), as /metrics serves it."""
+    return generate_latest(registry).decode()
+
+
+def _requests(c: Counters) -> Iterator[Metric]:
     g = c.generation
-    _metric(lines, "ssd:spec_decode_num_draft_tokens_total", "counter", "Drafted tokens verified.",
-            [("", g.drafted)])
-    _metric(lines, "ssd:spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens accepted.",
-            [("", g.accepted)])
-    _metric(lines, "ssd:spec_decode_num_accepted_tokens_per_pos", "counter",
-            "Drafted tokens accepted at each position.",
-            [(_labels(position=i), n) for i, n in enumerate(g.accepted_at)])
+    yield _counter("ssd:request_admitted", "Requests admitted.", c.requests_total)
+    yield _counter("ssd:request_rejected", "Requests refused: queue full.", c.requests_rejected)
+    yield _counter("ssd:request_success", "Finished requests by reason.",
+                   {(r,): n for r, n in sorted(c.finished.items())}, ["finished_reason"])
+    yield _counter("ssd:prompt_tokens", "Prompt tokens processed.", g.prompt_tokens)
+    yield _counter("ssd:generation_tokens", "Tokens generated.", g.new_tokens)
+    yield _counter("ssd:num_rounds", "Engine rounds (verifications).", g.rounds)
 
 
-def _spec_cache(lines: list[str], c: Counters) -> None:
+def _spec_decode(c: Counters) -> Iterator[Metric]:
+    g = c.generation
+    yield _counter("ssd:spec_decode_num_draft_tokens", "Drafted tokens verified.", g.drafted)
+    yield _counter("ssd:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", g.accepted)
+    yield _counter("ssd:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted at each position.",
+                   {(str(i),): n for i, n in enumerate(g.accepted_at)}, ["position"])
+
+
+def _spec_cache(c: Counters) -> Iterator[Metric]:
     s = c.generation.spec
-    _metric(lines, "ssd_spec_cache_lookups_total", "counter", "SSD cache lookups.", [("", s.lookups)])
-    _metric(lines, "ssd_spec_cache_hits_total", "counter", "SSD cache hits.", [("", s.hits)])
-    _metric(lines, "ssd_spec_cache_hit_rate", "gauge", "SSD cache hits / lookups since start.",
-            [("", s.hit_rate)])
-    _metric(lines, "ssd_spec_cache_lookups_by_k", "counter", "SSD cache lookups by accepted length k.",
-            [(_labels(k=k), n) for k, n in sorted(s.lookups_by_k.items())])
-    _metric(lines, "ssd_spec_cache_hits_by_k", "counter", "SSD cache hits by accepted length k.",
-            [(_labels(k=k), n) for k, n in sorted(s.hits_by_k.items())])
-    _metric(lines, "ssd_spec_backups_total", "counter", "Speculations made by a backup (misses), by kind.",
-            [(_labels(kind=k), n) for k, n in sorted(s.backups.items())])
-    _metric(lines, "ssd_spec_target_wait_seconds_total", "counter", "Target time blocked on the draft.",
-            [("", s.wait_s)])
-    _metric(lines, "ssd_spec_verify_seconds_total", "counter", "Target verification time.", [("", s.verify_s)])
-    _metric(lines, "ssd_spec_build_seconds_total", "counter", "Draft cache construction time.",
-            [("", s.build_s)])
-    _metric(lines, "ssd_spec_backup_seconds_total", "counter", "Draft backup speculation time.",
-            [("", s.backup_s)])
-    _metric(lines, "ssd_spec_degraded_rounds_total", "counter", "Rounds the target ran alone (draft lost).",
-            [("", s.degraded_rounds)])
+    yield _counter("ssd_spec_cache_lookups", "SSD cache lookups.", s.lookups)
+    yield _counter("ssd_spec_cache_hits", "SSD cache hits.", s.hits)
+    yield _gauge("ssd_spec_cache_hit_rate", "SSD cache hits / lookups since start.", s.hit_rate)
+    yield _counter("ssd_spec_cache_lookups_by_k", "SSD cache lookups by accepted length k.",
+                   {(str(k),): n for k, n in sorted(s.lookups_by_k.items())}, ["k"])
+    yield _counter("ssd_spec_cache_hits_by_k", "SSD cache hits by accepted length k.",
+                   {(str(k),): n for k, n in sorted(s.hits_by_k.items())}, ["k"])
+    yield _counter("ssd_spec_backups", "Speculations made by a backup (misses), by kind.",
+                   {(k,): n for k, n in sorted(s.backups.items())}, ["kind"])
+    yield _counter("ssd_spec_target_wait_seconds", "Target time blocked on the draft.", s.wait_s)
+    yield _counter("ssd_spec_verify_seconds", "Target verification time.", s.verify_s)
+    yield _counter("ssd_spec_build_seconds", "Draft cache construction time.", s.build_s)
+    yield _counter("ssd_spec_backup_seconds", "Draft backup speculation time.", s.backup_s)
+    yield _counter("ssd_spec_degraded_rounds", "Rounds the target ran alone (draft lost).", s.degraded_rounds)
 
 
-def _metric(lines: list[str], name: str, kind: str, help_text: str,
-            samples: list[tuple[str, float]]) -> None:
-    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    lines += [f"{name}{labels} {_num(value)}" for labels, value in samples]
+def _gauge(name: str, help_text: str, value: float) -> Metric:
+    return GaugeMetricFamily(name, help_text, value=value)
 
 
-def _histogram(lines: list[str], name: str, help_text: str, hist: Histogram) -> None:
-    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.lines(name)]
+def _counter(name: str, help_text: str, value: float | dict[tuple[str, ...], float],
+             labels: list[str] | None = None) -> Metric:
+    """A counter; its samples are exposed as `name_total` (prometheus_client adds the suffix)."""
+    if labels is None:
+        return CounterMetricFamily(name, help_text, value=value)
+    family = CounterMetricFamily(name, help_text, labels=labels)
+    for label_values, n in value.items():
+        family.add_metric(list(label_values), n)
+    return family
 
 
-def _labels(**labels: object) -> str:
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def _histogram(name: str, help_text: str, hist: Histogram) -> Metric:
+    return HistogramMetricFamily(name, help_text, buckets=hist.cumulative(), sum_value=hist.total)

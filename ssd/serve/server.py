@@ -3,7 +3,9 @@
 Lifecycle: `start()` binds the port at once with health NOT_SERVING and loads
 the backend in a thread; health turns SERVING when it is loaded. `stop()`
 turns health NOT_SERVING, refuses new requests, lets running ones finish for
-the grace period, aborts the rest and closes the port.
+the grace period, aborts the rest and closes the port. With
+`metrics_port` set, Prometheus scrapes http://host:port/metrics from the
+server's own registry, which also writes the Stats RPC's text.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from ssd.engine.request import GeneratorUnavailable
 from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
-from ssd.serve.metrics import ServerMetrics, prometheus_text
+from ssd.serve.metrics import ServerMetrics, prometheus_text, server_registry
 from ssd.serve.options import ServeOptions
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import InvalidArgument, validate
@@ -47,10 +51,12 @@ NO_DEADLINE_S = 1e9
 class GenerationServicer:
     """The four ssd.v1 RPCs; serves once `attach` gives it a backend."""
 
-    def __init__(self, pb: Any, options: ServeOptions, metrics: ServerMetrics) -> None:
+    def __init__(self, pb: Any, options: ServeOptions, metrics: ServerMetrics,
+                 registry: CollectorRegistry) -> None:
         self.pb = pb
         self.options = options
         self.metrics = metrics
+        self.registry = registry
         self.backend: Backend | None = None
         self.worker: GenerationWorker | None = None
         self.unavailable = "the model is loading"  # why Generate is refused; None: serving
@@ -92,7 +98,7 @@ class GenerationServicer:
     def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
         running, waiting = self.worker.counts if self.worker is not None else (0, 0)
         counters = self.metrics.snapshot()
-        text = prometheus_text(counters, running, waiting)
+        text = prometheus_text(self.registry)
         return convert.stats_response(self.pb, counters, running, waiting, self.metrics.uptime_s(), text)
 
     def _serving(self, context: grpc.ServicerContext) -> tuple[Backend, GenerationWorker]:
@@ -206,9 +212,12 @@ class GenerationServer:
         self.load_backend = load_backend
         self.pb, self.pb_grpc = protos.load()
         self.metrics = ServerMetrics()
-        self.servicer = GenerationServicer(self.pb, options, self.metrics)
+        self.registry = server_registry(self.metrics, self._counts)
+        self.servicer = GenerationServicer(self.pb, options, self.metrics, self.registry)
         self.health = health.HealthServicer()
         self.port: int | None = None
+        self.metrics_port: int | None = None  # the /metrics HTTP port, once started
+        self._metrics_http: WSGIServer | None = None
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -225,6 +234,8 @@ class GenerationServer:
         self.port = self._bind(self._server)
         self._server.start()
         log.info("listening on %s:%d (%s)", self.options.host, self.port, "TLS" if self.options.tls else "plaintext")
+        if self.options.metrics_port is not None:
+            self._start_metrics_http()
         threading.Thread(target=self._load, name="ssd-serve-loader", daemon=True).start()
         return self.port
 
@@ -246,12 +257,37 @@ class GenerationServer:
             self._worker.close(grace)
         if self._server is not None:
             self._server.stop(grace=min(grace, 1.0)).wait()
+        self._stop_metrics_http()
         self._close_backend()
         self._stopped.set()
         log.info("stopped")
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+    def _counts(self) -> tuple[int, int]:
+        """(running, waiting) for the gauges; zeros while the model loads."""
+        worker = self._worker
+        return worker.counts if worker is not None else (0, 0)
+
+    def _start_metrics_http(self) -> None:
+        """Serve this server's registry at /metrics (any path answers, as prometheus_client does)."""
+        opts = self.options
+        tls = {"certfile": str(opts.tls_cert), "keyfile": str(opts.tls_key)} if opts.tls else {}
+        try:
+            self._metrics_http, _ = start_http_server(opts.metrics_port, addr=opts.host, registry=self.registry, **tls)
+        except OSError as exc:
+            self._server.stop(0)
+            raise OSError(f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {exc}") from exc
+        self.metrics_port = self._metrics_http.server_port
+        host = f"[{opts.host}]" if ":" in opts.host else opts.host
+        log.info("metrics at %s://%s:%d/metrics", "https" if opts.tls else "http", host, self.metrics_port)
+
+    def _stop_metrics_http(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
 
     def _add_generation_service(self, server: grpc.Server) -> None:
         """ssd.v1.GenerationService with requests parsed by us (ssd.serve.decoding), so

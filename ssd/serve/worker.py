@@ -1,8 +1,28 @@
-"""One engine, one request at a time: a single worker thread over a FIFO queue.
+"""The generation worker: one thread that schedules every request.
 
 Handler threads submit jobs and drain each job's event queue; the worker
-runs jobs in arrival order (fair), so a long request delays the ones behind
-it but never starves them. Admission bounds queued + running jobs.
+thread alone touches the engines. Admission bounds queued + running jobs.
+
+Scheduling policy:
+
+* Batched modes. A backend may give a `BatchEngine` per mode
+  (`backend.batch_engine(mode)`, see `BatchingBackend`); the worker makes one
+  per mode on first use and owns it. Between rounds, queued jobs are admitted
+  in arrival order while their mode's engine `can_admit` them. Admission is
+  strictly FIFO: when the head of the queue does not fit, the jobs behind it
+  wait too, so a large request is never overtaken forever.
+* Modes in turn. Each loop steps one engine that has rows, round-robin over
+  the modes (one `step` each), so a busy mode cannot starve another.
+* Non-batched modes (no engine: SSD at batch 1, the cluster backend, a
+  backend without the hook) run through `backend.generate`, alone: when such
+  a job reaches the head of the queue it runs to its end between two batched
+  rounds, and the batched rows pause meanwhile (their deadlines keep running).
+* Rows leave the moment they end: every `Finished` the step returns is
+  completed at once (result, error or aborted); a row's tokens stream through
+  its job's `on_tokens` as each round lands. Cancel, Abort and deadlines reach
+  a row through the request's `cancelled` hook, which the engine polls every
+  step. A step that raises as a whole fails that engine's rows; the engine is
+  closed and a fresh one made for the next request of that mode.
 """
 
 from __future__ import annotations
@@ -15,7 +35,9 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from ssd.engine.batch import BatchEngine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
@@ -33,6 +55,18 @@ class DuplicateRequestId(ValueError):
 
 class WorkerClosed(RuntimeError):
     pass
+
+
+class Unschedulable(RuntimeError):
+    """A request its batch engine can never admit, even with no other rows."""
+
+
+class BatchingBackend(Protocol):
+    """The optional backend hook the worker looks for (by getattr)."""
+
+    def batch_engine(self, mode: str) -> BatchEngine | None:
+        """A new batch engine for `mode`, owned (and closed) by the caller;
+        None: requests of that mode run one at a time through `generate`."""
 
 
 @dataclass
@@ -62,10 +96,11 @@ class Job:
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() seconds
     arrived: float = field(default_factory=time.monotonic)
-    started: float | None = None
+    started: float | None = None  # admitted into an engine (or began alone)
     first_token: float | None = None
     events: "queue.Queue[Round | Done]" = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
+    _bound: GenerationRequest | None = None
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -81,6 +116,14 @@ class Job:
             self.first_token = time.monotonic()
         self.events.put(Round(list(ids)))
 
+    def bound(self) -> GenerationRequest:
+        """The request as engines see it: this job's id, token callback and cancel hook."""
+        if self._bound is None:
+            self._bound = dataclasses.replace(
+                self.request, request_id=self.request_id, on_tokens=self.on_tokens, cancelled=self.cancelled
+            )
+        return self._bound
+
 
 class GenerationWorker:
     def __init__(self, backend: Backend, metrics: ServerMetrics, max_queue: int) -> None:
@@ -89,14 +132,16 @@ class GenerationWorker:
         self.max_queue = max_queue
         self._lock = threading.Condition()
         self._pending: deque[Job] = deque()
-        self._jobs: dict[str, Job] = {}  # queued + running, for Abort
-        self._running: Job | None = None
+        self._jobs: dict[str, Job] = {}  # queued + running, for Abort and admission
+        self._running: dict[str, Job] = {}  # rows in an engine, or the one running alone
+        self._engines: dict[str, BatchEngine | None] = {}  # worker thread only
+        self._last_stepped = ""
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ssd-generation-worker", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> int:
-        """Queue a job; return how many jobs are ahead of it."""
+        """Queue a job; return how many jobs are ahead of it (queued or running)."""
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
@@ -134,7 +179,7 @@ class GenerationWorker:
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._lock:
-            return int(self._running is not None), len(self._pending)
+            return len(self._running), len(self._pending)
 
     def close(self, grace_s: float) -> None:
         """Refuse new jobs, let queued and running ones finish for grace_s, abort the rest."""
@@ -149,42 +194,167 @@ class GenerationWorker:
             job.cancel()
         self._thread.join(timeout=grace_s + 30.0)
 
+    # --- the worker thread ----------------------------------------------------
+
     def _loop(self) -> None:
-        while True:
-            job = self._next()
-            if job is None:
-                return
-            done = self._run(job)
-            with self._lock:
-                self._running = None
-                del self._jobs[job.request_id]
-                self._lock.notify_all()
-            self._complete(job, done)
-
-    def _next(self) -> Job | None:
-        with self._lock:
-            self._lock.wait_for(lambda: self._pending or self._closed)
-            if not self._pending:
-                return None  # closed and drained
-            self._running = self._pending.popleft()
-            return self._running
-
-    def _run(self, job: Job) -> Done:
-        job.started = time.monotonic()
-        if job.cancelled():
-            return Done()  # its deadline passed while queued
-        request = dataclasses.replace(
-            job.request, request_id=job.request_id, on_tokens=job.on_tokens, cancelled=job.cancelled
-        )
         try:
-            result = self.backend.generate(request)
-            return Done(result=result)
+            while self._wait_for_work():
+                alone = self._admit_queued()
+                if alone is not None:
+                    self._finish(alone, self._run_alone(alone))
+                else:
+                    self._step_next()
+        finally:
+            self._close_engines()
+
+    def _wait_for_work(self) -> bool:
+        """Block until something is queued or running; False once closed and drained."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._pending or self._running or self._closed)
+            return bool(self._pending or self._running)
+
+    def _admit_queued(self) -> Job | None:
+        """Admit queued jobs into their engines in arrival order; return a head job
+        that runs alone (its mode has no batch engine), or None."""
+        while (head := self._peek()) is not None:
+            try:
+                engine = self._engine_for(self._mode(head))
+                if engine is not None and not head.cancelled() and not self._fits(engine, head):
+                    return None  # the head waits for room; the jobs behind it wait too (FIFO)
+            except Exception as exc:  # no engine for this mode, or it refuses the request for good
+                log.exception("request %s cannot be scheduled", head.request_id)
+                if self._take(head):
+                    self._finish(head, Done(error=exc))
+                continue
+            if not self._take(head):
+                continue  # cancelled and removed meanwhile
+            if head.cancelled():
+                self._finish(head, Done())  # its deadline passed, or it was cancelled, while queued
+            elif engine is None:
+                return head
+            else:
+                self._admit(engine, head)
+        return None
+
+    def _fits(self, engine: BatchEngine, job: Job) -> bool:
+        if engine.can_admit(job.bound()):
+            return True
+        if not engine.rows:
+            raise Unschedulable(f"request {job.request_id} exceeds the batch limits even alone")
+        return False
+
+    def _peek(self) -> Job | None:
+        with self._lock:
+            return self._pending[0] if self._pending else None
+
+    def _take(self, job: Job) -> bool:
+        """Move `job` from the head of the queue to running; False if it already left."""
+        with self._lock:
+            if not self._pending or self._pending[0] is not job:
+                return False
+            self._pending.popleft()
+            self._running[job.request_id] = job
+            job.started = time.monotonic()
+            return True
+
+    def _mode(self, job: Job) -> str:
+        speculation = job.request.speculation or self.backend.info.defaults.speculation
+        return speculation.mode
+
+    def _engine_for(self, mode: str) -> BatchEngine | None:
+        """This mode's batch engine (made on first use), or None: it runs alone."""
+        if mode not in self._engines:
+            make = getattr(self.backend, "batch_engine", None)
+            engine = make(mode) if make is not None else None
+            log.info("mode %s: %s", mode, "continuous batching" if engine is not None else "one request at a time")
+            self._engines[mode] = engine
+        return self._engines[mode]
+
+    def _admit(self, engine: BatchEngine, job: Job) -> None:
+        try:
+            engine.admit(job.bound())
+        except Exception as exc:  # this request alone is refused; the rows go on
+            log.exception("admitting request %s failed", job.request_id)
+            self._finish(job, Done(error=exc))
+
+    def _run_alone(self, job: Job) -> Done:
+        try:
+            return Done(result=self.backend.generate(job.bound()))
         except GeneratorUnavailable as exc:  # the model was lost mid-request: the client retries
             log.warning("request %s failed: %s", job.request_id, exc)
             return Done(error=exc)
         except Exception as exc:  # an engine fault ends this request, never the server
             log.exception("request %s failed", job.request_id)
             return Done(error=exc)
+
+    def _step_next(self) -> None:
+        """One step of the next mode (in turn) that has rows; complete the rows that left."""
+        mode = self._next_mode()
+        if mode is None:
+            self._fail_orphans()
+            return
+        engine = self._engines[mode]
+        self.metrics.stepped(engine.rows)
+        try:
+            finished = engine.step()
+        except Exception as exc:
+            log.exception("a %s batch step failed; its %d row(s) fail with it", mode, engine.rows)
+            self._drop_engine(mode, exc)
+            return
+        for row in finished:
+            self._finish_row(row)
+
+    def _next_mode(self) -> str | None:
+        """Round-robin over the modes whose engine has rows, after the last one stepped."""
+        order = list(self._engines)
+        start = order.index(self._last_stepped) + 1 if self._last_stepped in order else 0
+        for mode in order[start:] + order[:start]:
+            engine = self._engines[mode]
+            if engine is not None and engine.rows:
+                self._last_stepped = mode
+                return mode
+        return None
+
+    def _finish_row(self, row: Finished) -> None:
+        with self._lock:
+            job = self._running.get(row.request.request_id)
+        if job is None:
+            log.warning("the engine finished an unknown request %r", row.request.request_id)
+            return
+        if row.error is not None:
+            log.error("request %s failed: %s: %s", job.request_id, type(row.error).__name__, row.error)
+        self._finish(job, Done(result=row.result, error=row.error))
+
+    def _drop_engine(self, mode: str, exc: Exception) -> None:
+        engine = self._engines.pop(mode)
+        _close_quietly(engine)
+        for job in self._running_jobs():
+            if self._mode(job) == mode:
+                self._finish(job, Done(error=exc))
+
+    def _fail_orphans(self) -> None:
+        """Running jobs that no engine holds (an engine broke its contract): end them,
+        rather than wait forever."""
+        for job in self._running_jobs():
+            self._finish(job, Done(error=RuntimeError("the batch engine lost this request")))
+
+    def _running_jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._running.values())
+
+    def _close_engines(self) -> None:
+        while self._engines:
+            _close_quietly(self._engines.popitem()[1])
+
+    # --- every job ends here -------------------------------------------------
+
+    def _finish(self, job: Job, done: Done) -> None:
+        """A running job ended: free its slot, then complete it."""
+        with self._lock:
+            self._running.pop(job.request_id, None)
+            self._jobs.pop(job.request_id, None)
+            self._lock.notify_all()
+        self._complete(job, done)
 
     def _complete(self, job: Job, done: Done) -> None:
         """Every job ends here, however it ended: counted, logged, handed to its stream."""
@@ -198,6 +368,15 @@ class GenerationWorker:
         ttft = job.first_token - job.arrived if job.first_token is not None else None
         stats = done.result.stats if done.result is not None else None
         self.metrics.finished(done.reason, stats, ttft, now - job.arrived, started - job.arrived)
+
+
+def _close_quietly(engine: BatchEngine | None) -> None:
+    if engine is None:
+        return
+    try:
+        engine.close()
+    except Exception:  # closing a broken engine must not hide why it broke
+        log.exception("closing a batch engine failed")
 
 
 def _log_finished(job: Job, done: Done) -> None:
