@@ -22,11 +22,22 @@ the first token; for HF after its first round, which admits several). At
 T > 0 prompt i is sampled with seed (sampling.seed + i) in every mode.
 The physical limit (every round a hit) is E[tokens/round] / T_verify from
 the SSD row (or SD without SSD); "x limit" is each row's share of it.
+
+--concurrency runs the serving benchmark instead: a gRPC server on loopback
+over the loaded pair, N streaming clients at once (closed loop, each sending
+--requests-per-client requests), every mode batched (continuous batching)
+and the config's mode one request at a time (batching.max_rows 1: the
+server as it was before batching), with total tokens/s, TTFT and per-token
+inter-token latency (p50/p99); "x base" is throughput over that
+one-at-a-time row at the same concurrency:
+
+    python launch/bench.py --concurrency 1 2 4 8 --modes ar sd --max-new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -43,6 +54,8 @@ PROMPT_DIR = ROOT / "configs" / "prompts"
 def main(argv: list[str] | None = None) -> Results:
     args = _parser().parse_args(argv)
     config = config_from_args(args)
+    if args.concurrency:
+        return serving(args, config)
     plan = BenchPlan(
         modes=args.modes,
         ks=args.ks or [config.speculation.k],
@@ -65,6 +78,36 @@ def main(argv: list[str] | None = None) -> Results:
     return results
 
 
+def serving(args: argparse.Namespace, config) -> list:
+    """The serving benchmark (--concurrency): see the module docstring."""
+    from ssd.bench.serving import ServingPlan, Variant, format_serving_table, run_serving_bench
+
+    baseline = Variant(config.speculation.mode, batched=False)
+    ks = args.ks or [None]
+    variants = [baseline] + [Variant(m, k if m != "ar" else None) for m in args.modes for k in (ks if m != "ar" else [None])]
+    prompts = [p.text for prompt_set in _prompt_sets(args).values() for p in prompt_set if not p.chat]
+    plan = ServingPlan(
+        variants=list(dict.fromkeys(variants)), concurrencies=args.concurrency, prompts=prompts,
+        requests_per_client=args.requests_per_client, max_new_tokens=config.generation.max_new_tokens,
+        temperature=(args.temperatures or [config.sampling.temperature])[0], progress=not args.no_progress,
+    )
+    pair = load_pair(config, with_draft=any(v.mode != "ar" for v in plan.variants))
+    results = run_serving_bench(pair, config, plan)
+    print(format_serving_table(results, baseline.label))
+    if args.json:
+        import json
+
+        args.json.write_text(json.dumps({"machine": hardware_summary(), "rows": [r.row() for r in results],
+                                         "settings": _settings(args, config, None)}, indent=2))
+    return results
+
+
+def hardware_summary() -> str:
+    from ssd import hardware
+
+    return hardware.summary()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-sets", dest="prompt_sets", nargs="+", default=["code"],
@@ -82,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", type=Path, help="write the aggregate rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s by mode here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--concurrency", nargs="+", type=int,
+                        help="serving benchmark: concurrent streaming clients, e.g. 1 2 4 8 (see above)")
+    parser.add_argument("--requests-per-client", dest="requests_per_client", type=int, default=2,
+                        help="serving benchmark: requests each client sends in turn")
     add_config_args(parser)
     return parser
 
@@ -101,13 +148,16 @@ def _prompt_path(name: str) -> Path:
     return path if path.suffix in (".yaml", ".yml") else PROMPT_DIR / f"{name}.yaml"
 
 
-def _settings(args: argparse.Namespace, config, plan: BenchPlan) -> dict:
-    """What the run was asked to do, for the JSON file."""
-    return {
-        "config": str(args.config),
+def _settings(args: argparse.Namespace, config, plan: BenchPlan | None) -> dict:
+    """What the run was asked to do, for the JSON file (plan None: the serving benchmark)."""
+    asked = {"concurrency": args.concurrency, "requests_per_client": args.requests_per_client, "modes": args.modes,
+             "ks": args.ks, "batching": dataclasses.asdict(config.batching)} if plan is None else {
         "modes": list(plan.modes), "ks": list(plan.ks), "temperatures": list(plan.temperatures),
         "thread_counts": list(plan.thread_counts), "cluster": plan.cluster_ssd,
         "prompt_sets": {name: len(prompts) for name, prompts in plan.prompt_sets.items()},
+    }
+    return {
+        "config": str(args.config), **asked,
         **{role: {"name": m.name, "dtype": m.dtype, "quantization": m.quantization}
            for role, m in (("target", config.target), ("draft", config.draft))},
         "max_new_tokens": config.generation.max_new_tokens,

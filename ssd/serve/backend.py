@@ -106,9 +106,10 @@ class TokenizerMixin:
 class LocalBackend(TokenizerMixin):
     """The target (and draft) in this process; SSD's speculator runs in a thread."""
 
-    def __init__(self, config: Config, with_draft: bool = True) -> None:
+    def __init__(self, config: Config, with_draft: bool = True, pair: LoadedPair | None = None) -> None:
+        """pair: models already loaded (the serving bench starts several servers over one pair)."""
         self.config = config
-        self.pair = load_pair(config, with_draft=with_draft)
+        self.pair = pair if pair is not None else load_pair(config, with_draft=with_draft)
         self.tokenizer = self.pair.tokenizer
         self._engines = EngineByMode(self.pair, config)
         self._lock = threading.Lock()  # the worker serializes; this guards misuse
@@ -126,9 +127,10 @@ class LocalBackend(TokenizerMixin):
 
     def batch_engine(self, mode: str) -> BatchEngine | None:
         """A new batch engine for `mode` over the loaded weights (the caller owns and
-        closes it); None: the pair has no batched engine for it, so it runs alone."""
+        closes it); None: the pair has no batched engine for it, or batching.max_rows
+        is 1 (batching off), so requests run alone through the one-sequence engines."""
         make = getattr(self.pair, "batch_engine", None)  # absent before the batched engines land
-        if make is None or mode not in BATCHED_MODES:
+        if make is None or mode not in BATCHED_MODES or self.config.batching.max_rows == 1:
             return None
         try:
             return make(dataclasses.replace(self.config.speculation, mode=mode), self.config.batching)

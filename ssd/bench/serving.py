@@ -1,0 +1,120 @@
+"""The serving benchmark: modes side by side at several client concurrencies,
+through a real gRPC server on loopback, batched and one request at a time.
+
+One model load serves every row: each server variant (batching off, i.e.
+batching.max_rows 1, and batching on) is a GenerationServer over a
+LocalBackend sharing the loaded pair. Every row of one concurrency sends the
+same prompts with the same settings, so rows compare like for like; the
+baseline of each concurrency is the one-at-a-time server in the config's mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from ssd.bench.load import LoadResult, run_load
+from ssd.config import Config
+from ssd.engine.factory import LoadedPair
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: a mode (with its K) on a server that batches or not."""
+
+    mode: str
+    k: int | None = None  # None: the config's
+    batched: bool = True
+
+    @property
+    def label(self) -> str:
+        k = f" K={self.k}" if self.k is not None and self.mode != "ar" else ""
+        return f"{self.mode}{k} {'batched' if self.batched else 'one-at-a-time'}"
+
+    def fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"mode": self.mode}
+        if self.k is not None and self.mode != "ar":
+            fields["k"] = self.k
+        return fields
+
+
+@dataclass
+class ServingPlan:
+    variants: list[Variant]
+    concurrencies: list[int]
+    prompts: list[str]
+    requests_per_client: int = 2
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    progress: bool = True
+
+
+def run_serving_bench(pair: LoadedPair, config: Config, plan: ServingPlan) -> list[LoadResult]:
+    """Every variant at every concurrency; results grouped by concurrency, then variant."""
+    results: dict[tuple[int, Variant], LoadResult] = {}
+    bar = tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench", disable=not plan.progress)
+    for batched in (False, True):
+        variants = [v for v in plan.variants if v.batched == batched]
+        if not variants:
+            continue
+        with _server(pair, config, batched, max(plan.concurrencies)) as address:
+            for concurrency in plan.concurrencies:
+                for variant in variants:
+                    results[(concurrency, variant)] = _run(address, variant, concurrency, plan)
+                    bar.update()
+                    log.info("%s", results[(concurrency, variant)].row())
+    bar.close()
+    return [results[(c, v)] for c in plan.concurrencies for v in plan.variants]
+
+
+def _run(address: str, variant: Variant, concurrency: int, plan: ServingPlan) -> LoadResult:
+    fields = variant.fields() | {"max_new_tokens": plan.max_new_tokens, "temperature": plan.temperature,
+                                 "ignore_eos": True}
+    run_load(address, variant.label, 1, plan.prompts[:1], 1, fields | {"max_new_tokens": 4})  # warm-up
+    return run_load(address, variant.label, concurrency, plan.prompts, plan.requests_per_client, fields)
+
+
+class _server:
+    """A GenerationServer on a free loopback port over the shared pair."""
+
+    def __init__(self, pair: LoadedPair, config: Config, batched: bool, rows: int) -> None:
+        batching = dataclasses.replace(config.batching, max_rows=rows if batched else 1)
+        self.config = dataclasses.replace(config, batching=batching)
+        self.pair = pair
+        self.rows = rows
+
+    def __enter__(self) -> str:
+        from ssd.serve.backend import LocalBackend
+        from ssd.serve.options import ServeOptions
+        from ssd.serve.server import GenerationServer
+
+        options = ServeOptions(port=0, max_queue=max(64, 4 * self.rows))
+        self.server = GenerationServer(options, lambda: LocalBackend(self.config, pair=self.pair))
+        self.server.start()
+        if not self.server.wait_ready(600):
+            raise RuntimeError(f"the bench server did not start: {self.server.load_error}")
+        return f"127.0.0.1:{self.server.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(grace_s=1.0)
+
+
+def format_serving_table(results: Sequence[LoadResult], baseline: str) -> str:
+    """A markdown table per concurrency; "x base" is throughput over the `baseline` row's."""
+    lines = ["| clients | mode | tok/s | x base | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = {r.concurrency: r.throughput for r in results if r.label == baseline}
+    for r in results:
+        row = r.row()
+        ratio = r.throughput / base[r.concurrency] if base.get(r.concurrency) else float("nan")
+        lines.append(
+            f"| {r.concurrency} | {r.label} | {r.throughput:.1f} | {ratio:.2f} | {row['ttft_p50_s']:.3f} | "
+            f"{row['ttft_p99_s']:.3f} | {row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | {row['errors']} |"
+        )
+    return "\n".join(lines)
