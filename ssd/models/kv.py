@@ -202,6 +202,19 @@ def _forward_packed(rows: Sequence[KVSequence], ids: list[list[int]], last_only:
     return list(logits.split(counts))
 
 
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token takes in `model`'s cache: layers * 2 * kv heads * head dim * element size.
+
+    The cache holds activations, so an int8 model's cache is in its embedding's dtype.
+    """
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = model.get_input_embeddings().weight.element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
 def token_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Token ids as a long tensor on `device` (a tensor already there is used as is)."""
     if isinstance(ids, torch.Tensor):
