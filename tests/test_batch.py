@@ -345,8 +345,20 @@ def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
         engine.admit(request([1, 2, 3], 20))
     assert not engine.can_admit(request([1, 2, 3], 20))
     assert engine.can_admit(request([1], 4))  # a smaller request still fits
+    with pytest.raises(RuntimeError, match="check can_admit"):
+        engine.admit(request([1, 2, 3], 20))
     engine.step()  # every row prefills and moves on; none leaves
     assert engine.rows == 2 and not engine.can_admit(request([1, 2, 3], 20))
+
+    # Rounds of K + 1 tokens must leave a token of max_batched_tokens for prefill.
+    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=12, prefill_chunk=4))
+    for _ in range(2):
+        assert engine.can_admit(request([1, 2, 3], 20, k=4))
+        engine.admit(request([1, 2, 3], 20, k=4))
+    assert not engine.can_admit(request([1, 2, 3], 20, k=4)) and engine.can_admit(request([1, 2, 3], 20, k=1))
+    assert engine.can_admit(request([1], 5, k=20))  # never fits: admit says why
+    with pytest.raises(ValueError, match="tokens per round"):
+        engine.admit(request([1], 5, k=20))
 
 
 def test_requests_that_never_fit_or_bring_another_mode_are_refused(tiny_models, tiny_tokenizer):

@@ -105,6 +105,7 @@ class Row:
     draft: KVSequence | None
     clock: Stopwatch
     kv_bytes: int  # what admission reserved for its caches
+    round_tokens: int  # the most tokens one of its rounds feeds the target (K + 1; AR: 1)
     prefilled: int = 0  # prompt tokens the target has been fed
     chain: Chain | None = None  # SD: this round's drafting
     error: Exception | None = None
@@ -175,10 +176,12 @@ class BatchedEngine(RequestHandling, BatchEngine):
                 f"request needs {need_bytes / 2**20:.1f} MiB of KV cache and {need_tokens} tokens per round; "
                 f"the engine allows {self.batching.kv_memory_mb} MiB and {self.batching.max_batched_tokens} tokens"
             )
-        if len(self._rows) >= self.batching.max_rows:
-            raise RuntimeError(f"the batch is full ({self.batching.max_rows} rows); check can_admit first")
+        if len(self._rows) >= self.batching.max_rows or not self._fits(need_bytes, need_tokens, self._rows):
+            raise RuntimeError(f"the batch is full ({self.rows} rows); check can_admit first")
         draft = KVSequence(self.draft_model) if self.draft_model is not None else None
-        self._rows.append(Row(self._new_state(request), KVSequence(self.target_model), draft, Stopwatch(), need_bytes))
+        self._rows.append(Row(
+            self._new_state(request), KVSequence(self.target_model), draft, Stopwatch(), need_bytes, need_tokens
+        ))
 
     def step(self) -> list[Finished]:
         left = self._drop_cancelled()
@@ -199,10 +202,6 @@ class BatchedEngine(RequestHandling, BatchEngine):
         return left + self._collect()
 
     # --- what a mode says ---------------------------------------------------------
-
-    def _round_tokens(self, request: GenerationRequest) -> int:
-        """The most tokens one of this request's rounds feeds the target (AR: 1)."""
-        return 1
 
     def _round_cost(self, row: Row) -> int:
         """The tokens this step's round of `row` feeds the target."""
@@ -226,17 +225,17 @@ class BatchedEngine(RequestHandling, BatchEngine):
     # --- the loop -----------------------------------------------------------------
 
     def _needs(self, request: GenerationRequest) -> tuple[int, int]:
-        """(KV bytes, tokens per round) the request reserves; refuses a mode this engine does not run."""
-        self._settings(request)
-        speculation = request.speculation or self.speculation
-        k = speculation.k if speculation is not None and self.mode != "ar" else 0
+        """(KV bytes, the most tokens a round feeds the target) the request
+        reserves; refuses a mode this engine does not run."""
+        speculation = self._settings(request)
+        k = speculation.k if speculation is not None else 0
         tokens = len(request.prompt_ids) + request.generation.max_new_tokens + k
-        return tokens * self._token_bytes, self._round_tokens(request)
+        return tokens * self._token_bytes, k + 1
 
     def _fits(self, need_bytes: int, need_tokens: int, rows: Sequence[Row]) -> bool:
         """KV memory within kv_memory_mb; the rounds leave at least one token of the budget for prefill."""
         kv_ok = need_bytes + sum(r.kv_bytes for r in rows) <= self.batching.kv_memory_mb * 2**20
-        round_tokens = need_tokens + sum(self._round_tokens(r.request) for r in rows)
+        round_tokens = need_tokens + sum(r.round_tokens for r in rows)
         return kv_ok and round_tokens < self.batching.max_batched_tokens
 
     def _drop_cancelled(self) -> list[Finished]:
@@ -338,9 +337,6 @@ class BatchedSDEngine(BatchedEngine):
         """`k`: drafted tokens per round for requests that bring no speculation settings."""
         super().__init__(target, tokenizer, batching, verifier, SpeculationConfig(mode="sd", k=k), draft)
         self.precision += f", draft {precision_of(draft)}"
-
-    def _round_tokens(self, request: GenerationRequest) -> int:
-        return (request.speculation or self.speculation).k + 1
 
     def _round_cost(self, row: Row) -> int:
         return draft_length(row.state) + 1
