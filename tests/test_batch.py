@@ -351,7 +351,7 @@ def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
     assert engine.rows == 2 and not engine.can_admit(request([1, 2, 3], 20))
 
     # Rounds of K + 1 tokens must leave a token of max_batched_tokens for prefill.
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=12, prefill_chunk=4))
+    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=13, prefill_chunk=4))
     for _ in range(2):
         assert engine.can_admit(request([1, 2, 3], 20, k=4))
         engine.admit(request([1, 2, 3], 20, k=4))
