@@ -2,8 +2,12 @@
 
 from ssd.engine.ar import AREngine
 from ssd.engine.base import Engine
+from ssd.engine.batch import BatchedAREngine, BatchedSDEngine, BatchEngine, Finished
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.engine.sd import SDEngine
 
-__all__ = ["AREngine", "SDEngine", "Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Generator"]
+__all__ = [
+    "AREngine", "SDEngine", "BatchEngine", "BatchedAREngine", "BatchedSDEngine", "Finished",
+    "Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Generator",
+]

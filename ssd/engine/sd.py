@@ -11,7 +11,7 @@ from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer
 from ssd.speculation.drafting import draft_chain
-from ssd.verify import verify
+from ssd.verify import Outcome, verify
 
 
 class SDEngine(Engine):
@@ -35,11 +35,25 @@ class SDEngine(Engine):
         self.draft.reset()
 
     def _round(self, req: SequenceState) -> list[int]:
-        # Never draft past max_new_tokens: the round adds up to K + 1 tokens.
-        k = min(req.speculation.k, req.output.remaining - 1)
-        drafted, q_rows = draft_chain(self.draft, req.sequence, k, req.sampling, req.gen)
-        q = torch.stack(q_rows) if q_rows and not req.sampling.greedy else None  # greedy never reads q
-        outcome = self._verify(req, drafted, q)
-        # The draft never fed its last drafted token, so it may hold fewer.
-        self.draft.rollback(min(self.draft.length, len(req.sequence) + outcome.k))
+        drafted, q_rows = draft_chain(self.draft, req.sequence, draft_length(req), req.sampling, req.gen)
+        outcome = self._verify(req, drafted, q_matrix(q_rows, req))
+        settle_draft(self.draft, req, outcome)
         return outcome.tokens(drafted)
+
+
+def draft_length(req: SequenceState) -> int:
+    """Tokens to draft this round: never past max_new_tokens, since the round adds up to K + 1."""
+    return min(req.speculation.k, req.output.remaining - 1)
+
+
+def q_matrix(q_rows: list[torch.Tensor], req: SequenceState) -> torch.Tensor | None:
+    """The drafted positions' q [K, V] for verification (None where it is never read: greedy, K = 0)."""
+    return torch.stack(q_rows) if q_rows and not req.sampling.greedy else None
+
+
+def settle_draft(draft: KVSequence, req: SequenceState, outcome: Outcome) -> None:
+    """Roll the draft back to the accepted tokens (req.sequence not yet extended by this round).
+
+    The draft never fed its last drafted token, so it may hold fewer.
+    """
+    draft.rollback(min(draft.length, len(req.sequence) + outcome.k))

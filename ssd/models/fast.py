@@ -17,6 +17,12 @@ Attention, per forward of M new rows written at cache index `start`:
 - no mask, longer (prompt prefill): one SDPA call under a causal mask;
 - an explicit [M, start + M] mask (tree-masked branches): one SDPA call.
 
+Several sequences in one forward (continuous batching, `packed`): every
+row's new tokens are concatenated into one [1, sum M, H] activation, so the
+projections, MLP and norms run as one matmul over all rows, while attention
+runs per row over that row's own cache with the rules above: a row's
+attention is the very call it would make alone.
+
 Supported: Qwen2, Llama and Mistral layouts without sliding windows, on one
 device; anything else (and tensor-parallel shards) keeps transformers' forward.
 """
@@ -24,6 +30,7 @@ device; anything else (and tensor-parallel shards) keeps transformers' forward.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +84,17 @@ class StaticKV:
                 store[i] = new
 
 
+@dataclass
+class Segment:
+    """One sequence's share of a packed forward: `length` new rows written at
+    `start` of its own cache; mask: bool [length, start + length] or None (causal)."""
+
+    cache: StaticKV
+    start: int
+    length: int
+    mask: torch.Tensor | None = None
+
+
 class FastForward:
     """Runs a supported model's modules over a StaticKV (see the module docstring)."""
 
@@ -114,29 +132,46 @@ class FastForward:
         ids, positions: [M]; mask: bool [M, start + M] (True: may attend) or
         None for causal order; keep: row indices to compute logits for.
         """
-        m = ids.shape[0]
-        cache.reserve(start + m, keep=start)
-        x = self.inner.embed_tokens(ids)[None]  # [1, M, H]
+        return self.packed([Segment(cache, start, ids.shape[0], mask)], ids, positions, keep)
+
+    @torch.inference_mode()
+    def packed(
+        self, segments: list[Segment], ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [len(keep) or N, V] for N = sum of the segments' lengths, in one forward.
+
+        ids, positions: [N], the segments' tokens one after another; segment
+        s writes its rows into its own cache at its own `start` and attends
+        only to that cache; keep: indices into the N rows.
+        """
+        for s in segments:
+            s.cache.reserve(s.start + s.length, keep=s.start)
+        x = self.inner.embed_tokens(ids)[None]  # [1, N, H]
         cos, sin = self.inner.rotary_emb(x, positions[None])
         for index, layer in enumerate(self.inner.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, index, start, mask)
+            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, segments, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.inner.norm(x)[0]
         return self.model.lm_head(x if keep is None else x[keep])
 
-    def _attention(self, layer, h, cos, sin, cache, index, start, mask) -> torch.Tensor:
+    def _attention(self, layer, h, cos, sin, segments: list[Segment], index: int) -> torch.Tensor:
         attn = layer.self_attn
-        m = h.shape[1]
-        q = attn.q_proj(h).view(1, m, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(1, m, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(1, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        n = h.shape[1]
+        q = attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = self._rotary(q, k, cos, sin)
-        end = start + m
-        cache.keys[index][:, start:end] = k[0]
-        cache.values[index][:, start:end] = v[0]
-        keys, values = cache.keys[index][None], cache.values[index][None]
-        out = _attend(q, keys, values, start, end, mask, attn.scaling)  # [1, heads, M, D]
-        return attn.o_proj(out.transpose(1, 2).reshape(1, m, self.heads * self.head_dim))
+        outs, offset = [], 0
+        for s in segments:
+            rows = slice(offset, offset + s.length)
+            end = s.start + s.length
+            s.cache.keys[index][:, s.start : end] = k[0, :, rows]
+            s.cache.values[index][:, s.start : end] = v[0, :, rows]
+            keys, values = s.cache.keys[index][None], s.cache.values[index][None]
+            outs.append(_attend(q[:, :, rows], keys, values, s.start, end, s.mask, attn.scaling))  # [1, heads, M, D]
+            offset += s.length
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
 
 
 def _attend(q, keys, values, start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

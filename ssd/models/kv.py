@@ -8,6 +8,10 @@ tokens in one forward, and roll back to the accepted length after verification.
 Two carriers behind one interface: the lean forward over a preallocated cache
 (ssd.models.fast) for the Llama-layout models it supports, transformers'
 forward over a DynamicCache for every other model (and tensor-parallel shards).
+
+`forward_rows` advances several sequences of one model at once (continuous
+batching): one packed forward on the lean carrier, a loop over the rows on
+the other (correct, not batched), behind one call.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.fast import FastForward, StaticKV, fast_supported
+from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
 
 
 class KVSequence:
@@ -145,6 +149,70 @@ class KVSequence:
                 logits_to_keep=0 if keep is None else keep,
             ).logits[0]
         return logits  # on the model's device: sampling and verification run there
+
+
+def forward_rows(
+    rows: Sequence[KVSequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False
+) -> list[torch.Tensor]:
+    """`rows[i].forward(ids[i], last_only[i])` for every row, in one forward where the carrier allows.
+
+    The rows are distinct sequences of one model. On the lean carrier their
+    tokens are packed into one forward (ssd.models.fast: shared matmuls,
+    per-row attention); a single row, transformers' carrier and KVSequence
+    subclasses (which mirror operations elsewhere) run row by row.
+    """
+    flags = [last_only] * len(rows) if isinstance(last_only, bool) else list(last_only)
+    if len(rows) != len(ids) or len(rows) != len(flags):
+        raise ValueError(f"{len(rows)} rows, {len(ids)} id lists and {len(flags)} last_only flags")
+    if len(rows) <= 1 or not _packable(rows):
+        return [row.forward(row_ids, last_only=flag) for row, row_ids, flag in zip(rows, ids, flags)]
+    return _forward_packed(rows, [list(x) for x in ids], flags)
+
+
+def _packable(rows: Sequence[KVSequence]) -> bool:
+    model = rows[0].model
+    return all(
+        type(row).forward is KVSequence.forward and row._fast is not None and row.model is model
+        for row in rows
+    ) and len({id(row) for row in rows}) == len(rows)
+
+
+@torch.inference_mode()
+def _forward_packed(rows: Sequence[KVSequence], ids: list[list[int]], last_only: list[bool]) -> list[torch.Tensor]:
+    """One packed forward; logits per row as KVSequence.forward returns them."""
+    device = rows[0].model.device
+    segments, positions, keep, counts, offset = [], [], [], [], 0
+    for row, row_ids, flag in zip(rows, ids, last_only):
+        if not row_ids:
+            raise ValueError("forward needs at least one token")
+        if row._extra:
+            raise RuntimeError("drop the uncommitted entries before committing tokens")
+        m, start = len(row_ids), row.cached
+        segments.append(Segment(row.cache, start, m))
+        positions.append(torch.arange(start, start + m))
+        keep.extend([offset + m - 1] if flag else range(offset, offset + m))
+        counts.append(1 if flag else m)
+        offset += m
+    flat = token_tensor([t for row_ids in ids for t in row_ids], device)
+    logits = rows[0]._fast.packed(
+        segments, flat, torch.cat(positions).to(device), torch.tensor(keep, device=device)
+    )
+    for row, row_ids in zip(rows, ids):
+        row.tokens.extend(row_ids)
+    return list(logits.split(counts))
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token takes in `model`'s cache: layers * 2 * kv heads * head dim * element size.
+
+    The cache holds activations, so an int8 model's cache is in its embedding's dtype.
+    """
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = model.get_input_embeddings().weight.element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * element
 
 
 def token_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -3,13 +3,13 @@ SSD's neural backup, written once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.models.kv import KVSequence
+from ssd.models.kv import KVSequence, forward_rows
 from ssd.sampling import probs_from_logits, sample, saguaro_rescale_rows
 
 
@@ -31,6 +31,63 @@ class Saguaro:
         return saguaro_rescale_rows(q, self.fanout[position], self.c)
 
 
+@dataclass
+class Chain:
+    """One sequence's share of a batched draft (`draft_chains`): what to draft and what came out.
+
+    `error` is set when this sequence's own work failed (its sampling, say);
+    its chain stops there and the others go on.
+    """
+
+    kv: KVSequence
+    sequence: Sequence[int]
+    k: int
+    sampling: SamplingConfig
+    gen: torch.Generator
+    saguaro: Saguaro | None = None
+    tokens: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
+    error: Exception | None = None
+
+    @property
+    def drafting(self) -> bool:
+        return self.error is None and len(self.tokens) < self.k
+
+    def next_ids(self) -> list[int]:
+        """What the draft must be fed before its next token: the tail of the
+        sequence its cache lacks (first step), then the last drafted token."""
+        if self.tokens:
+            return [self.tokens[-1]]
+        self.kv.trim_to_prefix_of(self.sequence)
+        return list(self.sequence[self.kv.length :])
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Draw the next drafted token from the draft's logits [V] after the fed tokens."""
+        q = probs_from_logits(logits, self.sampling)
+        if self.saguaro is not None and not self.sampling.greedy:
+            q = self.saguaro.apply(q, len(self.tokens))
+        self.tokens.append(sample(q, self.gen))
+        self.q_rows.append(q)
+
+
+def draft_chains(chains: Sequence[Chain]) -> None:
+    """Draft every chain's k tokens, one batched draft forward per step.
+
+    Step i feeds each chain still drafting its missing tokens and draws its
+    next token with its own sampling settings and generator, so a chain's
+    draws are those it makes alone. The chains' caches must be distinct
+    sequences of one draft model. A chain whose own draw fails records the
+    error and stops; a failed forward raises (it is every chain's).
+    """
+    while active := [c for c in chains if c.drafting]:
+        logits = forward_rows([c.kv for c in active], [c.next_ids() for c in active], last_only=True)
+        for chain, rows in zip(active, logits):
+            try:
+                chain.take(rows[-1])
+            except Exception as error:  # noqa: BLE001 - the chain's own failure, reported with it
+                chain.error = error
+
+
 def draft_chain(
     kv: KVSequence,
     sequence: Sequence[int],
@@ -46,18 +103,8 @@ def draft_chain(
     last is never fed). The q rows stay on the draft's device; each drafted
     id is read by the host once, since the next forward needs it.
     """
-    if k == 0:
-        return [], []
-    kv.trim_to_prefix_of(sequence)
-    logits = kv.catch_up(sequence)
-    drafted: list[int] = []
-    rows: list[torch.Tensor] = []
-    for i in range(k):
-        if i:
-            logits = kv.forward([drafted[-1]])[-1]
-        q = probs_from_logits(logits, sampling)
-        if saguaro is not None and not sampling.greedy:
-            q = saguaro.apply(q, i)
-        drafted.append(sample(q, gen))
-        rows.append(q)
-    return drafted, rows
+    chain = Chain(kv, sequence, k, sampling, gen, saguaro)
+    draft_chains([chain])
+    if chain.error is not None:
+        raise chain.error
+    return chain.tokens, chain.q_rows
