@@ -94,6 +94,10 @@ def serving(args: argparse.Namespace, config) -> list:
     pair = load_pair(config, with_draft=any(v.mode != "ar" for v in plan.variants))
     results = run_serving_bench(pair, config, plan)
     print(format_serving_table(results, baseline.label))
+    for result in results:
+        if result.errors:
+            print(f"{result.label} at {result.concurrency} clients: {len(result.errors)} errors, e.g. {result.errors[0]}",
+                  file=sys.stderr)
     if args.json:
         import json
 

@@ -35,3 +35,20 @@ def test_concurrent_clients_against_a_real_server():
     assert result.errors == [] and result.requests == 6 and result.tokens == 6 * 12
     assert len(result.ttft) == 6 and len(result.gaps) == 6 * 11  # a gap per token after the first
     assert result.throughput > 0 and result.row()["itl_p99_ms"] >= result.row()["itl_p50_ms"]
+
+
+def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    import bench
+
+    prompts = tmp_path / "tiny.yaml"
+    prompts.write_text("- abcab\n- ponm\n- aaaabbbb\n")
+    results = bench.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--prompt-file", str(prompts),
+                          "--concurrency", "1", "3", "--modes", "ar", "sd", "--max-new-tokens", "12", "--no-progress"])
+    table = capsys.readouterr().out
+    labels = [r.label for r in results]
+    assert labels == ["sd one-at-a-time", "ar batched", "sd batched"] * 2
+    assert all(not r.errors and r.tokens == r.requests * 12 for r in results)
+    assert "| 3 | sd batched |" in table and "| 1 | sd one-at-a-time |" in table
