@@ -148,6 +148,31 @@ def test_grpc_frontend_over_the_cluster_streams_and_aborts(cluster):
         server.stop()
 
 
+def test_ar_requests_batch_on_the_target_through_the_grpc_frontend(cluster):
+    """Four clients at once: the server's scheduler drives a batch engine on
+    target rank 0 (one Ray call per step); each gets its own AR output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    server = GenerationServer(ServeOptions(port=0, grace_s=2.0), lambda: ClusterBackend(cluster))
+    server.start()
+    texts = ["abcab", "ponm", "aaaabbbb", "mnop"]
+    try:
+        assert server.wait_ready(60)
+        with GenerationClient(f"127.0.0.1:{server.port}") as client, ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda t: client.generate(text=t, max_new_tokens=30, mode="ar", timeout=120), texts))
+        batch_sizes = server.metrics.snapshot().batch
+    finally:
+        server.stop()
+    for text, out in zip(texts, outs):
+        assert out.token_ids == local_ar(CONFIG, cluster.encode(text), 30) and out.finish_reason == "length"
+    assert batch_sizes.n > 0 and batch_sizes.total / batch_sizes.n > 1.5, batch_sizes  # rows ran together
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

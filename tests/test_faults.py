@@ -224,3 +224,43 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     out = cluster.generate(GenerationRequest(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == local_ar(CONFIG, prompt, 40)
     assert cluster.serving
+
+
+def test_a_target_killed_mid_batch_fails_every_row_unavailable_and_comes_back(stack):
+    """AR rows batched on the target: the kill fails every row UNAVAILABLE after
+    a right prefix; once SERVING again, a new batch gives the right outputs."""
+    import ray
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster, client, health, pids = stack
+    wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
+    pids |= actor_pids(cluster)
+    texts = ["abcab", "ponm", "aaaabbbb"]
+    expected = {t: local_ar(CONFIG, cluster.encode(t), 400) for t in texts}
+    pid = ray.get(cluster.targets[0].ready.remote())
+    started = threading.Barrier(len(texts))
+    killed: list[float] = []
+
+    def stream(text: str) -> tuple[list[int], grpc.StatusCode | None]:
+        tokens: list[int] = []
+        try:
+            for message in client.stream(text=text, max_new_tokens=400, mode="ar", timeout=RECOVERY_S):
+                tokens.extend(message.token_ids)
+                if len(tokens) >= 5 and not killed:
+                    started.wait(timeout=60)  # every row is running
+                    if not killed:
+                        killed.append(time.monotonic())
+                        os.kill(pid, signal.SIGKILL)
+        except grpc.RpcError as exc:
+            return tokens, exc.code()
+        return tokens, None
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(pool.map(stream, texts))
+    for text, (tokens, code) in zip(texts, results):
+        assert code == grpc.StatusCode.UNAVAILABLE, (text, code)
+        assert tokens == expected[text][: len(tokens)]
+    health.wait_serving_after(killed[0], RECOVERY_S)
+    with ThreadPoolExecutor(len(texts)) as pool:
+        outs = list(pool.map(lambda t: client.generate(text=t, max_new_tokens=40, mode="ar", timeout=RECOVERY_S), texts))
+    assert [o.token_ids for o in outs] == [expected[t][:40] for t in texts]

@@ -368,13 +368,21 @@ class Cluster:
                 target.abort.remote()
         return result
 
-    def _wait_up(self, request: GenerationRequest) -> None:
+    def wait_serving(self) -> None:
+        """Block while the target restarts (GeneratorUnavailable past RECOVERY_WAIT_S)."""
+        self._wait_up(None)
+
+    def target_lost(self, why: str) -> None:
+        """A caller found the target gone: not serving until the watcher restarts it."""
+        self._down(why)
+
+    def _wait_up(self, request: GenerationRequest | None) -> None:
         """Block while the target restarts; a cancelled request stops waiting."""
         deadline = time.monotonic() + RECOVERY_WAIT_S
         while not self._up.wait(0.2):
             if self._stopping.is_set() or time.monotonic() > deadline:
                 raise GeneratorUnavailable(f"the target is not back ({self._why_down})")
-            if request.is_cancelled():
+            if request is not None and request.is_cancelled():
                 raise GeneratorUnavailable("cancelled while the target was restarting")
 
     def describe(self) -> dict[str, Any]:

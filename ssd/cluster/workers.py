@@ -85,6 +85,10 @@ class TargetWorker:
             self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
             self._engines: dict[str, Any] = {}
             self._cancel = threading.Event()
+            self._batch_engines: dict[str, Any] = {}
+            self._emitted: dict[str, list[int]] = {}  # row -> tokens admitted since the last step
+            self._row_keys: dict[int, str] = {}  # id(request) -> row
+            self._cancelled_rows: set[str] = set()
 
     def ready(self) -> int:
         return os.getpid()
@@ -144,6 +148,51 @@ class TargetWorker:
     def abort(self) -> None:
         """Stop the running generation before its next round."""
         self._cancel.set()
+
+    # Continuous batching: the driver's scheduler (ssd.serve.worker) drives a
+    # batch engine here through ssd.cluster.batch.RemoteBatchEngine, one call
+    # per step; each row's tokens and its end travel back with the step.
+
+    def batch_can_admit(self, mode: str, request: GenerationRequest) -> bool:
+        return self._batch_engine(mode).can_admit(request)
+
+    def batch_admit(self, mode: str, key: str, request: GenerationRequest) -> None:
+        self._emitted[key] = []
+        request = dataclasses.replace(
+            request, on_tokens=self._emitted[key].extend, cancelled=lambda: key in self._cancelled_rows
+        )
+        try:
+            self._batch_engine(mode).admit(request)
+        except BaseException:
+            del self._emitted[key]
+            raise
+        self._row_keys[id(request)] = key
+
+    def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
+        """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
+        pin_to_cores(self.cores)  # Ray may run this call on a thread not pinned yet
+        self._cancelled_rows.update(cancelled)
+        left = self._batch_engine(mode).step()
+        emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
+        for key in emitted:
+            self._emitted[key].clear()  # in place: the row's on_tokens extends this very list
+        ended = []
+        for finished in left:
+            key = self._row_keys.pop(id(finished.request))
+            self._emitted.pop(key, None)
+            self._cancelled_rows.discard(key)
+            error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
+            ended.append((key, finished.result, error))
+        return emitted, ended
+
+    def _batch_engine(self, mode: str):
+        if mode not in self._batch_engines:
+            from ssd.engine.batch import BatchedAREngine
+
+            if mode != "ar":
+                raise ValueError(f"the cluster batches mode ar, not {mode!r}")
+            self._batch_engines[mode] = BatchedAREngine(self.model, self.tokenizer, self.config.batching)
+        return self._batch_engines[mode]
 
     def describe(self) -> dict[str, Any]:
         from ssd.models.tokenizer import eos_token_ids

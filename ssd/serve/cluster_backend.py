@@ -3,7 +3,9 @@ rank 0 as one streaming Ray call each; rounds stream back as they land."""
 
 from __future__ import annotations
 
+from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.runtime import Cluster
+from ssd.engine.batch import BatchEngine
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
 from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
@@ -23,9 +25,13 @@ class ClusterBackend(TokenizerMixin):
         """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
         self.cluster.add_health_listener(listener)
 
-    def batch_engine(self, mode: str) -> None:
-        """None: the cluster runs one request at a time (every mode goes through generate)."""
-        return None
+    def batch_engine(self, mode: str) -> BatchEngine | None:
+        """AR batches on target rank 0 (one Ray call per step); SSD, and a
+        tensor-parallel target, run one request at a time through generate;
+        so does everything when batching.max_rows is 1."""
+        if mode != "ar" or self.cluster.placement.tp_size > 1 or self.config.batching.max_rows == 1:
+            return None
+        return RemoteBatchEngine(self.cluster, mode)
 
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""
