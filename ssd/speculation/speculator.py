@@ -114,6 +114,8 @@ class Speculator:
         later rounds report the error instead of running on half-updated state."""
         try:
             return fn(*args)
+        except protocol.DraftError as exc:  # the row failed in an earlier round, logged then
+            return protocol.RowError(seq_id, str(exc))
         except Exception as exc:
             log.exception("speculator failed on sequence %s", seq_id)
             return self._fail(seq_id, _describe(exc))
