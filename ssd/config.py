@@ -121,6 +121,13 @@ class FanoutConfig:
     initial_a: float = 0.7  # acceptance rate assumed before any round is seen
     initial_r: float = 1.0  # power-law exponent of miss rate vs fan-out, ditto
     refresh_every: int = 16  # rounds between schedule refreshes from online estimates
+    # Branches prepared per round across a whole batch (SSD at batch > 1): the
+    # draft's cache builds for all rows share one round's time, so their total
+    # must stay bounded as the batch grows. Over the cap, every row keeps one
+    # branch and the rest is split in proportion to the rows' own budgets
+    # (ssd.fanout.share_budget); each row's schedule keeps its shape. With
+    # rows of different settings the tightest cap applies. None: no cap.
+    batch_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FANOUT_KINDS:
@@ -133,6 +140,8 @@ class FanoutConfig:
             raise ConfigError(f"fanout.initial_r must be > 0, got {self.initial_r}")
         if self.refresh_every < 1:
             raise ConfigError(f"fanout.refresh_every must be >= 1, got {self.refresh_every}")
+        if self.batch_budget is not None and self.batch_budget < 1:
+            raise ConfigError(f"fanout.batch_budget must be >= 1 or null, got {self.batch_budget}")
 
 
 @dataclass

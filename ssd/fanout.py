@@ -387,12 +387,22 @@ class FanoutPlanner:
         self._power = PowerLawEstimator(prior_r)
         self.observations = 0
         self.refreshes = 0
+        self._weights: dict[bool, list[float]] = {}
         self._schedules: dict[bool, list[int]] = {}
         self._rebuild()
 
-    def schedule(self, after_hit: bool) -> list[int]:
-        """F_0..F_K for the cache built while verifying a hit (True) or miss round."""
-        return list(self._schedules[bool(after_hit)])
+    def schedule(self, after_hit: bool, budget: int | None = None) -> list[int]:
+        """F_0..F_K for the cache built while verifying a hit (True) or miss round.
+
+        budget: spend at most this many branches (a batch sharing one branch
+        cap scales each row down); the shape is the same
+        as the planner's schedule, from the estimates of the last refresh, so
+        a scaled row stays geometric and stable between refreshes.
+        """
+        own = self._schedules[bool(after_hit)]
+        if budget is None or budget >= sum(own):
+            return list(own)
+        return allocate(self._weights[bool(after_hit)], budget, self.caps)
 
     def observe(self, after_hit: bool, k: int, fanout_at_k: int, hit: bool | None) -> None:
         """Record one verified round.
@@ -433,11 +443,31 @@ class FanoutPlanner:
     def _rebuild(self) -> None:
         for h in (True, False):
             if self.kind == "uniform":
-                self._schedules[h] = uniform_fanout(self.k, self.budget, self.caps)
+                self._weights[h] = [1.0] * (self.k + 1)
             else:
-                self._schedules[h] = geometric_fanout(
-                    self.a(h), self.r, self.k, self.budget, self.caps
-                )
+                self._weights[h] = geometric_weights(self.a(h), self.r, self.k)
+            self._schedules[h] = allocate(self._weights[h], self.budget, self.caps)
+
+
+def share_budget(budgets: Sequence[int], cap: int | None) -> list[int]:
+    """Each row's branch budget when a batch shares at most `cap` branches.
+
+    Rows whose budgets fit under the cap keep them; otherwise every row keeps
+    one branch (a row with none would always miss, and one miss stalls the
+    whole batch) and the rest of the cap is split in proportion to what each
+    row asked for beyond that one. The result sums to exactly `cap` when
+    len(budgets) <= cap <= sum(budgets); a cap below the number of rows still
+    gives every row with a budget one branch, so it is exceeded then.
+    """
+    asked = [_as_int(f"budgets[{i}]", b) for i, b in enumerate(budgets)]
+    if cap is None or sum(asked) <= _as_int("cap", cap):
+        return asked
+    floor = [min(1, b) for b in asked]
+    extra = [b - f for b, f in zip(asked, floor)]
+    if not extra or sum(extra) == 0 or cap <= sum(floor):
+        return floor
+    shares = allocate([float(e) for e in extra], cap - sum(floor), caps=extra)
+    return [f + s for f, s in zip(floor, shares)]
 
 
 def make_planner(speculation: SpeculationConfig, vocab_size: int) -> FanoutPlanner:

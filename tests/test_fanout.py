@@ -17,6 +17,7 @@ from ssd.fanout import (
     allocate,
     expected_hit_rate,
     geometric_fanout,
+    share_budget,
     uniform_fanout,
 )
 
@@ -400,3 +401,34 @@ def test_planner_rejects_bad_observation():
         p.observe(True, 4, 1, True)  # k > K
     with pytest.raises(ValueError):
         p.observe(True, 1, 0, True)  # a hit with nothing cached
+
+
+# ---------------------------------------------------------------------------
+# A batch's shared branch cap
+
+
+def test_share_budget_by_hand():
+    assert share_budget([8, 8, 8], None) == [8, 8, 8]
+    assert share_budget([8, 8, 8], 30) == [8, 8, 8]  # under the cap: untouched
+    assert share_budget([8, 8, 8], 12) == [4, 4, 4]  # 1 each + 9 split 3/3/3
+    assert share_budget([8, 4], 7) == [5, 2]  # 1 each + 5 split 3.5/1.5, the tie to the lower index
+    assert share_budget([0, 8], 4) == [0, 4]  # a row asking for nothing gets nothing
+    assert share_budget([8, 8, 8], 2) == [1, 1, 1]  # below one per row: one per row
+
+
+@FAST
+@given(st.lists(st.integers(0, 64), min_size=1, max_size=12), st.integers(1, 800))
+def test_share_budget_caps_the_total_and_keeps_one_per_row(budgets, cap):
+    shares = share_budget(budgets, cap)
+    assert all(min(1, b) <= s <= b for s, b in zip(shares, budgets))
+    if cap >= sum(min(1, b) for b in budgets):
+        assert sum(shares) == min(cap, sum(budgets))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "geometric"])
+def test_a_scaled_schedule_keeps_the_planners_shape(kind):
+    planner = FanoutPlanner(kind, 4, 16, caps=[15] * 4 + [16], prior_a=0.6, prior_r=0.5)
+    for h in (True, False):
+        assert planner.schedule(h, budget=16) == planner.schedule(h) == planner.schedule(h, budget=99)
+    want = uniform_fanout(4, 6) if kind == "uniform" else geometric_fanout(0.6, 0.5, 4, 6)
+    assert planner.schedule(True, budget=6) == want and sum(want) == 6

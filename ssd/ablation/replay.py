@@ -340,6 +340,9 @@ def _check_replay_args(data: ReplayData, spec: SpeculationConfig, max_new_tokens
         raise ValueError(f"samples must be >= 1, got {samples}")
     if spec.backup_for(batch_size=1) != "neural":
         raise ValueError(f"replay models the neural backup only, got backup {spec.backup_for(1)!r}")
+    cap = spec.fanout.batch_budget
+    if cap is not None and cap < spec.fanout.budget:  # a batch of one spends min(budget, cap) live
+        raise ValueError(f"replay models fanout.budget alone; batch_budget {cap} < budget {spec.fanout.budget}")
     return limit
 
 

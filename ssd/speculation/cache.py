@@ -31,6 +31,10 @@ class SpeculationCache:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._entries
 
+    def outcomes(self) -> list[tuple[int, int]]:
+        """The (k, t*) outcomes prepared, in build order."""
+        return list(self._entries)
+
     def lookup(self, k: int, token: int) -> Proposal | None:
         return self._entries.get((k, token))
 

@@ -1,21 +1,39 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
 Ops target -> draft: prefill(seq, prompt, settings), round(seq, k, t*),
-release(seq), shutdown. Draft -> target: proposal(seq, hit, tokens, q), or error.
-Headers hold only plain data (msgpack-able); q rows travel as a tensor.
+rounds([(seq, k, t*), ...]), release(seq), shutdown. Draft -> target:
+proposal(seq, hit, tokens, q) answers a round, proposals(rows) answers a
+rounds message with one row per round row, in order; error(seq, text) is a
+whole message failing. Headers hold only plain data (msgpack-able); q rows
+travel as a tensor.
+
+A batch (SSD at batch > 1) uses one rounds/proposals exchange per round, so a
+round costs one message each way whatever the batch size:
+
+    rounds     header {"rows": [{"seq", "k", "token"}, ...]}, no tensors
+    proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy)
+               row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
+                      "q": [start, stop] | None}   q rows = q_all[start:stop]
+                   | {"seq", "error"}              this row alone failed
+
+A row error leaves the other rows' proposals valid: the target runs that row
+without the draft (and may prefill it again under a new seq id).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig, from_dict
 from ssd.speculation.cache import Proposal
 from ssd.transport.channel import Message
 
-PREFILL, ROUND, RELEASE, SHUTDOWN = "prefill", "round", "release", "shutdown"
-PROPOSAL, ERROR = "proposal", "error"
+PREFILL, ROUND, ROUNDS, RELEASE, SHUTDOWN = "prefill", "round", "rounds", "release", "shutdown"
+PROPOSAL, PROPOSALS, ERROR = "proposal", "proposals", "error"
 
 
 class DraftError(RuntimeError):
@@ -35,8 +53,38 @@ def parse_prefill(msg: Message) -> tuple[int, list[int], SamplingConfig, Specula
     return h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), speculation
 
 
+@dataclass(frozen=True)
+class RoundRow:
+    """One sequence's verification outcome: k drafts accepted, then token t*."""
+
+    seq: int
+    k: int
+    token: int
+
+
 def round_(seq: int, k: int, token: int) -> Message:
-    return Message(ROUND, {"seq": seq, "k": k, "token": token})
+    return Message(ROUND, _round_header(RoundRow(seq, k, token)))
+
+
+def parse_round(msg: Message) -> RoundRow:
+    return _round_row(msg.header)
+
+
+def rounds(rows: Sequence[RoundRow]) -> Message:
+    """Every row's outcome of one batched verification, in one message."""
+    return Message(ROUNDS, {"rows": [_round_header(row) for row in rows]})
+
+
+def parse_rounds(msg: Message) -> list[RoundRow]:
+    return [_round_row(h) for h in msg.header["rows"]]
+
+
+def _round_header(row: RoundRow) -> dict[str, int]:
+    return {"seq": row.seq, "k": row.k, "token": row.token}
+
+
+def _round_row(h: dict[str, Any]) -> RoundRow:
+    return RoundRow(h["seq"], h["k"], h["token"])
 
 
 def release(seq: int) -> Message:
@@ -56,13 +104,20 @@ class ProposalReply:
     build_s: float  # time the previous cache build took
 
 
+@dataclass
+class RowError:
+    """One row of a batched round failed on the draft; its text says how."""
+
+    seq: int
+    error: str
+
+
+RowReply = ProposalReply | RowError
+
+
 def proposal(reply: ProposalReply) -> Message:
-    drafted = reply.proposal
-    header = {
-        "seq": reply.seq, "hit": reply.hit, "source": drafted.source, "tokens": drafted.tokens,
-        "backup_s": reply.backup_s, "build_s": reply.build_s,
-    }
-    return Message(PROPOSAL, header, [] if drafted.q is None else [drafted.q])
+    q = reply.proposal.q
+    return Message(PROPOSAL, _reply_header(reply), [] if q is None else [q])
 
 
 def error(seq: int, text: str) -> Message:
@@ -70,10 +125,61 @@ def error(seq: int, text: str) -> Message:
 
 
 def parse_proposal(msg: Message) -> ProposalReply:
+    _expect(msg, PROPOSAL)
+    return _reply(msg.header, msg.tensors[0] if msg.tensors else None)
+
+
+def proposals(rows: Sequence[RowReply]) -> Message:
+    """One reply for a whole rounds message: the rows' q stacked into one
+    tensor (one transfer instead of one per row), each row's span in its header."""
+    headers: list[dict[str, Any]] = []
+    qs: list[torch.Tensor] = []
+    offset = 0
+    for row in rows:
+        if isinstance(row, RowError):
+            headers.append({"seq": row.seq, "error": row.error})
+            continue
+        header, q = _reply_header(row), row.proposal.q
+        header["q"] = None if q is None else [offset, offset + q.shape[0]]
+        if q is not None:
+            qs.append(q)
+            offset += q.shape[0]
+        headers.append(header)
+    tensors = [torch.cat([q.to(qs[0].device) for q in qs])] if qs else []
+    return Message(PROPOSALS, {"rows": headers}, tensors)
+
+
+def parse_proposals(msg: Message) -> list[RowReply]:
+    """The rows of a proposals message, in order; a whole-message error raises DraftError."""
+    _expect(msg, PROPOSALS)
+    packed = msg.tensors[0] if msg.tensors else None
+    return [_row_reply(h, packed) for h in msg.header["rows"]]
+
+
+def _row_reply(h: dict[str, Any], packed: torch.Tensor | None) -> RowReply:
+    if "error" in h:
+        return RowError(h["seq"], h["error"])
+    span = h["q"]
+    if span is not None and packed is None:
+        raise RuntimeError(f"protocol error: row {h['seq']} has q rows {span} but the message has no q")
+    return _reply(h, None if span is None else packed[span[0] : span[1]])
+
+
+def _reply_header(reply: ProposalReply) -> dict[str, Any]:
+    drafted = reply.proposal
+    return {
+        "seq": reply.seq, "hit": reply.hit, "source": drafted.source, "tokens": drafted.tokens,
+        "backup_s": reply.backup_s, "build_s": reply.build_s,
+    }
+
+
+def _reply(h: dict[str, Any], q: torch.Tensor | None) -> ProposalReply:
+    return ProposalReply(h["seq"], h["hit"], Proposal(h["tokens"], q, h["source"]), h["backup_s"], h["build_s"])
+
+
+def _expect(msg: Message, op: str) -> None:
+    """Raise the draft's error, or on a reply of the wrong kind."""
     if msg.op == ERROR:
         raise DraftError(msg.header["error"])
-    if msg.op != PROPOSAL:
-        raise RuntimeError(f"protocol error: expected {PROPOSAL!r}, got {msg.op!r}")
-    h = msg.header
-    q = msg.tensors[0] if msg.tensors else None
-    return ProposalReply(h["seq"], h["hit"], Proposal(h["tokens"], q, h["source"]), h["backup_s"], h["build_s"])
+    if msg.op != op:
+        raise RuntimeError(f"protocol error: expected {op!r}, got {msg.op!r}")

@@ -1,17 +1,28 @@
 """The draft side of SSD: answer each verification outcome with the next
 speculation (from the cache on a hit, from a backup on a miss), then build the
-cache for the outcome of that speculation while the target verifies it."""
+cache for the outcome of that speculation while the target verifies it.
+
+A batch of sequences sends all its outcomes in one `rounds` message and gets
+one `proposals` reply. Every row is answered exactly as a lone `round` would
+answer it (same state, same random stream), except that the backup is the
+one the row's settings choose for the batch size, and the rows' cache builds
+share the batch's branch cap (fanout.batch_budget). Only rows that missed run
+a backup: a hit row's proposal is ready, and drafting it again would cost the
+batch the time the cache saved. A row that fails is answered with its error
+and stays failed until released; the other rows go on.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
-from ssd.fanout import FanoutPlanner, make_planner
+from ssd.fanout import FanoutPlanner, make_planner, share_budget
 from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
@@ -24,6 +35,7 @@ from ssd.speculation.drafting import Saguaro
 from ssd.transport.channel import Channel, Message
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def draft_seed(seed: int) -> int:
@@ -48,6 +60,7 @@ class DraftSequence:
     in_flight_hit: bool = False
     in_flight_fanout: list[int] = field(default_factory=list)
     build_s: float = 0.0
+    failed: str | None = None  # why this row failed in a batched round; it answers only that
 
 
 class Speculator:
@@ -62,13 +75,16 @@ class Speculator:
     def serve(self) -> None:
         """Handle messages until shutdown. A failure is reported, not swallowed:
         the target gets an error message instead of waiting forever."""
-        handlers = {protocol.PREFILL: self._prefill, protocol.ROUND: self._round, protocol.RELEASE: self._release}
+        handlers = {
+            protocol.PREFILL: self._prefill, protocol.ROUND: self._round,
+            protocol.ROUNDS: self._rounds, protocol.RELEASE: self._release,
+        }
         while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
             try:
                 handlers[msg.op](msg)
             except Exception as exc:
                 log.exception("speculator failed on %s", msg.op)
-                self.channel.send(protocol.error(msg.header.get("seq", -1), f"{type(exc).__name__}: {exc}"))
+                self.channel.send(protocol.error(msg.header.get("seq", -1), _describe(exc)))
 
     def _prefill(self, msg: Message) -> None:
         seq_id, prompt, sampling, speculation = protocol.parse_prefill(msg)
@@ -80,16 +96,47 @@ class Speculator:
         self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner)
 
     def _round(self, msg: Message) -> None:
-        seq_id, k, token = msg.header["seq"], msg.header["k"], msg.header["token"]
-        seq = self.sequences[seq_id]
-        cached = self._commit(seq, k, token)
-        started = time.perf_counter()
-        proposal = cached or self._backup(seq)
-        sync(self.model.device)  # the timers cover the device's work
-        backup_s = 0.0 if cached else time.perf_counter() - started
-        reply = protocol.ProposalReply(seq_id, cached is not None, proposal, backup_s, seq.build_s)
+        """One sequence's round (the batch-of-one exchange); a failure fails the message."""
+        row = protocol.parse_round(msg)
+        reply = self._answer(row, batch_size=1)
         self.channel.send(protocol.proposal(reply))
-        self._build(seq, proposal, hit=cached is not None)
+        self._build_all([reply])
+
+    def _rounds(self, msg: Message) -> None:
+        """A batch's round: answer every row in one reply, then build every row's cache."""
+        rows = protocol.parse_rounds(msg)
+        replies = [self._guarded(row.seq, self._answer, row, len(rows)) for row in rows]
+        self.channel.send(protocol.proposals(replies))
+        self._build_all([r for r in replies if isinstance(r, protocol.ProposalReply)], guarded=True)
+
+    def _guarded(self, seq_id: int, fn: Callable[..., T], *args: Any) -> T | protocol.RowError:
+        """fn(*args), or this row's error: the row is marked failed so that its
+        later rounds report the error instead of running on half-updated state."""
+        try:
+            return fn(*args)
+        except protocol.DraftError as exc:  # the row failed in an earlier round, logged then
+            return protocol.RowError(seq_id, str(exc))
+        except Exception as exc:
+            log.exception("speculator failed on sequence %s", seq_id)
+            return self._fail(seq_id, _describe(exc))
+
+    def _fail(self, seq_id: int, text: str) -> protocol.RowError:
+        if (seq := self.sequences.get(seq_id)) is not None:
+            seq.failed = seq.failed or text
+        return protocol.RowError(seq_id, text)
+
+    def _answer(self, row: protocol.RoundRow, batch_size: int) -> protocol.ProposalReply:
+        """The row's next speculation: its cached proposal, or the backup's on a miss."""
+        seq = self.sequences[row.seq]
+        if seq.failed is not None:
+            raise protocol.DraftError(seq.failed)
+        cached = self._commit(seq, row.k, row.token)
+        if cached is not None:
+            return protocol.ProposalReply(row.seq, True, cached, 0.0, seq.build_s)
+        started = time.perf_counter()
+        drafted = self._backup(seq, batch_size)
+        sync(self.model.device)  # the timer covers the device's work
+        return protocol.ProposalReply(row.seq, False, drafted, time.perf_counter() - started, seq.build_s)
 
     def _commit(self, seq: DraftSequence, k: int, token: int) -> Proposal | None:
         """Advance the committed sequence by the outcome; the cached proposal for it, if any."""
@@ -101,15 +148,36 @@ class Speculator:
         seq.committed += seq.in_flight.tokens[:k] + [token]
         return cached
 
-    def _backup(self, seq: DraftSequence) -> Proposal:
-        backup = make_backup(seq.speculation.backup_for(batch_size=1), self.vocab_size)
+    def _backup(self, seq: DraftSequence, batch_size: int) -> Proposal:
+        backup = make_backup(seq.speculation.backup_for(batch_size), self.vocab_size)
         saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=False))
         return backup.propose(seq.kv, seq.committed, seq.speculation.k, seq.sampling, seq.gen, saguaro)
 
-    def _build(self, seq: DraftSequence, proposal: Proposal, hit: bool) -> None:
+    def _build_all(self, replies: list[protocol.ProposalReply], guarded: bool = False) -> None:
+        """Build the cache of every answered row, within the batch's shared branch cap.
+
+        guarded: a row whose build fails is marked failed (its next round
+        reports it) instead of failing the message.
+        """
+        seqs = [self.sequences[r.seq] for r in replies]
+        budgets = self._budgets(seqs, [r.hit for r in replies])
+        for reply, seq, budget in zip(replies, seqs, budgets):
+            if guarded:
+                self._guarded(reply.seq, self._build, seq, reply.proposal, reply.hit, budget)
+            else:
+                self._build(seq, reply.proposal, reply.hit, budget)
+
+    def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> list[int]:
+        """Each row's branches this round: its own schedule's, scaled under the
+        tightest fanout.batch_budget among the rows (ssd.fanout.share_budget)."""
+        caps = [s.speculation.fanout.batch_budget for s in seqs if s.speculation.fanout.batch_budget is not None]
+        own = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
+        return share_budget(own, min(caps, default=None))
+
+    def _build(self, seq: DraftSequence, proposal: Proposal, hit: bool, budget: int | None = None) -> None:
         started = time.perf_counter()
-        fanout = seq.planner.schedule(after_hit=hit)
-        saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=True))
+        fanout = seq.planner.schedule(after_hit=hit, budget=budget)
+        saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
         decoder = self.decoders[seq.speculation.branch_decoder]
         entries = build_cache(seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro)
         seq.cache.replace(entries)
@@ -119,3 +187,7 @@ class Speculator:
 
     def _release(self, msg: Message) -> None:
         self.sequences.pop(msg.header["seq"], None)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
