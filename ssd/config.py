@@ -155,6 +155,11 @@ class SpeculationConfig:
     # uses neural below 8 sequences and ngram from 8 on. Empty: always `backup`.
     backup_policy: dict[int, str] = field(default_factory=dict)
     branch_decoder: str = "tree"  # tree (one row, tree mask) | batched (expanded KV)
+    # K by batch size for batched SD: {smallest batch size: K}, K 0 = speculation
+    # off (plain AR steps), e.g. {1: 4, 4: 2, 8: 0}; empty: always k. Computed
+    # from measured costs by `python launch/calibrate.py`; a request that asks
+    # for its own K runs with that K.
+    k_policy: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -168,10 +173,19 @@ class SpeculationConfig:
                 raise ConfigError(f"speculation.backup must be one of {BACKUPS}, got {name!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.backup_policy):
             raise ConfigError("speculation.backup_policy keys must be batch sizes >= 1")
+        if any(not isinstance(n, int) or n < 1 for n in self.k_policy):
+            raise ConfigError("speculation.k_policy keys must be batch sizes >= 1")
+        if any(not isinstance(k, int) or not 0 <= k <= 64 for k in self.k_policy.values()):
+            raise ConfigError(f"speculation.k_policy values must be K in 0..64 (0: speculation off), got {self.k_policy}")
         if self.branch_decoder not in BRANCH_DECODERS:
             raise ConfigError(
                 f"speculation.branch_decoder must be one of {BRANCH_DECODERS}, got {self.branch_decoder!r}"
             )
+
+    def k_for(self, batch_size: int) -> int:
+        """The draft length at this batch size: the rule with the largest threshold <= it."""
+        rules = [n for n in self.k_policy if n <= batch_size]
+        return self.k_policy[max(rules)] if rules else self.k
 
     def backup_for(self, batch_size: int) -> str:
         """The backup for this batch size: the rule with the largest threshold <= it."""

@@ -387,3 +387,27 @@ def test_the_factory_builds_batched_engines(tiny_models, tiny_tokenizer):
         pair.batch_engine(SpeculationConfig(mode="ssd"))
     with pytest.raises(ValueError, match="draft"):
         LoadedPair(target, None, tiny_tokenizer).batch_engine(SpeculationConfig(mode="sd"))
+
+
+def test_k_policy_sets_the_draft_length_by_batch_size(tiny_models, tiny_tokenizer):
+    """{1: 3, 3: 0}: alone a row drafts 3; three rows together run plain target
+    steps (K 0) until one leaves, then draft again; output stays AR's."""
+    target, draft = tiny_models
+    policy = SpeculationConfig(mode="sd", k=5, k_policy={1: 3, 3: 0})
+    drafted_per_step: list[list[int]] = []
+    engine = BatchedSDEngine(target, draft, tiny_tokenizer)
+    rows = [dataclasses.replace(request(p, n), speculation=policy) for p, n in [([1, 2, 3], 30), ([5], 8), ([7, 7], 8)]]
+
+    def record(step):
+        drafted_per_step.append([r.chain.k for r in engine._rows if r.chain is not None])
+
+    outs = [ok(f) for f in run_batch(engine, rows, after_step=record)]
+    for r, out in zip(rows, outs):
+        ar = AREngine(target, tiny_tokenizer).generate(dataclasses.replace(fresh(r), speculation=None))
+        assert out.token_ids == ar.token_ids
+    assert outs[1].stats.drafted == outs[2].stats.drafted == 0  # they only ran beside two others
+    assert [0, 0, 0] in drafted_per_step and [3] in drafted_per_step and outs[0].stats.drafted > 0
+    assert all(set(ks) <= {0, 3} for ks in drafted_per_step)
+    assert SpeculationConfig(k=5, k_policy={1: 3, 3: 0}).k_for(2) == 3
+    with pytest.raises(ValueError, match="k_policy"):
+        SpeculationConfig(k_policy={2: 65})

@@ -23,7 +23,7 @@ from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.engine.request import GenerationRequest
 from ssd.serve import protos
 from ssd.serve.backend import LocalBackend
-from ssd.serve.client import GenerationClient
+from ssd.serve.client import GenerationClient, build_request
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import SERVICE_NAME, GenerationServer
 from ssd.serve.streaming import TextStream
@@ -476,3 +476,21 @@ def test_mode_and_finish_reason_names_come_from_the_proto():
 
     assert tuple(enum_names("Mode").values()) == MODES
     assert set(enum_names("FinishReason").values()) == {"eos", "length", "stop", "aborted", "error"}
+
+
+def test_an_asked_for_k_overrides_the_configured_k_policy(backend):
+    """The policy applies to requests that leave K to the server."""
+    from types import SimpleNamespace
+
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.validation import validate
+
+    defaults = dataclasses.replace(backend.info.defaults, speculation=dataclasses.replace(
+        backend.info.defaults.speculation, k_policy={1: 3, 4: 0}))
+    stub = SimpleNamespace(info=dataclasses.replace(backend.info, defaults=defaults), encode=backend.encode,
+                           apply_chat=backend.apply_chat)
+    pb, _ = protos.load()
+    chosen = validate(build_request(pb, text=PROMPT, mode="sd"), stub, ServeOptions()).speculation
+    asked = validate(build_request(pb, text=PROMPT, mode="sd", k=2), stub, ServeOptions()).speculation
+    assert chosen.k_policy == {1: 3, 4: 0} and chosen.k_for(4) == 0
+    assert asked.k_policy == {} and asked.k_for(4) == 2

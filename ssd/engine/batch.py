@@ -339,7 +339,13 @@ class BatchedSDEngine(BatchedEngine):
         self.precision += f", draft {precision_of(draft)}"
 
     def _round_cost(self, row: Row) -> int:
-        return draft_length(row.state) + 1
+        return self._draft_length(row) + 1
+
+    def _draft_length(self, row: Row) -> int:
+        """K for this row at the current batch size (speculation.k_policy; 0: a plain
+        target step), never past max_new_tokens."""
+        k = row.state.speculation.k_for(len(self._rows))
+        return min(k, draft_length(row.state))
 
     def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
         forward_rows([row.draft for row, _ in chunks], [ids for _, ids in chunks], last_only=True)
@@ -347,7 +353,7 @@ class BatchedSDEngine(BatchedEngine):
     def _draft(self, rows: list[Row]) -> None:
         for row in rows:
             state = row.state
-            row.chain = Chain(row.draft, state.sequence, draft_length(state), state.sampling, state.gen)
+            row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen)
         draft_chains([row.chain for row in rows])
         for row in rows:
             row.error = row.chain.error

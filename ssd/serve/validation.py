@@ -125,6 +125,8 @@ def _speculation(request: Any, info: BackendInfo, options: ServeOptions, mode: s
     backup = _one_of(given.backup, "speculation.backup", BACKUPS)
     fanout = dataclasses.replace(default.fanout, budget=budget, kind=kind)
     spec = dataclasses.replace(default, k=k, fanout=fanout, saguaro_c=saguaro_c)
+    if given.HasField("k"):  # the asked-for K, not the configured batch-size policy
+        spec = dataclasses.replace(spec, k_policy={})
     if backup:
         # A configured batch-size policy would override the asked-for backup.
         spec = dataclasses.replace(spec, backup=backup, backup_policy={})
