@@ -83,15 +83,23 @@ def serving(args: argparse.Namespace, config) -> list:
     from ssd.bench.serving import ServingPlan, Variant, format_serving_table, run_serving_bench
 
     baseline = Variant(config.speculation.mode, batched=False)
-    ks = args.ks or [None]
+    ks = args.ks or [config.speculation.k]
     variants = [baseline] + [Variant(m, k if m != "ar" else None) for m in args.modes for k in (ks if m != "ar" else [None])]
     prompts = [p.text for prompt_set in _prompt_sets(args).values() for p in prompt_set if not p.chat]
+    pair = load_pair(config, with_draft=any(v.mode != "ar" for v in variants) or args.adaptive)
+    if args.adaptive:
+        from calibrate import calibrate
+
+        costs, a, policy = calibrate(pair, config, sorted(set(args.concurrency)), max(ks) + 2, None,
+                                     progress=not args.no_progress)
+        print(costs.table(), f"\nacceptance a = {a:.3f}; k_policy = {policy}", flush=True)
+        config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, k_policy=policy))
+        variants.append(Variant("sd", adaptive=True))
     plan = ServingPlan(
         variants=list(dict.fromkeys(variants)), concurrencies=args.concurrency, prompts=prompts,
         requests_per_client=args.requests_per_client, max_new_tokens=config.generation.max_new_tokens,
         temperature=(args.temperatures or [config.sampling.temperature])[0], progress=not args.no_progress,
     )
-    pair = load_pair(config, with_draft=any(v.mode != "ar" for v in plan.variants))
     results = run_serving_bench(pair, config, plan)
     print(format_serving_table(results, baseline.label))
     for result in results:
@@ -131,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--concurrency", nargs="+", type=int,
                         help="serving benchmark: concurrent streaming clients, e.g. 1 2 4 8 (see above)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="serving benchmark: calibrate speculation.k_policy here (launch/calibrate.py) and add "
+                             "an 'sd adaptive' row that runs with it")
     parser.add_argument("--requests-per-client", dest="requests_per_client", type=int, default=2,
                         help="serving benchmark: requests each client sends in turn")
     add_config_args(parser)

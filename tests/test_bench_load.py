@@ -46,9 +46,11 @@ def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(
     prompts = tmp_path / "tiny.yaml"
     prompts.write_text("- abcab\n- ponm\n- aaaabbbb\n")
     results = bench.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--prompt-file", str(prompts),
-                          "--concurrency", "1", "3", "--modes", "ar", "sd", "--max-new-tokens", "12", "--no-progress"])
+                          "--concurrency", "1", "3", "--modes", "ar", "sd", "--max-new-tokens", "12", "--no-progress",
+                          "--adaptive"])
     table = capsys.readouterr().out
     labels = [r.label for r in results]
-    assert labels == ["sd one-at-a-time", "ar batched", "sd batched"] * 2
+    assert labels == ["sd one-at-a-time", "ar batched", "sd K=4 batched", "sd adaptive"] * 2
     assert all(not r.errors and r.tokens == r.requests * 12 for r in results)
-    assert "| 3 | sd batched |" in table and "| 1 | sd one-at-a-time |" in table
+    assert "| 3 | sd K=4 batched |" in table and "| 1 | sd one-at-a-time |" in table
+    assert "k_policy = {" in table  # the calibrated policy the adaptive row ran with

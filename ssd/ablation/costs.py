@@ -196,9 +196,9 @@ def measure_costs(
             for b in settings.budgets:
                 draft_probes[("build", k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
         with beside_draft():
-            timed = _round_robin(target_probes, settings.repeats, tick)
+            timed = round_robin(target_probes, settings.repeats, tick)
         with beside_target():
-            timed |= _round_robin(draft_probes, settings.repeats, tick)
+            timed |= round_robin(draft_probes, settings.repeats, tick)
     finally:
         torch.set_num_threads(threads)
     ar = timed[("ar", 1)]
@@ -217,7 +217,7 @@ def measure_costs(
 Probe = tuple[Callable[[], Any], Callable[[], Any]]
 
 
-def _round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]) -> dict[Any, float]:
+def round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]) -> dict[Any, float]:
     """Median seconds of each probe over `repeats` passes after one warm-up pass.
 
     Each pass times every probe once, so a machine that speeds up or slows

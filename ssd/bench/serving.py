@@ -29,11 +29,14 @@ class Variant:
     """One row: a mode (with its K) on a server that batches or not."""
 
     mode: str
-    k: int | None = None  # None: the config's
+    k: int | None = None  # None: the server's (speculation.k_policy by batch size, else k)
     batched: bool = True
+    adaptive: bool = False  # K from the server's speculation.k_policy (the request names none)
 
     @property
     def label(self) -> str:
+        if self.adaptive:
+            return f"{self.mode} adaptive"
         k = f" K={self.k}" if self.k is not None and self.mode != "ar" else ""
         return f"{self.mode}{k} {'batched' if self.batched else 'one-at-a-time'}"
 

@@ -1,0 +1,154 @@
+"""What a batched round costs on this machine, by batch size: the inputs of
+the batch-aware policy (ssd.batch_policy).
+
+Measured on the loaded pair with the batched engines' own forwards
+(ssd.models.kv.forward_rows, ssd.speculation.drafting.draft_chains):
+- verify(b, n): one packed target forward of n tokens for each of b rows,
+  every row after its own `prefix`-token context (n = 1 is an AR step);
+- draft(b, k): k batched draft steps for b rows (a chain of k after a round:
+  its cache lacks only the last token).
+Each is the median of `repeats` timed runs after one warm-up, all probes
+timed in turn each pass (a shared host's drift moves them alike). Unmeasured
+batch sizes interpolate linearly between measured ones (and extrapolate from
+the last two).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ssd import hardware
+from ssd.ablation.costs import round_robin
+from ssd.batch_policy import k_by_batch
+from ssd.config import SamplingConfig
+from ssd.engine.metrics import GenerationStats
+from ssd.models.kv import KVSequence, forward_rows
+from ssd.sampling import make_generator
+from ssd.speculation.drafting import Chain, draft_chains
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchCosts:
+    """Seconds per batched round: verify[(b, n)] and draft[(b, k)] as measured."""
+
+    verify: dict[tuple[int, int], float]
+    draft: dict[tuple[int, int], float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def verify_s(self, b: int, tokens: int) -> float:
+        return _by_batch(self.verify, b, tokens)
+
+    def draft_s(self, b: int, k: int) -> float:
+        return 0.0 if k == 0 else _by_batch(self.draft, b, k)
+
+    def k_policy(self, acceptance: float, batch_sizes: list[int], k_max: int) -> dict[int, int]:
+        """speculation.k_policy: the best K at each batch size, as thresholds
+        (a batch size is listed where the choice changes)."""
+        chosen = k_by_batch(self.verify_s, self.draft_s, acceptance, sorted(batch_sizes), k_max)
+        policy: dict[int, int] = {}
+        for b, k in chosen.items():
+            if not policy or list(policy.values())[-1] != k:
+                policy[b] = k
+        return policy
+
+    def table(self) -> str:
+        """verify and draft seconds per batch size, in milliseconds (markdown)."""
+        sizes = sorted({b for b, _ in self.verify})
+        lengths = sorted({n for _, n in self.verify})
+        ks = sorted({k for _, k in self.draft})
+        head = ["rows"] + [f"verify {n} tok" for n in lengths] + [f"draft {k}" for k in ks]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for b in sizes:
+            cells = [f"{1000 * self.verify[(b, n)]:.1f}" for n in lengths] + [f"{1000 * self.draft[(b, k)]:.1f}" for k in ks]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def acceptance_rate(stats: GenerationStats) -> float:
+    """Per-token acceptance a of SD rounds: accepted drafts over drafts reached
+    (a rejection ends a round's reach), the maximum-likelihood a of a
+    geometric acceptance model."""
+    reached = [stats.rounds] + stats.accepted_at[:-1]
+    total = sum(reached[: len(stats.accepted_at)])
+    return sum(stats.accepted_at) / total if total else 0.0
+
+
+def _by_batch(table: dict[tuple[int, int], float], b: int, n: int) -> float:
+    """Exact where measured; else linear in b between the measured sizes for this n."""
+    if (b, n) in table:
+        return table[(b, n)]
+    points = sorted((size, s) for (size, m), s in table.items() if m == n)
+    if not points:
+        raise KeyError(f"no measurement with {n} tokens per row")
+    sizes, seconds = zip(*points)
+    if len(points) == 1:
+        return seconds[0] * b / sizes[0]
+    if b > sizes[-1]:  # extrapolate from the last two sizes
+        slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+        return seconds[-1] + slope * (b - sizes[-1])
+    return float(np.interp(b, sizes, seconds))
+
+
+def measure_batch_costs(
+    target: torch.nn.Module, draft: torch.nn.Module, batch_sizes: list[int], k_max: int,
+    prefix: int = 64, repeats: int = 3, seed: int = 0, progress: Callable[[], None] | None = None,
+) -> BatchCosts:
+    """Time packed target forwards and batched draft chains on the pair (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    probes: dict[Any, tuple[Callable, Callable]] = {}
+    for b in batch_sizes:
+        contexts = [torch.randint(vocab, (prefix,), generator=gen).tolist() for _ in range(b)]
+        targets = _prefilled(target, contexts)
+        drafts = _prefilled(draft, contexts)
+        for n in range(1, k_max + 2):
+            probes[("verify", b, n)] = _verify_probe(targets, contexts, n, vocab, gen)
+        for k in range(1, k_max + 1):
+            probes[("draft", b, k)] = _draft_probe(drafts, contexts, k, seed)
+    timed = round_robin(probes, repeats, progress or (lambda: None))
+    return BatchCosts(
+        verify={(b, n): s for (kind, b, n), s in timed.items() if kind == "verify"},
+        draft={(b, k): s for (kind, b, k), s in timed.items() if kind == "draft"},
+        meta={"prefix": prefix, "repeats": repeats, "machine": hardware.describe(), "threads": torch.get_num_threads()},
+    )
+
+
+def _prefilled(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
+    rows = [KVSequence(model) for _ in contexts]
+    forward_rows(rows, contexts, last_only=True)
+    return rows
+
+
+def _verify_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
+    ids = [torch.randint(vocab, (n,), generator=gen).tolist() for _ in rows]
+
+    def run() -> None:
+        hardware.sync(forward_rows(rows, ids, last_only=False)[0])
+
+    def reset() -> None:
+        for row, context in zip(rows, contexts):
+            row.rollback(len(context))
+
+    return run, reset
+
+
+def _draft_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
+    sampling = SamplingConfig(temperature=1.0)
+    gens = [make_generator(seed + i) for i in range(len(rows))]
+
+    def run() -> None:
+        draft_chains([Chain(row, context, k, sampling, g) for row, context, g in zip(rows, contexts, gens)])
+        hardware.sync(rows[0].model.device)
+
+    def reset() -> None:  # after a round the draft lacks only the last token
+        for row, context in zip(rows, contexts):
+            row.rollback(len(context) - 1)
+
+    return run, reset
