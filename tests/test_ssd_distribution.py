@@ -128,6 +128,18 @@ class Draws:
     def hit_rate(self) -> float:
         return self.hits / max(1, self.lookups)
 
+    def add(self, out, rounds: list[list[int]], positions: tuple[int, ...], last_early_round: int = 1) -> None:
+        """One generation: its tokens at `positions`, its cache counts, and where each
+        tested token came from (rounds up to `last_early_round` count as early)."""
+        self.samples.append(tuple(out.token_ids[i] for i in positions))
+        self.hits += out.stats.spec.hits
+        self.lookups += out.stats.spec.lookups
+        origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
+        for position in positions:
+            round_index, slot = origin[position]
+            self.tested_from_round_1 += round_index <= last_early_round
+            self.slots[slot] += 1
+
 
 def draw(
     pair, spec_config: SpeculationConfig, sampling: SamplingConfig, window: Window, samples: int = SAMPLES
@@ -139,14 +151,7 @@ def draw(
         for seed in range(samples):
             rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
             out = run(ssd, PROMPT, dataclasses.replace(sampling, seed=seed), generation, rounds.append)
-            draws.samples.append(tuple(out.token_ids[i] for i in window.positions))
-            draws.hits += out.stats.spec.hits
-            draws.lookups += out.stats.spec.lookups
-            origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
-            for position in window.positions:
-                round_index, slot = origin[position]
-                draws.tested_from_round_1 += round_index == 1
-                draws.slots[slot] += 1
+            draws.add(out, rounds, window.positions)
     return draws
 
 
@@ -443,14 +448,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
         out = run(engine, PROMPT, dataclasses.replace(sampling, seed=seed),
                   GenerationConfig(max_new_tokens=ADOPTED.n_tokens), attach_after_token_1)
         assert out.stats.spec.degraded_rounds == 1 and out.stats.spec.lookups > 0, out.stats.summary()
-        draws.samples.append(tuple(out.token_ids[i] for i in ADOPTED.positions))
-        draws.hits += out.stats.spec.hits
-        draws.lookups += out.stats.spec.lookups
-        origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
-        for position in ADOPTED.positions:
-            round_index, slot = origin[position]
-            draws.tested_from_round_1 += round_index <= 2  # before or in the adoption round
-            draws.slots[slot] += 1
+        draws.add(out, rounds, ADOPTED.positions, last_early_round=2)  # early: before or in the adoption round
     engine.stop_draft()
     speculator.join(timeout=10)
     return draws
