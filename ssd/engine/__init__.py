@@ -3,11 +3,12 @@
 from ssd.engine.ar import AREngine
 from ssd.engine.base import Engine
 from ssd.engine.batch import BatchedAREngine, BatchedSDEngine, BatchEngine, Finished
+from ssd.engine.batch_ssd import BatchedSSDEngine
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.engine.sd import SDEngine
 
 __all__ = [
-    "AREngine", "SDEngine", "BatchEngine", "BatchedAREngine", "BatchedSDEngine", "Finished",
+    "AREngine", "SDEngine", "BatchEngine", "BatchedAREngine", "BatchedSDEngine", "BatchedSSDEngine", "Finished",
     "Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Generator",
 ]

@@ -25,7 +25,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -108,6 +108,7 @@ class Row:
     round_tokens: int  # the most tokens one of its rounds feeds the target (K + 1; AR: 1)
     prefilled: int = 0  # prompt tokens the target has been fed
     chain: Chain | None = None  # SD: this round's drafting
+    link: Any = None  # SSD: the row's sequence on the draft link (ssd.engine.batch_ssd.RowLink)
     error: Exception | None = None
 
     @property

@@ -13,7 +13,7 @@ from ssd.config import BatchingConfig, Config, SpeculationConfig
 from ssd.engine.ar import AREngine
 from ssd.engine.base import Engine
 from ssd.engine.batch import BatchedAREngine, BatchedSDEngine, BatchEngine
-from ssd.engine.local import LocalSSD
+from ssd.engine.local import LocalBatchedSSD, LocalSSD
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
 from ssd.models.quant import precision_of
@@ -43,16 +43,18 @@ class LoadedPair:
 
     def batch_engine(self, speculation: SpeculationConfig, batching: BatchingConfig | None = None) -> BatchEngine:
         """A continuous-batching engine for speculation.mode over these models;
-        `speculation` is its default for requests that bring none."""
+        `speculation` is its default for requests that bring none.
+
+        SSD runs in-process here: the speculator serves the batch from a
+        thread, which the engine's close() stops.
+        """
         if speculation.mode == "ar":
             return BatchedAREngine(self.target, self.tokenizer, batching)
         if self.draft is None:
             raise ValueError(f"mode {speculation.mode!r} needs a draft model; none was loaded")
         if speculation.mode == "sd":
             return BatchedSDEngine(self.target, self.draft, self.tokenizer, speculation.k, batching)
-        raise NotImplementedError(
-            "continuous batching runs modes ar and sd; SSD with more than one request at a time is not built yet"
-        )
+        return LocalBatchedSSD(self.target, self.draft, self.tokenizer, speculation, batching)
 
 
 def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:

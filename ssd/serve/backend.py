@@ -22,9 +22,8 @@ from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 
 log = logging.getLogger(__name__)
 
-# Modes LoadedPair.batch_engine batches; SSD runs one request at a time until
-# its batched engine exists.
-BATCHED_MODES = ("ar", "sd")
+# Modes LoadedPair.batch_engine batches.
+BATCHED_MODES = ("ar", "sd", "ssd")
 
 
 class UnsupportedRequest(ValueError):
