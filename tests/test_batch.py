@@ -17,7 +17,7 @@ import torch
 
 import ssd.engine.batch as batch_module
 from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine import AREngine, BatchedAREngine, BatchedSDEngine, SDEngine
+from ssd.engine import AREngine, BatchedAREngine, BatchedSDEngine, BatchEngine, SDEngine
 from ssd.engine.factory import LoadedPair
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
@@ -383,8 +383,9 @@ def test_the_factory_builds_batched_engines(tiny_models, tiny_tokenizer):
     sd = pair.batch_engine(SpeculationConfig(mode="sd", k=5))
     assert isinstance(ar, BatchedAREngine) and ar.batching.max_rows == 3
     assert isinstance(sd, BatchedSDEngine) and sd.generate(request([1, 2], 8)).stats.k == 5
-    with pytest.raises(NotImplementedError, match="SSD"):
-        pair.batch_engine(SpeculationConfig(mode="ssd"))
+    ssd = pair.batch_engine(SpeculationConfig(mode="ssd"))  # tests/test_batch_ssd.py runs it
+    ssd.close()
+    assert ssd.mode == "ssd" and isinstance(ssd, BatchEngine)
     with pytest.raises(ValueError, match="draft"):
         LoadedPair(target, None, tiny_tokenizer).batch_engine(SpeculationConfig(mode="sd"))
 

@@ -147,6 +147,8 @@ def test_greedy_rows_equal_ar_with_one_exchange_per_step(tiny_models, tiny_token
     with linked(target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=16)) as (engine, spy, serving):
         check, sizes = one_rounds_message_per_step(engine, spy)
         outs = [ok(f) for f in run_batch(engine, rows, after_step=check)]
+    # Stopped, the speculator has handled every message: each row was released as it left.
+    assert spy.sent[protocol_module.RELEASE] == len(rows) and not serving.speculator.sequences
     assert outs[0].finish_reason == "stop" and outs[1].finish_reason == "length"
     for r, out in zip(rows, outs):
         assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
@@ -158,7 +160,6 @@ def test_greedy_rows_equal_ar_with_one_exchange_per_step(tiny_models, tiny_token
     assert sum(s.hits for s in spec) > 0 and sum(s.lookups for s in spec) > sum(s.hits for s in spec)
     # Only rows that missed ran the backup: one backup per round that followed a miss.
     assert len(backups.calls) == sum(s.rounds_after_miss for s in spec)
-    assert spy.sent[protocol_module.RELEASE] == len(rows) and not serving.speculator.sequences  # all released
 
 
 # --- sampled: each row follows the target's exact law -----------------------------------
@@ -252,3 +253,137 @@ def test_the_law_test_catches_q_rows_unpacked_to_the_wrong_row(chi_pair, monkeyp
     monkeypatch.setattr(protocol_module, "parse_proposals", rotate_q_rows(protocol_module.parse_proposals))
     pvalues = chi_pvalues(chi_pair, chi_draws(chi_pair, CHI_BROKEN_SAMPLES), "q rows rotated")
     assert min(pvalues[i] for i in UNTRUNCATED) < ALPHA, f"rotated q rows went undetected: {pvalues}"
+
+
+# --- the draft failing: no request is lost -------------------------------------------------
+
+def three_rows(n: int = 30) -> list[GenerationRequest]:
+    """Rows told apart on the draft side by their first prompt token."""
+    return [request([1, 2, 3], n, k=3), request([5], n, k=4), request([7, 7, 7, 7, 0, 1, 9, 12, 15], n, k=2)]
+
+
+def fail_row_once(monkeypatch, head: int, at_round: int) -> dict:
+    """The speculator fails the row whose sequence starts with `head` on its
+    `at_round`-th round, once; every answer after is recorded as (seq, head, hit)."""
+    real = speculator_module.Speculator._answer
+    seen: dict = {"rounds": 0, "failed_seq": None, "answers": []}
+
+    def answer(self, row, batch_size):
+        first = self.sequences[row.seq].committed[0]
+        if first == head and seen["failed_seq"] is None:
+            seen["rounds"] += 1
+            if seen["rounds"] == at_round:
+                seen["failed_seq"] = row.seq
+                raise RuntimeError("injected draft failure")
+        reply = real(self, row, batch_size)
+        seen["answers"].append((row.seq, first, reply.hit))
+        return reply
+
+    monkeypatch.setattr(speculator_module.Speculator, "_answer", answer)
+    return seen
+
+
+def test_a_row_the_draft_fails_runs_one_plain_step_then_speculates_again(tiny_models, tiny_tokenizer, monkeypatch):
+    target, draft = tiny_models
+    rows = three_rows()
+    seen = fail_row_once(monkeypatch, head=5, at_round=3)
+    with linked(target, draft, tiny_tokenizer) as (engine, spy, serving):
+        outs = [ok(f) for f in run_batch(engine, rows)]
+        assert engine.link_up  # one row's failure is not the link's
+    assert seen["failed_seq"] is not None and not serving.speculator.sequences
+    for r, out in zip(rows, outs):
+        assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
+    assert [out.stats.spec.degraded_rounds for out in outs] == [0, 1, 0]
+    # Prefilled again under a new seq id, the row hit the cache again.
+    assert spy.sent[protocol_module.PREFILL] == len(rows) + 1
+    assert any(seq > seen["failed_seq"] and head == 5 and hit for seq, head, hit in seen["answers"])
+
+
+@pytest.mark.parametrize("how", ["closed", "speculator gone"])
+def test_a_link_that_dies_mid_batch_loses_no_row(tiny_models, tiny_tokenizer, how):
+    """The link closes (ChannelClosed), or the speculator stops answering (a
+    timeout): every row goes on target-only and ends with AR's output."""
+    target, draft = tiny_models
+    rows = three_rows()
+    with linked(target, draft, tiny_tokenizer, timeout_s=0.5) as (engine, spy, serving):
+
+        def kill(step: int) -> None:
+            if step == 4:
+                if how == "closed":
+                    spy.dead = True
+                else:
+                    serving.stop()
+
+        outs = [ok(f) for f in run_batch(engine, rows, after_step=kill)]
+        assert not engine.link_up
+    for r, out in zip(rows, outs):
+        assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
+        spec = out.stats.spec
+        assert spec.rounds_after_hit + spec.rounds_after_miss >= 3  # it speculated before the link died
+        assert 0 < spec.degraded_rounds < out.stats.rounds
+
+
+def test_a_link_attached_mid_batch_is_adopted(tiny_models, tiny_tokenizer):
+    """The batch starts without a link; one attached (from another thread) after
+    step 3 is adopted before step 4: every running row is prefilled on it, the
+    one still prefilling its prompt too, and each speculates and hits from then on."""
+    target, draft = tiny_models
+    rows = [*three_rows()[:2], request([(3 * i + 1) % 16 for i in range(40)], 20, k=3)]  # 40 tokens: 5 chunks
+    engine = BatchedSSDEngine(target, tiny_tokenizer, None, ssd_spec(), BatchingConfig(prefill_chunk=8))
+    serving = SpeculatorThread(draft)
+    spy = SpyChannel(serving.channel)
+
+    def attach(step: int) -> None:
+        if step == 3:
+            helper = threading.Thread(target=engine.attach, args=(spy,))
+            helper.start()
+            helper.join()
+
+    try:
+        assert not engine.link_up
+        outs = [ok(f) for f in run_batch(engine, rows, after_step=attach)]
+    finally:
+        serving.stop()
+    for r, out in zip(rows, outs):
+        assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
+        assert out.stats.spec.hits > 0
+    # Steps 1 and 2 ran the decoding rows alone; the long row first decoded after the adoption.
+    assert [out.stats.spec.degraded_rounds for out in outs] == [2, 2, 0]
+    assert spy.sent[protocol_module.PREFILL] == len(rows) and not serving.speculator.sequences
+
+
+# --- joining and leaving ---------------------------------------------------------------------
+
+def test_rows_joining_and_leaving_mid_run_do_not_change_the_others(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    cancelled_rounds: list[list[int]] = []
+    stays = request([1, 2, 3], 30, k=3)
+    leaves = request([4, 5], 30, k=2, on_tokens=cancelled_rounds.append, cancelled=lambda: len(cancelled_rounds) >= 3)
+    joins = request([6, 7, 8], 30, k=4, budget=12)
+    with linked(target, draft, tiny_tokenizer) as (engine, spy, serving):
+        out_stays, out_leaves, out_joins = run_batch(engine, [stays, leaves], admit_at={3: [joins]})
+    assert not serving.speculator.sequences  # the cancelled row was released too
+    for r, finished in ((stays, out_stays), (joins, out_joins)):
+        assert ok(finished).token_ids == ar_ids(target, tiny_tokenizer, r)[0]
+        assert ok(finished).stats.spec.hits > 0
+    left = ok(out_leaves)
+    assert left.finish_reason == "aborted" and len(cancelled_rounds) == 3
+    assert left.token_ids == [t for r in cancelled_rounds for t in r]
+    assert left.token_ids == ar_ids(target, tiny_tokenizer, leaves)[0][: len(left.token_ids)]
+
+
+# --- the factory -----------------------------------------------------------------------------
+
+def test_the_factory_builds_batched_ssd_with_its_own_speculator_thread(tiny_models, tiny_tokenizer):
+    target, draft = tiny_models
+    engine = LoadedPair(target, draft, tiny_tokenizer).batch_engine(ssd_spec(k=3), BatchingConfig(max_rows=3))
+    try:
+        assert isinstance(engine, LocalBatchedSSD) and engine.mode == "ssd"
+        assert engine.engine.batching.max_rows == 3
+        plain = GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=20))
+        out = engine.generate(plain)
+        assert out.token_ids == ar_ids(target, tiny_tokenizer, plain)[0]
+        assert out.stats.k == 3 and out.stats.spec.lookups > 0 and "draft" in out.stats.precision
+    finally:
+        engine.close()
+    assert not engine._serving.thread.is_alive()

@@ -446,7 +446,7 @@ def test_metrics_port_option():
 
 def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
     """Before LoadedPair.batch_engine exists every mode runs alone; once it does,
-    ar and sd are batched with the config's limits, SSD still runs alone."""
+    ar, sd and ssd are batched with the config's limits."""
     from ssd.engine.factory import LoadedPair
     from ssd.serve.backend import LocalBackend
 
@@ -463,12 +463,13 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
             return FakeBatchEngine(speculation.mode, fake)
 
         monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine, raising=False)
-        assert isinstance(local.batch_engine("sd"), FakeBatchEngine) and local.batch_engine("ssd") is None
-        assert made == [("sd", config.batching)]
+        assert isinstance(local.batch_engine("sd"), FakeBatchEngine)
+        assert isinstance(local.batch_engine("ssd"), FakeBatchEngine)
+        assert made == [("sd", config.batching), ("ssd", config.batching)]
         with running(lambda: local) as (_, client):
             assert_own_tokens(client.generate(text=PROMPT, mode="ar", seed=5, max_new_tokens=6), 5, 6)
             assert client.generate(text=PROMPT, mode="ssd", max_new_tokens=4).finish_reason == "length"
-        assert fake.log.admitted and fake.log.closed == ["ar"]
+        assert fake.log.admitted and sorted(fake.log.closed) == ["ar", "ssd"]
 
         def unsupported(pair, speculation, batching):
             raise NotImplementedError
