@@ -7,6 +7,8 @@ seeded generator, stop strings, EOS and max tokens. One `step` runs one round
 for every row: AR decodes one token per row; SD drafts K per row and the
 target verifies every row's speculation in one batched forward, then each row
 accepts, rolls back and samples on its own with the one verification routine.
+SSD (ssd.engine.batch_ssd) gets every row's speculation from the draft in one
+exchange per step and verifies them the same way.
 
 The serving worker drives it:
 
