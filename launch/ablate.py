@@ -8,6 +8,7 @@ fan-out schedules, K, budget and Saguaro C without them.
     python launch/ablate.py fit --trace trace.safetensors -k 4
     python launch/ablate.py plan --trace trace.safetensors --costs costs.json --top 5
     python launch/ablate.py compare --trace trace.safetensors -k 4 --budget 8
+    python launch/ablate.py backups --batch-sizes 1 2 4 8 --temperature 0.7 --plot crossover.png
 
 The base configuration (K, budget, fan-out kind, Saguaro C, planner priors,
 branch decoder, models) comes from --config and its override flags. Replays
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -90,7 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     _fit_args(sub.add_parser("fit", help="miss rate vs fan-out and its power-law exponent r"))
     _plan_args(sub.add_parser("plan", help="recommend K, B, C and fan-out kind by modelled tokens/s"))
     _compare_args(sub.add_parser("compare", help="replayed vs live in-process SSD on the trace's prompts"))
+    _backups_args(sub.add_parser("backups", help="neural vs fast backup across batch sizes, live, with b*"))
     return parser
+
+
+def _backups_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-file", type=Path, default=PROMPT_FILE, help="YAML list of prompt strings")
+    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--backups", nargs=2, default=["neural", "ngram"], metavar=("NEURAL", "FAST"),
+                   help="the neural and the fast backup (default: neural ngram)")
+    p.add_argument("--plot", type=Path, help="write the figure here (.png)")
+    p.add_argument("--json", type=Path, help="write the rows and the prediction here")
+    add_config_args(p)
 
 
 def _record_args(p: argparse.ArgumentParser) -> None:
@@ -308,6 +321,32 @@ def cmd_compare(args: argparse.Namespace, config: Config) -> None:
 # Helpers
 
 
+def cmd_backups(args: argparse.Namespace, config: Config) -> None:
+    """Fig. 6 (left) of the SSD paper on this machine: see ssd.ablation.backup_crossover."""
+    from ssd import hardware
+    from ssd.ablation.backup_crossover import format_crossover, measure_crossover, predict
+    from ssd.ablation.plots import plot_backup_crossover
+    from ssd.bench.prompts import load_prompt_set
+
+    pair = load_pair(config)
+    prompts = [p.encode(pair.tokenizer) for p in load_prompt_set(args.prompt_file)]
+    neural, fast = args.backups
+    with tqdm(total=2 * len(args.batch_sizes), desc="backup x batch size") as bar:
+        points = measure_crossover(pair, config, prompts, [neural, fast], args.batch_sizes,
+                                   config.generation.max_new_tokens, bar.update)
+    prediction = predict(points, config.speculation.k, fast=fast, neural=neural)
+    print(hardware.summary())
+    print(format_crossover(points, prediction))
+    if args.plot:
+        print(f"wrote {plot_backup_crossover(points, prediction, args.plot)}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "machine": hardware.describe(), "rows": [p.row() for p in points], "b_star": prediction.b_star,
+            "measured_crossover": prediction.measured_crossover,
+            "predicted_speedup": {k: {str(b): s for b, s in v.items()} for k, v in prediction.speedups.items()},
+        }, indent=2))
+
+
 def _base_spec(config: Config) -> SpeculationConfig:
     spec = config.speculation
     if spec.backup_for(batch_size=1) != "neural":
@@ -346,7 +385,7 @@ def _print_header(data: ReplayData, spec: SpeculationConfig) -> None:
 
 
 COMMANDS = {"record": cmd_record, "costs": cmd_costs, "sweep": cmd_sweep, "fit": cmd_fit,
-            "plan": cmd_plan, "compare": cmd_compare}
+            "plan": cmd_plan, "compare": cmd_compare, "backups": cmd_backups}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -101,3 +101,27 @@ def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def plot_backup_crossover(points: Sequence, prediction, path: Path) -> Path:
+    """Neural versus fast backup by batch size: measured tokens/s (left) and the
+    batch formula's predicted speedup (right), with b* and the measured crossover."""
+    fig = Figure(figsize=(9, 4))
+    FigureCanvasAgg(fig)
+    measured, predicted = fig.subplots(1, 2)
+    for backup in sorted({p.backup for p in points}):
+        mine = sorted((p for p in points if p.backup == backup), key=lambda p: p.batch)
+        measured.plot([p.batch for p in mine], [p.throughput for p in mine], "o-", label=backup)
+        curve = prediction.speedups.get(backup, {})
+        predicted.plot(list(curve), list(curve.values()), "o--", label=backup)
+    if prediction.measured_crossover is not None:
+        measured.axvline(prediction.measured_crossover, color="grey", ls=":", label="measured crossover")
+    if prediction.b_star is not None:
+        predicted.axvline(prediction.b_star, color="grey", ls=":", label=f"b* = {prediction.b_star}")
+    measured.set(xlabel="batch size", ylabel="tokens/s (all rows)", title="measured")
+    predicted.set(xlabel="batch size", ylabel="speedup (tokens per verification time)", title="batch formula")
+    for ax in (measured, predicted):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.legend()
+    return _save(fig, path)
