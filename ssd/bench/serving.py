@@ -1,9 +1,9 @@
 """The serving benchmark: modes side by side at several client concurrencies,
 through a real gRPC server on loopback, batched and one request at a time.
 
-One model load serves every row: each server variant (batching off, i.e.
-batching.max_rows 1, and batching on) is a GenerationServer over a
-LocalBackend sharing the loaded pair. Every row of one concurrency sends the
+One model load serves every row: the two servers (batching off, i.e.
+batching.max_rows 1, and batching on) are GenerationServers over
+LocalBackends sharing the loaded pair. Every row of one concurrency sends the
 same prompts with the same settings, so rows compare like for like; the
 baseline of each concurrency is the one-at-a-time server in the config's mode.
 """
@@ -59,21 +59,22 @@ class ServingPlan:
 
 
 def run_serving_bench(pair: LoadedPair, config: Config, plan: ServingPlan) -> list[LoadResult]:
-    """Every variant at every concurrency; results grouped by concurrency, then variant."""
-    results: dict[tuple[int, Variant], LoadResult] = {}
-    bar = tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench", disable=not plan.progress)
-    for batched in (False, True):
-        variants = [v for v in plan.variants if v.batched == batched]
-        if not variants:
-            continue
-        with _server(pair, config, batched, max(plan.concurrencies)) as address:
-            for concurrency in plan.concurrencies:
-                for variant in variants:
-                    results[(concurrency, variant)] = _run(address, variant, concurrency, plan)
-                    bar.update()
-                    log.info("%s", results[(concurrency, variant)].row())
-    bar.close()
-    return [results[(c, v)] for c in plan.concurrencies for v in plan.variants]
+    """Every variant at every concurrency, grouped by concurrency, then variant.
+
+    Both servers (batching off and on) are up the whole time and the rows of
+    one concurrency run back to back, so a machine that drifts over minutes
+    (a shared host does) moves the rows that are compared together."""
+    results = []
+    rows = max(plan.concurrencies)
+    with _server(pair, config, False, rows) as alone, _server(pair, config, True, rows) as batched, \
+            tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench",
+                 disable=not plan.progress) as bar:
+        for concurrency in plan.concurrencies:
+            for variant in plan.variants:
+                results.append(_run(batched if variant.batched else alone, variant, concurrency, plan))
+                log.info("%s", results[-1].row())
+                bar.update()
+    return results
 
 
 def _run(address: str, variant: Variant, concurrency: int, plan: ServingPlan) -> LoadResult:

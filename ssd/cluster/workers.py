@@ -186,11 +186,14 @@ class TargetWorker:
         return emitted, ended
 
     def _batch_engine(self, mode: str):
+        """AR's batch engine, or the SSD engine itself (it batches, and owns the draft link)."""
+        if mode == "ssd" and self.world == 1:
+            return self._engine("ssd")
         if mode not in self._batch_engines:
             from ssd.engine.batch import BatchedAREngine
 
             if mode != "ar":
-                raise ValueError(f"the cluster batches mode ar, not {mode!r}")
+                raise ValueError(f"the cluster batches modes ar and ssd, not {mode!r}")
             self._batch_engines[mode] = BatchedAREngine(self.model, self.tokenizer, self.config.batching)
         return self._batch_engines[mode]
 
@@ -224,14 +227,29 @@ class TargetWorker:
             if mode == "ar":
                 self._engines[mode] = AREngine(self.sequence, self.tokenizer)
             elif mode == "ssd":
-                self._engines[mode] = SSDEngine(
-                    self.sequence, self.tokenizer, None, dataclasses.replace(self.config.speculation, mode="ssd"),
-                    draft_timeout_s=self.config.cluster.draft_timeout_s,
-                    draft_precision=_precision_name(resolve_precision(self.config.draft, self.device)),
+                self._engines[mode] = self._ssd_engine(
+                    dataclasses.replace(self.config.speculation, mode="ssd"),
+                    _precision_name(resolve_precision(self.config.draft, self.device)),
                 )
             else:
                 raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
         return self._engines[mode]
+
+
+    def _ssd_engine(self, speculation, draft_precision: str):
+        """One SSD engine owns the draft link. A single target rank batches (the
+        server's scheduler drives it; a lone request is a batch of one); a
+        tensor-parallel target runs one sequence, whose cache operations the
+        leader mirrors to the followers."""
+        from ssd.engine.batch_ssd import BatchedSSDEngine
+        from ssd.engine.ssd import SSDEngine
+
+        timeout = self.config.cluster.draft_timeout_s
+        if self.world > 1:
+            return SSDEngine(self.sequence, self.tokenizer, None, speculation,
+                             draft_timeout_s=timeout, draft_precision=draft_precision)
+        return BatchedSSDEngine(self.model, self.tokenizer, None, speculation, self.config.batching,
+                                draft_timeout_s=timeout, draft_precision=draft_precision)
 
 
 def _precision_name(cfg: Any) -> str:

@@ -26,10 +26,10 @@ class ClusterBackend(TokenizerMixin):
         self.cluster.add_health_listener(listener)
 
     def batch_engine(self, mode: str) -> BatchEngine | None:
-        """AR batches on target rank 0 (one Ray call per step); SSD, and a
-        tensor-parallel target, run one request at a time through generate;
-        so does everything when batching.max_rows is 1."""
-        if mode != "ar" or self.cluster.placement.tp_size > 1 or self.config.batching.max_rows == 1:
+        """AR and SSD batch on target rank 0 (one Ray call per step); a
+        tensor-parallel target runs one request at a time through generate, and
+        so does every mode when batching.max_rows is 1."""
+        if mode not in self.info.modes or self.cluster.placement.tp_size > 1 or self.config.batching.max_rows == 1:
             return None
         return RemoteBatchEngine(self.cluster, mode)
 
