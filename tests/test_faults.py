@@ -264,3 +264,39 @@ def test_a_target_killed_mid_batch_fails_every_row_unavailable_and_comes_back(st
     with ThreadPoolExecutor(len(texts)) as pool:
         outs = list(pool.map(lambda t: client.generate(text=t, max_new_tokens=40, mode="ar", timeout=RECOVERY_S), texts))
     assert [o.token_ids for o in outs] == [expected[t][:40] for t in texts]
+
+
+def test_a_draft_killed_mid_batch_loses_no_row(stack):
+    """SSD rows batched on the target: the draft dies, every row finishes with its
+    own right output (degraded meanwhile), health stays SERVING, the draft heals."""
+    import ray
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster, client, health, pids = stack
+    wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
+    pids |= actor_pids(cluster)
+    texts = ["abcab", "ponm", "aaaabbbb"]
+    expected = {t: local_ar(CONFIG, cluster.encode(t), NEW_TOKENS) for t in texts}
+    pid = ray.get(cluster.draft.ready.remote())
+    started = threading.Barrier(len(texts))
+    killed: list[float] = []
+
+    def stream(text: str):
+        out = client.generate(text=text, max_new_tokens=NEW_TOKENS, mode="ssd", timeout=RECOVERY_S,
+                              on_message=lambda m: kill_once(m))
+        return out
+
+    def kill_once(message) -> None:
+        if message.token_ids and not killed:
+            started.wait(timeout=60)  # every row is running
+            if not killed:
+                killed.append(time.monotonic())
+                os.kill(pid, signal.SIGKILL)
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        outs = list(pool.map(stream, texts))
+    assert [o.token_ids for o in outs] == [expected[t] for t in texts]
+    assert any(o.stats.spec.degraded_rounds > 0 for o in outs)  # the kill landed mid-batch
+    time.sleep(0.3)
+    assert set(health.since(killed[0])) == {"SERVING"}
+    wait_until(lambda: cluster.linked(), RECOVERY_S, "the draft did not heal")
