@@ -136,11 +136,14 @@ def test_grpc_frontend_over_the_cluster_streams_and_aborts(cluster):
             assert out.token_ids == local_ar(CONFIG, ids, 40) and out.finish_reason == "length"
             assert len(out.rounds) > 1  # streamed round by round, not in one piece
             stream = client.stream(text="abcab", max_new_tokens=400, mode="ssd", timeout=60)
-            first = next(iter(stream))
-            assert client.abort(first.request_id)
-            rest = list(stream)
+            messages = iter(stream)
+            head = [next(messages)]  # accepted
+            while not head[-1].token_ids:  # running (a batched row), not merely queued
+                head.append(next(messages))
+            assert client.abort(head[0].request_id)
+            rest = list(messages)
             # A protobuf field is never None: check what the final message carries.
-            finished, streamed = rest[-1].finished, [t for m in [first, *rest] for t in m.token_ids]
+            finished, streamed = rest[-1].finished, [t for m in [*head, *rest] for t in m.token_ids]
             assert finished.reason == 4 and finished.HasField("stats")  # ABORTED, with the request's stats
             assert list(finished.output_token_ids) == streamed and finished.stats.new_tokens == len(streamed)
             assert len(streamed) < 400 and finished.stats.mode == 3
