@@ -87,12 +87,13 @@ def serving(args: argparse.Namespace, config) -> list:
     variants = [baseline] + [Variant(m, k if m != "ar" else None) for m in args.modes for k in (ks if m != "ar" else [None])]
     prompts = [p.text for prompt_set in _prompt_sets(args).values() for p in prompt_set if not p.chat]
     pair = load_pair(config, with_draft=any(v.mode != "ar" for v in variants) or args.adaptive)
-    if args.adaptive:
-        from calibrate import calibrate
+    if args.adaptive:  # K by batch size from batched SD measured here, on these prompts
+        from calibrate import calibrate_direct
 
-        costs, a, policy = calibrate(pair, config, sorted(set(args.concurrency)), max(ks) + 2, None,
-                                     progress=not args.no_progress)
-        print(costs.table(), f"\nacceptance a = {a:.3f}; k_policy = {policy}", flush=True)
+        encoded = [pair.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        table, policy = calibrate_direct(pair, config, encoded, sorted(set(args.concurrency)),
+                                         sorted({0, *ks, *(k + 2 for k in ks)}), 32, not args.no_progress)
+        print(table, f"\nk_policy = {policy}", flush=True)
         config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, k_policy=policy))
         variants.append(Variant("sd", adaptive=True))
     plan = ServingPlan(
@@ -140,8 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", nargs="+", type=int,
                         help="serving benchmark: concurrent streaming clients, e.g. 1 2 4 8 (see above)")
     parser.add_argument("--adaptive", action="store_true",
-                        help="serving benchmark: calibrate speculation.k_policy here (launch/calibrate.py) and add "
-                             "an 'sd adaptive' row that runs with it")
+                        help="serving benchmark: measure speculation.k_policy here first (launch/calibrate.py, "
+                             "direct) and add an 'sd adaptive' row that runs with it")
     parser.add_argument("--requests-per-client", dest="requests_per_client", type=int, default=2,
                         help="serving benchmark: requests each client sends in turn")
     add_config_args(parser)

@@ -1,14 +1,20 @@
-"""Measure what batched rounds cost here and print the K-by-batch-size policy
-(speculation.k_policy) that gives batched SD the most tokens per second.
+"""Measure batched SD here and print the K-by-batch-size policy
+(speculation.k_policy) that gives it the most tokens per second.
 
-    python launch/calibrate.py                           # the real pair, batch sizes 1 2 4 8, K up to 6
-    python launch/calibrate.py --batch-sizes 1 2 4 8 16 --k-max 8 --yaml k_policy.yaml
+    python launch/calibrate.py                           # the real pair, batch sizes 1 2 4 8, K 0 2 4 6
+    python launch/calibrate.py --batch-sizes 1 2 4 8 16 --ks 0 2 4 --yaml k_policy.yaml
+    python launch/calibrate.py --method model --k-max 6  # from the cost model instead
 
-The acceptance rate a comes from a short SD run on the config's prompt
-(per-token, the maximum-likelihood a of a geometric acceptance model), or
---acceptance. The policy maximises b * E_SD(a, K) / (verify(b, K + 1) +
-draft(b, K)) per batch size b, with K = 0 (plain AR) a candidate, so
-speculation never costs throughput where the measurements hold.
+--method direct (the default): b rows of code prompts run together through
+the batched SD engine for --tokens tokens at each K (K = 0: plain target
+steps), and each batch size takes its fastest K: nothing is modelled, so
+speculation never costs throughput where the measurement holds.
+--method model: verify(b, n) and draft(b, k) are timed on random contexts
+and the policy maximises b * E_SD(a, K) / (verify(b, K + 1) + draft(b, K)),
+with a from a short SD run on the config's prompt (per token, the
+maximum-likelihood a of a geometric acceptance model) or --acceptance. The
+model leaves out per-round costs beyond the forwards, so it speculates more
+than the direct method where the two disagree.
 """
 
 from __future__ import annotations
@@ -16,17 +22,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import yaml
-from _common import add_config_args, config_from_args
+from _common import ROOT, add_config_args, config_from_args
 from tqdm import tqdm
 
 from ssd import hardware
-from ssd.ablation.batch_costs import BatchCosts, acceptance_rate, measure_batch_costs
+from ssd.ablation.batch_costs import (
+    BatchCosts, acceptance_rate, best_k_policy, format_k_throughput, measure_batch_costs, measure_k_throughput,
+)
+from ssd.bench.prompts import load_prompt_set
 from ssd.engine.factory import LoadedPair, load_pair
 from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger("calibrate")
+CODE_PROMPTS = ROOT / "configs" / "prompts" / "code.yaml"
 
 
 def measure_acceptance(pair: LoadedPair, config, k: int) -> float:
@@ -48,10 +59,24 @@ def calibrate(pair: LoadedPair, config, batch_sizes: list[int], k_max: int, acce
     return costs, a, costs.k_policy(a, batch_sizes, k_max)
 
 
+def calibrate_direct(pair: LoadedPair, config, prompts: list[list[int]], batch_sizes: list[int], ks: list[int],
+                     tokens: int, progress: bool = True) -> tuple[str, dict[int, int]]:
+    """(the measured tokens/s table, k_policy) from batched SD runs at each batch size and K."""
+    with tqdm(total=len(batch_sizes) * len(ks), desc="batched SD by batch size and K", disable=not progress) as bar:
+        rates = measure_k_throughput(pair, prompts, batch_sizes, ks, tokens, config.sampling, config.batching,
+                                     bar.update)
+    return format_k_throughput(rates), best_k_policy(rates)
+
+
 def main(argv: list[str] | None = None) -> dict[int, int]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--k-max", type=int, default=6)
+    parser.add_argument("--method", choices=["direct", "model"], default="direct")
+    parser.add_argument("--ks", nargs="+", type=int, default=[0, 2, 4, 6], help="direct: the K values to run")
+    parser.add_argument("--tokens", type=int, default=32, help="direct: tokens per row and run")
+    parser.add_argument("--prompts", type=int, default=4, help="direct: prompts the rows cycle through")
+    parser.add_argument("--prompt-file", type=Path, default=CODE_PROMPTS, help="direct: YAML prompt set")
+    parser.add_argument("--k-max", type=int, default=6, help="model: the largest K considered")
     parser.add_argument("--acceptance", type=float, help="per-token acceptance rate (default: measured)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--yaml", help="write {speculation: {k_policy: ...}} here")
@@ -60,11 +85,19 @@ def main(argv: list[str] | None = None) -> dict[int, int]:
     args = parser.parse_args(argv)
     config = config_from_args(args)
     pair = load_pair(config)
-    costs, a, policy = calibrate(pair, config, args.batch_sizes, args.k_max, args.acceptance, args.repeats,
-                                 not args.no_progress)
-    print(hardware.summary())
-    print(costs.table())
-    print(f"acceptance a = {a:.3f}; k_policy = {policy}")
+    if args.method == "direct":
+        prompts = [p.encode(pair.tokenizer) for p in load_prompt_set(args.prompt_file, args.prompts)]
+        table, policy = calibrate_direct(pair, config, prompts, args.batch_sizes, args.ks, args.tokens,
+                                         not args.no_progress)
+        print(hardware.summary())
+        print(table)
+    else:
+        costs, a, policy = calibrate(pair, config, args.batch_sizes, args.k_max, args.acceptance, args.repeats,
+                                     not args.no_progress)
+        print(hardware.summary())
+        print(costs.table())
+        print(f"acceptance a = {a:.3f}")
+    print(f"k_policy = {policy}")
     if args.yaml:
         with open(args.yaml, "w") as f:
             yaml.safe_dump({"speculation": {"k_policy": policy}}, f)

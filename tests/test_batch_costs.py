@@ -36,3 +36,20 @@ def test_measured_on_a_tiny_pair(tiny_models):
     assert set(costs.draft) == {(b, k) for b in (1, 2) for k in (1, 2)}
     assert all(s > 0 for s in [*costs.verify.values(), *costs.draft.values()])
     assert "| 2 |" in costs.table()
+
+
+def test_the_policy_from_measured_throughput_takes_the_fastest_k():
+    from ssd.ablation.batch_costs import best_k_policy
+
+    rates = {(1, 0): 5.0, (1, 4): 9.0, (2, 0): 9.0, (2, 4): 12.0, (8, 0): 22.0, (8, 4): 18.0, (16, 0): 30.0, (16, 4): 30.0}
+    assert best_k_policy(rates) == {1: 4, 8: 0}  # a tie goes to the smaller K
+
+
+def test_k_throughput_is_measured_on_the_batched_engine(tiny_models, tiny_tokenizer):
+    from ssd.ablation.batch_costs import measure_k_throughput
+    from ssd.config import BatchingConfig, SamplingConfig
+    from ssd.engine.factory import LoadedPair
+
+    pair = LoadedPair(*tiny_models, tiny_tokenizer)
+    rates = measure_k_throughput(pair, [[1, 2, 3], [5]], [1, 2], [0, 3], 8, SamplingConfig(), BatchingConfig())
+    assert set(rates) == {(1, 0), (1, 3), (2, 0), (2, 3)} and all(r > 0 for r in rates.values())

@@ -1,5 +1,6 @@
 """What a batched round costs on this machine, by batch size: the inputs of
-the batch-aware policy (ssd.batch_policy).
+the batch-aware policy (ssd.batch_policy), and the direct measurement the K
+policy is chosen from (tokens/s of batched SD at each batch size and K).
 
 Measured on the loaded pair with the batched engines' own forwards
 (ssd.models.kv.forward_rows, ssd.speculation.drafting.draft_chains):
@@ -16,6 +17,7 @@ the last two).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -152,3 +154,52 @@ def _draft_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed
             row.rollback(len(context) - 1)
 
     return run, reset
+
+
+def measure_k_throughput(
+    pair, prompts: list[list[int]], batch_sizes: list[int], ks: list[int], tokens: int,
+    sampling: SamplingConfig, batching, tick: Callable[[], None] = lambda: None,
+) -> dict[tuple[int, int], float]:
+    """Tokens/s of batched SD with draft length K (0: plain target steps) at each
+    batch size: b rows of the given prompts run together for `tokens` tokens each.
+
+    The direct measurement of what the K policy decides: it needs no cost model
+    and no acceptance estimate, and it includes every per-round cost the model
+    leaves out. The K values of one batch size run back to back (a drifting
+    host moves the values compared together)."""
+    from ssd.config import GenerationConfig, SpeculationConfig
+    from ssd.engine.request import GenerationRequest
+
+    generation = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
+    rates = {}
+    for b in batch_sizes:
+        for k in ks:
+            spec = SpeculationConfig(mode="sd", k=max(k, 1), k_policy={1: k})
+            engine = pair.batch_engine(spec, batching)
+            for i in range(b):
+                engine.admit(GenerationRequest(prompts[i % len(prompts)], sampling, generation, spec))
+            started, made = time.perf_counter(), 0
+            while engine.rows:
+                made += sum(len(f.result.token_ids) for f in engine.step() if f.error is None)
+            rates[(b, k)] = made / (time.perf_counter() - started)
+            tick()
+    return rates
+
+
+def best_k_policy(rates: dict[tuple[int, int], float]) -> dict[int, int]:
+    """speculation.k_policy from measured tokens/s: the fastest K at each batch
+    size (ties to the smaller K), listed where the choice changes."""
+    policy: dict[int, int] = {}
+    for b in sorted({b for b, _ in rates}):
+        best = max((k for bb, k in rates if bb == b), key=lambda k: (rates[(b, k)], -k))
+        if not policy or list(policy.values())[-1] != best:
+            policy[b] = best
+    return policy
+
+
+def format_k_throughput(rates: dict[tuple[int, int], float]) -> str:
+    ks = sorted({k for _, k in rates})
+    lines = ["| rows | " + " | ".join(f"K={k} tok/s" for k in ks) + " |", "|" + "---|" * (len(ks) + 1)]
+    for b in sorted({b for b, _ in rates}):
+        lines.append(f"| {b} | " + " | ".join(f"{rates[(b, k)]:.1f}" for k in ks) + " |")
+    return "\n".join(lines)
