@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -78,10 +79,14 @@ def run_serving_bench(pair: LoadedPair, config: Config, plan: ServingPlan) -> li
 
 
 def _run(address: str, variant: Variant, concurrency: int, plan: ServingPlan) -> LoadResult:
+    """The clients run in a process of their own, as real clients would: in the
+    server's process their threads would contend with it for the GIL."""
     fields = variant.fields() | {"max_new_tokens": plan.max_new_tokens, "temperature": plan.temperature,
                                  "ignore_eos": True}
-    run_load(address, variant.label, 1, plan.prompts[:1], 1, fields | {"max_new_tokens": 4})  # warm-up
-    return run_load(address, variant.label, concurrency, plan.prompts, plan.requests_per_client, fields)
+    with multiprocessing.get_context("spawn").Pool(1) as clients:
+        clients.apply(run_load, (address, variant.label, 1, plan.prompts[:1], 1, fields | {"max_new_tokens": 4}))
+        return clients.apply(run_load, (address, variant.label, concurrency, plan.prompts,
+                                        plan.requests_per_client, fields))
 
 
 class _server:
