@@ -21,6 +21,9 @@ def test_both_backups_at_each_batch_size(tiny_models, tiny_tokenizer, tmp_path):
     assert all(p.stats.spec.backups.keys() <= {p.backup} for p in points)  # each run used its own backup
     assert all(p.stats.requests == p.batch for p in points)
     prediction = predict(points, k=config.speculation.k)
+    # b* is searched at every batch size up to the largest, unmeasured ones (3) included
+    from ssd.ablation.backup_crossover import _interpolated
+    assert _interpolated({2: 1.0, 4: 3.0})(3) == 2.0
     assert set(prediction.speedups) == {"neural", "ngram"} and all(len(v) == 3 for v in prediction.speedups.values())
     assert prediction.b_star is None or 1 <= prediction.b_star <= 4
     assert "predicted b* =" in format_crossover(points, prediction)

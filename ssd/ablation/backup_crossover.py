@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ssd.batch_policy import BackupProfile, SSDProfile, critical_batch_size, speedup_at
 from ssd.config import Config, GenerationConfig
 from ssd.engine.factory import LoadedPair
@@ -121,11 +123,10 @@ def predict(points: Sequence[CrossoverPoint], k: int, fast: str = "ngram", neura
     sizes = sorted({p.batch for p in points})
     base = total([by[(neural, b)].stats for b in sizes])
     p_hit = base.spec.hit_rate
-    profile = SSDProfile(
-        k=k, verify_s=lambda b, _n: _per_round(by[(neural, b)], by[(neural, b)].stats.target_s),
-        build_s=lambda b: b * _per_round(by[(neural, b)], by[(neural, b)].stats.spec.build_s),
-        hit_rate=p_hit, e_hit=base.spec.tokens_per_round_after_hit,
-    )
+    verify = _interpolated({b: _per_round(by[(neural, b)], by[(neural, b)].stats.target_s) for b in sizes})
+    build = _interpolated({b: b * _per_round(by[(neural, b)], by[(neural, b)].stats.spec.build_s) for b in sizes})
+    profile = SSDProfile(k=k, verify_s=lambda b, _n: verify(b), build_s=build, hit_rate=p_hit,
+                         e_hit=base.spec.tokens_per_round_after_hit)
     profiles = {kind: _backup_profile(kind, [by[(kind, b)] for b in sizes], p_hit) for kind in (fast, neural)}
     speedups = {kind: {b: speedup_at(profile, prof, b) for b in sizes} for kind, prof in profiles.items()}
     b_star = critical_batch_size(profile, profiles[fast], profiles[neural], max(sizes)) if p_hit < 1 else 1
@@ -143,6 +144,12 @@ def _backup_profile(kind: str, points: list[CrossoverPoint], p_hit: float) -> Ba
         return per_miss * misses
 
     return BackupProfile(kind, seconds, e_miss)
+
+
+def _interpolated(measured: dict[int, float]) -> Callable[[int], float]:
+    """Seconds at any batch size in the measured range: linear between measured sizes."""
+    sizes = sorted(measured)
+    return lambda b: measured[b] if b in measured else float(np.interp(b, sizes, [measured[s] for s in sizes]))
 
 
 def _per_round(point: CrossoverPoint, seconds: float) -> float:
