@@ -190,7 +190,7 @@ def chi_pair():
 def chi_draws(pair, samples: int) -> list[list[tuple[int, ...]]]:
     """Per row, tokens at CHI_POSITIONS of `samples` batches, each batch every row with its own seed."""
     target, draft = pair
-    engine = BatchedSDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), k=CHI_K)
+    engine = BatchedSDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=CHI_K))
     draws: list[list[tuple[int, ...]]] = [[] for _ in CHI_ROWS]
     for seed in range(samples):
         rows = [
@@ -383,6 +383,10 @@ def test_the_factory_builds_batched_engines(tiny_models, tiny_tokenizer):
     sd = pair.batch_engine(SpeculationConfig(mode="sd", k=5))
     assert isinstance(ar, BatchedAREngine) and ar.batching.max_rows == 3
     assert isinstance(sd, BatchedSDEngine) and sd.generate(request([1, 2], 8)).stats.k == 5
+    # The default settings reach the engine whole: k_policy too (it was dropped once).
+    by_policy = pair.batch_engine(SpeculationConfig(mode="sd", k=5, k_policy={1: 2}))
+    stats = by_policy.generate(request([1, 2], 9)).stats
+    assert len(stats.drafted_at) == 2, stats.drafted_at  # rounds drafted K 2 (the policy), not k 5
     ssd = pair.batch_engine(SpeculationConfig(mode="ssd"))  # tests/test_batch_ssd.py runs it
     ssd.close()
     assert ssd.mode == "ssd" and isinstance(ssd, BatchEngine)

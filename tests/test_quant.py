@@ -207,3 +207,13 @@ def test_fused_projections_compute_exactly_what_the_separate_layers_do():
     assert torch.equal(attn.q_proj(y), reference.q_proj(y))
     assert torch.equal(attn.k_proj(x), reference.k_proj(x))
     assert precision_of(fused) == "int8"
+    # The lean forward takes q, k, v from one matmul and the MLP's gate and up from another.
+    from ssd.models.fast import FastForward
+    from ssd.models.quant import FusedGateUpMLP, FusedInt8Linear
+
+    assert isinstance(attn.qkv_proj, FusedInt8Linear) and isinstance(fused.model.layers[0].mlp, FusedGateUpMLP)
+    lean, lean_reference = FastForward(fused), FastForward(separate)
+    positions = torch.arange(6)
+    assert torch.equal(
+        lean(lean.new_cache(), ids[0], positions, 0), lean_reference(lean_reference.new_cache(), ids[0], positions, 0)
+    )

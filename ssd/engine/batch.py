@@ -23,6 +23,8 @@ A batch of one is `generate(request)`: the Generator interface.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -333,12 +335,13 @@ class BatchedSDEngine(BatchedEngine):
         target: torch.nn.Module,
         draft: torch.nn.Module,
         tokenizer: Tokenizer,
-        k: int = 4,
+        speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
     ) -> None:
-        """`k`: drafted tokens per round for requests that bring no speculation settings."""
-        super().__init__(target, tokenizer, batching, verifier, SpeculationConfig(mode="sd", k=k), draft)
+        """`speculation`: K (and k_policy) for requests that bring no speculation settings."""
+        speculation = dataclasses.replace(speculation or SpeculationConfig(), mode="sd")
+        super().__init__(target, tokenizer, batching, verifier, speculation, draft)
         self.precision += f", draft {precision_of(draft)}"
 
     def _round_cost(self, row: Row) -> int:

@@ -53,7 +53,7 @@ class LoadedPair:
         if self.draft is None:
             raise ValueError(f"mode {speculation.mode!r} needs a draft model; none was loaded")
         if speculation.mode == "sd":
-            return BatchedSDEngine(self.target, self.draft, self.tokenizer, speculation.k, batching)
+            return BatchedSDEngine(self.target, self.draft, self.tokenizer, speculation, batching)
         return LocalBatchedSSD(self.target, self.draft, self.tokenizer, speculation, batching)
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.models.invariant import ROW_LIMIT
+from ssd.models.quant import project_qkv
 
 SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
 INITIAL_CAPACITY = 256
@@ -59,7 +60,7 @@ def fast_supported(model: torch.nn.Module) -> bool:
 
 
 class StaticKV:
-    """Keys and values of one sequence: per layer [kv heads, capacity, head dim]."""
+    """Keys and values of one sequence: per layer [kv heads, capacity, head dim]; one owner thread."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.shape = (kv_heads, INITIAL_CAPACITY, head_dim)
@@ -96,7 +97,11 @@ class Segment:
 
 
 class FastForward:
-    """Runs a supported model's modules over a StaticKV (see the module docstring)."""
+    """Runs a supported model's modules over a StaticKV (see the module docstring).
+
+    Holds nothing per call: one instance may run forwards from several threads
+    at once, each over a cache of its own.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         if not fast_supported(model):
@@ -157,9 +162,10 @@ class FastForward:
     def _attention(self, layer, h, cos, sin, segments: list[Segment], index: int) -> torch.Tensor:
         attn = layer.self_attn
         n = h.shape[1]
-        q = attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project_qkv(attn, h)
+        q = q.reshape(1, n, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = self._rotary(q, k, cos, sin)
         outs, offset = [], 0
         for s in segments:

@@ -25,7 +25,10 @@ from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
 
 
 class KVSequence:
-    """A causal LM plus the KV cache of one sequence (batch size 1)."""
+    """A causal LM plus the KV cache of one sequence (batch size 1).
+
+    One owner thread: the model may be shared, the cache may not (ssd.models).
+    """
 
     def __init__(self, model: torch.nn.Module, fast: bool | None = None) -> None:
         """fast: the lean forward (None: wherever it supports the model)."""

@@ -30,6 +30,7 @@ at five.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -98,6 +99,23 @@ class Int8Linear(nn.Module):
         fused._setup(qweight, bias)
         return fused
 
+    def split(self, sizes: list[int]) -> list["Int8Linear"]:
+        """The inverse of `concat`: one layer per block of `sizes` output channels."""
+        weight = torch.ops.quantized.linear_unpack(self._packed)[0]
+        ints, scales = weight.int_repr(), weight.q_per_channel_scales()
+        layers, start = [], 0
+        for size in sizes:
+            rows = slice(start, start + size)
+            with _quiet():
+                qweight = torch._make_per_channel_quantized_tensor(
+                    ints[rows].contiguous(), scales[rows].contiguous(), torch.zeros(size, dtype=torch.long), 0
+                )
+            layer = Int8Linear.__new__(Int8Linear)
+            layer._setup(qweight, None if self.bias is None else self.bias[rows].clone())
+            layers.append(layer)
+            start += size
+        return layers
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few, in-place ops: this wrapper runs ~170 times per draft forward.
         scaled = torch.cat((x.reshape(-1, self.in_features), self._anchor))
@@ -123,68 +141,106 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return model
 
 
-class _Fused(nn.Module):
-    """Several Int8Linear layers that read the same input, computed as one.
+class FusedInt8Linear(nn.Module):
+    """Several Int8Linear layers that read the same input, computed as one matmul.
 
-    transformers' attention calls q_proj(h), k_proj(h), v_proj(h) and its MLP
-    gate_proj(x), up_proj(x) on one tensor each: the first member computes
-    every output in one matmul and the others take their slice. The input is
-    recognised by identity (the group holds it, so no other tensor can share
-    its id); any other call order just computes again.
+    `forward(x)` returns every part's output (bit for bit what the separate
+    layers give: weights are quantized per output channel, activations per
+    row). It keeps nothing between calls, so one instance may serve any
+    number of threads at once.
     """
 
     def __init__(self, parts: list[Int8Linear]) -> None:
         super().__init__()
         self.linear = Int8Linear.concat(parts)
         self.sizes = [p.out_features for p in parts]
-        self._input: torch.Tensor | None = None
-        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._split: list[Int8Linear] | None = None
+        self._split_lock = threading.Lock()
 
-    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if self._input is not x:
-            self._outputs = self.linear(x).split(self.sizes, dim=-1)
-            self._input = x
-        out = self._outputs[index]
-        if index == len(self.sizes) - 1:  # the last reader: let the tensors go
-            self._input, self._outputs = None, ()
-        return out
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+    def part(self, index: int) -> Int8Linear:
+        """Part `index` as a layer of its own, for callers that ask for one part at a time.
+
+        Built once on first use (a weight conversion, under a lock), then only
+        read: models that only the lean forward runs never pay its memory.
+        """
+        if self._split is None:
+            with self._split_lock:
+                if self._split is None:
+                    self._split = self.linear.split(self.sizes)
+        return self._split[index]
 
 
-class _FusedPart(nn.Module):
-    """Stands where one of the fused layers stood."""
+class FusedPart(nn.Module):
+    """Stands where one of the fused layers stood: transformers' attention calls
+    q_proj(h), k_proj(h) and v_proj(h) one by one, and each gets its own layer.
 
-    def __init__(self, group: _Fused, index: int, in_features: int, out_features: int) -> None:
+    (An earlier version computed all parts on the first call and kept them on
+    the module for the next two; two threads running one model then read each
+    other's projections. Per-call state on a shared module is what this
+    replaces.)"""
+
+    def __init__(self, group: FusedInt8Linear, index: int) -> None:
         super().__init__()
-        if index == 0:
-            self.group = group  # registered once, so modules() and state_dict() see it once
-        object.__setattr__(self, "_group", group)
-        self.index, self.in_features, self.out_features = index, in_features, out_features
+        object.__setattr__(self, "_group", group)  # registered once, on the owner
+        self.index = index
+        self.in_features, self.out_features = group.linear.in_features, group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._group.output(x, self.index)
+        return self._group.part(self.index)(x)
 
 
-# Per decoder layer: (submodule, names of its layers that read one input).
-_FUSIBLE = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+class FusedGateUpMLP(nn.Module):
+    """A gated MLP, down(act(gate(x)) * up(x)), with gate and up as one int8 matmul."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = FusedInt8Linear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuse each layer's q/k/v and gate/up Int8Linear layers (Llama layout), in place.
+    """Fuse each decoder layer's q/k/v and gate/up Int8Linear layers (Llama layout), in place.
 
     Fewer, larger matmuls: the per-call cost of an int8 layer is paid 4 times
-    per decoder layer instead of 7. Layers that are missing or not Int8Linear
-    are left alone.
+    per decoder layer instead of 7. The MLP becomes a FusedGateUpMLP (every
+    forward uses it); attention gets `qkv_proj`, which the lean forward
+    (ssd.models.fast) calls once, while q_proj/k_proj/v_proj stay callable
+    one at a time for transformers' own attention. Layers that are missing or
+    not Int8Linear are left alone. The fused modules keep no per-call state:
+    a model may run forwards from several threads at once.
     """
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        for owner_name, names in _FUSIBLE:
-            owner = getattr(layer, owner_name, None)
-            parts = [getattr(owner, n, None) for n in names]
-            if not all(isinstance(p, Int8Linear) for p in parts):
-                continue
-            group = _Fused(parts)
-            for index, (name, part) in enumerate(zip(names, parts)):
-                setattr(owner, name, _FusedPart(group, index, part.in_features, part.out_features))
+        attn = getattr(layer, "self_attn", None)
+        parts = [getattr(attn, name, None) for name in _QKV]
+        if all(isinstance(p, Int8Linear) for p in parts):
+            attn.qkv_proj = FusedInt8Linear(parts)
+            for index, name in enumerate(_QKV):
+                setattr(attn, name, FusedPart(attn.qkv_proj, index))
+        mlp = getattr(layer, "mlp", None)
+        if all(isinstance(getattr(mlp, n, None), Int8Linear) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(
+            mlp, "act_fn"
+        ):
+            layer.mlp = FusedGateUpMLP(mlp)
     return model
+
+
+def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention module's queries, keys and values for `h`: one matmul where fused."""
+    fused = getattr(attn, "qkv_proj", None)
+    if fused is not None:
+        return fused(h)
+    return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
 
 
 def precision_of(model: nn.Module) -> str:

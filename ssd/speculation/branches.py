@@ -13,6 +13,9 @@ Two implementations of one small protocol:
 - BatchedBranchDecoder: a batch-B copy of the cache, one row per branch,
   padding-masked past each branch's prefix. Never touches `kv`'s cache.
 
+A decoder holds one build's state (its prefix, masks, step count) between
+calls: one owner thread, like the KVSequence it decodes from.
+
 Positions are explicit: branch b's i-th token sits at prefix_len_b + i,
 whatever its index in the cache, and rotary embeddings only see positions.
 """

@@ -10,6 +10,10 @@ share the batch's branch cap (fanout.batch_budget). Only rows that missed run
 a backup: a hit row's proposal is ready, and drafting it again would cost the
 batch the time the cache saved. A row that fails is answered with its error
 and stays failed until released; the other rows go on.
+
+Threads: `serve` runs in one thread and owns the sequences, their KV caches
+and the branch decoders; the draft model itself may be shared with other
+threads (ssd.models).
 """
 
 from __future__ import annotations
