@@ -217,3 +217,27 @@ def test_fused_projections_compute_exactly_what_the_separate_layers_do():
     assert torch.equal(
         lean(lean.new_cache(), ids[0], positions, 0), lean_reference(lean_reference.new_cache(), ids[0], positions, 0)
     )
+
+
+def test_fused_layers_call_four_int8_matmuls_instead_of_seven():
+    """What the fusion is for: per decoder layer qkv, o, gate+up and down (the
+    one-matmul saving, timed by launch/bench_fusion.py), with the same logits."""
+    from ssd.bench.fusion import unfused_and_fused
+    from ssd.models.fast import FastForward
+    from ssd.models.invariant import use_row_attention
+
+    tcfg = dataclasses.replace(TINY, hidden_size=64)
+    variants = unfused_and_fused(use_row_attention(quantize_int8(build_tiny_model(tcfg))))
+    calls, logits = [], []
+    for model in variants:
+        count = [0]
+        hooks = [m.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+                 for m in model.modules() if isinstance(m, Int8Linear)]
+        lean = FastForward(model)
+        logits.append(lean(lean.new_cache(), torch.tensor([3, 1, 4]), torch.arange(3), 0))
+        calls.append(count[0])
+        for hook in hooks:
+            hook.remove()
+    layers = tcfg.num_hidden_layers
+    assert calls[0] - calls[1] == 3 * layers and calls[1] >= 4 * layers, calls
+    assert torch.equal(logits[0], logits[1])
