@@ -4,7 +4,6 @@ within sampling noise at T > 0), the power-law fit, the planner, plots, the CLI.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import random
 
@@ -339,16 +338,10 @@ def test_plots_are_written(sampled_trace, tmp_path):
 
 @pytest.fixture(scope="module")
 def cli():
-    import sys
+    """launch/ablate.py's commands (the script only calls this module's main)."""
+    from ssd.ablation import cli
 
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("ablate_cli", ROOT / "launch" / "ablate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
-    return module
+    return cli
 
 
 TINY_CONFIG = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--log-level", "WARNING"]

@@ -7,9 +7,8 @@ client can check it got exactly its own stream while the rows share steps.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import itertools
-import sys
 import threading
 import time
 import urllib.request
@@ -423,20 +422,15 @@ def test_two_servers_have_their_own_registries_and_metrics_are_off_by_default():
 
 
 def test_metrics_port_option():
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "launch" / "serve.py")
-        cli = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cli)
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
     import argparse
 
+    from ssd.cli import add_serve_args, serve_options_from_args
+
     parser = argparse.ArgumentParser()
-    cli.add_serve_args(parser)
-    assert cli.options_from_args(parser.parse_args([])).metrics_port is None
-    assert cli.options_from_args(parser.parse_args(["--metrics-port", "0"])).metrics_port == 0
-    assert cli.options_from_args(parser.parse_args(["--metrics-port", "9400"])).metrics_port == 9400
+    add_serve_args(parser)
+    assert serve_options_from_args(parser.parse_args([])).metrics_port is None
+    assert serve_options_from_args(parser.parse_args(["--metrics-port", "0"])).metrics_port == 0
+    assert serve_options_from_args(parser.parse_args(["--metrics-port", "9400"])).metrics_port == 9400
     with pytest.raises(ConfigError, match="metrics_port"):
         ServeOptions(metrics_port=70000)
 
