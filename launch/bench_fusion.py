@@ -14,16 +14,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
-import torch
-from _common import add_config_args, config_from_args
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd import hardware
-from ssd.bench.fusion import compare, format_rows, unfused_and_fused
-from ssd.models import load_model
-from ssd.models.invariant import use_row_attention
-from ssd.models.quant import quantize_int8
+import torch  # noqa: E402
+
+from ssd import hardware  # noqa: E402
+from ssd.bench.fusion import compare, format_rows, unfused_and_fused  # noqa: E402
+from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.models import load_model  # noqa: E402
+from ssd.models.invariant import use_row_attention  # noqa: E402
+from ssd.models.quant import quantize_int8  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -20,52 +20,18 @@ than the direct method where the two disagree.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-import yaml
-from _common import ROOT, add_config_args, config_from_args
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a fresh clone runs without installing
 
-from ssd import hardware
-from ssd.ablation.batch_costs import (
-    BatchCosts, acceptance_rate, best_k_policy, format_k_throughput, measure_batch_costs, measure_k_throughput,
-)
-from ssd.bench.prompts import load_prompt_set
-from ssd.engine.factory import LoadedPair, load_pair
-from ssd.engine.request import GenerationRequest
+import yaml  # noqa: E402
 
-log = logging.getLogger("calibrate")
-CODE_PROMPTS = ROOT / "configs" / "prompts" / "code.yaml"
-
-
-def measure_acceptance(pair: LoadedPair, config, k: int) -> float:
-    from dataclasses import replace
-
-    engine = pair.engine(replace(config.speculation, mode="sd", k=k))
-    prompt = pair.tokenizer.encode(config.prompt, add_special_tokens=False)
-    out = engine.generate(GenerationRequest(prompt, config.sampling, config.generation))
-    return acceptance_rate(out.stats)
-
-
-def calibrate(pair: LoadedPair, config, batch_sizes: list[int], k_max: int, acceptance: float | None,
-              repeats: int = 3, progress: bool = True) -> tuple[BatchCosts, float, dict[int, int]]:
-    """(costs, a, k_policy) for the loaded pair."""
-    a = acceptance if acceptance is not None else measure_acceptance(pair, config, config.speculation.k)
-    probes = len(batch_sizes) * (2 * k_max + 1)
-    with tqdm(total=repeats + 1, desc=f"timing {probes} batched forwards", disable=not progress) as bar:
-        costs = measure_batch_costs(pair.target, pair.draft, batch_sizes, k_max, repeats=repeats, progress=bar.update)
-    return costs, a, costs.k_policy(a, batch_sizes, k_max)
-
-
-def calibrate_direct(pair: LoadedPair, config, prompts: list[list[int]], batch_sizes: list[int], ks: list[int],
-                     tokens: int, progress: bool = True) -> tuple[str, dict[int, int]]:
-    """(the measured tokens/s table, k_policy) from batched SD runs at each batch size and K."""
-    with tqdm(total=len(batch_sizes) * len(ks), desc="batched SD by batch size and K", disable=not progress) as bar:
-        rates = measure_k_throughput(pair, prompts, batch_sizes, ks, tokens, config.sampling, config.batching,
-                                     bar.update)
-    return format_k_throughput(rates), best_k_policy(rates)
+from ssd import hardware  # noqa: E402
+from ssd.ablation.calibrate import calibrate, calibrate_direct  # noqa: E402
+from ssd.bench.prompts import load_prompt_set  # noqa: E402
+from ssd.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
+from ssd.engine.factory import load_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[int, int]:
@@ -75,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict[int, int]:
     parser.add_argument("--ks", nargs="+", type=int, default=[0, 2, 4, 6], help="direct: the K values to run")
     parser.add_argument("--tokens", type=int, default=32, help="direct: tokens per row and run")
     parser.add_argument("--prompts", type=int, default=4, help="direct: prompts the rows cycle through")
-    parser.add_argument("--prompt-file", type=Path, default=CODE_PROMPTS, help="direct: YAML prompt set")
+    parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml", help="direct: YAML prompt set")
     parser.add_argument("--k-max", type=int, default=6, help="model: the largest K considered")
     parser.add_argument("--acceptance", type=float, help="per-token acceptance rate (default: measured)")
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,144 +1,18 @@
-"""Start the distributed runtime: target ranks and the speculator as Ray actors
-on separate devices, linked by torch.distributed, behind the gRPC frontend.
+"""Start the distributed runtime (Ray actors, torch.distributed link, gRPC frontend).
 
-    python launch/cluster.py --target-gpus 0-3 --draft-gpu 4 --config configs/<pair>.yaml
-    python launch/cluster.py --target-gpus 0 --draft-gpu 0 --colocate    # one GPU, both roles on it
-    python launch/cluster.py --cpu                          # serve on 127.0.0.1:50051 (gloo, cores as devices)
-    python launch/cluster.py --cpu "def add(a, b):"         # one generation, then exit
-    python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
+    python launch/cluster.py --help
 
-With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
-(override with --target-cores / --draft-core). With no prompt it serves
-ssd.v1.GenerationService (see launch/client.py) until Ctrl-C or SIGTERM, which
-turn health NOT_SERVING, let running requests finish, and shut the actors,
-the link and Ray down.
+The launcher lives in ssd/cluster/launcher.py.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
-import signal
 import sys
+from pathlib import Path
 
-from _common import add_config_args, config_from_args
-from serve import add_serve_args, options_from_args
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd.cluster.devices import (
-    DeviceError,
-    Placement,
-    default_cpu_placement,
-    plan_placement,
-)
-from ssd.engine.request import GenerationRequest
-
-log = logging.getLogger("cluster")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt", nargs="?", help="prompt text (default: the config's prompt)")
-    parser.add_argument("--target-gpus", help="GPUs for the target ranks, e.g. 0-3 (tensor parallel)")
-    parser.add_argument("--draft-gpu", help="GPU for the draft, e.g. 4")
-    parser.add_argument("--colocate", action="store_true",
-                        help="let the draft share a target GPU (one-GPU machines; not the paper's setting)")
-    parser.add_argument("--cpu", action="store_true", help="CPU mode: cores play the devices (automatic without a GPU)")
-    parser.add_argument("--target-cores", help="CPU mode: cores for the target ranks, one rank per core")
-    parser.add_argument("--draft-core", help="CPU mode: the draft's core")
-    parser.add_argument("--address", help="join an existing Ray cluster (default: start one locally)")
-    parser.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
-    parser.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    add_serve_args(parser)
-    add_config_args(parser)
-    parser.set_defaults(mode="ssd")
-    return parser.parse_args(argv)
-
-
-def placement_from_args(args: argparse.Namespace, with_draft: bool, gpus: int | None = None) -> Placement:
-    """GPU mode when GPUs are named (or visible), else CPU mode; `gpus` defaults to torch's count."""
-    if gpus is None:
-        gpus = available_gpus()
-    if args.cpu or (gpus == 0 and not (args.target_gpus or args.draft_gpu)):
-        if args.target_gpus or args.draft_gpu:
-            raise DeviceError("--target-gpus/--draft-gpu need GPUs; in CPU mode use --target-cores/--draft-core")
-        cores = os.cpu_count() or 1
-        if args.target_cores is None and args.draft_core is None:
-            return default_cpu_placement(cores, with_draft)
-        return plan_placement(args.target_cores or "0", args.draft_core if with_draft else None, cores, "cpu")
-    if args.target_cores or args.draft_core:
-        raise DeviceError("--target-cores/--draft-core are for CPU mode; with GPUs use --target-gpus/--draft-gpu")
-    if gpus == 0:
-        raise DeviceError("--target-gpus/--draft-gpu need GPUs and this machine has none; use --cpu (cores as devices)")
-    draft = args.draft_gpu if with_draft else None
-    return plan_placement(args.target_gpus or "0", draft, gpus, "cuda", colocate=args.colocate)
-
-
-def available_gpus() -> int:
-    """GPUs torch sees here, or those a running Ray instance declares (logical GPUs in tests)."""
-    import ray
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if ray.is_initialized():
-        gpus = max(gpus, int(ray.cluster_resources().get("GPU", 0)))
-    return gpus
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    config = config_from_args(args)
-    try:
-        placement = placement_from_args(args, with_draft=config.speculation.mode == "ssd")
-    except DeviceError as exc:
-        sys.exit(f"error: {exc}")
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM takes the same clean path as Ctrl-C
-
-    from ssd.cluster.runtime import Cluster
-
-    log.info("placement: %s", placement)
-    with Cluster(config, placement, args.address) as cluster:
-        # ray.init installs a SIGTERM handler of its own (it exits the driver
-        # at once, aborting it mid-shutdown): take the signal back.
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            if args.prompt or args.interactive:
-                prompts = sys.stdin if args.interactive else [args.prompt]
-                for prompt in prompts:
-                    if prompt.strip():
-                        run_one(cluster, config, prompt.rstrip("\n"), args.chat)
-            else:
-                serve(cluster, options_from_args(args))
-        except KeyboardInterrupt:
-            log.info("interrupted; shutting down")
-    return 0
-
-
-def serve(cluster, options) -> None:
-    """The gRPC frontend over the cluster, until interrupted."""
-    from ssd.serve.cluster_backend import ClusterBackend
-    from ssd.serve.server import GenerationServer
-
-    server = GenerationServer(options, lambda: ClusterBackend(cluster))
-    server.start()
-    log.info("serving ssd.v1.GenerationService on %s:%d", options.host, server.port)
-    try:
-        while not server.wait_for_termination(timeout=1.0):
-            pass
-    finally:
-        server.stop()
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean shutdown; a second TERM must not cut it
-    log.info("SIGTERM: draining (running requests get the grace period), then shutting down")
-    raise KeyboardInterrupt
-
-
-def run_one(cluster, config, prompt: str, chat: bool) -> None:
-    ids = cluster.encode(prompt, chat)
-    result = cluster.generate(GenerationRequest(ids, config.sampling, config.generation, config.speculation))
-    print(result.text, flush=True)
-    print(f"--- finish: {result.finish_reason}; {result.stats.summary()}", file=sys.stderr, flush=True)
-
+from ssd.cluster.launcher import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from _common import add_config_args, config_from_args
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd.engine.factory import build_engine
-from ssd.engine.request import GenerationRequest
-from ssd.models.tokenizer import encode_prompt
+from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.engine.factory import build_engine  # noqa: E402
+from ssd.engine.request import GenerationRequest  # noqa: E402
+from ssd.models.tokenizer import encode_prompt  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

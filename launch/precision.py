@@ -20,15 +20,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import warnings
 from pathlib import Path
 
-import torch
-from _common import add_config_args, config_from_args
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd import hardware
-from ssd.bench.precision import HELD_OUT_FILES, compare, format_rows, held_out_text
-from ssd.models import load_model, load_tokenizer
+import torch  # noqa: E402
+
+from ssd import hardware  # noqa: E402
+from ssd.bench.precision import HELD_OUT_FILES, compare, format_rows, held_out_text  # noqa: E402
+from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.models import load_model, load_tokenizer  # noqa: E402
 
 PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None)}
 

@@ -15,17 +15,21 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
-from _common import ROOT
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-import ray
+import ray  # noqa: E402
 
-from ssd import hardware
-from ssd.cluster.devices import plan_placement
-from ssd.cluster.runtime import Cluster
-from ssd.config import GenerationConfig, SamplingConfig, load_config
-from ssd.engine.request import GenerationRequest, GeneratorUnavailable
+from ssd import hardware  # noqa: E402
+from ssd.cluster.devices import plan_placement  # noqa: E402
+from ssd.cluster.runtime import Cluster  # noqa: E402
+from ssd.config import GenerationConfig, SamplingConfig, load_config  # noqa: E402
+from ssd.engine.request import GenerationRequest, GeneratorUnavailable  # noqa: E402
 
 
 def relinked_after(cluster: Cluster, before: int | None, started: float) -> float:

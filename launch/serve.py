@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from _common import add_config_args, config_from_args
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd.config import ConfigError
-from ssd.serve.options import ServeOptions
-from ssd.serve.server import GenerationServer, serve_config
+from ssd.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
+from ssd.config import ConfigError  # noqa: E402
+from ssd.serve.server import GenerationServer, serve_config  # noqa: E402
 
 log = logging.getLogger("ssd.serve")
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = config_from_args(args)
     try:
-        options = options_from_args(args)
+        options = serve_options_from_args(args)
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
     if options.host not in ("127.0.0.1", "localhost", "::1") and not options.token:
@@ -56,34 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     server.stop()
     return 0
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    defaults = ServeOptions()
-    parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
-    parser.add_argument("--token", default=os.environ.get("SSD_SERVE_TOKEN"),
-                        help="require 'authorization: Bearer TOKEN' (default: $SSD_SERVE_TOKEN)")
-    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain; enables TLS with --tls-key")
-    parser.add_argument("--tls-key", type=Path, help="PEM private key")
-    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
-                        help="requests queued + running before RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens,
-                        help="largest max_new_tokens a request may ask for")
-    parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
-    parser.add_argument("--grace-s", type=float, default=defaults.grace_s,
-                        help="on SIGINT/SIGTERM: seconds running requests may finish")
-    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
-    parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
-
-
-def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    return ServeOptions(
-        host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
-        max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
-    )
 
 
 def _wait_loaded(server: GenerationServer, stop: threading.Event) -> bool:

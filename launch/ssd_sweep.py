@@ -19,19 +19,23 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-from _common import ROOT, add_config_args, config_from_args
-from tqdm import tqdm
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
 
-from ssd.engine.factory import load_pair
-from ssd.engine.metrics import GenerationStats, total
-from ssd.engine.request import GenerationRequest
-from ssd.models.tokenizer import encode_prompt
+import yaml  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from ssd.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
+from ssd.engine.factory import load_pair  # noqa: E402
+from ssd.engine.metrics import GenerationStats, total  # noqa: E402
+from ssd.engine.request import GenerationRequest  # noqa: E402
+from ssd.models.tokenizer import encode_prompt  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-file", type=Path, default=ROOT / "configs" / "prompts" / "code.yaml")
+    parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--fanouts", nargs="+", default=["uniform", "geometric"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])

@@ -84,3 +84,40 @@ def saguaro_errors(draft: torch.nn.Module, build: Build, c: float, fanout: list[
             worst = max(worst, float((row - want).abs().max()))
         errors.append(worst)
     return errors
+
+
+class WorkClock:
+    """A clock that ticks with the work done, not with time: each forward of a
+    model advances it by that model's weight times the tokens it embeds (or
+    once per forward, per_call=True). Installed as `time` in a timing module,
+    a measured cost becomes an exact count of work, so a test can say which
+    forwards a probe timed, and a probe that times the wrong ones fails."""
+
+    def __init__(self, weights: dict[torch.nn.Module, float], per_call: bool = False) -> None:
+        self.now = 0.0
+        self.calls: Counter = Counter()  # model -> forwards so far
+        self._handles = [
+            model.get_input_embeddings().register_forward_hook(self._tick(model, weight, per_call))
+            for model, weight in weights.items()
+        ]
+
+    def _tick(self, model: torch.nn.Module, weight: float, per_call: bool):
+        def hook(module, args, output) -> None:
+            self.now += weight * (1 if per_call else args[0].numel())
+            self.calls[model] += 1
+
+        return hook
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, module) -> None:
+        """Replace `module.time` with this clock for the test."""
+        monkeypatch.setattr(module, "time", self)
+
+    def __enter__(self) -> "WorkClock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:  # the models are session fixtures: leave them unhooked
+            handle.remove()

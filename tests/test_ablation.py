@@ -4,7 +4,6 @@ within sampling noise at T > 0), the power-law fit, the planner, plots, the CLI.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import random
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import ssd.ablation.costs as costs_module
 from ssd.ablation.costs import (
     Costs,
     CostSettings,
@@ -41,9 +41,11 @@ from ssd.ablation.trace import (
     teacher_forced_logits,
 )
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.fanout import uniform_fanout
 from ssd.engine.local import LocalSSD
 from ssd.engine.request import GenerationRequest
 from tests.conftest import ROOT
+from tests.spies import WorkClock
 
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15], [4, 4, 2]]
 GREEDY_TOKENS = 48
@@ -296,11 +298,20 @@ def test_costs_interpolate_and_round_trip(tmp_path):
         Costs(0.1, {2: 0.2}, {2: 0.1}, {(2, 4): 0.1}).verify(3)
 
 
-def test_measure_costs_on_the_tiny_pair(tiny_models):
+def test_measure_costs_times_the_forwards_each_cost_names(tiny_models, monkeypatch):
+    """On a clock that counts tokens (target 1, draft 100 each), every cost is
+    exactly the forwards it stands for: an AR step one target token, verify(K)
+    K + 1, backup(K) K draft steps, build(K, B) the glue pass (t* and the K
+    drafted tokens) plus K one-token steps for each cached outcome."""
+    target, draft = tiny_models
     settings = CostSettings(ks=(1, 2), budgets=(2, 4), prefix=16, repeats=1)
-    costs = measure_costs(*tiny_models, settings)
-    assert set(costs.build_s) == {(1, 2), (1, 4), (2, 2), (2, 4)}
-    assert costs.ar_step_s > 0 and all(v > 0 for v in [*costs.verify_s.values(), *costs.backup_s.values()])
+    with WorkClock({target: 1, draft: 100}) as clock:
+        clock.install(monkeypatch, costs_module)
+        costs = measure_costs(target, draft, settings)
+    vocab = target.config.vocab_size
+    outcomes = {(k, b): sum(uniform_fanout(k, b, caps=[vocab - 1] * k + [vocab])) for k in (1, 2) for b in (2, 4)}
+    assert costs.ar_step_s == 1 and costs.verify_s == {1: 2, 2: 3} and costs.backup_s == {1: 100, 2: 200}
+    assert costs.build_s == {(k, b): 100 * (k + 1 + k * n) for (k, b), n in outcomes.items()}
 
 
 def test_each_role_is_timed_beside_the_other_one_busy(tiny_models):
@@ -339,16 +350,10 @@ def test_plots_are_written(sampled_trace, tmp_path):
 
 @pytest.fixture(scope="module")
 def cli():
-    import sys
+    """launch/ablate.py's commands (the script only calls this module's main)."""
+    from ssd.ablation import cli
 
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("ablate_cli", ROOT / "launch" / "ablate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
-    return module
+    return cli
 
 
 TINY_CONFIG = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--log-level", "WARNING"]

@@ -387,9 +387,14 @@ def test_the_factory_builds_batched_engines(tiny_models, tiny_tokenizer):
     by_policy = pair.batch_engine(SpeculationConfig(mode="sd", k=5, k_policy={1: 2}))
     stats = by_policy.generate(request([1, 2], 9)).stats
     assert len(stats.drafted_at) == 2, stats.drafted_at  # rounds drafted K 2 (the policy), not k 5
-    ssd = pair.batch_engine(SpeculationConfig(mode="ssd"))  # tests/test_batch_ssd.py runs it
-    ssd.close()
+    ssd = pair.batch_engine(SpeculationConfig(mode="ssd", k=3))  # its exactness: tests/test_batch_ssd.py
+    try:
+        out = ssd.generate(request([1, 2], 8))  # no speculation of its own: the factory's K=3 SSD applies
+    finally:
+        ssd.close()
     assert ssd.mode == "ssd" and isinstance(ssd, BatchEngine)
+    assert out.token_ids == AREngine(target, tiny_tokenizer).generate(request([1, 2], 8)).token_ids
+    assert out.stats.mode == "ssd" and out.stats.k == 3 and out.stats.spec.lookups > 0, out.stats.summary()
     with pytest.raises(ValueError, match="draft"):
         LoadedPair(target, None, tiny_tokenizer).batch_engine(SpeculationConfig(mode="sd"))
 

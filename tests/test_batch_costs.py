@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+import ssd.ablation.batch_costs as batch_costs_module
+import ssd.ablation.costs as costs_module
 from ssd.ablation.batch_costs import BatchCosts, acceptance_rate, measure_batch_costs
 from ssd.engine.metrics import GenerationStats
+from tests.spies import WorkClock
 
 
 def test_acceptance_is_accepted_over_reached():
@@ -29,12 +32,16 @@ def test_the_policy_turns_speculation_off_where_verification_is_compute_bound():
     assert policy == {1: 2, 8: 0}
 
 
-def test_measured_on_a_tiny_pair(tiny_models):
+def test_measured_on_a_tiny_pair(tiny_models, monkeypatch):
+    """On a clock that counts tokens (target 1, draft 100 each), verify(b, n)
+    is exactly one forward of n tokens for each of b rows and draft(b, k)
+    exactly k draft steps for each of b rows."""
     target, draft = tiny_models
-    costs = measure_batch_costs(target, draft, [1, 2], k_max=2, prefix=8, repeats=1)
-    assert set(costs.verify) == {(b, n) for b in (1, 2) for n in (1, 2, 3)}
-    assert set(costs.draft) == {(b, k) for b in (1, 2) for k in (1, 2)}
-    assert all(s > 0 for s in [*costs.verify.values(), *costs.draft.values()])
+    with WorkClock({target: 1, draft: 100}) as clock:
+        clock.install(monkeypatch, costs_module)  # the probes are timed by costs.round_robin
+        costs = measure_batch_costs(target, draft, [1, 2], k_max=2, prefix=8, repeats=1)
+    assert costs.verify == {(b, n): b * n for b in (1, 2) for n in (1, 2, 3)}
+    assert costs.draft == {(b, k): 100 * b * k for b in (1, 2) for k in (1, 2)}
     assert "| 2 |" in costs.table()
 
 
@@ -45,11 +52,29 @@ def test_the_policy_from_measured_throughput_takes_the_fastest_k():
     assert best_k_policy(rates) == {1: 4, 8: 0}  # a tie goes to the smaller K
 
 
-def test_k_throughput_is_measured_on_the_batched_engine(tiny_models, tiny_tokenizer):
+def test_k_throughput_is_measured_on_the_batched_engine(tiny_models, tiny_tokenizer, monkeypatch):
+    """On a clock that ticks once per target forward: every row's tokens are
+    counted (rate x forwards = b rows x 8 tokens), the b rows run together
+    (at K = 0 two rows take the forwards one row takes), and K reaches the
+    engine (K = 0 drafts nothing; K = 3 drafts and needs fewer target forwards)."""
     from ssd.ablation.batch_costs import measure_k_throughput
     from ssd.config import BatchingConfig, SamplingConfig
     from ssd.engine.factory import LoadedPair
 
-    pair = LoadedPair(*tiny_models, tiny_tokenizer)
-    rates = measure_k_throughput(pair, [[1, 2, 3], [5]], [1, 2], [0, 3], 8, SamplingConfig(), BatchingConfig())
-    assert set(rates) == {(1, 0), (1, 3), (2, 0), (2, 3)} and all(r > 0 for r in rates.values())
+    target, draft = tiny_models
+    pair = LoadedPair(target, draft, tiny_tokenizer)
+    with WorkClock({target: 1, draft: 0}, per_call=True) as clock:  # time = target forwards
+        clock.install(monkeypatch, batch_costs_module)
+        runs = [(0, 0)]  # (target forwards, draft forwards) at the start and after each (b, k) run
+        tick = lambda: runs.append((clock.calls[target], clock.calls[draft]))  # noqa: E731
+        rates = measure_k_throughput(pair, [[1, 2, 3], [5]], [1, 2], [0, 3], 8, SamplingConfig(), BatchingConfig(),
+                                     tick)
+    used = {key: (t1 - t0, d1 - d0) for key, (t0, d0), (t1, d1) in zip(rates, runs, runs[1:])}
+    assert {key: rate * used[key][0] for key, rate in rates.items()} == {
+        (b, k): b * 8 for b in (1, 2) for k in (0, 3)
+    }
+    assert used[(1, 0)][0] == used[(2, 0)][0]  # together: one forward serves both rows
+    for b in (1, 2):  # K = 0: the draft at most prefills, never drafts; K = 3 drafts every round
+        assert used[(b, 0)][1] <= 1 and used[(b, 3)][1] >= used[(b, 3)][0]
+    assert used[(1, 3)][0] < used[(1, 0)][0]  # drafts accepted: fewer target forwards for the same tokens
+

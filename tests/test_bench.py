@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import sys
 
 import pytest
 import torch
 
+from ssd.bench import cli as bench_cli
+from ssd.ablation import contention
 from ssd.bench.hf_assisted import HFAssistedEngine, _dense_input, hf_generation_config
 from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
 from ssd.bench.prompts import Prompt, load_prompt_set
@@ -233,15 +234,11 @@ def test_json_csv_png_written(tmp_path):
 # ------------------------------------------------------------ the CLI, end to end
 
 
-def _bench_cli(monkeypatch):
-    return _launcher(monkeypatch, "bench")
-
-
 def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "mixed.yaml"
     prompts.write_text('- "abcab"\n- chat: "ponm"\n')
     out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "csv", "png")}
-    results = _bench_cli(monkeypatch).main([
+    results = bench_cli.main([
         "--config", str(ROOT / "configs" / "tiny.yaml"), "--modes", "ar", "sd", "hf",
         "--prompt-sets", "tiny", str(prompts), "--prompts", "2", "--temperatures", "0", "0.7",
         "--max-new-tokens", "12", "--thread-counts", "1", "--no-progress", "--log-level", "WARNING",
@@ -263,25 +260,17 @@ def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert out["png"].stat().st_size > 1000
 
 
-def _launcher(monkeypatch, name):
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    spec = importlib.util.spec_from_file_location(f"{name}_cli", ROOT / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_contention_cli_times_the_target_alone_and_beside_a_busy_draft(monkeypatch, capsys):
     monkeypatch.setattr("os.sched_setaffinity", lambda pid, cores: None)  # CI may have one core
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    _launcher(monkeypatch, "contention").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--repeats", "2"])
+    contention.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--repeats", "2"])
     line = capsys.readouterr().out
     assert "alone" in line and "draft busy on core 1" in line and "-> x" in line
 
 
 def test_contention_cli_refuses_a_shared_core(monkeypatch, capsys):
     with pytest.raises(SystemExit):
-        _launcher(monkeypatch, "contention").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--draft-core", "0"])
+        contention.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--draft-core", "0"])
     assert "--target-core and --draft-core must differ" in capsys.readouterr().err
 
 

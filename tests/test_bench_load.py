@@ -38,10 +38,7 @@ def test_concurrent_clients_against_a_real_server():
 
 
 def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(tmp_path, capsys):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "launch"))
-    import bench
+    from ssd.bench import cli as bench
 
     prompts = tmp_path / "tiny.yaml"
     prompts.write_text("- abcab\n- ponm\n- aaaabbbb\n")

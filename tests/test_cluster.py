@@ -6,6 +6,7 @@ Each Cluster starts Ray (several seconds); the tests share one where they can.
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -77,27 +78,37 @@ def test_sampled_ssd_matches_target_through_the_cluster(cluster):
     assert chi_square_pvalue(samples, exact_marginal(draft, [1, 2], 4, sampling, [2, 3])) < ALPHA
 
 
-def test_killed_draft_loses_no_request_and_comes_back(cluster):
+def test_killed_draft_loses_no_request_and_comes_back(cluster, monkeypatch):
     import ray
 
     prompt, n = PROMPTS[0], 400
     expected = local_ar(CONFIG, prompt, n)
     rounds, killed = [], []
+    # Hold the watcher's heal until the request has returned: a request that
+    # waited for the heal returns only after the gate times out, heal included.
+    gate, healed, heal = threading.Event(), threading.Event(), cluster.heal
+
+    def gated_heal() -> None:
+        gate.wait(timeout=30)
+        heal()
+        healed.set()
+
+    monkeypatch.setattr(cluster, "heal", gated_heal)
 
     def kill_after_five_rounds(tokens):
         rounds.append(tokens)
         if len(rounds) == 5:  # mid-generation, for sure
+            killed.append(cluster.draft_pid)
             ray.kill(cluster.draft, no_restart=False)  # Ray restarts it; the cluster re-links after
-            killed.append(time.monotonic())
 
     out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), on_tokens=kill_after_five_rounds))
-    returned = time.monotonic()
+    assert not healed.is_set(), "the result waited for the heal"  # healing is not on the request's path
+    gate.set()
     assert out.token_ids == expected
     assert [t for r in rounds for t in r] == expected  # nothing lost or repeated in the stream either
     assert out.stats.spec.degraded_rounds > 0, out.stats.summary()
-    # Healing (restart, reload, re-link: several seconds) is not on the request's path.
-    healed = cluster.wait_linked(timeout=120)
-    assert healed and returned - killed[0] < time.monotonic() - killed[0], "the result waited for the heal"
+    assert healed.wait(timeout=120) and cluster.wait_linked(timeout=120), "the draft never came back"
+    assert cluster.draft_pid != killed[0]  # a new speculator process, not the killed one
     again = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
     assert again.token_ids == expected[:40]
     assert again.stats.spec.degraded_rounds == 0 and again.stats.spec.hits > 0, again.stats.summary()

@@ -10,12 +10,11 @@ the tiny pair generates, and its greedy output must equal AR's.
 from __future__ import annotations
 
 import dataclasses
-import sys
-
 import pytest
 import ray
 import yaml
 
+from ssd.cluster import launcher  # launch/cluster.py's main
 from ssd.cluster.runtime import Cluster, refuse_unworkable
 from ssd.config import ConfigError, GenerationConfig, load_config
 from ssd.engine.request import GenerationRequest
@@ -24,8 +23,6 @@ from tests.test_cluster import GREEDY, local_ar
 
 pytestmark = pytest.mark.cluster
 
-sys.path.insert(0, str(ROOT / "launch"))
-import cluster as launcher  # noqa: E402  (launch/cluster.py)
 
 PROMPT = [1, 2, 3]
 

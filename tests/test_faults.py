@@ -208,7 +208,7 @@ def assert_health_after(health: HealthLog, role: str, killed: float) -> None:
         assert set(health.since(killed)) == {"SERVING"}, "a lost draft must not take the service down"
 
 
-def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stack):
+def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stack, monkeypatch):
     """Killed before the request reached it: the request waits for the restart
     and runs from its prompt, invisible to the caller but for the delay."""
     import ray
@@ -220,10 +220,23 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
     pids |= actor_pids(cluster)
     prompt = cluster.encode(CONFIG.prompt)
-    os.kill(ray.get(cluster.targets[0].ready.remote()), signal.SIGKILL)
+    killed = ray.get(cluster.targets[0].ready.remote())
+    restarts, run = cluster.target_restarts, cluster._run
+    runs: list[int] = []  # the target restarts seen by each attempt
+
+    def run_after_a_kill(request, streamed):
+        # The kill lands just before the first attempt, so that attempt always
+        # meets the dead target (the watcher cannot have restarted it yet).
+        if not runs:
+            os.kill(killed, signal.SIGKILL)
+        runs.append(cluster.target_restarts - restarts)
+        return run(request, streamed)
+
+    monkeypatch.setattr(cluster, "_run", run_after_a_kill)
     out = cluster.generate(GenerationRequest(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == local_ar(CONFIG, prompt, 40)
-    assert cluster.serving
+    assert runs == [0, 1], "the request must run once more, after the restart, and only then"
+    assert cluster.serving and ray.get(cluster.targets[0].ready.remote()) != killed
 
 
 def test_a_target_killed_mid_batch_fails_every_row_unavailable_and_comes_back(stack):

@@ -9,7 +9,6 @@ time; the CLI is started first so the two overlap.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -96,21 +95,11 @@ def test_cli_without_ray_and_plan_reads_its_costs(cli_run, trace_file, capsys):
     assert "gpu smoke: PASSED" in stdout and "plan: AR" in stdout
     report = json.loads((out / "smoke.json").read_text())
     assert report["passed"] and report["plan"]["sd"]["k"] in KS
-    ablate = _load_ablate()
+    from ssd.ablation import cli as ablate
+
     ablate.main(["plan", "--trace", str(trace_file), "--costs", str(out / "costs.json"),
                  "--ks", *map(str, KS), "--budgets", *map(str, BUDGETS), "--log-level", "WARNING"])
     assert "SD at its best K=" in capsys.readouterr().out
-
-
-def _load_ablate():
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("ablate_cli_smoke", ROOT / "launch" / "ablate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
-    return module
 
 
 @pytest.mark.parametrize("name, total, non_embedding", [

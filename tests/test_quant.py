@@ -27,7 +27,9 @@ from tests.conftest import TINY
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import SMALL, exact_joint, sd_samples
 
-pytestmark = pytest.mark.skipif(not int8_supported(), reason="needs torch's x86 int8 kernels")
+# Only the tests that run int8 kernels skip without them: the precision choice
+# (which must pick another precision there) is tested on every host.
+needs_int8 = pytest.mark.skipif(not int8_supported(), reason="needs torch's x86 int8 kernels")
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
@@ -55,6 +57,7 @@ def linear(bias: bool = True) -> nn.Linear:
     return nn.Linear(64, 48, bias=bias)
 
 
+@needs_int8
 @pytest.mark.parametrize("bias", [True, False])
 def test_rows_are_independent_bit_for_bit(bias):
     layer, x = Int8Linear(linear(bias)), uneven_rows()
@@ -63,12 +66,14 @@ def test_rows_are_independent_bit_for_bit(bias):
     assert torch.equal(layer(x[[3, 0, 7]]), alone[[3, 0, 7]])  # any subset, any order
 
 
+@needs_int8
 def test_per_tensor_scales_make_rows_depend_on_each_other():
     layer, x = per_tensor(nn.Sequential(linear()))[0], uneven_rows()
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert not torch.equal(layer(x), alone)
 
 
+@needs_int8
 @torch.no_grad()
 def test_every_row_is_close_to_fp32():
     fp32, x = linear(), uneven_rows()
@@ -82,6 +87,7 @@ def test_every_row_is_close_to_fp32():
     assert worst_row_error(per_tensor(nn.Sequential(linear()))(x)) > 0.3
 
 
+@needs_int8
 def test_any_leading_shape():
     layer, x = Int8Linear(linear()), uneven_rows(6)
     assert torch.equal(layer(x.reshape(2, 3, 64)).reshape(6, 48), layer(x))
@@ -95,6 +101,7 @@ def scores_chunk_as_tokens(model: nn.Module, tokens: list[int]) -> float:
     return float((together - alone).abs().max())
 
 
+@needs_int8
 def test_a_verification_scores_each_position_as_decoding_would():
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     assert scores_chunk_as_tokens(int8_tiny(TINY), tokens) < 1e-4
@@ -113,6 +120,7 @@ def int8_references(int8_pair):
     return {tuple(p): engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=40))).token_ids for p in PROMPTS}
 
 
+@needs_int8
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
     engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), k)
@@ -123,6 +131,7 @@ def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
         assert out.stats.precision == "target int8, draft int8"
 
 
+@needs_int8
 @pytest.mark.parametrize("backup", ["neural", "ngram"])
 def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backup):
     from ssd.config import FanoutConfig, SpeculationConfig
@@ -149,6 +158,7 @@ def tree_vs_chain_mismatches(draft: nn.Module, committed: list[int], k: int = 4,
     return mismatches
 
 
+@needs_int8
 def test_tree_branches_draft_what_a_chain_would():
     wide = dataclasses.replace(TINY, vocab_size=64, noise=0.03)
     prompts = [[1, 2, 3], [7, 7, 0, 1, 9, 12], [40, 2, 33, 5]]
@@ -156,6 +166,7 @@ def test_tree_branches_draft_what_a_chain_would():
     assert sum(tree_vs_chain_mismatches(int8_tiny(wide, lambda m: per_tensor(m)), p) for p in prompts) > 0
 
 
+@needs_int8
 def test_sd_samples_the_int8_target_distribution():
     pair = (int8_tiny(SMALL), int8_tiny(dataclasses.replace(SMALL, noise=0.3)))
     sampling = SamplingConfig(temperature=1.0)
@@ -163,6 +174,7 @@ def test_sd_samples_the_int8_target_distribution():
     assert pvalue > ALPHA, f"SD on the int8 pair deviates from the int8 target: p = {pvalue:.2e}"
 
 
+@needs_int8
 def test_load_model_quantizes_and_names_the_precision():
     model = load_model(ModelConfig(name="tiny", quantization="int8"))
     assert any(isinstance(m, Int8Linear) for m in model.modules())
@@ -190,6 +202,7 @@ def test_auto_precision_follows_the_host(monkeypatch, int8, bf16, device, expect
     assert resolve_precision(explicit, device) == explicit  # only "auto" is ever replaced
 
 
+@needs_int8
 def test_fused_projections_compute_exactly_what_the_separate_layers_do():
     from ssd.models.invariant import use_row_attention
     from ssd.models.quant import fuse_projections
@@ -219,6 +232,7 @@ def test_fused_projections_compute_exactly_what_the_separate_layers_do():
     )
 
 
+@needs_int8
 def test_fused_layers_call_four_int8_matmuls_instead_of_seven():
     """What the fusion is for: per decoder layer qkv, o, gate+up and down (the
     one-matmul saving, timed by launch/bench_fusion.py), with the same logits."""

@@ -7,9 +7,8 @@ client can check it got exactly its own stream while the rows share steps.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import itertools
-import sys
 import threading
 import time
 import urllib.request
@@ -20,7 +19,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ssd.config import ConfigError, load_config
+from ssd.config import BatchingConfig, ConfigError, load_config
 from ssd.engine.batch import BatchEngine, Finished
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult
@@ -423,20 +422,15 @@ def test_two_servers_have_their_own_registries_and_metrics_are_off_by_default():
 
 
 def test_metrics_port_option():
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "launch" / "serve.py")
-        cli = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cli)
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
     import argparse
 
+    from ssd.cli import add_serve_args, serve_options_from_args
+
     parser = argparse.ArgumentParser()
-    cli.add_serve_args(parser)
-    assert cli.options_from_args(parser.parse_args([])).metrics_port is None
-    assert cli.options_from_args(parser.parse_args(["--metrics-port", "0"])).metrics_port == 0
-    assert cli.options_from_args(parser.parse_args(["--metrics-port", "9400"])).metrics_port == 9400
+    add_serve_args(parser)
+    assert serve_options_from_args(parser.parse_args([])).metrics_port is None
+    assert serve_options_from_args(parser.parse_args(["--metrics-port", "0"])).metrics_port == 0
+    assert serve_options_from_args(parser.parse_args(["--metrics-port", "9400"])).metrics_port == 9400
     with pytest.raises(ConfigError, match="metrics_port"):
         ServeOptions(metrics_port=70000)
 
@@ -445,16 +439,14 @@ def test_metrics_port_option():
 
 
 def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
-    """Before LoadedPair.batch_engine exists every mode runs alone; once it does,
-    ar, sd and ssd are batched with the config's limits."""
+    """ar, sd and ssd are batched by LoadedPair.batch_engine with the config's
+    limits; batching.max_rows 1 turns batching off (every mode runs alone)."""
     from ssd.engine.factory import LoadedPair
     from ssd.serve.backend import LocalBackend
 
     config = load_config(ROOT / "configs" / "tiny.yaml")
     local = LocalBackend(config)
     try:
-        if not hasattr(LoadedPair, "batch_engine"):
-            assert local.batch_engine("ar") is None
         fake = FakeBackend()
         made = []
 
@@ -462,7 +454,7 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
             made.append((speculation.mode, batching))
             return FakeBatchEngine(speculation.mode, fake)
 
-        monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine, raising=False)
+        monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine)
         assert isinstance(local.batch_engine("sd"), FakeBatchEngine)
         assert isinstance(local.batch_engine("ssd"), FakeBatchEngine)
         assert made == [("sd", config.batching), ("ssd", config.batching)]
@@ -471,10 +463,9 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
             assert client.generate(text=PROMPT, mode="ssd", max_new_tokens=4).finish_reason == "length"
         assert fake.log.admitted and sorted(fake.log.closed) == ["ar", "ssd"]
 
-        def unsupported(pair, speculation, batching):
-            raise NotImplementedError
-
-        monkeypatch.setattr(LoadedPair, "batch_engine", unsupported)
-        assert local.batch_engine("ar") is None
+        asked = len(made)
+        monkeypatch.setattr(local, "config", dataclasses.replace(config, batching=BatchingConfig(max_rows=1)))
+        assert [local.batch_engine(mode) for mode in ("ar", "sd", "ssd")] == [None] * 3
+        assert len(made) == asked  # batching off: the pair was not asked for an engine
     finally:
         local.close()

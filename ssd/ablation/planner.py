@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from ssd.ablation.costs import Costs
 from ssd.ablation.replay import ReplayData, ReplayResult, replay, ssd_spec
 from ssd.ablation.speed import Speed, ar_speed, sd_speed, ssd_speed
+from ssd.ablation.trace import load_trace
 from ssd.config import SpeculationConfig
 
 DEFAULT_KS = tuple(range(1, 9))
@@ -118,3 +120,12 @@ def recommend(
         e.speedup_vs_sd = e.speed.tokens_per_s / sd.speed.tokens_per_s
     ranked = sorted(evals, key=lambda e: -e.speed.tokens_per_s)
     return Plan(ranked, sd, ar_speed(costs))
+
+
+def plan_trace(
+    path: Path, costs: Costs, ks: Sequence[int], budgets: Sequence[int], base: SpeculationConfig | None = None,
+) -> Plan:
+    """A recorded trace's plan in one call (the GPU smoke run's last phase), over kinds x ks x budgets at C = 1
+    for a greedy trace and the default C grid otherwise."""
+    data = ReplayData(load_trace(path))
+    return recommend(data, costs, candidates(data.greedy, ks, budgets), base)

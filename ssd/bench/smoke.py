@@ -43,8 +43,6 @@ from tqdm import tqdm
 from ssd import hardware
 from ssd.ablation import planner
 from ssd.ablation.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
-from ssd.ablation.replay import ReplayData
-from ssd.ablation.trace import load_trace
 from ssd.bench.branch_check import branch_case, check_branches
 from ssd.bench.draft_host import DraftHost, exact_fp32
 from ssd.bench.link import summarize_ms
@@ -310,9 +308,8 @@ def measure(target: torch.nn.Module, draft: torch.nn.Module, s: SmokeSettings) -
 
 def plan_from_trace(trace: Path, costs: Costs, s: SmokeSettings) -> dict[str, Any]:
     """What `launch/ablate.py plan` prints, from the measured costs and a recorded trace."""
-    data = ReplayData(load_trace(trace))
     base = SpeculationConfig(mode="ssd", k=s.k, fanout=FanoutConfig(budget=s.budget))
-    plan = planner.recommend(data, costs, planner.candidates(data.greedy, s.ks, s.budgets), base)
+    plan = planner.plan_trace(trace, costs, s.ks, s.budgets, base)
     best = plan.ranked[0]
     return {
         "trace": str(trace), "ar_tokens_per_s": plan.ar.tokens_per_s,

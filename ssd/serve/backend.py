@@ -126,15 +126,11 @@ class LocalBackend(TokenizerMixin):
 
     def batch_engine(self, mode: str) -> BatchEngine | None:
         """A new batch engine for `mode` over the loaded weights (the caller owns and
-        closes it); None: the pair has no batched engine for it, or batching.max_rows
-        is 1 (batching off), so requests run alone through the one-sequence engines."""
-        make = getattr(self.pair, "batch_engine", None)  # absent before the batched engines land
-        if make is None or mode not in BATCHED_MODES or self.config.batching.max_rows == 1:
+        closes it); None when batching.max_rows is 1 (batching off): requests then
+        run alone through the one-sequence engines."""
+        if mode not in BATCHED_MODES or self.config.batching.max_rows == 1:
             return None
-        try:
-            return make(dataclasses.replace(self.config.speculation, mode=mode), self.config.batching)
-        except NotImplementedError:
-            return None
+        return self.pair.batch_engine(dataclasses.replace(self.config.speculation, mode=mode), self.config.batching)
 
     def close(self) -> None:
         with self._lock:

@@ -1,20 +1,26 @@
-"""Argument handling shared by the launch scripts."""
+"""Flags shared by the launch scripts (launch/*.py), turned into the package's objects.
+
+Every script that loads a pair takes the same config flags (--config and its
+overrides); the two that serve take the same server flags. They live here,
+not in launch/, so a script and its tests import them from one place.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from ssd.config import Config, ConfigError, load_config
+from ssd.serve.options import ServeOptions
 
-from ssd.config import Config, ConfigError, load_config  # noqa: E402
-
+# The repository root: configs/ and its prompt sets sit beside the package.
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
+PROMPT_DIR = ROOT / "configs" / "prompts"
 # --target-precision / --draft-precision: one name for a (dtype, quantization) pair.
 PRECISIONS = {
     "auto": ("auto", "auto"), "int8": ("fp32", "int8"),
@@ -44,6 +50,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    """The config file with the flags' overrides; a bad file or value exits naming it."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {}
     fanout = {k: v for k, v in (("kind", args.fanout), ("budget", args.budget)) if v is not None}
@@ -73,3 +80,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
         return load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The gRPC server's flags (launch/serve.py and launch/cluster.py)."""
+    defaults = ServeOptions()
+    parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
+    parser.add_argument("--token", default=os.environ.get("SSD_SERVE_TOKEN"),
+                        help="require 'authorization: Bearer TOKEN' (default: $SSD_SERVE_TOKEN)")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain; enables TLS with --tls-key")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key")
+    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help="requests queued + running before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens,
+                        help="largest max_new_tokens a request may ask for")
+    parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
+    parser.add_argument("--grace-s", type=float, default=defaults.grace_s,
+                        help="on SIGINT/SIGTERM: seconds running requests may finish")
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+    parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
+
+
+def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from add_serve_args' flags (ServeOptions validates them: ConfigError)."""
+    return ServeOptions(
+        host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
+        max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
+    )
