@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,3 +43,40 @@ def tiny_models():
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return TinyTokenizer.from_config(TINY)
+
+
+# --- sharing the machine between pytest-xdist workers ------------------------
+# The suite runs on two workers (pyproject: -n 2, whole files per worker).
+# Tests marked `cluster` (Ray actors at nice 15, timings that matter) or
+# `slow` (the real pair: gigabytes of memory) take the machine alone: a
+# worker waits for the other worker's current test to end before starting
+# one, and the other worker waits for it in turn. A turnstile keeps a stream
+# of ordinary tests from starving them.
+
+EXCLUSIVE_MARKERS = ("cluster", "slow")
+
+
+@contextmanager
+def machine_share(exclusive: bool) -> Iterator[None]:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
+    base = Path(tempfile.gettempdir()) / f"ssd-tests-{run}"
+    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.machine", "a+") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup, call and teardown of each test under the machine lock (module
+    fixtures, e.g. a started cluster, are set up inside their first test's)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    exclusive = any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS)
+    with machine_share(exclusive):
+        yield
