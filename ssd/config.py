@@ -125,7 +125,7 @@ class FanoutConfig:
     # draft's cache builds for all rows share one round's time, so their total
     # must stay bounded as the batch grows. Over the cap, every row keeps one
     # branch and the rest is split in proportion to the rows' own budgets
-    # (ssd.fanout.share_budget); each row's schedule keeps its shape. With
+    # (ssd.saguaro.fanout.share_budget); each row's schedule keeps its shape. With
     # rows of different settings the tightest cap applies. None: no cap.
     batch_budget: int | None = None
 

@@ -18,15 +18,15 @@ from typing import Callable, Iterator
 
 import pytest
 
-import ssd.speculation.protocol as protocol_module
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.protocol as protocol_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, BatchedSSDEngine
 from ssd.engine.factory import LoadedPair
 from ssd.engine.local import LocalBatchedSSD, SpeculatorThread
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
-from ssd.speculation.protocol import ProposalReply
+from ssd.saguaro.protocol import ProposalReply
 from ssd.transport.channel import Channel, ChannelClosed, Message
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue

@@ -20,9 +20,9 @@ from ssd.models import TinyTokenizer, build_tiny_model, load_model
 from ssd.models.kv import KVSequence
 from ssd.models.loading import resolve_precision
 from ssd.models.quant import Int8Linear, int8_supported, precision_of, quantize_int8
-from ssd.speculation.branches import TreeBranchDecoder
-from ssd.speculation.builder import build_cache
-from ssd.speculation.drafting import draft_chain
+from ssd.saguaro.branches import TreeBranchDecoder
+from ssd.saguaro.builder import build_cache
+from ssd.engine.drafting import draft_chain
 from tests.conftest import TINY
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import SMALL, exact_joint, sd_samples

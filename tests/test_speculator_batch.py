@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, SamplingConfig, SpeculationConfig
-from ssd.speculation import protocol
-from ssd.speculation.protocol import ProposalReply, RoundRow, RowError
-from ssd.speculation.speculator import Speculator
+from ssd.saguaro import protocol
+from ssd.saguaro.protocol import ProposalReply, RoundRow, RowError
+from ssd.saguaro.speculator import Speculator
 from ssd.transport import inprocess_pair
 from ssd.transport.channel import ChannelTimeout, Message
 from ssd.transport.distributed import decode_header, encode_header

@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
 from ssd.engine.local import LocalSSD
 from ssd.engine.request import GenerationRequest
 from ssd.models import build_tiny_model
-from ssd.speculation.builder import guessed_outcomes
+from ssd.saguaro.builder import guessed_outcomes
 from ssd.verify import verify
 from tests.conftest import TINY
 from tests.spies import count_decoder_starts, record_builds, saguaro_errors
@@ -244,7 +244,7 @@ def test_a_link_attached_mid_request_is_adopted_at_the_next_round(tiny_models, t
     import threading
 
     from ssd.engine.ssd import SSDEngine
-    from ssd.speculation.speculator import Speculator
+    from ssd.saguaro.speculator import Speculator
     from ssd.transport import inprocess_pair
 
     target, draft = tiny_models

@@ -70,10 +70,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import ssd.speculation.backups as backups_module
-import ssd.speculation.builder as builder_module
-import ssd.speculation.drafting as drafting_module
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.backups as backups_module
+import ssd.saguaro.builder as builder_module
+import ssd.engine.drafting as drafting_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.local import LocalSSD
 from ssd.models import TinyTokenizer
@@ -419,7 +419,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     next round, which prefills the speculator with the sequence so far.
     broken: once adopted, verification accepts every draft (the test must see it)."""
     from ssd.engine.ssd import SSDEngine
-    from ssd.speculation.speculator import Speculator
+    from ssd.saguaro.speculator import Speculator
     from ssd.transport import inprocess_pair
     from ssd.verify import verify
     from tests.test_distribution import accept_all

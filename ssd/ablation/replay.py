@@ -1,11 +1,11 @@
 """Replay SSD's speculation cache on a recorded trace: no models, only arithmetic.
 
-What a round does (ssd.speculation.speculator, ssd.engine.ssd), and how it is replayed:
+What a round does (ssd.saguaro.speculator, ssd.engine.ssd), and how it is replayed:
 the draft speculates K tokens (at most remaining - 1, the engine's
 max_new_tokens truncation), the target accepts k of them and adds t*; while
 it verifies, the draft caches its top-F_k tokens at each acceptance length k
 (for k < K without the drafted token s_{k+1}; ranked by raw logits, as
-ssd.speculation.builder.guessed_outcomes does). The next round looks (k, t*) up:
+ssd.saguaro.builder.guessed_outcomes does). The next round looks (k, t*) up:
 hit or miss. Per sequence a fresh FanoutPlanner (the speculator's own
 `make_planner`) sees the same observations in the same order as live: at each
 lookup, observe(after_hit of the verified speculation, k, F_k of the cache it
@@ -63,7 +63,7 @@ import torch
 from ssd.ablation.trace import Trace, TraceSequence
 from ssd.config import SpeculationConfig
 from ssd.engine.metrics import SpecStats
-from ssd.fanout import FanoutPlanner, make_planner
+from ssd.saguaro.fanout import FanoutPlanner, make_planner
 
 PlannerFactory = Callable[[SpeculationConfig, int], FanoutPlanner]
 

@@ -6,7 +6,7 @@ over 127.0.0.1):
 - ECHO: sent back as is (the link's round-trip time);
 - SERVE(model spec, prefix): build the random model the spec names (once per
   spec), answer READY with its fingerprint, join a new link under `prefix`
-  and run ssd.speculation.speculator.Speculator on it until the target
+  and run ssd.saguaro.speculator.Speculator on it until the target
   shuts it down: the same draft side the cluster's DraftWorker runs;
 - STOP: close and exit.
 A failure while serving is answered with ERROR, so the parent never waits
@@ -184,7 +184,7 @@ def _host_loop(port: int, device: str, timeout_s: float, threads: int | None, st
 
 def _serve(control: DistributedChannel, msg: Message, models: dict[str, torch.nn.Module],
            port: int, device: str, timeout_s: float) -> None:
-    from ssd.speculation.speculator import Speculator
+    from ssd.saguaro.speculator import Speculator
 
     try:
         spec = RandomModelSpec(**msg.header["model"])

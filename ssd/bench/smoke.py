@@ -5,7 +5,7 @@ pair's shapes (configs/models/, ssd.models.shapes), or a scaled-down copy of
 them (`shapes="small"`, for CPU and CI). What it does, in order:
 
 1. generation: fp32 greedy AR, SD and SSD give the same tokens, with SSD's
-   draft side (ssd.speculation.speculator) in a second process over the host
+   draft side (ssd.saguaro.speculator) in a second process over the host
    link (ssd.bench.draft_host). Twice: on the real pair (unrelated random
    weights: drafts are almost always rejected) and on a pair whose draft is
    a noisy copy of its target (drafts are accepted, so acceptance and cache
@@ -57,9 +57,9 @@ from ssd.engine.ssd import SSDEngine
 from ssd.models.kv import KVSequence
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, rope_theta, shape_config
-from ssd.speculation import protocol
-from ssd.speculation.branches import TreeBranchDecoder
-from ssd.speculation.cache import Proposal
+from ssd.saguaro import protocol
+from ssd.saguaro.branches import TreeBranchDecoder
+from ssd.saguaro.cache import Proposal
 
 log = logging.getLogger(__name__)
 

@@ -279,7 +279,7 @@ class DraftWorker:
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
         pin_to_cores(self.cores)
-        from ssd.speculation.speculator import Speculator
+        from ssd.saguaro.speculator import Speculator
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(

@@ -39,7 +39,7 @@ from ssd.engine.sd import draft_length, q_matrix, settle_draft
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation.drafting import Chain, draft_chains
+from ssd.engine.drafting import Chain, draft_chains
 from ssd.verify import verify
 
 log = logging.getLogger(__name__)

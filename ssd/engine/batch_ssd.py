@@ -28,8 +28,8 @@ from ssd.engine.request import GenerationRequest
 from ssd.engine.sd import draft_length
 from ssd.engine.ssd import LINK_FAILURES, DraftCursor, DraftLinked, cut_proposal, record_speculation
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation import protocol
-from ssd.speculation.protocol import ProposalReply, RowError, RowReply
+from ssd.saguaro import protocol
+from ssd.saguaro.protocol import ProposalReply, RowError, RowReply
 from ssd.transport.channel import Channel
 from ssd.verify import verify
 

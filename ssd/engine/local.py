@@ -17,8 +17,8 @@ from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.engine.ssd import SSDEngine
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation import protocol
-from ssd.speculation.speculator import Speculator
+from ssd.saguaro import protocol
+from ssd.saguaro.speculator import Speculator
 from ssd.transport import inprocess_pair
 from ssd.transport.channel import Channel
 from ssd.verify import verify

@@ -10,7 +10,7 @@ from ssd.engine.base import Engine, SequenceState, Verifier
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation.drafting import draft_chain
+from ssd.engine.drafting import draft_chain
 from ssd.verify import Outcome, verify
 
 

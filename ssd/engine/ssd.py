@@ -1,6 +1,6 @@
 """SSD, the target side: send each verification outcome to the draft, receive
 the next speculation (ready at once on a cache hit), verify it. Written only
-against the Channel interface; the draft side is ssd.speculation.speculator.
+against the Channel interface; the draft side is ssd.saguaro.speculator.
 
 A draft that fails, disconnects or stalls past `draft_timeout_s` never costs
 a request: the round it happened in has verified nothing yet, so the target
@@ -28,7 +28,7 @@ from ssd.config import SpeculationConfig
 from ssd.engine.base import Engine, SequenceState, Verifier
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation import protocol
+from ssd.saguaro import protocol
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 from ssd.verify import Outcome, verify
 

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig, from_dict
-from ssd.speculation.cache import Proposal
+from ssd.saguaro.cache import Proposal
 from ssd.transport.channel import Message
 
 PREFILL, ROUND, ROUNDS, RELEASE, SHUTDOWN = "prefill", "round", "rounds", "release", "shutdown"

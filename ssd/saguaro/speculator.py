@@ -22,16 +22,16 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
-from ssd.fanout import FanoutPlanner, make_planner, share_budget
+from ssd.saguaro.fanout import FanoutPlanner, make_planner, share_budget
 from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
-from ssd.speculation import protocol
-from ssd.speculation.backups import make_backup
-from ssd.speculation.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
-from ssd.speculation.builder import build_cache
-from ssd.speculation.cache import Proposal, SpeculationCache
-from ssd.speculation.drafting import Saguaro
+from ssd.saguaro import protocol
+from ssd.saguaro.backups import make_backup
+from ssd.saguaro.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
+from ssd.saguaro.builder import build_cache
+from ssd.saguaro.cache import Proposal, SpeculationCache
+from ssd.saguaro.sampling import Saguaro
 from ssd.transport.channel import Channel, Message
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class Speculator:
 
     def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> list[int]:
         """Each row's branches this round: its own schedule's, scaled under the
-        tightest fanout.batch_budget among the rows (ssd.fanout.share_budget)."""
+        tightest fanout.batch_budget among the rows (ssd.saguaro.fanout.share_budget)."""
         caps = [s.speculation.fanout.batch_budget for s in seqs if s.speculation.fanout.batch_budget is not None]
         own = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
         return share_budget(own, min(caps, default=None))
