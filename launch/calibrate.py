@@ -33,7 +33,7 @@ from ssd.ablation.batch_costs import (
     BatchCosts, acceptance_rate, best_k_policy, format_k_throughput, measure_batch_costs, measure_k_throughput,
 )
 from ssd.bench.prompts import load_prompt_set
-from ssd.engine.factory import LoadedPair, load_pair
+from ssd.engine.factory import LoadedPair, load_pair, make_engine
 from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger("calibrate")
@@ -43,7 +43,7 @@ CODE_PROMPTS = ROOT / "configs" / "prompts" / "code.yaml"
 def measure_acceptance(pair: LoadedPair, config, k: int) -> float:
     from dataclasses import replace
 
-    engine = pair.engine(replace(config.speculation, mode="sd", k=k))
+    engine = make_engine("sd", pair, replace(config.speculation, k=k))
     prompt = pair.tokenizer.encode(config.prompt, add_special_tokens=False)
     out = engine.generate(GenerationRequest(prompt, config.sampling, config.generation))
     return acceptance_rate(out.stats)

@@ -23,7 +23,7 @@ import yaml
 from _common import ROOT, add_config_args, config_from_args
 from tqdm import tqdm
 
-from ssd.engine.factory import load_pair
+from ssd.engine.factory import load_pair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 from ssd.models.tokenizer import encode_prompt
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     rows = []
     with tqdm(total=len(grid) * len(prompts), desc="sweep", file=sys.stderr) as bar, \
-            pair.engine(dataclasses.replace(config.speculation, mode="ssd")) as engine:
+            make_engine("ssd", pair, config.speculation) as engine:
         for kind, temperature, c in grid:
             speculation = dataclasses.replace(
                 config.speculation, mode="ssd", saguaro_c=c,

@@ -14,7 +14,7 @@ from torch import nn
 
 from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, build_tiny_model, load_model
 from ssd.models.kv import KVSequence
@@ -115,7 +115,7 @@ def int8_references(int8_pair):
 
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
-    engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), k)
+    engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), SpeculationConfig(mode="sd", k=k))
     for prompt in PROMPTS:
         out = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == int8_references[tuple(prompt)]
@@ -128,7 +128,7 @@ def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backu
     from ssd.config import FanoutConfig, SpeculationConfig
 
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8), backup=backup)
-    with LocalSSD(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
+    with SSDEngine.in_process(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == int8_references[tuple(prompt)]

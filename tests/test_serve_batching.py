@@ -1,6 +1,6 @@
 """Continuous batching through the wire, and the Prometheus /metrics endpoint.
 
-A real gRPC server on loopback over a fake BatchEngine (the batched engines
+A real gRPC server on loopback over a fake Engine (the batched engines
 are built elsewhere): every row's tokens are a function of its seed, so each
 client can check it got exactly its own stream while the rows share steps.
 """
@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.config import ConfigError, load_config
-from ssd.engine.batch import BatchEngine, Finished
+from ssd.engine.batch import Engine, Finished
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
@@ -59,7 +59,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
 
 
-class FakeBatchEngine(BatchEngine):
+class FakeBatchEngine(Engine):
     """One token per row per step. A request id starting with "fail" fails its row
     after two tokens; one starting with "crash" makes the whole step raise."""
 
@@ -444,25 +444,22 @@ def test_metrics_port_option():
 # --- the LocalBackend hook ------------------------------------------------------
 
 
-def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
-    """Before LoadedPair.batch_engine exists every mode runs alone; once it does,
-    ar, sd and ssd are batched with the config's limits."""
-    from ssd.engine.factory import LoadedPair
+def test_local_backend_batches_every_mode_through_make_engine(monkeypatch):
+    """ar, sd and ssd are batched, each by the engine make_engine builds with the config's limits."""
+    import ssd.serve.backend as backend_module
     from ssd.serve.backend import LocalBackend
 
     config = load_config(ROOT / "configs" / "tiny.yaml")
     local = LocalBackend(config)
     try:
-        if not hasattr(LoadedPair, "batch_engine"):
-            assert local.batch_engine("ar") is None
         fake = FakeBackend()
         made = []
 
-        def batch_engine(pair, speculation, batching):
-            made.append((speculation.mode, batching))
-            return FakeBatchEngine(speculation.mode, fake)
+        def make_engine(mode, pair, speculation, batching):
+            made.append((mode, batching))
+            return FakeBatchEngine(mode, fake)
 
-        monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine, raising=False)
+        monkeypatch.setattr(backend_module, "make_engine", make_engine)
         assert isinstance(local.batch_engine("sd"), FakeBatchEngine)
         assert isinstance(local.batch_engine("ssd"), FakeBatchEngine)
         assert made == [("sd", config.batching), ("ssd", config.batching)]
@@ -470,11 +467,5 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
             assert_own_tokens(client.generate(text=PROMPT, mode="ar", seed=5, max_new_tokens=6), 5, 6)
             assert client.generate(text=PROMPT, mode="ssd", max_new_tokens=4).finish_reason == "length"
         assert fake.log.admitted and sorted(fake.log.closed) == ["ar", "ssd"]
-
-        def unsupported(pair, speculation, batching):
-            raise NotImplementedError
-
-        monkeypatch.setattr(LoadedPair, "batch_engine", unsupported)
-        assert local.batch_engine("ar") is None
     finally:
         local.close()

@@ -75,7 +75,7 @@ import ssd.saguaro.builder as builder_module
 import ssd.engine.drafting as drafting_module
 import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.models import TinyTokenizer
 from ssd.engine.request import GenerationRequest
 from tests.exact import exact_marginal
@@ -147,7 +147,7 @@ def draw(
     target, draft = pair
     generation = GenerationConfig(max_new_tokens=window.n_tokens)
     draws = Draws([], 0, 0, 0, Counter())
-    with LocalSSD(target, draft, TinyTokenizer(V), spec_config) as ssd:
+    with SSDEngine.in_process(target, draft, TinyTokenizer(V), spec_config) as ssd:
         for seed in range(samples):
             rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
             out = run(ssd, PROMPT, dataclasses.replace(sampling, seed=seed), generation, rounds.append)
@@ -418,7 +418,6 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     link arrives after token 1 (as a healed draft's does) and is adopted at the
     next round, which prefills the speculator with the sequence so far.
     broken: once adopted, verification accepts every draft (the test must see it)."""
-    from ssd.engine.ssd import SSDEngine
     from ssd.saguaro.speculator import Speculator
     from ssd.transport import inprocess_pair
     from ssd.verify import verify
@@ -430,7 +429,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     def verifier(*args, **kwargs):
         return (accept_all if broken and adopted[0] else verify)(*args, **kwargs)
 
-    engine = SSDEngine(target, TinyTokenizer(V), None, spec(), verifier)
+    engine = SSDEngine(target, TinyTokenizer(V), spec(), verifier=verifier)
     target_end, draft_end = inprocess_pair()
     speculator = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
     speculator.start()

@@ -168,6 +168,7 @@ def measure_k_throughput(
     leaves out. The K values of one batch size run back to back (a drifting
     host moves the values compared together)."""
     from ssd.config import GenerationConfig, SpeculationConfig
+    from ssd.engine.factory import make_engine
     from ssd.engine.request import GenerationRequest
 
     generation = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
@@ -175,7 +176,7 @@ def measure_k_throughput(
     for b in batch_sizes:
         for k in ks:
             spec = SpeculationConfig(mode="sd", k=max(k, 1), k_policy={1: k})
-            engine = pair.batch_engine(spec, batching)
+            engine = make_engine("sd", pair, spec, batching)
             for i in range(b):
                 engine.admit(GenerationRequest(prompts[i % len(prompts)], sampling, generation, spec))
             started, made = time.perf_counter(), 0

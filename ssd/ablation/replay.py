@@ -1,6 +1,6 @@
 """Replay SSD's speculation cache on a recorded trace: no models, only arithmetic.
 
-What a round does (ssd.saguaro.speculator, ssd.engine.ssd), and how it is replayed:
+What a round does (ssd.saguaro.speculator, ssd.saguaro.target), and how it is replayed:
 the draft speculates K tokens (at most remaining - 1, the engine's
 max_new_tokens truncation), the target accepts k of them and adds t*; while
 it verifies, the draft caches its top-F_k tokens at each acceptance length k

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.runtime import Cluster
-from ssd.engine.batch import BatchEngine
+from ssd.engine.batch import Engine
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
 from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
@@ -25,7 +25,7 @@ class ClusterBackend(TokenizerMixin):
         """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
         self.cluster.add_health_listener(listener)
 
-    def batch_engine(self, mode: str) -> BatchEngine | None:
+    def batch_engine(self, mode: str) -> Engine | None:
         """AR and SSD batch on target rank 0 (one Ray call per step); a
         tensor-parallel target runs one request at a time through generate, and
         so does every mode when batching.max_rows is 1."""
