@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a fresh clone without installing
     sys.path.insert(0, str(ROOT))
 
-from ssd.config import Config, ConfigError, load_config  # noqa: E402
+from ssd.config import MODES, Config, ConfigError, load_config  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
 # --target-precision / --draft-precision: one name for a (dtype, quantization) pair.
@@ -24,7 +24,7 @@ PRECISIONS = {
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML config file")
-    parser.add_argument("--mode", choices=["ar", "sd", "ssd"], help="override speculation.mode")
+    parser.add_argument("--mode", choices=MODES, help="override speculation.mode")
     parser.add_argument("-k", type=int, help="override speculation.k (drafted tokens per round)")
     parser.add_argument("--fanout", choices=["uniform", "geometric"], help="override speculation.fanout.kind")
     parser.add_argument("--budget", type=int, help="override speculation.fanout.budget (branches per round)")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest

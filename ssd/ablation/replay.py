@@ -62,7 +62,7 @@ import torch
 
 from ssd.ablation.trace import Trace, TraceSequence
 from ssd.config import SpeculationConfig
-from ssd.engine.metrics import SpecStats
+from ssd.engine.metrics import RoundRatios, SpecStats
 from ssd.saguaro.fanout import FanoutPlanner, make_planner
 
 PlannerFactory = Callable[[SpeculationConfig, int], FanoutPlanner]
@@ -132,7 +132,7 @@ class ReplayData:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(RoundRatios):
     """Counts as the live engine keeps them (SpecStats for the cache), summed over sequences."""
 
     kind: str
@@ -149,29 +149,9 @@ class ReplayResult:
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
-    def hit_rate(self) -> float:
-        return self.spec.hit_rate
-
-    @property
-    def hit_rate_by_k(self) -> dict[int, float]:
-        return self.spec.hit_rate_by_k
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
     def tokens_per_round(self) -> float:
         """(generated - 1) / rounds, as launch/ssd_sweep.py reports it for live runs."""
         return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_round_after_hit(self) -> float:
-        return self.spec.tokens_per_round_after_hit
-
-    @property
-    def tokens_per_round_after_miss(self) -> float:
-        return self.spec.tokens_per_round_after_miss
 
     def as_dict(self) -> dict:
         return {

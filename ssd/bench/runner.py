@@ -25,6 +25,7 @@ from ssd.bench.hf_assisted import HFAssistedEngine
 from ssd.bench.llamacpp import MODE as LLAMA_CPP
 from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
 from ssd.bench.prompts import Prompt
+from ssd.config import MODES as ENGINE_MODES
 from ssd.config import Config, SamplingConfig, SpeculationConfig
 from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats
@@ -32,8 +33,8 @@ from ssd.engine.request import GenerationRequest, Generator
 
 log = logging.getLogger(__name__)
 
-MODES = ("ar", "sd", "ssd", "hf", "llama.cpp")
-UNSPECULATIVE = ("ar", "llama.cpp")  # modes without K
+MODES = (*ENGINE_MODES, "hf", LLAMA_CPP)  # ours, then the peers
+UNSPECULATIVE = ("ar", LLAMA_CPP)  # modes without K
 WARM_UP_TOKENS = 4
 
 

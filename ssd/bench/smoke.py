@@ -48,7 +48,7 @@ from ssd.ablation.trace import load_trace
 from ssd.bench.branch_check import branch_case, check_branches
 from ssd.bench.draft_process import DraftProcess, exact_fp32
 from ssd.bench.link import summarize_ms
-from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import Engine
 from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
@@ -209,7 +209,7 @@ def check_generation(target: torch.nn.Module, draft: torch.nn.Module, draft_spec
     runs = {"ar": generate_all(make_engine("ar", pair, sd), prompts, s, None)}
     runs["sd"] = generate_all(make_engine("sd", pair, sd), prompts, s, sd)
     runs["ssd"], remote = run_ssd(target, draft_spec, host, prompts, s)
-    modes = ("sd", "ssd")
+    modes = tuple(m for m in MODES if m != "ar")  # each against AR
     equal = {mode: runs[mode].tokens == runs["ar"].tokens for mode in modes}
     spec_stats = runs["ssd"].stats.spec
     accepted = {mode: runs[mode].stats.accepted for mode in modes}

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MODES = ("ar", "ssd")  # the modes the cluster serves
+
 
 def pin_to_cores(cores: list[int] | None) -> None:
     """Run this process on `cores` only, one torch thread per core (CPU mode).
@@ -211,8 +213,8 @@ class TargetWorker:
             from ssd.engine.factory import LoadedPair, make_engine
             from ssd.models.loading import resolve_precision
 
-            if mode not in ("ar", "ssd"):
-                raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
+            if mode not in MODES:
+                raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
             pair = LoadedPair(self.leader or self.model, None, self.tokenizer)  # the draft is another actor
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,

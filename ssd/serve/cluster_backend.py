@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.runtime import Cluster
+from ssd.cluster.workers import MODES
 from ssd.engine.batch import Engine
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
@@ -39,6 +40,6 @@ class ClusterBackend(TokenizerMixin):
     def _describe(self) -> BackendInfo:
         remote = self.cluster.describe()
         return backend_info(
-            self.config, self.tokenizer, modes=("ar", "ssd") if self.cluster.draft is not None else ("ar",),
+            self.config, self.tokenizer, modes=MODES if self.cluster.draft is not None else ("ar",),
             max_context_tokens=remote["max_positions"], eos_token_ids=remote["eos_token_ids"],
         )
