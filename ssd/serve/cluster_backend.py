@@ -1,5 +1,7 @@
-"""The server's backend over the distributed runtime: requests go to target
-rank 0 as one streaming Ray call each; rounds stream back as they land."""
+"""The server's backend over the distributed runtime. AR and SSD rows batch on
+target rank 0 (one Ray call per step, ssd.cluster.batch); a tensor-parallel
+target holds its batch at one row, so there each request goes to rank 0 alone
+as one streaming Ray call, its rounds streaming back as they land."""
 
 from __future__ import annotations
 

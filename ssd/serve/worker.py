@@ -13,8 +13,9 @@ Scheduling policy:
   wait too, so a large request is never overtaken forever.
 * Modes in turn. Each loop steps one engine that has rows, round-robin over
   the modes (one `step` each), so a busy mode cannot starve another.
-* Non-batched modes (no engine: SSD at batch 1, the cluster backend, a
-  backend without the hook) run through `backend.generate`, alone: when such
+* Non-batched modes (no engine: a tensor-parallel cluster target, the
+  cluster with batching.max_rows 1, a backend without the hook) run through
+  `backend.generate`, alone: when such
   a job reaches the head of the queue it runs to its end between two batched
   rounds, and the batched rows pause meanwhile (their deadlines keep running).
 * Rows leave the moment they end: every `Finished` the step returns is
