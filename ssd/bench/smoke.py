@@ -238,8 +238,8 @@ def link_messages(k: int, vocab: int) -> dict[str, Any]:
     """The messages of one SSD round: the outcome (header only) and a proposal with q rows (sampled decoding)."""
     q = torch.rand(k, vocab)
     reply = protocol.ProposalReply(0, True, Proposal(list(range(k)), q, "cache"), 0.0, 0.0)
-    return {"round (header only)": protocol.round_(0, k, 1),
-            f"proposal q [{k}, {vocab}] fp32": protocol.proposal(reply)}
+    return {"round (header only)": protocol.rounds([protocol.RoundRow(0, k, 1)]),
+            f"proposal q [{k}, {vocab}] fp32": protocol.proposals([reply])}
 
 
 def time_link(host: DraftProcess, k: int, vocab: int, rounds: int) -> dict[str, Any]:
