@@ -1,7 +1,7 @@
 """Continuous batching: rows that run together behave exactly as each runs alone.
 
-Greedy rows equal the single engines token for token; sampled rows equal the
-same request run alone through the batched engine (same seed) and follow the
+Greedy rows equal the same request alone (a batch of one) and AR token for
+token; sampled rows equal the same request run alone (same seed) and follow the
 target's exact law (chi-square per row, with a power check); rows join,
 leave, fail and prefill in chunks without touching the others.
 """

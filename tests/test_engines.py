@@ -1,4 +1,4 @@
-"""AR and SD engines on the tiny fp64 pair: greedy equality and end conditions."""
+"""AR and SD engines on the tiny fp64 pair, one request at a time (a batch of one): greedy equality and end conditions."""
 
 import dataclasses
 

@@ -2,7 +2,7 @@
 
 Model, prompt and sampling settings as in test_distribution (one layer, a
 4-token vocabulary, draft = target + 10 % weight noise), K = 3, SAMPLES fixed
-seeds per run, LocalSSD (the speculator in a thread). Chi-square against the
+seeds per run, SSDEngine.in_process (the speculator in a thread). Chi-square against the
 target's exact law by enumeration, cells with expected count < 5 pooled into
 one, alpha 0.001. Each generation records the tokens every round emits, so
 each test asserts where its tested tokens came from: which round, and which

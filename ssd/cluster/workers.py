@@ -215,7 +215,9 @@ class TargetWorker:
 
             if mode not in MODES:
                 raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
-            pair = LoadedPair(self.leader or self.model, None, self.tokenizer)  # the draft is another actor
+            # The draft is another actor. A tensor-parallel target's engines share the leader's one
+            # sequence: the server runs them one request at a time (ssd.serve.cluster_backend).
+            pair = LoadedPair(self.leader or self.model, None, self.tokenizer)
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,
                 draft_timeout_s=self.config.cluster.draft_timeout_s,

@@ -198,6 +198,8 @@ class BatchedEngine(Engine):
         self.tokenizer = tokenizer
         self.batching = batching
         self.speculation = speculation or SpeculationConfig(mode=self.mode)
+        if self.speculation.mode != self.mode:
+            raise ValueError(f"the {self.mode} engine was given {self.speculation.mode!r} settings")
         self.verifier = verifier  # replaceable so tests can prove their power
         self.eos_ids = eos_token_ids(tokenizer, target)
         self.precision = f"target {precision_of(target)}"  # named in every stats line
