@@ -36,7 +36,7 @@ from ssd.config import ModelConfig  # noqa: E402
 from ssd.hardware import sync  # noqa: E402
 from ssd.models import load_model  # noqa: E402
 from ssd.models.kv import KVSequence  # noqa: E402
-from ssd.speculation.branches import BRANCH_DECODERS, TreeBranchDecoder  # noqa: E402
+from ssd.saguaro.branches import BRANCH_DECODERS, TreeBranchDecoder  # noqa: E402
 
 logger = logging.getLogger("bench_branches")
 

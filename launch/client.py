@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:  # run from a fresh clone without installing
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
 
+from ssd.config import MODES  # noqa: E402
 from ssd.serve.client import Completion, GenerationClient  # noqa: E402
 
 log = logging.getLogger("ssd.client")
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-ca", type=Path, help="TLS, trusting this PEM certificate (e.g. self-signed)")
     p.add_argument("--stream", action="store_true", help="print text as each round arrives")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
-    p.add_argument("--mode", choices=["ar", "sd", "ssd"])
+    p.add_argument("--mode", choices=MODES)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)

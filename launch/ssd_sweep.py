@@ -27,7 +27,7 @@ import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ssd.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
-from ssd.engine.factory import load_pair  # noqa: E402
+from ssd.engine.factory import load_pair, make_engine  # noqa: E402
 from ssd.engine.metrics import GenerationStats, total  # noqa: E402
 from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models.tokenizer import encode_prompt  # noqa: E402
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     rows = []
     with tqdm(total=len(grid) * len(prompts), desc="sweep", file=sys.stderr) as bar, \
-            pair.engine(dataclasses.replace(config.speculation, mode="ssd")) as engine:
+            make_engine("ssd", pair, config.speculation) as engine:
         for kind, temperature, c in grid:
             speculation = dataclasses.replace(
                 config.speculation, mode="ssd", saguaro_c=c,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import Config, ConfigError, load_config
+from ssd.config import MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -30,7 +30,7 @@ PRECISIONS = {
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML config file")
-    parser.add_argument("--mode", choices=["ar", "sd", "ssd"], help="override speculation.mode")
+    parser.add_argument("--mode", choices=MODES, help="override speculation.mode")
     parser.add_argument("-k", type=int, help="override speculation.k (drafted tokens per round)")
     parser.add_argument("--fanout", choices=["uniform", "geometric"], help="override speculation.fanout.kind")
     parser.add_argument("--budget", type=int, help="override speculation.fanout.budget (branches per round)")

@@ -125,7 +125,7 @@ class FanoutConfig:
     # draft's cache builds for all rows share one round's time, so their total
     # must stay bounded as the batch grows. Over the cap, every row keeps one
     # branch and the rest is split in proportion to the rows' own budgets
-    # (ssd.fanout.share_budget); each row's schedule keeps its shape. With
+    # (ssd.saguaro.fanout.share_budget); each row's schedule keeps its shape. With
     # rows of different settings the tightest cap applies. None: no cap.
     batch_budget: int | None = None
 
@@ -202,7 +202,7 @@ class RuntimeConfig:
 class BatchingConfig:
     """Continuous batching (ssd.engine.batch): how many requests run together."""
 
-    max_rows: int = 8  # requests decoding together; beyond, they queue. 1: batching off
+    max_rows: int = 8  # requests decoding together; beyond, they queue. 1: one at a time
     max_batched_tokens: int = 2048  # tokens in one batched forward (prefill chunks + rounds)
     prefill_chunk: int = 512  # a long prompt is prefilled this many tokens per step
     kv_memory_mb: float = 4096.0  # KV cache of all rows together; a request that would exceed it waits

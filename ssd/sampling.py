@@ -104,23 +104,3 @@ def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
 def uniforms(gen: torch.Generator, shape: int | Sequence[int] = ()) -> torch.Tensor:
     """U[0, 1) draws in float64 from the request's generator, always on the CPU."""
     return torch.rand(shape, generator=gen, dtype=torch.float64)
-
-
-def saguaro_rescale_rows(q: torch.Tensor, f: int, c: float) -> torch.Tensor:
-    """Saguaro sampling: per row of q [B, V], q' proportional to c*q on the
-    row's top-f tokens (the draft's cached guesses for that position) and q
-    elsewhere, 0 <= c <= 1.
-
-    Lower c moves proposal mass off the cached tokens, so after a rejection the
-    residual max(0, p - q') leans toward them and the cache hits more often,
-    at some cost in acceptance. Verification must use q' itself. A row whose
-    whole mass sits on its top-f with c == 0 would be 0/0: it keeps q.
-    """
-    if c == 1.0 or f <= 0:
-        return q
-    values, ids = torch.topk(q, min(f, q.shape[-1]), dim=-1)
-    scale = torch.ones_like(q).scatter_(-1, ids, torch.where(values > 0, c, 1.0).to(q.dtype))
-    out = q * scale
-    mass = out.sum(dim=-1, keepdim=True)
-    # Rows whose whole mass sat on the top-f with c == 0 keep q.
-    return torch.where(mass > 0, out / mass.clamp_min(torch.finfo(q.dtype).tiny), q)

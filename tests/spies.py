@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import SamplingConfig
-from ssd.speculation.branches import BRANCH_DECODERS
-from ssd.speculation.cache import Proposal
+from ssd.saguaro.branches import BRANCH_DECODERS
+from ssd.saguaro.cache import Proposal
 
 
 @dataclass

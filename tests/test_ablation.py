@@ -41,8 +41,8 @@ from ssd.ablation.trace import (
     teacher_forced_logits,
 )
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.fanout import uniform_fanout
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.fanout import uniform_fanout
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from tests.conftest import ROOT
 from tests.spies import WorkClock
@@ -124,7 +124,7 @@ def test_record_refuses_top_k_sampling(tiny_models, tiny_tokenizer):
 
 def _live(models, tokenizer, spec, max_new, sampling=SamplingConfig(), seeds=(0,)):
     target, draft = models
-    with LocalSSD(target, draft, tokenizer, spec) as ssd:
+    with SSDEngine.in_process(target, draft, tokenizer, spec) as ssd:
         return [
             ssd.generate(GenerationRequest(p, SamplingConfig(temperature=sampling.temperature, seed=s),
                          GenerationConfig(max_new_tokens=max_new))).stats

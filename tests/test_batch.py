@@ -1,7 +1,7 @@
 """Continuous batching: rows that run together behave exactly as each runs alone.
 
-Greedy rows equal the single engines token for token; sampled rows equal the
-same request run alone through the batched engine (same seed) and follow the
+Greedy rows equal the same request alone (a batch of one) and AR token for
+token; sampled rows equal the same request run alone (same seed) and follow the
 target's exact law (chi-square per row, with a power check); rows join,
 leave, fail and prefill in chunks without touching the others.
 """
@@ -17,8 +17,8 @@ import torch
 
 import ssd.engine.batch as batch_module
 from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine import AREngine, BatchedAREngine, BatchedSDEngine, BatchEngine, SDEngine
-from ssd.engine.factory import LoadedPair
+from ssd.engine import AREngine, Engine, SDEngine
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
@@ -103,7 +103,7 @@ def greedy_rows(tokenizer, target):
 def test_greedy_sd_batch_equals_each_request_alone(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     rows = greedy_rows(tiny_tokenizer, target)
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(prefill_chunk=16))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(prefill_chunk=16))
     batched = [ok(f) for f in run_batch(engine, rows)]
     assert batched[0].finish_reason == "stop" and batched[1].finish_reason == "length"
     for r, out in zip(rows, batched):
@@ -119,7 +119,7 @@ def test_greedy_sd_batch_equals_each_request_alone(tiny_models, tiny_tokenizer):
 def test_greedy_ar_batch_equals_each_request_alone(tiny_models, tiny_tokenizer):
     target, _ = tiny_models
     rows = [dataclasses.replace(r, speculation=None) for r in greedy_rows(tiny_tokenizer, target)]
-    engine = BatchedAREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=16))
+    engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=16))
     for r, finished in zip(rows, run_batch(engine, rows)):
         out, alone = ok(finished), AREngine(target, tiny_tokenizer).generate(fresh(r))
         assert (out.token_ids, out.finish_reason) == (alone.token_ids, alone.finish_reason)
@@ -143,7 +143,7 @@ def sampled_rows():
 
 def test_sampled_rows_equal_each_request_alone(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer)
+    engine = SDEngine(target, draft, tiny_tokenizer)
     rows = sampled_rows()
     batched = [ok(f).token_ids for f in run_batch(engine, rows)]
     assert batched == [engine.generate(fresh(r)).token_ids for r in rows]
@@ -153,7 +153,7 @@ def test_sampled_rows_equal_each_request_alone(tiny_models, tiny_tokenizer):
 def test_swapped_generators_are_caught(tiny_models, tiny_tokenizer):
     """Power of the test above: rows drawing from each other's generator differ from alone."""
     target, draft = tiny_models
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer)
+    engine = SDEngine(target, draft, tiny_tokenizer)
     rows = sampled_rows()
     for r in rows:
         engine.admit(r)
@@ -190,7 +190,7 @@ def chi_pair():
 def chi_draws(pair, samples: int) -> list[list[tuple[int, ...]]]:
     """Per row, tokens at CHI_POSITIONS of `samples` batches, each batch every row with its own seed."""
     target, draft = pair
-    engine = BatchedSDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=CHI_K))
+    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=CHI_K))
     draws: list[list[tuple[int, ...]]] = [[] for _ in CHI_ROWS]
     for seed in range(samples):
         rows = [
@@ -241,7 +241,7 @@ def test_the_law_test_catches_rows_verified_with_another_rows_logits(chi_pair, m
 
 def test_rows_joining_and_leaving_mid_run_do_not_change_the_others(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer)
+    engine = SDEngine(target, draft, tiny_tokenizer)
     sampling = SamplingConfig(temperature=1.0)
     cancelled_rounds: list[list[int]] = []
     stays = request([1, 2, 3], 30, dataclasses.replace(sampling, seed=7), k=3)
@@ -270,7 +270,7 @@ def test_a_failing_row_leaves_alone(tiny_models, tiny_tokenizer):
     def explode(tokens):
         raise RuntimeError("client went away")
 
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, verifier=verifier)
+    engine = SDEngine(target, draft, tiny_tokenizer, verifier=verifier)
     healthy = [request([1, 2, 3], 20, dataclasses.replace(sampling, seed=s), k=3) for s in (1, 2)]
     bad_q = request([4, 5], 20, dataclasses.replace(sampling, seed=13), k=3)
     bad_callback = request([6], 20, dataclasses.replace(sampling, seed=3), k=3, on_tokens=explode)
@@ -294,8 +294,8 @@ def test_chunked_prefill_equals_unchunked(tiny_models, tiny_tokenizer, engine_ki
     def make(chunk):
         batching = BatchingConfig(prefill_chunk=chunk)
         if engine_kind == "ar":
-            return BatchedAREngine(target, tiny_tokenizer, batching)
-        return BatchedSDEngine(target, draft, tiny_tokenizer, batching=batching)
+            return AREngine(target, tiny_tokenizer, batching)
+        return SDEngine(target, draft, tiny_tokenizer, batching=batching)
 
     whole = make(512).generate(fresh(long)).token_ids
     steps, first_emit = [0], {}
@@ -318,7 +318,7 @@ def test_a_step_feeds_the_target_at_most_max_batched_tokens(tiny_models, tiny_to
         return forward_rows(rows, ids, last_only)
 
     monkeypatch.setattr(batch_module, "forward_rows", counting)
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=24, prefill_chunk=16))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=24, prefill_chunk=16))
     rows = [request([i % 16] * 40, 12, k=4) for i in range(3)]
     outs = run_batch(engine, rows)
     assert max(fed) <= 24 and max(fed) >= 20
@@ -328,7 +328,7 @@ def test_a_step_feeds_the_target_at_most_max_batched_tokens(tiny_models, tiny_to
 
 def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_rows=2))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_rows=2))
     for i in range(2):
         assert engine.can_admit(request([1, 2], 10))
         engine.admit(request([1, 2], 10))
@@ -339,7 +339,7 @@ def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
     per_token = kv_bytes_per_token(target) + kv_bytes_per_token(draft)
     assert per_token == 2 * (2 * 2 * 2 * 8 * 8)  # models: layers * (k, v) * kv heads * head dim * fp64
     need = (3 + 20 + 4) * per_token  # prompt + max_new_tokens + K
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(kv_memory_mb=2.5 * need / 2**20))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(kv_memory_mb=2.5 * need / 2**20))
     for _ in range(2):
         assert engine.can_admit(request([1, 2, 3], 20))
         engine.admit(request([1, 2, 3], 20))
@@ -351,7 +351,7 @@ def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
     assert engine.rows == 2 and not engine.can_admit(request([1, 2, 3], 20))
 
     # Rounds of K + 1 tokens must leave a token of max_batched_tokens for prefill.
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=13, prefill_chunk=4))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=13, prefill_chunk=4))
     for _ in range(2):
         assert engine.can_admit(request([1, 2, 3], 20, k=4))
         engine.admit(request([1, 2, 3], 20, k=4))
@@ -363,40 +363,41 @@ def test_can_admit_enforces_rows_and_kv_memory(tiny_models, tiny_tokenizer):
 
 def test_requests_that_never_fit_or_bring_another_mode_are_refused(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(kv_memory_mb=0.01))
+    engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(kv_memory_mb=0.01))
     huge = request([1] * 10, 200)
     assert engine.can_admit(huge)  # so the worker hands back admit's error instead of queueing forever
     with pytest.raises(ValueError, match="KV cache"):
         engine.admit(huge)
     ssd_request = GenerationRequest([1, 2], GREEDY, speculation=SpeculationConfig(mode="ssd"))
     with pytest.raises(ValueError, match="speculation.mode 'ssd' sent to the sd engine"):
-        BatchedSDEngine(target, draft, tiny_tokenizer).admit(ssd_request)
+        SDEngine(target, draft, tiny_tokenizer).admit(ssd_request)
     with pytest.raises(ValueError, match="sent to the ar engine"):
-        BatchedAREngine(target, tiny_tokenizer).admit(request([1, 2], 5, k=3))
+        AREngine(target, tiny_tokenizer).admit(request([1, 2], 5, k=3))
 
 
-def test_the_factory_builds_batched_engines(tiny_models, tiny_tokenizer):
+def test_make_engine_builds_the_one_engine_of_each_mode(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     pair = LoadedPair(target, draft, tiny_tokenizer)
     batching = BatchingConfig(max_rows=3)
-    ar = pair.batch_engine(SpeculationConfig(mode="ar"), batching)
-    sd = pair.batch_engine(SpeculationConfig(mode="sd", k=5))
-    assert isinstance(ar, BatchedAREngine) and ar.batching.max_rows == 3
-    assert isinstance(sd, BatchedSDEngine) and sd.generate(request([1, 2], 8)).stats.k == 5
-    # The default settings reach the engine whole: k_policy too (it was dropped once).
-    by_policy = pair.batch_engine(SpeculationConfig(mode="sd", k=5, k_policy={1: 2}))
-    stats = by_policy.generate(request([1, 2], 9)).stats
-    assert len(stats.drafted_at) == 2, stats.drafted_at  # rounds drafted K 2 (the policy), not k 5
-    ssd = pair.batch_engine(SpeculationConfig(mode="ssd", k=3))  # its exactness: tests/test_batch_ssd.py
+    defaults = SpeculationConfig(mode="ar", k=5, k_policy={2: 1})  # any mode's settings: make_engine sets the mode
+    ar = make_engine("ar", pair, defaults, batching)
+    sd = make_engine("sd", pair, defaults)
+    assert isinstance(ar, AREngine) and ar.batching.max_rows == 3
+    assert isinstance(sd, SDEngine) and sd.generate(request([1, 2], 8)).stats.k == 5
+    assert sd.speculation.k_policy == {2: 1}  # the defaults arrive whole, K policy included
+    # ... and the policy drafts: alone, K 2 (the policy's), not k 5 (it was dropped once).
+    stats = make_engine("sd", pair, SpeculationConfig(k=5, k_policy={1: 2})).generate(request([1, 2], 9)).stats
+    assert len(stats.drafted_at) == 2, stats.drafted_at
+    ssd = make_engine("ssd", pair, dataclasses.replace(defaults, k=3))  # its exactness: tests/test_batch_ssd.py
     try:
         out = ssd.generate(request([1, 2], 8))  # no speculation of its own: the factory's K=3 SSD applies
     finally:
         ssd.close()
-    assert ssd.mode == "ssd" and isinstance(ssd, BatchEngine)
-    assert out.token_ids == AREngine(target, tiny_tokenizer).generate(request([1, 2], 8)).token_ids
+    assert ssd.mode == "ssd" and isinstance(ssd, Engine)
+    assert out.token_ids == ar.generate(request([1, 2], 8)).token_ids
     assert out.stats.mode == "ssd" and out.stats.k == 3 and out.stats.spec.lookups > 0, out.stats.summary()
     with pytest.raises(ValueError, match="draft"):
-        LoadedPair(target, None, tiny_tokenizer).batch_engine(SpeculationConfig(mode="sd"))
+        make_engine("sd", LoadedPair(target, None, tiny_tokenizer), defaults)
 
 
 def test_k_policy_sets_the_draft_length_by_batch_size(tiny_models, tiny_tokenizer):
@@ -405,7 +406,7 @@ def test_k_policy_sets_the_draft_length_by_batch_size(tiny_models, tiny_tokenize
     target, draft = tiny_models
     policy = SpeculationConfig(mode="sd", k=5, k_policy={1: 3, 3: 0})
     drafted_per_step: list[list[int]] = []
-    engine = BatchedSDEngine(target, draft, tiny_tokenizer)
+    engine = SDEngine(target, draft, tiny_tokenizer)
     rows = [dataclasses.replace(request(p, n), speculation=policy) for p, n in [([1, 2, 3], 30), ([5], 8), ([7, 7], 8)]]
 
     def record(step):

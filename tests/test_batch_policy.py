@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd.batch_policy import (
+from ssd.saguaro.batch_policy import (
     BackupProfile,
     SSDProfile,
     backup_policy,

@@ -1,4 +1,4 @@
-"""SSD at batch > 1, the target side: BatchedSSDEngine over a speculator thread.
+"""SSD at batch > 1, the target side: SSDEngine over a speculator thread.
 
 Greedy rows equal AR token for token, with one rounds message per step and
 backups only for the rows that missed; sampled rows of different settings
@@ -18,15 +18,16 @@ from typing import Callable, Iterator
 
 import pytest
 
-import ssd.speculation.protocol as protocol_module
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.protocol as protocol_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine import AREngine, BatchedSSDEngine
-from ssd.engine.factory import LoadedPair
-from ssd.engine.local import LocalBatchedSSD, SpeculatorThread
+from ssd.engine import AREngine
+from ssd.engine.factory import LoadedPair, make_engine
+from ssd.saguaro.host import DraftThread
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
-from ssd.speculation.protocol import ProposalReply
+from ssd.saguaro.protocol import ProposalReply
 from ssd.transport.channel import Channel, ChannelClosed, Message
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
@@ -77,11 +78,11 @@ class SpyChannel(Channel):
 @contextlib.contextmanager
 def linked(
     target, draft, tokenizer, batching: BatchingConfig | None = None, timeout_s: float | None = None
-) -> Iterator[tuple[BatchedSSDEngine, SpyChannel, SpeculatorThread]]:
+) -> Iterator[tuple[SSDEngine, SpyChannel, DraftThread]]:
     """A batched SSD engine over a speculator thread, the link spied on; the thread stops after."""
-    serving = SpeculatorThread(draft)
+    serving = DraftThread(draft)
     spy = SpyChannel(serving.channel)
-    engine = BatchedSSDEngine(target, tokenizer, spy, ssd_spec(), batching, draft_timeout_s=timeout_s)
+    engine = SSDEngine(target, tokenizer, ssd_spec(), batching, channel=spy, draft_timeout_s=timeout_s)
     try:
         yield engine, spy, serving
     finally:
@@ -110,7 +111,7 @@ def ok(finished):
     return finished.result
 
 
-def one_rounds_message_per_step(engine: BatchedSSDEngine, spy: SpyChannel) -> tuple[Callable, list[int]]:
+def one_rounds_message_per_step(engine: SSDEngine, spy: SpyChannel) -> tuple[Callable, list[int]]:
     """An after_step hook checking that a step with decoding rows sent exactly one
     rounds message (and one without sent none); returns (hook, batch sizes seen)."""
     state = {"decoding": 0, "rounds": 0}
@@ -198,7 +199,7 @@ def chi_draws(pair, samples: int) -> list[list[tuple[int, ...]]]:
     tokenizer = TinyTokenizer(SMALL.vocab_size)
     draws: list[list[tuple[int, ...]]] = [[] for _ in CHI_ROWS]
     hits = lookups = early = 0
-    with LocalBatchedSSD(target, draft, tokenizer, ssd_spec(CHI_K, CHI_FULL, "uniform")) as engine:
+    with SSDEngine.in_process(target, draft, tokenizer, ssd_spec(CHI_K, CHI_FULL, "uniform")) as engine:
         for seed in range(samples):
             rounds: list[list[list[int]]] = [[] for _ in CHI_ROWS]
             rows = [
@@ -332,8 +333,8 @@ def test_a_link_attached_mid_batch_is_adopted(tiny_models, tiny_tokenizer):
     one still prefilling its prompt too, and each speculates and hits from then on."""
     target, draft = tiny_models
     rows = [*three_rows()[:2], request([(3 * i + 1) % 16 for i in range(40)], 20, k=3)]  # 40 tokens: 5 chunks
-    engine = BatchedSSDEngine(target, tiny_tokenizer, None, ssd_spec(), BatchingConfig(prefill_chunk=8))
-    serving = SpeculatorThread(draft)
+    engine = SSDEngine(target, tiny_tokenizer, ssd_spec(), BatchingConfig(prefill_chunk=8))
+    serving = DraftThread(draft)
     spy = SpyChannel(serving.channel)
 
     def attach(step: int) -> None:
@@ -380,14 +381,14 @@ def test_rows_joining_and_leaving_mid_run_do_not_change_the_others(tiny_models, 
 
 def test_the_factory_builds_batched_ssd_with_its_own_speculator_thread(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = LoadedPair(target, draft, tiny_tokenizer).batch_engine(ssd_spec(k=3), BatchingConfig(max_rows=3))
+    engine = make_engine("ssd", LoadedPair(target, draft, tiny_tokenizer), ssd_spec(k=3), BatchingConfig(max_rows=3))
     try:
-        assert isinstance(engine, LocalBatchedSSD) and engine.mode == "ssd"
-        assert engine.engine.batching.max_rows == 3
+        assert isinstance(engine, SSDEngine) and engine.host is not None
+        assert engine.batching.max_rows == 3
         plain = GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=20))
         out = engine.generate(plain)
         assert out.token_ids == ar_ids(target, tiny_tokenizer, plain)[0]
         assert out.stats.k == 3 and out.stats.spec.lookups > 0 and "draft" in out.stats.precision
     finally:
         engine.close()
-    assert not engine._serving.thread.is_alive()
+    assert not engine.host.thread.is_alive()

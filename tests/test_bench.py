@@ -23,7 +23,7 @@ from ssd.bench.report import (
     write_json,
 )
 from ssd.bench.runner import RunKey, Sample
-from ssd.config import GenerationConfig, SamplingConfig
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.ar import AREngine
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest
@@ -42,7 +42,7 @@ def test_hf_assisted_greedy_equals_ar(tiny_models, tiny_tokenizer):
     gen = GenerationConfig(max_new_tokens=24)
     fields = ("num_assistant_tokens", "assistant_confidence_threshold")
     before = {n: getattr(draft.generation_config, n, None) for n in fields}
-    hf = HFAssistedEngine(target, draft, tiny_tokenizer, k=4)
+    hf = HFAssistedEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=4))
     for prompt in PROMPTS:
         ids = tiny_tokenizer.encode(prompt)
         expected = AREngine(target, tiny_tokenizer).generate(GenerationRequest(ids, GREEDY, gen)).token_ids
@@ -72,7 +72,7 @@ def test_lm_head_inputs_made_dense():
 
 def test_hf_assisted_sampling_is_seeded(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    hf = HFAssistedEngine(target, draft, tiny_tokenizer, k=3)
+    hf = HFAssistedEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3))
     ids, gen = tiny_tokenizer.encode("abcab"), GenerationConfig(max_new_tokens=16)
     state = torch.get_rng_state()
     runs = [hf.generate(GenerationRequest(ids, SamplingConfig(temperature=0.7, seed=s), gen)).token_ids for s in (1, 1, 2)]

@@ -14,7 +14,7 @@ import torch
 from ssd.config import TinyModelConfig
 from ssd.models import build_tiny_model
 from ssd.models.kv import KVSequence
-from ssd.speculation.branches import (
+from ssd.saguaro.branches import (
     BatchedBranchDecoder,
     TreeBranchDecoder,
     make_branch_decoder,

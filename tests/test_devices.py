@@ -10,7 +10,7 @@ import torch
 
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.hardware import sync, to_device, to_host
 from ssd.sampling import make_generator, sample, sample_ids, sample_rows
@@ -110,14 +110,14 @@ def test_engines_on_cuda_give_the_hosts_output(tiny_models, tiny_tokenizer, wher
     for sampling in cases:
         ar_host = AREngine(target, tiny_tokenizer).generate(request(sampling)).token_ids
         assert AREngine(t_dev, tiny_tokenizer).generate(request(sampling)).token_ids == ar_host
-        sd_host = SDEngine(target, draft, tiny_tokenizer, 3).generate(request(sampling)).token_ids
-        sd_dev = SDEngine(t_dev, d_dev, tiny_tokenizer, 3).generate(request(sampling))
+        sd_host = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3)).generate(request(sampling)).token_ids
+        sd_dev = SDEngine(t_dev, d_dev, tiny_tokenizer, SpeculationConfig(mode="sd", k=3)).generate(request(sampling))
         assert sd_dev.token_ids == sd_host and sd_dev.stats.target_s > 0
         for decoder in ("tree", "batched"):
             spec = SpeculationConfig(mode="ssd", k=3, fanout=FanoutConfig(budget=8), branch_decoder=decoder)
-            with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+            with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
                 ssd_host = ssd.generate(request(sampling)).token_ids
-            with LocalSSD(t_dev, d_dev, tiny_tokenizer, spec) as ssd:
+            with SSDEngine.in_process(t_dev, d_dev, tiny_tokenizer, spec) as ssd:
                 out = ssd.generate(request(sampling))
             assert out.token_ids == ssd_host, (sampling, decoder)
             assert out.stats.spec.lookups > 0

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ssd.config import GenerationConfig, SamplingConfig, TinyModelConfig
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import SDEngine
 from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.sampling import sample
@@ -92,7 +92,7 @@ class Draws:
 
 def draw(pair, sampling: SamplingConfig, verifier=verify, samples: int = SAMPLES) -> Draws:
     target, draft = pair
-    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), k=K, verifier=verifier)
+    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=K), verifier=verifier)
     generation = GenerationConfig(max_new_tokens=N_TOKENS)
     draws = Draws([], Counter())
     for seed in range(samples):

@@ -1,4 +1,4 @@
-"""AR and SD engines on the tiny fp64 pair: greedy equality and end conditions."""
+"""AR and SD engines on the tiny fp64 pair, one request at a time (a batch of one): greedy equality and end conditions."""
 
 import dataclasses
 
@@ -23,7 +23,7 @@ def ar_tokens(target, tokenizer, prompt, n, sampling=GREEDY):
 @pytest.mark.parametrize("k", range(1, 9))
 def test_sd_greedy_equals_ar(tiny_models, tiny_tokenizer, k):
     target, draft = tiny_models
-    engine = SDEngine(target, draft, tiny_tokenizer, k)
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=k))
     for prompt in PROMPTS:
         ar = ar_tokens(target, tiny_tokenizer, prompt, 48)
         sd = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=48)))
@@ -36,7 +36,7 @@ def test_sd_greedy_equals_ar(tiny_models, tiny_tokenizer, k):
 def test_sd_greedy_equals_ar_at_the_extremes_of_acceptance(tiny_models, tiny_tokenizer, draft_kind):
     target, _ = tiny_models
     other = target if draft_kind == "target" else build_tiny_model(dataclasses.replace(TINY, seed=5), torch.float64)
-    sd = SDEngine(target, other, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
+    sd = SDEngine(target, other, tiny_tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert sd.token_ids == ar_tokens(target, tiny_tokenizer, [1, 2, 3], 40).token_ids
     if draft_kind == "target":
         assert sd.stats.acceptance_rate == 1.0
@@ -44,7 +44,7 @@ def test_sd_greedy_equals_ar_at_the_extremes_of_acceptance(tiny_models, tiny_tok
 
 def test_sd_engine_is_reusable_across_requests(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = SDEngine(target, draft, tiny_tokenizer, 3)
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3))
     first = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
     again = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).token_ids for p in PROMPTS]
     # Each request is AR's output, not merely the same (possibly wrong) output twice.
@@ -53,7 +53,7 @@ def test_sd_engine_is_reusable_across_requests(tiny_models, tiny_tokenizer):
 
 def test_sampled_output_is_reproducible_per_seed(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    engine = SDEngine(target, draft, tiny_tokenizer, 3)
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3))
     sampling = SamplingConfig(temperature=1.0, seed=42)
     a = engine.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids
     b = engine.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30))).token_ids
@@ -67,7 +67,7 @@ def test_sampled_output_is_reproducible_per_seed(tiny_models, tiny_tokenizer):
 
 def perfect_sd(tiny_models, tokenizer, k=4):
     target, _ = tiny_models
-    return SDEngine(target, target, tokenizer, k)
+    return SDEngine(target, target, tokenizer, SpeculationConfig(mode="sd", k=k))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 7, 13])
@@ -114,7 +114,7 @@ def eos_at(tiny_models, tokenizer, position):
 def test_eos_inside_an_accepted_round(tiny_models, tiny_tokenizer):
     tokenizer, ids, first = eos_at(tiny_models, tiny_tokenizer, 6)
     target = tiny_models[0]
-    sd = SDEngine(target, target, tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
+    sd = SDEngine(target, target, tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert sd.finish_reason == "eos"
     assert sd.token_ids == ids[: first + 1]  # EOS is the last token, nothing after it
 
@@ -123,13 +123,13 @@ def test_ignore_eos_runs_to_max_tokens(tiny_models, tiny_tokenizer):
     tokenizer, ids, _ = eos_at(tiny_models, tiny_tokenizer, 6)
     target = tiny_models[0]
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    sd = SDEngine(target, target, tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, config))
+    sd = SDEngine(target, target, tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest([1, 2, 3], GREEDY, config))
     assert sd.finish_reason == "length" and sd.token_ids == ids
 
 
 def test_metrics_are_consistent(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    sd = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60)))
+    sd = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60)))
     s = sd.stats
     assert s.new_tokens == 60 and s.mode == "sd" and s.k == 4
     assert s.accepted == sum(s.accepted_at) and s.drafted == sum(s.drafted_at)
@@ -148,7 +148,7 @@ def test_empty_prompt_is_refused(tiny_models, tiny_tokenizer):
 def test_cancel_stops_within_one_round(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     rounds = []
-    out = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest(
+    out = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest(
         [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=100),
         on_tokens=rounds.append, cancelled=lambda: len(rounds) >= 3,
     ))
@@ -159,7 +159,7 @@ def test_cancel_stops_within_one_round(tiny_models, tiny_tokenizer):
 def test_every_round_times_the_target(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     config = GenerationConfig(max_new_tokens=12)
-    for engine in (AREngine(target, tiny_tokenizer), SDEngine(target, draft, tiny_tokenizer, 3)):
+    for engine in (AREngine(target, tiny_tokenizer), SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3))):
         stats = engine.generate(GenerationRequest([1, 2, 3], GREEDY, config)).stats
         assert stats.rounds > 0 and 0 < stats.target_s < stats.total_s
 
@@ -167,7 +167,7 @@ def test_every_round_times_the_target(tiny_models, tiny_tokenizer):
 def test_speculation_settings_travel_with_each_request(tiny_models, tiny_tokenizer):
     """One engine serves every K: the request's settings win over the engine's default."""
     target, draft = tiny_models
-    engine = SDEngine(target, draft, tiny_tokenizer, k=4)
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=4))
     for k in (1, 3, 6):
         out = engine.generate(GenerationRequest(
             [1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40), SpeculationConfig(mode="sd", k=k)
@@ -179,7 +179,7 @@ def test_speculation_settings_travel_with_each_request(tiny_models, tiny_tokeniz
 
 def test_an_engine_refuses_a_mode_it_does_not_run(tiny_models, tiny_tokenizer):
     with pytest.raises(ValueError, match="speculation.mode 'ssd' sent to the sd engine"):
-        SDEngine(*tiny_models, tiny_tokenizer, k=4).generate(
+        SDEngine(*tiny_models, tiny_tokenizer, SpeculationConfig(mode="sd", k=4)).generate(
             GenerationRequest([1, 2], GREEDY, speculation=SpeculationConfig(mode="ssd"))
         )
 
@@ -189,7 +189,7 @@ def test_stats_total_pools_every_counter(tiny_models, tiny_tokenizer):
     counts add, per-position lists add by index, rates are pooled, not averaged."""
     from ssd.engine.metrics import total
 
-    engine = SDEngine(*tiny_models, tiny_tokenizer, k=4)
+    engine = SDEngine(*tiny_models, tiny_tokenizer, SpeculationConfig(mode="sd", k=4))
     runs = [engine.generate(GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=20))).stats for p in PROMPTS]
     t = total(runs)
     assert t.requests == len(runs) and t.mode == "sd" and t.k == 4
@@ -207,8 +207,10 @@ def test_sampled_q_rows_are_moved_to_the_targets_device_before_verifying(tiny_mo
     target, draft = tiny_models
     vocab = TINY.vocab_size
 
-    def far_draft(kv, sequence, k, sampling, gen, saguaro=None):
-        return [1] * k, [torch.empty(vocab, dtype=torch.float64, device="meta")] * k
+    def far_drafts(chains):
+        for chain in chains:
+            chain.tokens = [1] * chain.k
+            chain.q_rows = [torch.empty(vocab, dtype=torch.float64, device="meta")] * chain.k
 
     moves, verified_on = [], []
 
@@ -220,9 +222,9 @@ def test_sampled_q_rows_are_moved_to_the_targets_device_before_verifying(tiny_mo
         verified_on.append((q.device, p.device))
         return verify(drafted, q, p, gen, greedy)
 
-    monkeypatch.setattr("ssd.engine.sd.draft_chain", far_draft)
-    monkeypatch.setattr("ssd.engine.base.to_device", move)
-    engine = SDEngine(target, draft, tiny_tokenizer, 3, verifier=recording_verify)
+    monkeypatch.setattr("ssd.engine.sd.draft_chains", far_drafts)
+    monkeypatch.setattr("ssd.engine.batch.to_device", move)
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3), verifier=recording_verify)
     out = engine.generate(GenerationRequest([1, 2], SamplingConfig(temperature=1.0, seed=0), GenerationConfig(max_new_tokens=12)))
     assert len(out.token_ids) == 12
     assert moves and set(moves) == {("meta", "cpu")}
@@ -235,5 +237,5 @@ def test_a_tiny_temperature_decodes_like_greedy(tiny_models, tiny_tokenizer, tem
     greedy = ar_tokens(target, tiny_tokenizer, [1, 2, 3], 30).token_ids
     sampling = SamplingConfig(temperature=temperature, seed=5)
     assert ar_tokens(target, tiny_tokenizer, [1, 2, 3], 30, sampling).token_ids == greedy
-    sd = SDEngine(target, draft, tiny_tokenizer, 4).generate(GenerationRequest([1, 2, 3], sampling, GenerationConfig(max_new_tokens=30)))
+    sd = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest([1, 2, 3], sampling, GenerationConfig(max_new_tokens=30)))
     assert sd.token_ids == greedy

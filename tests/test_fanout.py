@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssd.fanout import (
+from ssd.saguaro.fanout import (
     AcceptanceEstimator,
     FanoutPlanner,
     PowerLawEstimator,

@@ -12,17 +12,17 @@ import pytest
 import torch
 from torch import nn
 
-from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, build_tiny_model, load_model
 from ssd.models.kv import KVSequence
 from ssd.models.loading import resolve_precision
 from ssd.models.quant import Int8Linear, int8_supported, precision_of, quantize_int8
-from ssd.speculation.branches import TreeBranchDecoder
-from ssd.speculation.builder import build_cache
-from ssd.speculation.drafting import draft_chain
+from ssd.saguaro.branches import TreeBranchDecoder
+from ssd.saguaro.builder import build_cache
+from ssd.engine.drafting import draft_chain
 from tests.conftest import TINY
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import SMALL, exact_joint, sd_samples
@@ -123,7 +123,7 @@ def int8_references(int8_pair):
 @needs_int8
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 def test_sd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, k):
-    engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), k)
+    engine = SDEngine(*int8_pair, TinyTokenizer.from_config(TINY), SpeculationConfig(mode="sd", k=k))
     for prompt in PROMPTS:
         out = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == int8_references[tuple(prompt)]
@@ -137,7 +137,7 @@ def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backu
     from ssd.config import FanoutConfig, SpeculationConfig
 
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8), backup=backup)
-    with LocalSSD(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
+    with SSDEngine.in_process(*int8_pair, TinyTokenizer.from_config(TINY), spec) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == int8_references[tuple(prompt)]

@@ -20,7 +20,7 @@ from ssd.config import (
     SpeculationConfig,
 )
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import load_model, load_tokenizer
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
@@ -55,7 +55,7 @@ def ar_outputs(real_pair):
 @pytest.mark.parametrize("index", range(len(PROMPTS)), ids=["fibonacci", "json", "stack"])
 def test_sd_greedy_equals_ar_on_code(real_pair, ar_outputs, index):
     target, draft, tokenizer = real_pair
-    sd = SDEngine(target, draft, tokenizer, k=4).generate(GenerationRequest(encode_prompt(tokenizer, PROMPTS[index]), GREEDY, TOKENS))
+    sd = SDEngine(target, draft, tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest(encode_prompt(tokenizer, PROMPTS[index]), GREEDY, TOKENS))
     assert sd.token_ids == ar_outputs[index], sd.text
     assert sd.stats.acceptance_rate > 0.3, sd.stats.summary()  # the pair really speculates
 
@@ -63,7 +63,7 @@ def test_sd_greedy_equals_ar_on_code(real_pair, ar_outputs, index):
 def test_ssd_greedy_equals_ar_on_code(real_pair, ar_outputs):
     target, draft, tokenizer = real_pair
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8))
-    with LocalSSD(target, draft, tokenizer, spec) as ssd:
+    with SSDEngine.in_process(target, draft, tokenizer, spec) as ssd:
         for prompt, expected in zip(PROMPTS, ar_outputs):
             out = ssd.generate(GenerationRequest(encode_prompt(tokenizer, prompt), GREEDY, TOKENS))
             assert out.token_ids == expected, out.text

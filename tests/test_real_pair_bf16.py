@@ -7,7 +7,7 @@ rounding of each other; anywhere else a difference is a bug (tests/ties.py).
 
 import pytest
 
-from ssd.config import GenerationConfig, ModelConfig
+from ssd.config import GenerationConfig, ModelConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import load_model, load_tokenizer
@@ -36,6 +36,6 @@ def test_bf16_sd_equals_ar_except_at_near_ties(bf16_pair, prompt):
     ids = encode_prompt(tokenizer, prompt)
     tokens = GenerationConfig(max_new_tokens=32)
     ar = AREngine(target, tokenizer).generate(GenerationRequest(ids, GREEDY, tokens)).token_ids
-    sd = SDEngine(target, draft, tokenizer, k=4).generate(GenerationRequest(ids, GREEDY, tokens))
+    sd = SDEngine(target, draft, tokenizer, SpeculationConfig(mode="sd", k=4)).generate(GenerationRequest(ids, GREEDY, tokens))
     assert sd.stats.acceptance_rate > 0.3, sd.stats.summary()  # multi-token verification really ran
     assert_equal_up_to_near_tie(target, ids, ar, sd.token_ids, NEAR_TIE)

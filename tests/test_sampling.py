@@ -4,9 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssd.config import ConfigError, SamplingConfig
-from ssd.sampling import (
-    make_generator, probs_from_logits, sample, sample_ids, sample_rows, saguaro_rescale_rows, uniforms,
-)
+from ssd.saguaro.sampling import saguaro_rescale_rows
+from ssd.sampling import make_generator, probs_from_logits, sample, sample_ids, sample_rows, uniforms
 from tests.stats import ALPHA, chi_square_pvalue
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])

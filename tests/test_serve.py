@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
+from ssd.engine.factory import make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.serve import protos
 from ssd.serve.backend import LocalBackend
@@ -113,7 +114,7 @@ def client(served):
 def direct(backend: LocalBackend, mode: str, temperature: float, seed: int, max_new: int, stop=()):
     """The same request straight through a fresh engine, no server."""
     speculation = dataclasses.replace(backend.config.speculation, mode=mode)
-    engine = backend.pair.engine(speculation)
+    engine = make_engine(mode, backend.pair, speculation)
     try:
         return engine.generate(GenerationRequest(
             backend.encode(PROMPT), SamplingConfig(temperature=temperature, seed=seed),

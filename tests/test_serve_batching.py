@@ -1,6 +1,6 @@
 """Continuous batching through the wire, and the Prometheus /metrics endpoint.
 
-A real gRPC server on loopback over a fake BatchEngine (the batched engines
+A real gRPC server on loopback over a fake Engine (the batched engines
 are built elsewhere): every row's tokens are a function of its seed, so each
 client can check it got exactly its own stream while the rows share steps.
 """
@@ -19,8 +19,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ssd.config import BatchingConfig, ConfigError, load_config
-from ssd.engine.batch import BatchEngine, Finished
+from ssd.config import ConfigError, load_config
+from ssd.engine.batch import Engine, Finished
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
@@ -58,7 +58,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
 
 
-class FakeBatchEngine(BatchEngine):
+class FakeBatchEngine(Engine):
     """One token per row per step. A request id starting with "fail" fails its row
     after two tokens; one starting with "crash" makes the whole step raise."""
 
@@ -438,10 +438,9 @@ def test_metrics_port_option():
 # --- the LocalBackend hook ------------------------------------------------------
 
 
-def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
-    """ar, sd and ssd are batched by LoadedPair.batch_engine with the config's
-    limits; batching.max_rows 1 turns batching off (every mode runs alone)."""
-    from ssd.engine.factory import LoadedPair
+def test_local_backend_batches_every_mode_through_make_engine(monkeypatch):
+    """ar, sd and ssd are batched, each by the engine make_engine builds with the config's limits."""
+    import ssd.serve.backend as backend_module
     from ssd.serve.backend import LocalBackend
 
     config = load_config(ROOT / "configs" / "tiny.yaml")
@@ -450,11 +449,11 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
         fake = FakeBackend()
         made = []
 
-        def batch_engine(pair, speculation, batching):
-            made.append((speculation.mode, batching))
-            return FakeBatchEngine(speculation.mode, fake)
+        def make_engine(mode, pair, speculation, batching):
+            made.append((mode, batching))
+            return FakeBatchEngine(mode, fake)
 
-        monkeypatch.setattr(LoadedPair, "batch_engine", batch_engine)
+        monkeypatch.setattr(backend_module, "make_engine", make_engine)
         assert isinstance(local.batch_engine("sd"), FakeBatchEngine)
         assert isinstance(local.batch_engine("ssd"), FakeBatchEngine)
         assert made == [("sd", config.batching), ("ssd", config.batching)]
@@ -462,10 +461,5 @@ def test_local_backend_batches_through_loaded_pair_batch_engine(monkeypatch):
             assert_own_tokens(client.generate(text=PROMPT, mode="ar", seed=5, max_new_tokens=6), 5, 6)
             assert client.generate(text=PROMPT, mode="ssd", max_new_tokens=4).finish_reason == "length"
         assert fake.log.admitted and sorted(fake.log.closed) == ["ar", "ssd"]
-
-        asked = len(made)
-        monkeypatch.setattr(local, "config", dataclasses.replace(config, batching=BatchingConfig(max_rows=1)))
-        assert [local.batch_engine(mode) for mode in ("ar", "sd", "ssd")] == [None] * 3
-        assert len(made) == asked  # batching off: the pair was not asked for an engine
     finally:
         local.close()

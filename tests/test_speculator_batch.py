@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, SamplingConfig, SpeculationConfig
-from ssd.speculation import protocol
-from ssd.speculation.protocol import ProposalReply, RoundRow, RowError
-from ssd.speculation.speculator import Speculator
+from ssd.saguaro import protocol
+from ssd.saguaro.protocol import ProposalReply, RoundRow, RowError
+from ssd.saguaro.speculator import Speculator
 from ssd.transport import inprocess_pair
 from ssd.transport.channel import ChannelTimeout, Message
 from ssd.transport.distributed import decode_header, encode_header
@@ -196,7 +196,7 @@ def test_the_batch_branch_cap_bounds_the_cached_outcomes(tiny_models):
 def test_a_lone_round_keeps_the_cap_for_a_batch_of_one(tiny_models):
     draft = Draft(tiny_models[1])
     draft.prefill(spec(budget=4, batch_budget=3), rows=1)
-    draft.exchange(protocol.round_(0, 0, 4))
+    draft.rounds([RoundRow(0, 0, 4)])
     assert len(draft.outcomes(0)) == 3
 
 
@@ -210,8 +210,8 @@ def test_the_backup_is_the_policys_at_the_batch_size(tiny_models, monkeypatch):
     three = draft.rounds([RoundRow(i, *draft.missing(i)) if i < 2 else RoundRow(2, 0, 6) for i in range(3)])
     assert spy.kinds() == {"ngram": 3} and {r.proposal.source for r in three} == {"ngram"}
     spy.calls.clear()
-    (lone,) = draft.exchange(protocol.round_(0, *draft.missing(0)))  # the single-row op: a batch of one
-    assert protocol.parse_proposal(lone).proposal.source == "neural" and spy.kinds() == {"neural": 1}
+    (lone,) = draft.rounds([RoundRow(0, *draft.missing(0))])  # a batch of one
+    assert lone.proposal.source == "neural" and spy.kinds() == {"neural": 1}
 
 
 def next_outcome(draft: Draft, seq: int, step: int) -> tuple[int, int]:
@@ -228,7 +228,7 @@ def test_batched_replies_equal_lone_replies_row_by_row(tiny_models):
     rows = first_rounds()
     hits = Counter()
     for step in range(6):
-        alone = [protocol.parse_proposal(m) for m in lone.exchange(*[protocol.round_(r.seq, r.k, r.token) for r in rows])]
+        alone = [reply for row in rows for reply in lone.rounds([row])]
         together = batched.rounds(rows)
         for a, b in zip(alone, together):
             assert (a.seq, a.hit, a.proposal.source, a.proposal.tokens) == (b.seq, b.hit, b.proposal.source, b.proposal.tokens)
@@ -263,8 +263,7 @@ def test_proposals_round_trip_through_the_wire_header():
     sent = [RoundRow(3, 1, 9), RoundRow(0, 0, 2)]
     op, header, _ = decode_header(encode_header(protocol.rounds(sent)))
     assert protocol.parse_rounds(Message(op, header)) == sent
-    assert protocol.parse_round(protocol.round_(3, 1, 9)) == sent[0]
     with pytest.raises(protocol.DraftError, match="boom"):
         protocol.parse_proposals(protocol.error(-1, "boom"))
     with pytest.raises(RuntimeError, match="expected 'proposals'"):
-        protocol.parse_proposals(protocol.proposal(rows[0]))
+        protocol.parse_proposals(protocol.rounds(sent))

@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import build_tiny_model
-from ssd.speculation.builder import guessed_outcomes
+from ssd.saguaro.builder import guessed_outcomes
 from ssd.verify import verify
 from tests.conftest import TINY
 from tests.spies import count_decoder_starts, record_builds, saguaro_errors
@@ -39,7 +39,7 @@ def references(tiny_models, tiny_tokenizer):
 def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind, monkeypatch):
     target, draft = tiny_models
     builds = record_builds(monkeypatch)
-    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
@@ -56,7 +56,7 @@ def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(
     target, draft = tiny_models
     starts = count_decoder_starts(monkeypatch)
     spec = ssd_spec(4, 4, backup=backup, branch_decoder=decoder)
-    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
@@ -72,7 +72,7 @@ def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_to
     outs = []
     for decoder in ("tree", "batched"):
         starts = count_decoder_starts(monkeypatch)
-        with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
+        with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
             out = ssd.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30)))
         outs.append(out.token_ids)
         assert set(starts) == {decoder} and out.stats.spec.hits > 0  # two decoders really ran, and mattered
@@ -84,7 +84,7 @@ def test_budget_and_kind_set_the_cached_outcomes(tiny_models, tiny_tokenizer, mo
     """The budget is the number of outcomes each cache holds; the kind spreads them over k."""
     target, draft = tiny_models
     builds = record_builds(monkeypatch)
-    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
         ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=5), GenerationConfig(max_new_tokens=40)))
     assert len(builds) > 5 and all(len(b.entries) == budget for b in builds)
     if kind == "uniform":  # as even as whole numbers allow, the remainder to the lowest k
@@ -108,7 +108,7 @@ def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monke
     k, budget, fanout = 3, 10, [3, 3, 2, 2]  # uniform: 10 over 4 lengths, the remainder to the lowest
     builds = record_builds(monkeypatch)
     spec = ssd_spec(k, budget, "uniform", saguaro_c=c)
-    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=7), GenerationConfig(max_new_tokens=12)))
     assert builds
     for build in builds[:3]:
@@ -119,7 +119,7 @@ def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monke
 
 def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references):
     target, _ = tiny_models
-    with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+    with SSDEngine.in_process(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == references[(1, 2, 3)]
     s = out.stats.spec
@@ -131,14 +131,14 @@ def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):
     """With a budget covering every token at every k, every outcome is cached."""
     target, draft = tiny_models
     spec = ssd_spec(2, 3 * TINY.vocab_size, kind="uniform")
-    with LocalSSD(target, draft, tiny_tokenizer, spec) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         out = ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=2), GenerationConfig(max_new_tokens=30)))
     assert out.stats.spec.hit_rate == 1.0 and out.stats.spec.rounds_after_miss == 1
 
 
 def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
-    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=60))).stats
     spec = s.spec
     assert spec.lookups == s.rounds - 1  # the first round has no cache to look in
@@ -170,7 +170,7 @@ def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monke
 
     # A light draft (2 branches, n-gram backup): its work hides inside the verification.
     light = ssd_spec(4, 2, backup="ngram")
-    with LocalSSD(target, draft, tiny_tokenizer, light, verifier=slow_verify) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, light, verifier=slow_verify) as ssd:
         s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, gen)).stats
     spec = s.spec
     assert spec.verify_s >= s.rounds * VERIFY_DELAY_S
@@ -194,7 +194,7 @@ def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monke
 
     monkeypatch.setattr(speculator_module, "build_cache", slow_build)
     monkeypatch.setattr(speculator_module, "make_backup", lambda *a, **kw: SlowBackup(real_backup(*a, **kw)))
-    with LocalSSD(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=30))).stats
     spec = s.spec
     assert spec.rounds_after_miss > 0
@@ -208,7 +208,7 @@ def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monke
 def test_end_conditions_inside_a_cached_round(tiny_models, tiny_tokenizer, references):
     target, _ = tiny_models
     reference = references[(1, 2, 3)]
-    with LocalSSD(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+    with SSDEngine.in_process(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         for n in (1, 2, 7, 13):
             out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=n)))
             assert out.token_ids == reference[:n] and out.finish_reason == "length"
@@ -223,11 +223,11 @@ def test_failing_draft_does_not_lose_the_request(tiny_models, tiny_tokenizer, re
     target, _ = tiny_models
     broken = build_tiny_model(dataclasses.replace(TINY, vocab_size=8), torch.float64)
     prompt = PROMPTS[2]  # holds ids >= 8
-    with LocalSSD(target, broken, tiny_tokenizer, ssd_spec(2, 2)) as ssd:
+    with SSDEngine.in_process(target, broken, tiny_tokenizer, ssd_spec(2, 2)) as ssd:
         out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == references[tuple(prompt)]
         assert out.stats.spec.degraded_rounds == out.stats.rounds
-        assert not ssd.engine.link_up
+        assert not ssd.link_up
 
 
 def test_guessed_outcomes_exclude_the_drafted_token_only_where_a_rejection_happened():
@@ -243,12 +243,11 @@ def test_a_link_attached_mid_request_is_adopted_at_the_next_round(tiny_models, t
     with the speculator prefilled from the sequence so far: output unchanged."""
     import threading
 
-    from ssd.engine.ssd import SSDEngine
-    from ssd.speculation.speculator import Speculator
+    from ssd.saguaro.speculator import Speculator
     from ssd.transport import inprocess_pair
 
     target, draft = tiny_models
-    engine = SSDEngine(target, tiny_tokenizer, None, ssd_spec())
+    engine = SSDEngine(target, tiny_tokenizer, ssd_spec())
     target_end, draft_end = inprocess_pair()
     serving = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
     rounds = []

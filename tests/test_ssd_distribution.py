@@ -2,7 +2,7 @@
 
 Model, prompt and sampling settings as in test_distribution (one layer, a
 4-token vocabulary, draft = target + 10 % weight noise), K = 3, SAMPLES fixed
-seeds per run, LocalSSD (the speculator in a thread). Chi-square against the
+seeds per run, SSDEngine.in_process (the speculator in a thread). Chi-square against the
 target's exact law by enumeration, cells with expected count < 5 pooled into
 one, alpha 0.001. Each generation records the tokens every round emits, so
 each test asserts where its tested tokens came from: which round, and which
@@ -70,12 +70,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import ssd.speculation.backups as backups_module
-import ssd.speculation.builder as builder_module
-import ssd.speculation.drafting as drafting_module
-import ssd.speculation.speculator as speculator_module
+import ssd.saguaro.backups as backups_module
+import ssd.saguaro.builder as builder_module
+import ssd.engine.drafting as drafting_module
+import ssd.saguaro.speculator as speculator_module
 from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.local import LocalSSD
+from ssd.saguaro.target import SSDEngine
 from ssd.models import TinyTokenizer
 from ssd.engine.request import GenerationRequest
 from tests.exact import exact_marginal
@@ -147,7 +147,7 @@ def draw(
     target, draft = pair
     generation = GenerationConfig(max_new_tokens=window.n_tokens)
     draws = Draws([], 0, 0, 0, Counter())
-    with LocalSSD(target, draft, TinyTokenizer(V), spec_config) as ssd:
+    with SSDEngine.in_process(target, draft, TinyTokenizer(V), spec_config) as ssd:
         for seed in range(samples):
             rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
             out = run(ssd, PROMPT, dataclasses.replace(sampling, seed=seed), generation, rounds.append)
@@ -418,8 +418,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     link arrives after token 1 (as a healed draft's does) and is adopted at the
     next round, which prefills the speculator with the sequence so far.
     broken: once adopted, verification accepts every draft (the test must see it)."""
-    from ssd.engine.ssd import SSDEngine
-    from ssd.speculation.speculator import Speculator
+    from ssd.saguaro.speculator import Speculator
     from ssd.transport import inprocess_pair
     from ssd.verify import verify
     from tests.test_distribution import accept_all
@@ -430,7 +429,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     def verifier(*args, **kwargs):
         return (accept_all if broken and adopted[0] else verify)(*args, **kwargs)
 
-    engine = SSDEngine(target, TinyTokenizer(V), None, spec(), verifier)
+    engine = SSDEngine(target, TinyTokenizer(V), spec(), verifier=verifier)
     target_end, draft_end = inprocess_pair()
     speculator = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
     speculator.start()

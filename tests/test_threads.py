@@ -30,7 +30,7 @@ from ssd.config import (
     BatchingConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig, load_config,
 )
 from ssd.engine.batch import Finished
-from ssd.engine.factory import LoadedPair
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, load_model
 from ssd.models.fast import FastForward
@@ -144,8 +144,9 @@ def test_in_process_ssd_with_one_int8_model_in_both_roles_is_exact():
     (its own thread) run the same int8 model at once."""
     model = int8_model()
     pair = LoadedPair(model, model, TinyTokenizer(16))
-    expected = {tuple(p): pair.engine(SpeculationConfig(mode="ar")).generate(request(p, "ar")).token_ids for p in PROMPTS}
-    engine = pair.batch_engine(SpeculationConfig(mode="ssd", k=3), BatchingConfig())
+    ar = make_engine("ar", pair, SpeculationConfig())
+    expected = {tuple(p): ar.generate(request(p, "ar")).token_ids for p in PROMPTS}
+    engine = make_engine("ssd", pair, SpeculationConfig(k=3), BatchingConfig())
     try:
         with switching_every_microsecond():
             finished = [f for _ in range(3) for f in run_batch(engine, [request(p, "ssd") for p in PROMPTS])]
@@ -179,7 +180,7 @@ def test_server_runs_sd_and_ssd_requests_at_once_on_an_int8_pair(int8_config):
     builds with the same draft model in its own: every request ends with AR's tokens."""
     backend = LocalBackend(int8_config)
     prompts = [[(3 * i + j) % 16 for j in range(2 + i % 4)] for i in range(8)]
-    ar = backend.pair.batch_engine(SpeculationConfig(mode="ar"), BatchingConfig())
+    ar = make_engine("ar", backend.pair, SpeculationConfig(), BatchingConfig())
     expected = {tuple(f.request.prompt_ids): f.result.token_ids for f in run_batch(ar, [request(p, "ar", 24) for p in prompts])}
     server = GenerationServer(ServeOptions(port=0, grace_s=2.0), lambda: backend)
     server.start()

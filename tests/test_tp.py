@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, TinyModelConfig
+from ssd.config import GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
@@ -72,7 +72,7 @@ def generations(target: torch.nn.Module | KVSequence) -> list[list[int]]:
     """Greedy tokens of AR then SD (K = 3) on every prompt. The engines take the
     TP leader in place of the model; the draft is a plain local model (never TP)."""
     tok = TinyTokenizer.from_config(TINY)
-    engines = [AREngine(target, tok), SDEngine(target, load_model(DRAFT), tok, k=3)]
+    engines = [AREngine(target, tok), SDEngine(target, load_model(DRAFT), tok, SpeculationConfig(mode="sd", k=3))]
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     return [engine.generate(GenerationRequest(p, GREEDY, gen)).token_ids for engine in engines for p in PROMPTS]
 

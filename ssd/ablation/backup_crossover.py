@@ -1,5 +1,5 @@
 """Neural versus fast backup across batch sizes, measured live, with the
-critical batch size b* the batch formula predicts (ssd.batch_policy).
+critical batch size b* the batch formula predicts (ssd.saguaro.batch_policy).
 
 For each backup and batch size b, b requests run together through batched
 SSD (the speculator in a thread, the target verifying every row in one
@@ -28,9 +28,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ssd.batch_policy import BackupProfile, SSDProfile, critical_batch_size, speedup_at
+from ssd.saguaro.batch_policy import BackupProfile, SSDProfile, critical_batch_size, speedup_at
 from ssd.config import Config, GenerationConfig
-from ssd.engine.factory import LoadedPair
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 
@@ -76,7 +76,7 @@ def measure_crossover(
     batching = dataclasses.replace(config.batching, max_rows=max(batch_sizes))
     for backup in backups:
         spec = dataclasses.replace(config.speculation, mode="ssd", backup=backup, backup_policy={})
-        engine = pair.batch_engine(spec, batching)
+        engine = make_engine("ssd", pair, spec, batching)
         try:
             _run(engine, prompts[:1], spec, config, 4)  # warm-up
             for b in batch_sizes:

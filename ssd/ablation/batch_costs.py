@@ -1,9 +1,9 @@
 """What a batched round costs on this machine, by batch size: the inputs of
-the batch-aware policy (ssd.batch_policy), and the direct measurement the K
+the batch-aware policy (ssd.saguaro.batch_policy), and the direct measurement the K
 policy is chosen from (tokens/s of batched SD at each batch size and K).
 
 Measured on the loaded pair with the batched engines' own forwards
-(ssd.models.kv.forward_rows, ssd.speculation.drafting.draft_chains):
+(ssd.models.kv.forward_rows, ssd.engine.drafting.draft_chains):
 - verify(b, n): one packed target forward of n tokens for each of b rows,
   every row after its own `prefix`-token context (n = 1 is an AR step);
 - draft(b, k): k batched draft steps for b rows (a chain of k after a round:
@@ -26,12 +26,12 @@ import torch
 
 from ssd import hardware
 from ssd.ablation.costs import round_robin
-from ssd.batch_policy import k_by_batch
+from ssd.saguaro.batch_policy import k_by_batch
 from ssd.config import SamplingConfig
 from ssd.engine.metrics import GenerationStats
 from ssd.models.kv import KVSequence, forward_rows
 from ssd.sampling import make_generator
-from ssd.speculation.drafting import Chain, draft_chains
+from ssd.engine.drafting import Chain, draft_chains
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def measure_k_throughput(
     leaves out. The K values of one batch size run back to back (a drifting
     host moves the values compared together)."""
     from ssd.config import GenerationConfig, SpeculationConfig
+    from ssd.engine.factory import make_engine
     from ssd.engine.request import GenerationRequest
 
     generation = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
@@ -175,7 +176,7 @@ def measure_k_throughput(
     for b in batch_sizes:
         for k in ks:
             spec = SpeculationConfig(mode="sd", k=max(k, 1), k_policy={1: k})
-            engine = pair.batch_engine(spec, batching)
+            engine = make_engine("sd", pair, spec, batching)
             for i in range(b):
                 engine.admit(GenerationRequest(prompts[i % len(prompts)], sampling, generation, spec))
             started, made = time.perf_counter(), 0

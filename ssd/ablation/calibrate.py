@@ -16,13 +16,13 @@ from ssd.ablation.batch_costs import (
     BatchCosts, acceptance_rate, best_k_policy, format_k_throughput, measure_batch_costs, measure_k_throughput,
 )
 from ssd.config import Config
-from ssd.engine.factory import LoadedPair
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 
 
 def measure_acceptance(pair: LoadedPair, config: Config, k: int) -> float:
     """Per-token acceptance of SD at K on the config's prompt."""
-    engine = pair.engine(dataclasses.replace(config.speculation, mode="sd", k=k))
+    engine = make_engine("sd", pair, dataclasses.replace(config.speculation, k=k))
     prompt = pair.tokenizer.encode(config.prompt, add_special_tokens=False)
     out = engine.generate(GenerationRequest(prompt, config.sampling, config.generation))
     return acceptance_rate(out.stats)

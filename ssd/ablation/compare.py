@@ -16,7 +16,7 @@ from typing import Callable
 from ssd.ablation.replay import ReplayData, ReplayResult, replay
 from ssd.ablation.trace import Trace
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.factory import LoadedPair
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 
@@ -42,7 +42,7 @@ def run_live(
     # Generation ends as it did while recording: max_new_tokens, and EOS unless it was ignored.
     generation = GenerationConfig(max_new_tokens=trace.meta.max_new_tokens, ignore_eos=not trace.meta.eos_ids)
     runs = []
-    with pair.engine(spec) as engine:
+    with make_engine("ssd", pair, spec) as engine:
         for seq in trace.sequences:
             sampling = SamplingConfig(temperature=trace.meta.temperature, seed=seq.seed + seed_offset)
             out = engine.generate(GenerationRequest(trace.prompts[seq.prompt_index], sampling, generation, spec))

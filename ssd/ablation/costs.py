@@ -7,8 +7,8 @@ the other core (ssd.ablation.neighbour), as it does in SSD:
 - ar_step: one target forward of 1 token after a `prefix`-token context;
 - verify(K): one target forward of K + 1 tokens after the prefix;
 - backup(K): the draft's chain of K tokens after a miss (its cache lacks only
-  t*, so: one 1-token forward, then K - 1 steps; ssd.speculation.drafting.draft_chain);
-- build(K, B): the real ssd.speculation.builder.build_cache with the configured
+  t*, so: one 1-token forward, then K - 1 steps; ssd.engine.drafting.draft_chain);
+- build(K, B): the real ssd.saguaro.builder.build_cache with the configured
   branch decoder, B branches (uniform split) after a hit (glue of K + 1 tokens).
 Each is the median of `repeats` timed runs after one warm-up. The context is
 random token ids: attention cost depends on length, not content. The roles
@@ -41,12 +41,12 @@ import torch
 
 from ssd import hardware
 from ssd.config import SamplingConfig
-from ssd.fanout import uniform_fanout
+from ssd.saguaro.fanout import uniform_fanout
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
-from ssd.speculation.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
-from ssd.speculation.builder import build_cache
-from ssd.speculation.drafting import draft_chain
+from ssd.saguaro.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
+from ssd.saguaro.builder import build_cache
+from ssd.engine.drafting import draft_chain
 
 log = logging.getLogger(__name__)
 

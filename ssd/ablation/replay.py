@@ -1,11 +1,11 @@
 """Replay SSD's speculation cache on a recorded trace: no models, only arithmetic.
 
-What a round does (ssd.speculation.speculator, ssd.engine.ssd), and how it is replayed:
+What a round does (ssd.saguaro.speculator, ssd.saguaro.target), and how it is replayed:
 the draft speculates K tokens (at most remaining - 1, the engine's
 max_new_tokens truncation), the target accepts k of them and adds t*; while
 it verifies, the draft caches its top-F_k tokens at each acceptance length k
 (for k < K without the drafted token s_{k+1}; ranked by raw logits, as
-ssd.speculation.builder.guessed_outcomes does). The next round looks (k, t*) up:
+ssd.saguaro.builder.guessed_outcomes does). The next round looks (k, t*) up:
 hit or miss. Per sequence a fresh FanoutPlanner (the speculator's own
 `make_planner`) sees the same observations in the same order as live: at each
 lookup, observe(after_hit of the verified speculation, k, F_k of the cache it
@@ -62,8 +62,8 @@ import torch
 
 from ssd.ablation.trace import Trace, TraceSequence
 from ssd.config import SpeculationConfig
-from ssd.engine.metrics import SpecStats
-from ssd.fanout import FanoutPlanner, make_planner
+from ssd.engine.metrics import RoundRatios, SpecStats
+from ssd.saguaro.fanout import FanoutPlanner, make_planner
 
 PlannerFactory = Callable[[SpeculationConfig, int], FanoutPlanner]
 
@@ -132,7 +132,7 @@ class ReplayData:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(RoundRatios):
     """Counts as the live engine keeps them (SpecStats for the cache), summed over sequences."""
 
     kind: str
@@ -149,29 +149,9 @@ class ReplayResult:
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
-    def hit_rate(self) -> float:
-        return self.spec.hit_rate
-
-    @property
-    def hit_rate_by_k(self) -> dict[int, float]:
-        return self.spec.hit_rate_by_k
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
     def tokens_per_round(self) -> float:
         """(generated - 1) / rounds, as launch/ssd_sweep.py reports it for live runs."""
         return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_round_after_hit(self) -> float:
-        return self.spec.tokens_per_round_after_hit
-
-    @property
-    def tokens_per_round_after_miss(self) -> float:
-        return self.spec.tokens_per_round_after_miss
 
     def as_dict(self) -> dict:
         return {

@@ -1,7 +1,7 @@
 """Tree-masked branch decoding against sequential decoding, under each SDPA backend.
 
 SSD's cache build decodes B branches at once in one row of the draft's KV
-cache, separated by a tree mask (ssd.speculation.branches.TreeBranchDecoder).
+cache, separated by a tree mask (ssd.saguaro.branches.TreeBranchDecoder).
 The reference is the plain thing: for each branch, roll one KVSequence back
 to the branch's prefix and decode its tokens one at a time. Both run under
 one SDPA backend at a time (torch.nn.attention.sdpa_kernel), because the
@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ssd.models.kv import KVSequence
-from ssd.speculation.branches import TreeBranchDecoder
+from ssd.saguaro.branches import TreeBranchDecoder
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import torch
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from ssd.config import GenerationConfig, SamplingConfig
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models.quant import precision_of
@@ -109,12 +109,14 @@ class HFAssistedEngine:
     mode = "hf"
 
     def __init__(
-        self, target: torch.nn.Module, draft: torch.nn.Module, tokenizer: Any, k: int, dense_head_input: bool = True
+        self, target: torch.nn.Module, draft: torch.nn.Module, tokenizer: Any, speculation: SpeculationConfig,
+        dense_head_input: bool = True,
     ) -> None:
+        """`speculation`: the settings (its K) for requests that bring none of their own."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
-        self.k = k
+        self.speculation = speculation
         self.dense_head_input = dense_head_input
         self.eos_ids = eos_token_ids(tokenizer, target)
 
@@ -125,7 +127,7 @@ class HFAssistedEngine:
         HF runs to the end, so token callbacks get the whole output at once.
         """
         sampling, generation = request.sampling, request.generation
-        k = request.speculation.k if request.speculation is not None else self.k
+        k = request.settings(self.speculation).k
         if generation.stop:
             log.warning("HF assisted generation ignores stop strings %s", generation.stop)
         config = hf_generation_config(sampling, generation, set() if generation.ignore_eos else self.eos_ids)

@@ -25,15 +25,16 @@ from ssd.bench.hf_assisted import HFAssistedEngine
 from ssd.bench.llamacpp import MODE as LLAMA_CPP
 from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
 from ssd.bench.prompts import Prompt
+from ssd.config import MODES as ENGINE_MODES
 from ssd.config import Config, SamplingConfig, SpeculationConfig
-from ssd.engine.factory import LoadedPair
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, Generator
 
 log = logging.getLogger(__name__)
 
-MODES = ("ar", "sd", "ssd", "hf", "llama.cpp")
-UNSPECULATIVE = ("ar", "llama.cpp")  # modes without K
+MODES = (*ENGINE_MODES, "hf", LLAMA_CPP)  # ours, then the peers
+UNSPECULATIVE = ("ar", LLAMA_CPP)  # modes without K
 WARM_UP_TOKENS = 4
 
 
@@ -118,14 +119,16 @@ class BenchPlan:
         return len(self.temperatures) * sum(len(p) for p in self.prompt_sets.values())
 
 
-def make_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: int = 0) -> Generator:
+def bench_engine(pair: LoadedPair, config: Config, mode: str, k: int, threads: int = 0) -> Generator:
+    """Our engines from make_engine (the server's and the cluster's); the peers built here."""
     if mode == LLAMA_CPP:
         return LlamaCppEngine(gguf_for(config.target.name), threads)
     if mode != "ar" and pair.draft is None:
         raise ValueError(f"mode {mode!r} needs a draft model; none was loaded")
+    speculation = speculation_for(config, mode, k) or config.speculation
     if mode == "hf":
-        return HFAssistedEngine(pair.target, pair.draft, pair.tokenizer, k)
-    return pair.engine(dataclasses.replace(config.speculation, mode=mode, k=k or config.speculation.k))
+        return HFAssistedEngine(pair.target, pair.draft, pair.tokenizer, speculation)
+    return make_engine(mode, pair, speculation, config.batching)
 
 
 def speculation_for(config: Config, mode: str, k: int) -> SpeculationConfig | None:
@@ -198,7 +201,7 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
     turns = []
     for threads in plan.thread_counts:
         for mode, k in plan.local_runs():
-            engine = make_engine(pair, config, mode, k, threads)
+            engine = bench_engine(pair, config, mode, k, threads)
             stack.callback(engine.close)
             turns.append(Turn(RunKey("", 0.0, mode, k, threads), engine, speculation_for(config, mode, k)))
     if plan.cluster_runs():

@@ -5,8 +5,8 @@ pair's shapes (configs/models/, ssd.models.shapes), or a scaled-down copy of
 them (`shapes="small"`, for CPU and CI). What it does, in order:
 
 1. generation: fp32 greedy AR, SD and SSD give the same tokens, with SSD's
-   draft side (ssd.speculation.speculator) in a second process over the host
-   link (ssd.bench.draft_host). Twice: on the real pair (unrelated random
+   draft side (ssd.saguaro.speculator) in a second process over the host
+   link (ssd.bench.draft_process). Twice: on the real pair (unrelated random
    weights: drafts are almost always rejected) and on a pair whose draft is
    a noisy copy of its target (drafts are accepted, so acceptance and cache
    hits are exercised too).
@@ -44,20 +44,20 @@ from ssd import hardware
 from ssd.ablation import planner
 from ssd.ablation.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.bench.branch_check import branch_case, check_branches
-from ssd.bench.draft_host import DraftHost, exact_fp32
+from ssd.bench.draft_process import DraftProcess, exact_fp32
 from ssd.bench.link import summarize_ms
-from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine import AREngine, SDEngine
-from ssd.engine.base import Engine
+from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine import Engine
+from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
-from ssd.engine.ssd import SSDEngine
+from ssd.saguaro.target import SSDEngine
 from ssd.models.kv import KVSequence
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, rope_theta, shape_config
-from ssd.speculation import protocol
-from ssd.speculation.branches import TreeBranchDecoder
-from ssd.speculation.cache import Proposal
+from ssd.saguaro import protocol
+from ssd.saguaro.branches import TreeBranchDecoder
+from ssd.saguaro.cache import Proposal
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +179,14 @@ def generate_all(engine: Engine, prompts: list[list[int]], s: SmokeSettings,
     return Run([r.token_ids for r in results], total(r.stats for r in results), time.perf_counter() - started)
 
 
-def run_ssd(target: torch.nn.Module, draft_spec: RandomModelSpec, host: DraftHost, prompts: list[list[int]],
+def run_ssd(target: torch.nn.Module, draft_spec: RandomModelSpec, host: DraftProcess, prompts: list[list[int]],
             s: SmokeSettings) -> tuple[Run, float]:
     """SSD with the speculator in the second process; the run and the remote draft's fingerprint."""
     spec = SpeculationConfig(mode="ssd", k=s.k, fanout=FanoutConfig(budget=s.budget))
     channel, remote = host.speculate(draft_spec)
-    engine = SSDEngine(target, IdTokenizer(), channel, spec, draft_timeout_s=host.timeout_s)
-    try:
+    engine = SSDEngine(target, IdTokenizer(), spec, channel=channel, draft_timeout_s=host.timeout_s)
+    with engine:  # close() shuts the remote speculator down
         return generate_all(engine, prompts, s, spec), remote
-    finally:
-        if engine.link_up:  # a lost link was closed already
-            engine.channel.send(protocol.shutdown())
-            engine.channel.close()
 
 
 def divergence(target: torch.nn.Module, prompt: list[int], ref: list[int], got: list[int]) -> dict[str, Any]:
@@ -204,14 +200,14 @@ def divergence(target: torch.nn.Module, prompt: list[int], ref: list[int], got: 
 
 
 def check_generation(target: torch.nn.Module, draft: torch.nn.Module, draft_spec: RandomModelSpec,
-                     host: DraftHost, s: SmokeSettings, need_acceptance: bool) -> dict[str, Any]:
+                     host: DraftProcess, s: SmokeSettings, need_acceptance: bool) -> dict[str, Any]:
     """AR == SD == SSD, token for token, on every prompt; with `need_acceptance`, drafts must also be accepted."""
     prompts = prompts_for(s, target.config.vocab_size)
-    runs = {"ar": generate_all(AREngine(target, IdTokenizer()), prompts, s, None)}
-    runs["sd"] = generate_all(SDEngine(target, draft, IdTokenizer(), s.k), prompts, s,
-                              SpeculationConfig(mode="sd", k=s.k))
+    pair, sd = LoadedPair(target, draft, IdTokenizer()), SpeculationConfig(mode="sd", k=s.k)
+    runs = {"ar": generate_all(make_engine("ar", pair, sd), prompts, s, None)}
+    runs["sd"] = generate_all(make_engine("sd", pair, sd), prompts, s, sd)
     runs["ssd"], remote = run_ssd(target, draft_spec, host, prompts, s)
-    modes = ("sd", "ssd")
+    modes = tuple(m for m in MODES if m != "ar")  # each against AR
     equal = {mode: runs[mode].tokens == runs["ar"].tokens for mode in modes}
     spec_stats = runs["ssd"].stats.spec
     accepted = {mode: runs[mode].stats.accepted for mode in modes}
@@ -240,11 +236,11 @@ def link_messages(k: int, vocab: int) -> dict[str, Any]:
     """The messages of one SSD round: the outcome (header only) and a proposal with q rows (sampled decoding)."""
     q = torch.rand(k, vocab)
     reply = protocol.ProposalReply(0, True, Proposal(list(range(k)), q, "cache"), 0.0, 0.0)
-    return {"round (header only)": protocol.round_(0, k, 1),
-            f"proposal q [{k}, {vocab}] fp32": protocol.proposal(reply)}
+    return {"round (header only)": protocol.rounds([protocol.RoundRow(0, k, 1)]),
+            f"proposal q [{k}, {vocab}] fp32": protocol.proposals([reply])}
 
 
-def time_link(host: DraftHost, k: int, vocab: int, rounds: int) -> dict[str, Any]:
+def time_link(host: DraftProcess, k: int, vocab: int, rounds: int) -> dict[str, Any]:
     out = {}
     for name, message in link_messages(k, vocab).items():
         for _ in range(3):  # warm-up: first sends set up buffers
@@ -388,7 +384,7 @@ def run_smoke(s: SmokeSettings) -> Report:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
     report = Report(settings, environment(s.device), out=s.out)
     specs = model_specs(s)
-    with DraftHost(s.device, s.timeout_s, s.threads) as host:  # it imports torch while we build models
+    with DraftProcess(s.device, s.timeout_s, s.threads) as host:  # it imports torch while we build models
         run_checks(report, specs, host, s)
     gc.collect()  # the checks' fp32 models go before the timed ones arrive
     costs = phase(report, "timings", lambda: run_timings(report, specs["real pair"], s))
@@ -399,7 +395,7 @@ def run_smoke(s: SmokeSettings) -> Report:
     return report
 
 
-def run_checks(report: Report, specs: dict[str, tuple[RandomModelSpec, RandomModelSpec]], host: DraftHost,
+def run_checks(report: Report, specs: dict[str, tuple[RandomModelSpec, RandomModelSpec]], host: DraftProcess,
                s: SmokeSettings) -> None:
     """Branches, generation per pair and the link, on fp32 models that live only as long as this call."""
     models = phase(report, "build models", lambda: build_models(specs, s.device))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from ssd.engine.batch import BatchEngine, Finished
+from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class RowError(RuntimeError):
     """A row failed on the target; the text is the target's error."""
 
 
-class RemoteBatchEngine(BatchEngine):
+class RemoteBatchEngine(Engine):
     def __init__(self, cluster: "Cluster", mode: str) -> None:
         self.cluster = cluster
         self.mode = mode

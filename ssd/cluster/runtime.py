@@ -34,9 +34,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
-from ssd.cluster.workers import DraftWorker, TargetWorker, free_port
+from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config, ConfigError
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
+from ssd.transport.distributed import free_port
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +332,7 @@ class Cluster:
         request before its next round (finish reason "aborted"). While the
         target is lost the request waits for it; see the module docstring.
         """
-        mode = (request.speculation or self.config.speculation).mode
+        mode = request.settings(self.config.speculation).mode
         if mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
         while True:

@@ -1,8 +1,12 @@
 """The two kinds of Ray actor: a target rank (verifier) and the speculator.
 
 Ray carries only setup and control calls (load, connect, one call per
-request); every SSD round travels over the torch.distributed link between
-target rank 0 and the speculator.
+request or per batched step); every SSD round travels over the
+torch.distributed link between target rank 0 and the speculator. Target rank
+0 runs the same engines as one process (ssd.engine.factory.make_engine, one
+per mode); the speculator runs the one draft-side host (ssd.saguaro.host).
+A tensor-parallel target hands its engines the leader's one sequence, so
+there the batch is held at one row (ssd.engine.batch).
 """
 
 from __future__ import annotations
@@ -11,18 +15,21 @@ import dataclasses
 import logging
 import os
 import queue
-import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ssd.config import Config, from_dict
+from ssd.transport.distributed import free_port
 
 if TYPE_CHECKING:
+    from ssd.engine.batch import Engine
     from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
+
+MODES = ("ar", "ssd")  # the modes the cluster serves
 
 
 def pin_to_cores(cores: list[int] | None) -> None:
@@ -52,12 +59,6 @@ def whereabouts(device: str) -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class TargetWorker:
     """One target rank. Rank 0 also runs the engines and owns the draft link."""
 
@@ -68,7 +69,6 @@ class TargetWorker:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target[{rank}] %(name)s: %(message)s")
         pin_to_cores(cores)
         from ssd.models import load_model, load_tokenizer
-        from ssd.models.kv import KVSequence
         from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model, tp_backend
 
         self.config: Config = from_dict(Config, config)
@@ -82,10 +82,10 @@ class TargetWorker:
             self.model = load_model(self.config.target, device)
         if rank == 0:
             self.tokenizer = load_tokenizer(self.config.target)
-            self.sequence = TPLeaderSequence(self.model) if world > 1 else KVSequence(self.model)
-            self._engines: dict[str, Any] = {}
+            # The followers mirror the leader's one sequence: the engines hold the batch at one row there.
+            self.leader = TPLeaderSequence(self.model) if world > 1 else None
+            self._engines: dict[str, Engine] = {}
             self._cancel = threading.Event()
-            self._batch_engines: dict[str, Any] = {}
             self._emitted: dict[str, list[int]] = {}  # row -> tokens admitted since the last step
             self._row_keys: dict[int, str] = {}  # id(request) -> row
             self._cancelled_rows: set[str] = set()
@@ -124,7 +124,7 @@ class TargetWorker:
         The engine runs in a thread of its own so this generator can hand
         chunks to Ray as they come, and `abort` (another actor thread) can stop it.
         """
-        engine = self._engine((request.speculation or self.config.speculation).mode)
+        engine = self._engine(request.settings(self.config.speculation).mode)
         self._cancel = threading.Event()
         chunks: queue.Queue = queue.Queue()
         request = dataclasses.replace(request, on_tokens=chunks.put, cancelled=self._cancel.is_set)
@@ -149,12 +149,12 @@ class TargetWorker:
         """Stop the running generation before its next round."""
         self._cancel.set()
 
-    # Continuous batching: the driver's scheduler (ssd.serve.worker) drives a
-    # batch engine here through ssd.cluster.batch.RemoteBatchEngine, one call
+    # Continuous batching: the driver's scheduler (ssd.serve.worker) drives the
+    # mode's engine here through ssd.cluster.batch.RemoteBatchEngine, one call
     # per step; each row's tokens and its end travel back with the step.
 
     def batch_can_admit(self, mode: str, request: GenerationRequest) -> bool:
-        return self._batch_engine(mode).can_admit(request)
+        return self._engine(mode).can_admit(request)
 
     def batch_admit(self, mode: str, key: str, request: GenerationRequest) -> None:
         self._emitted[key] = []
@@ -162,7 +162,7 @@ class TargetWorker:
             request, on_tokens=self._emitted[key].extend, cancelled=lambda: key in self._cancelled_rows
         )
         try:
-            self._batch_engine(mode).admit(request)
+            self._engine(mode).admit(request)
         except BaseException:
             del self._emitted[key]
             raise
@@ -172,7 +172,7 @@ class TargetWorker:
         """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
         pin_to_cores(self.cores)  # Ray may run this call on a thread not pinned yet
         self._cancelled_rows.update(cancelled)
-        left = self._batch_engine(mode).step()
+        left = self._engine(mode).step()
         emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
         for key in emitted:
             self._emitted[key].clear()  # in place: the row's on_tokens extends this very list
@@ -184,18 +184,6 @@ class TargetWorker:
             error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
             ended.append((key, finished.result, error))
         return emitted, ended
-
-    def _batch_engine(self, mode: str):
-        """AR's batch engine, or the SSD engine itself (it batches, and owns the draft link)."""
-        if mode == "ssd" and self.world == 1:
-            return self._engine("ssd")
-        if mode not in self._batch_engines:
-            from ssd.engine.batch import BatchedAREngine
-
-            if mode != "ar":
-                raise ValueError(f"the cluster batches modes ar and ssd, not {mode!r}")
-            self._batch_engines[mode] = BatchedAREngine(self.model, self.tokenizer, self.config.batching)
-        return self._batch_engines[mode]
 
     def describe(self) -> dict[str, Any]:
         from ssd.models.tokenizer import eos_token_ids
@@ -215,41 +203,27 @@ class TargetWorker:
         ssd = self._engines.get("ssd")
         if ssd is not None:
             ssd.stop_draft()
-        if self.world > 1:
-            self.sequence.stop()
+        if self.leader is not None:
+            self.leader.stop()
 
-    def _engine(self, mode: str):
+    def _engine(self, mode: str) -> Engine:
+        """The mode's one engine (made on first use): requests alone (generate_stream)
+        and batched steps share it. SSD's owns the draft link."""
         if mode not in self._engines:
-            from ssd.engine import AREngine
-            from ssd.engine.ssd import SSDEngine
+            from ssd.engine.factory import LoadedPair, make_engine
             from ssd.models.loading import resolve_precision
 
-            if mode == "ar":
-                self._engines[mode] = AREngine(self.sequence, self.tokenizer)
-            elif mode == "ssd":
-                self._engines[mode] = self._ssd_engine(
-                    dataclasses.replace(self.config.speculation, mode="ssd"),
-                    _precision_name(resolve_precision(self.config.draft, self.device)),
-                )
-            else:
-                raise ValueError(f"the cluster serves modes ar and ssd, not {mode!r}")
+            if mode not in MODES:
+                raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
+            # The draft is another actor. A tensor-parallel target's engines share the leader's one
+            # sequence: the server runs them one request at a time (ssd.serve.cluster_backend).
+            pair = LoadedPair(self.leader or self.model, None, self.tokenizer)
+            self._engines[mode] = make_engine(
+                mode, pair, self.config.speculation, self.config.batching,
+                draft_timeout_s=self.config.cluster.draft_timeout_s,
+                draft_precision=_precision_name(resolve_precision(self.config.draft, self.device)),
+            )
         return self._engines[mode]
-
-
-    def _ssd_engine(self, speculation, draft_precision: str):
-        """One SSD engine owns the draft link. A single target rank batches (the
-        server's scheduler drives it; a lone request is a batch of one); a
-        tensor-parallel target runs one sequence, whose cache operations the
-        leader mirrors to the followers."""
-        from ssd.engine.batch_ssd import BatchedSSDEngine
-        from ssd.engine.ssd import SSDEngine
-
-        timeout = self.config.cluster.draft_timeout_s
-        if self.world > 1:
-            return SSDEngine(self.sequence, self.tokenizer, None, speculation,
-                             draft_timeout_s=timeout, draft_precision=draft_precision)
-        return BatchedSSDEngine(self.model, self.tokenizer, None, speculation, self.config.batching,
-                                draft_timeout_s=timeout, draft_precision=draft_precision)
 
 
 def _precision_name(cfg: Any) -> str:
@@ -279,13 +253,6 @@ class DraftWorker:
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
         pin_to_cores(self.cores)
-        from ssd.speculation.speculator import Speculator
-        from ssd.transport.distributed import DistributedChannel
+        from ssd.saguaro.host import serve_link
 
-        channel = DistributedChannel.connect(
-            "127.0.0.1", port, rank=1, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix
-        )
-        try:
-            Speculator(self.model, channel).serve()
-        finally:
-            channel.close()
+        serve_link(self.model, port, prefix, timeout_s, backend=self.config.cluster.link_backend)

@@ -1,14 +1,16 @@
-"""Decoding engines: AR (the reference), SD and SSD, on one shared loop and one interface."""
+"""Decoding engines: one batched engine per mode on one round loop (batch.py).
+
+AR (ar.py) and SD (sd.py) live here; SSD's engine lives with the rest of its
+algorithm (ssd.saguaro.target). `ssd.engine.factory.make_engine` makes any of them.
+"""
 
 from ssd.engine.ar import AREngine
-from ssd.engine.base import Engine
-from ssd.engine.batch import BatchedAREngine, BatchedSDEngine, BatchEngine, Finished
-from ssd.engine.batch_ssd import BatchedSSDEngine
+from ssd.engine.batch import BatchedEngine, Engine, Finished
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.engine.sd import SDEngine
 
 __all__ = [
-    "AREngine", "SDEngine", "BatchEngine", "BatchedAREngine", "BatchedSDEngine", "BatchedSSDEngine", "Finished",
-    "Engine", "GenerationRequest", "GenerationResult", "GenerationStats", "Generator",
+    "AREngine", "SDEngine", "BatchedEngine", "Engine", "Finished",
+    "GenerationRequest", "GenerationResult", "GenerationStats", "Generator",
 ]

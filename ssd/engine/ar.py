@@ -1,12 +1,22 @@
-"""Autoregressive decoding: one target forward per token. The reference."""
+"""Autoregressive decoding, one target forward per token for every row: the reference."""
 
 from __future__ import annotations
 
-from ssd.engine.base import Engine, SequenceState
+import torch
+
+from ssd.config import BatchingConfig
+from ssd.engine.batch import BatchedEngine, Row
+from ssd.models.kv import KVSequence
+from ssd.models.tokenizer import Tokenizer
 
 
-class AREngine(Engine):
+class AREngine(BatchedEngine):
     mode = "ar"
 
-    def _round(self, req: SequenceState) -> list[int]:
-        return self._target_step(req)
+    def __init__(
+        self, target: torch.nn.Module | KVSequence, tokenizer: Tokenizer, batching: BatchingConfig | None = None,
+    ) -> None:
+        super().__init__(target, tokenizer, batching=batching)
+
+    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        self._plain_step(row, logits, forward_s)

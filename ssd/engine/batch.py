@@ -1,14 +1,16 @@
-"""Continuous batching: many requests advance together, one round at a time.
+"""The one engine loop: continuous batching, many requests advancing together, one round at a time.
 
-A `BatchEngine` holds up to `max_rows` running requests (rows). Requests join
-between rounds (`admit`) and leave the moment they finish, are cancelled or
-fail, without disturbing the other rows: every row keeps its own KV cache,
-seeded generator, stop strings, EOS and max tokens. One `step` runs one round
-for every row: AR decodes one token per row; SD drafts K per row and the
-target verifies every row's speculation in one batched forward, then each row
-accepts, rolls back and samples on its own with the one verification routine.
-SSD (ssd.engine.batch_ssd) gets every row's speculation from the draft in one
-exchange per step and verifies them the same way.
+Every mode (AR, SD, SSD) is one batched engine on this loop; a single
+request is a batch of one (`Engine.generate`). An engine holds up to
+`max_rows` running requests (rows). Requests join between rounds (`admit`)
+and leave the moment they finish, are cancelled or fail, without disturbing
+the other rows: every row keeps its own KV cache, seeded generator, stop
+strings, EOS and max tokens. One `step` runs one round for every row: AR
+decodes one token per row (ssd.engine.ar); SD drafts K per row and the target
+verifies every row's speculation in one batched forward (ssd.engine.sd); SSD
+gets every row's speculation from the draft in one exchange per step
+(ssd.saguaro.target). Then each row accepts, rolls back and samples on its
+own with the one verification routine.
 
 The serving worker drives it:
 
@@ -18,13 +20,14 @@ The serving worker drives it:
         for finished in engine.step():
             hand finished.result to finished.request's stream
 
-A batch of one is `generate(request)`: the Generator interface.
+A tensor-parallel target (ssd.models.tp) is handed over as its leader's one
+KVSequence, whose cache operations the follower ranks mirror: there the batch
+is held at one row, which reuses that sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -33,18 +36,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ssd.config import BatchingConfig, SpeculationConfig
-from ssd.engine.base import RequestHandling, SequenceState, Verifier
-from ssd.engine.metrics import Stopwatch
+from ssd.config import BatchingConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.drafting import Chain
+from ssd.engine.metrics import GenerationStats, Stopwatch
+from ssd.engine.output import OutputTracker
 from ssd.engine.request import GenerationRequest, GenerationResult
-from ssd.engine.sd import draft_length, q_matrix, settle_draft
+from ssd.hardware import sync, to_device
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
 from ssd.models.quant import precision_of
-from ssd.models.tokenizer import Tokenizer
-from ssd.speculation.drafting import Chain, draft_chains
-from ssd.verify import verify
+from ssd.models.tokenizer import Tokenizer, eos_token_ids
+from ssd.sampling import make_generator, probs_from_logits, sample
+from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
+
+Verifier = Callable[..., Outcome]
 
 
 @dataclass
@@ -60,7 +66,13 @@ class Finished:
     error: Exception | None = None
 
 
-class BatchEngine(ABC):
+class Engine(ABC):
+    """What a caller drives: rows join (`admit`), advance (`step`) and leave.
+
+    Implemented by the batched engines here and by the cluster's proxy to an
+    engine on target rank 0 (ssd.cluster.batch).
+    """
+
     mode: str = ""
 
     @property
@@ -86,7 +98,7 @@ class BatchEngine(ABC):
         """
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        """One request alone (a batch of one)."""
+        """One request alone: a batch of one (the Generator interface)."""
         if self.rows:
             raise RuntimeError("generate() runs a request alone; this engine has rows running")
         self.admit(request)
@@ -98,6 +110,28 @@ class BatchEngine(ABC):
 
     def close(self) -> None:
         """Free whatever the engine runs besides the caller's thread."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class SequenceState:
+    """One request's generation state while it runs."""
+
+    request: GenerationRequest
+    speculation: SpeculationConfig | None  # the settings this request runs with (None: AR)
+    gen: torch.Generator
+    sequence: list[int]  # prompt + generated ids so far
+    output: OutputTracker
+    stats: GenerationStats
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.request.sampling
 
 
 @dataclass
@@ -112,7 +146,7 @@ class Row:
     round_tokens: int  # the most tokens one of its rounds feeds the target (K + 1; AR: 1)
     prefilled: int = 0  # prompt tokens the target has been fed
     chain: Chain | None = None  # SD: this round's drafting
-    link: Any = None  # SSD: the row's sequence on the draft link (ssd.engine.batch_ssd.RowLink)
+    link: Any = None  # SSD: the row's sequence on the draft link (ssd.saguaro.target.RowLink)
     error: Exception | None = None
 
     @property
@@ -129,12 +163,12 @@ class Row:
         return self.error is not None or self.state.output.finished
 
 
-class BatchedEngine(RequestHandling, BatchEngine):
-    """The round loop of continuous batching; AR and SD say what a round drafts and how it settles.
+class BatchedEngine(Engine):
+    """The round loop; a mode says what a round drafts and how a row settles.
 
     A step: cancelled rows leave; prefilling rows get prompt chunks within
     the token budget left after the decoding rows' rounds; the mode drafts
-    (SD); one packed target forward runs every prefill chunk and every
+    (SD, SSD); one packed target forward runs every prefill chunk and every
     decoding row's scored positions; then each row settles on its own.
     Work that is one row's (sampling, verification, its callback) fails that
     row alone; a failed batched forward fails every row in it.
@@ -142,16 +176,35 @@ class BatchedEngine(RequestHandling, BatchEngine):
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | KVSequence,
         tokenizer: Tokenizer,
+        speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
-        speculation: SpeculationConfig | None = None,
         draft: torch.nn.Module | None = None,
     ) -> None:
-        self._bind(target, tokenizer, verifier, speculation)
+        """`speculation`: the settings for requests that bring none of their own.
+
+        `target` is a model, or the tensor-parallel leader's one sequence
+        (ssd.models.tp.TPLeaderSequence): its followers mirror one sequence,
+        so the batch is held at one row, which reuses it.
+        """
+        batching = batching or BatchingConfig()
+        self._shared_target = target if isinstance(target, KVSequence) else None
+        if self._shared_target is not None:
+            target = self._shared_target.model
+            batching = dataclasses.replace(batching, max_rows=1)
         self.target_model, self.draft_model = target, draft
-        self.batching = batching or BatchingConfig()
+        self.tokenizer = tokenizer
+        self.batching = batching
+        self.speculation = speculation or SpeculationConfig(mode=self.mode)
+        if self.speculation.mode != self.mode:
+            raise ValueError(f"the {self.mode} engine was given {self.speculation.mode!r} settings")
+        self.verifier = verifier  # replaceable so tests can prove their power
+        self.eos_ids = eos_token_ids(tokenizer, target)
+        self.precision = f"target {precision_of(target)}"  # named in every stats line
+        if draft is not None:
+            self.precision += f", draft {precision_of(draft)}"
         self._token_bytes = kv_bytes_per_token(target) + (kv_bytes_per_token(draft) if draft is not None else 0)
         self._rows: list[Row] = []
 
@@ -185,7 +238,7 @@ class BatchedEngine(RequestHandling, BatchEngine):
             raise RuntimeError(f"the batch is full ({self.rows} rows); check can_admit first")
         draft = KVSequence(self.draft_model) if self.draft_model is not None else None
         self._rows.append(Row(
-            self._new_state(request), KVSequence(self.target_model), draft, Stopwatch(), need_bytes, need_tokens
+            self._new_state(request), self._target_sequence(), draft, Stopwatch(), need_bytes, need_tokens
         ))
 
     def step(self) -> list[Finished]:
@@ -216,7 +269,7 @@ class BatchedEngine(RequestHandling, BatchEngine):
         """Feed the draft the same prompt chunks (SD)."""
 
     def _draft(self, rows: list[Row]) -> None:
-        """Draft this round's tokens for every decoding row (SD)."""
+        """Draft this round's tokens for every decoding row (SD, SSD)."""
 
     def _scored(self, row: Row) -> list[int]:
         """The tokens this round feeds the row's target: what its cache lacks, then any drafts."""
@@ -226,6 +279,96 @@ class BatchedEngine(RequestHandling, BatchEngine):
     @abstractmethod
     def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
         """Turn the row's scored logits into its round's tokens and emit them."""
+
+    # --- one request's handling, the same in every mode -----------------------------
+
+    def _settings(self, request: GenerationRequest) -> SpeculationConfig | None:
+        """The request's speculation settings (else the engine's); a mode this engine does not run is an error."""
+        speculation = request.settings(self.speculation)
+        if speculation.mode != self.mode:
+            raise ValueError(f"speculation.mode {speculation.mode!r} sent to the {self.mode} engine")
+        return speculation if self.mode != "ar" else None
+
+    def _new_state(self, request: GenerationRequest) -> SequenceState:
+        """A request's state before its prompt is processed: its own seeded generator, end conditions and stats."""
+        speculation = self._settings(request)
+        return SequenceState(
+            request=request,
+            speculation=speculation,
+            gen=make_generator(request.sampling.seed),
+            sequence=list(request.prompt_ids),
+            output=OutputTracker(self.tokenizer, request.generation, self.eos_ids),
+            stats=GenerationStats(
+                mode=self.mode, k=speculation.k if speculation is not None else 0,
+                prompt_tokens=len(request.prompt_ids), precision=self.precision,
+            ),
+        )
+
+    def _target_sequence(self) -> KVSequence:
+        """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""
+        if self._shared_target is None:
+            return KVSequence(self.target_model)
+        self._shared_target.reset()
+        return self._shared_target
+
+    def _result(self, req: SequenceState, clock: Stopwatch) -> GenerationResult:
+        req.stats.total_s = clock.elapsed()
+        req.stats.new_tokens = len(req.output.token_ids)
+        log.debug("%s", req.stats.summary())
+        return GenerationResult(req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats)
+
+    @staticmethod
+    def _next_token(req: SequenceState, logits: torch.Tensor) -> int:
+        """Sample the token after `logits` [V] with the request's settings and generator."""
+        return sample(probs_from_logits(logits, req.sampling), req.gen)
+
+    def _judge(self, req: SequenceState, drafted: list[int], q: torch.Tensor | None, logits: torch.Tensor) -> Outcome:
+        """Verify `drafted` against the target's logits [K+1, V] at the scored positions.
+
+        p stays on the target's device; sampled q rows are moved there (over a
+        host link they arrive in host memory).
+        """
+        p = probs_from_logits(logits, req.sampling)
+        if not req.sampling.greedy:  # greedy verification never reads q
+            if q is None:
+                if drafted:
+                    raise ValueError("a sampled speculation arrived without its q rows")
+                q = p.new_zeros(0, p.shape[-1])
+            q = to_device(q, p.device)
+        outcome = self.verifier(drafted, q, p, req.gen, greedy=req.sampling.greedy)
+        sync(p)  # the round's timer covers the device's work
+        return outcome
+
+    def _settle_speculation(
+        self, row: Row, drafted: Sequence[int], q: torch.Tensor | None, logits: torch.Tensor, forward_s: float,
+    ) -> tuple[Outcome, float]:
+        """Verify the row's speculation (SD and SSD), roll its caches back to the
+        accepted tokens, count the round and emit its tokens; (outcome, the
+        round's target seconds: forward + verification)."""
+        started = time.perf_counter()
+        state, drafted = row.state, list(drafted)
+        k = len(drafted)
+        outcome = self._judge(state, drafted, q, logits[-(k + 1) :])
+        row.target.rollback(len(state.sequence) + outcome.k)
+        if row.draft is not None:  # it never fed its last drafted token, so it may hold fewer
+            row.draft.rollback(min(row.draft.length, len(state.sequence) + outcome.k))
+        target_s = forward_s + time.perf_counter() - started
+        state.stats.record_round(drafted=k, accepted=outcome.k, target_s=target_s)
+        self._emit(state, outcome.tokens(drafted))
+        return outcome, target_s
+
+    def _plain_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        """A round of the target alone: one token from the last scored position (AR, or a speculation of 0 tokens)."""
+        started = time.perf_counter()
+        token = self._next_token(row.state, logits[-1])
+        row.state.stats.record_round(drafted=0, accepted=0, target_s=forward_s + time.perf_counter() - started)
+        self._emit(row.state, [token])
+
+    @staticmethod
+    def _emit(req: SequenceState, tokens: list[int]) -> None:
+        admitted = req.output.add(tokens)
+        req.sequence.extend(admitted)
+        req.request.emit(admitted)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -308,68 +451,3 @@ class BatchedEngine(RequestHandling, BatchEngine):
                 left.append(Finished(row.request, self._result(row.state, row.clock)))
             self._rows.remove(row)
         return left
-
-
-class BatchedAREngine(BatchedEngine):
-    """Autoregressive decoding, one token per row per step: the batched reference."""
-
-    mode = "ar"
-
-    def __init__(self, target: torch.nn.Module, tokenizer: Tokenizer, batching: BatchingConfig | None = None) -> None:
-        super().__init__(target, tokenizer, batching)
-
-    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
-        started = time.perf_counter()
-        token = self._next_token(row.state, logits[-1])
-        row.state.stats.record_round(drafted=0, accepted=0, target_s=forward_s + time.perf_counter() - started)
-        self._emit(row.state, [token])
-
-
-class BatchedSDEngine(BatchedEngine):
-    """Speculative decoding for every row: K batched draft steps, one batched target verification."""
-
-    mode = "sd"
-
-    def __init__(
-        self,
-        target: torch.nn.Module,
-        draft: torch.nn.Module,
-        tokenizer: Tokenizer,
-        speculation: SpeculationConfig | None = None,
-        batching: BatchingConfig | None = None,
-        verifier: Verifier = verify,
-    ) -> None:
-        """`speculation`: K (and k_policy) for requests that bring no speculation settings."""
-        speculation = dataclasses.replace(speculation or SpeculationConfig(), mode="sd")
-        super().__init__(target, tokenizer, batching, verifier, speculation, draft)
-        self.precision += f", draft {precision_of(draft)}"
-
-    def _round_cost(self, row: Row) -> int:
-        return self._draft_length(row) + 1
-
-    def _draft_length(self, row: Row) -> int:
-        """K for this row at the current batch size (speculation.k_policy; 0: a plain
-        target step), never past max_new_tokens."""
-        k = row.state.speculation.k_for(len(self._rows))
-        return min(k, draft_length(row.state))
-
-    def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
-        forward_rows([row.draft for row, _ in chunks], [ids for _, ids in chunks], last_only=True)
-
-    def _draft(self, rows: list[Row]) -> None:
-        for row in rows:
-            state = row.state
-            row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen)
-        draft_chains([row.chain for row in rows])
-        for row in rows:
-            row.error = row.chain.error
-
-    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
-        started = time.perf_counter()
-        state, drafted = row.state, row.chain.tokens
-        k = len(drafted)
-        outcome = self._judge(state, drafted, q_matrix(row.chain.q_rows, state), logits[-(k + 1) :])
-        row.target.rollback(len(state.sequence) + outcome.k)
-        settle_draft(row.draft, state, outcome)
-        state.stats.record_round(drafted=k, accepted=outcome.k, target_s=forward_s + time.perf_counter() - started)
-        self._emit(state, outcome.tokens(drafted))

@@ -1,7 +1,10 @@
-"""From a Config to a ready engine: load the models the mode needs, once."""
+"""From a Config to a ready engine: load the models the mode needs, once, and
+make the one engine of each mode (`make_engine`) for every caller: the server,
+the cluster's target rank 0, the bench and launch/generate.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -11,50 +14,66 @@ import torch
 
 from ssd.config import BatchingConfig, Config, SpeculationConfig
 from ssd.engine.ar import AREngine
-from ssd.engine.base import Engine
-from ssd.engine.batch import BatchedAREngine, BatchedSDEngine, BatchEngine
-from ssd.engine.local import LocalBatchedSSD, LocalSSD
+from ssd.engine.batch import BatchedEngine, Verifier
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
+from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of
+from ssd.saguaro.target import SSDEngine
+from ssd.verify import verify
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedPair:
-    target: torch.nn.Module
+    """The models an engine runs; engines made from one pair share its weights, not caches.
+
+    target: the model, or on a tensor-parallel target the leader's one
+    sequence (ssd.models.tp.TPLeaderSequence), which holds the batch at one row.
+    draft: None where it is not loaded here (AR only, or SSD with the draft
+    on another device: the cluster attaches its link).
+    """
+
+    target: torch.nn.Module | KVSequence
     draft: torch.nn.Module | None
     tokenizer: Any
 
-    def engine(self, speculation: SpeculationConfig) -> Engine | LocalSSD:
-        """An engine for speculation.mode over these models (engines share weights,
-        not caches); `speculation` is its default for requests that bring none.
 
-        SSD runs in-process here: the speculator serves from a thread.
-        """
-        if speculation.mode == "ar":
-            return AREngine(self.target, self.tokenizer)
-        if self.draft is None:
-            raise ValueError(f"mode {speculation.mode!r} needs a draft model; none was loaded")
-        if speculation.mode == "sd":
-            return SDEngine(self.target, self.draft, self.tokenizer, speculation.k)
-        return LocalSSD(self.target, self.draft, self.tokenizer, speculation)
+def make_engine(
+    mode: str,
+    pair: LoadedPair,
+    speculation: SpeculationConfig,
+    batching: BatchingConfig | None = None,
+    *,
+    verifier: Verifier = verify,
+    draft_timeout_s: float | None = None,
+    draft_precision: str | None = None,
+) -> BatchedEngine:
+    """The engine for `mode` over `pair`: a batch of any size, one row included.
 
-    def batch_engine(self, speculation: SpeculationConfig, batching: BatchingConfig | None = None) -> BatchEngine:
-        """A continuous-batching engine for speculation.mode over these models;
-        `speculation` is its default for requests that bring none.
-
-        SSD runs in-process here: the speculator serves the batch from a
-        thread, which the engine's close() stops.
-        """
-        if speculation.mode == "ar":
-            return BatchedAREngine(self.target, self.tokenizer, batching)
-        if self.draft is None:
-            raise ValueError(f"mode {speculation.mode!r} needs a draft model; none was loaded")
-        if speculation.mode == "sd":
-            return BatchedSDEngine(self.target, self.draft, self.tokenizer, speculation, batching)
-        return LocalBatchedSSD(self.target, self.draft, self.tokenizer, speculation, batching)
+    `speculation`: the defaults for requests that bring no settings (any
+    mode's: its mode is set to `mode` here). SSD with a draft in the pair
+    runs its speculator on a thread of this process (the engine's close()
+    stops it); without one the draft lives elsewhere, and its link is
+    `attach`ed when it comes (the cluster). `draft_precision` names that
+    remote draft's precision in the stats.
+    """
+    speculation = dataclasses.replace(speculation, mode=mode)
+    if mode == "ar":
+        return AREngine(pair.target, pair.tokenizer, batching)
+    if mode == "sd":
+        if pair.draft is None:
+            raise ValueError("mode 'sd' needs a draft model; none was loaded")
+        return SDEngine(pair.target, pair.draft, pair.tokenizer, speculation, batching, verifier)
+    if mode != "ssd":
+        raise ValueError(f"unknown mode {mode!r}")
+    if pair.draft is not None:
+        return SSDEngine.in_process(pair.target, pair.draft, pair.tokenizer, speculation, batching, verifier)
+    return SSDEngine(
+        pair.target, pair.tokenizer, speculation, batching, verifier,
+        draft_timeout_s=draft_timeout_s, draft_precision=draft_precision,
+    )
 
 
 def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
@@ -67,9 +86,11 @@ def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
     return LoadedPair(target, draft, tokenizer)
 
 
-def build_engine(config: Config) -> Engine | LocalSSD:
+def build_engine(config: Config) -> BatchedEngine:
     """The engine for the configured mode, loading only the models it needs."""
-    return load_pair(config, with_draft=config.speculation.mode != "ar").engine(config.speculation)
+    mode = config.speculation.mode
+    pair = load_pair(config, with_draft=mode != "ar")
+    return make_engine(mode, pair, config.speculation, config.batching)
 
 
 def _timed_load(role: str, config: Config) -> torch.nn.Module:

@@ -84,8 +84,37 @@ class SpecStats:
         )
 
 
+class RoundRatios:
+    """Ratios over the counts every run keeps, live (GenerationStats) or
+    replayed from a trace (ssd.ablation.replay.ReplayResult): written once."""
+
+    drafted: int
+    accepted: int
+    spec: SpecStats
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.spec.hit_rate
+
+    @property
+    def hit_rate_by_k(self) -> dict[int, float]:
+        return self.spec.hit_rate_by_k
+
+    @property
+    def tokens_per_round_after_hit(self) -> float:
+        return self.spec.tokens_per_round_after_hit
+
+    @property
+    def tokens_per_round_after_miss(self) -> float:
+        return self.spec.tokens_per_round_after_miss
+
+
 @dataclass
-class GenerationStats:
+class GenerationStats(RoundRatios):
     mode: str
     k: int = 0  # drafted tokens per round (0 for AR)
     precision: str = ""  # e.g. "target int8, draft int8"
@@ -126,10 +155,6 @@ class GenerationStats:
         """Tokens after the first over the time after the first (excludes prefill)."""
         decode_s = self.total_s - self.time_to_first_token_s
         return (self.new_tokens - 1) / decode_s if decode_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def mean_accepted_length(self) -> float:

@@ -1,9 +1,11 @@
 """The one generation interface: a GenerationRequest in, a GenerationResult out.
 
-Every way to generate implements `Generator`: the engines (AR, SD, SSD), SSD
-in one process, the serving backends, the cluster, and the bench's peers (HF
-assisted generation, llama.cpp). Speculation settings travel with each
-request, so one engine per mode serves every K, budget, backup and C.
+Every way to generate implements `Generator`: the engines (AR, SD, SSD; a
+request alone is a batch of one), the serving backends, the cluster, and the
+bench's peers (HF assisted generation, llama.cpp). Speculation settings
+travel with each request, so one engine per mode serves every K, budget,
+backup and C; `settings(default)` is the one place a request without its own
+falls back to a generator's default.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class GenerationRequest:
         self.prompt_ids = list(self.prompt_ids)
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+
+    def settings(self, default: SpeculationConfig) -> SpeculationConfig:
+        """The speculation settings this request runs with: its own, else the generator's `default`."""
+        return self.speculation or default
 
     def portable(self) -> "GenerationRequest":
         """The request without its callbacks, to send to another process."""

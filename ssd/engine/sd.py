@@ -1,59 +1,60 @@
-"""Speculative decoding: the draft proposes K tokens, the target verifies them
-in one forward, and the shared verification routine accepts a prefix."""
+"""Speculative decoding for every row: K batched draft steps, one batched
+target verification, and the shared verification routine accepts a prefix
+per row."""
 
 from __future__ import annotations
 
 import torch
 
-from ssd.config import SpeculationConfig
-from ssd.engine.base import Engine, SequenceState, Verifier
-from ssd.models.kv import KVSequence
-from ssd.models.quant import precision_of
+from ssd.config import BatchingConfig, SpeculationConfig
+from ssd.engine.batch import BatchedEngine, Row, SequenceState, Verifier
+from ssd.engine.drafting import Chain, draft_chains
+from ssd.models.kv import KVSequence, forward_rows
 from ssd.models.tokenizer import Tokenizer
-from ssd.speculation.drafting import draft_chain
-from ssd.verify import Outcome, verify
+from ssd.verify import verify
 
 
-class SDEngine(Engine):
+class SDEngine(BatchedEngine):
     mode = "sd"
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | KVSequence,
         draft: torch.nn.Module,
         tokenizer: Tokenizer,
-        k: int = 4,
+        speculation: SpeculationConfig | None = None,
+        batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
     ) -> None:
-        """`k`: drafted tokens per round for requests that bring no speculation settings."""
-        super().__init__(target, tokenizer, verifier, SpeculationConfig(mode="sd", k=k))
-        self.draft = KVSequence(draft)
-        self.precision += f", draft {precision_of(draft)}"
+        """`speculation`: the settings (K, k_policy) for requests that bring none of their own."""
+        super().__init__(target, tokenizer, speculation, batching, verifier, draft)
 
-    def _start(self, req: SequenceState) -> None:
-        super()._start(req)
-        self.draft.reset()
+    def _round_cost(self, row: Row) -> int:
+        return self._draft_length(row) + 1
 
-    def _round(self, req: SequenceState) -> list[int]:
-        drafted, q_rows = draft_chain(self.draft, req.sequence, draft_length(req), req.sampling, req.gen)
-        outcome = self._verify(req, drafted, q_matrix(q_rows, req))
-        settle_draft(self.draft, req, outcome)
-        return outcome.tokens(drafted)
+    def _draft_length(self, row: Row) -> int:
+        """K for this row at the current batch size (speculation.k_policy; 0: a plain
+        target step), never past max_new_tokens."""
+        k = row.state.speculation.k_for(len(self._rows))
+        return min(k, draft_length(row.state))
+
+    def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
+        forward_rows([row.draft for row, _ in chunks], [ids for _, ids in chunks], last_only=True)
+
+    def _draft(self, rows: list[Row]) -> None:
+        for row in rows:
+            state = row.state
+            row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen)
+        draft_chains([row.chain for row in rows])
+        for row in rows:
+            row.error = row.chain.error
+
+    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        chain, state = row.chain, row.state
+        q = torch.stack(chain.q_rows) if chain.q_rows and not state.sampling.greedy else None  # greedy never reads q
+        self._settle_speculation(row, chain.tokens, q, logits, forward_s)
 
 
 def draft_length(req: SequenceState) -> int:
     """Tokens to draft this round: never past max_new_tokens, since the round adds up to K + 1."""
     return min(req.speculation.k, req.output.remaining - 1)
-
-
-def q_matrix(q_rows: list[torch.Tensor], req: SequenceState) -> torch.Tensor | None:
-    """The drafted positions' q [K, V] for verification (None where it is never read: greedy, K = 0)."""
-    return torch.stack(q_rows) if q_rows and not req.sampling.greedy else None
-
-
-def settle_draft(draft: KVSequence, req: SequenceState, outcome: Outcome) -> None:
-    """Roll the draft back to the accepted tokens (req.sequence not yet extended by this round).
-
-    The draft never fed its last drafted token, so it may hold fewer.
-    """
-    draft.rollback(min(draft.length, len(req.sequence) + outcome.k))

@@ -9,7 +9,7 @@ arguments alone, FastForward (fast.py) holds only the model and its shapes,
 row attention (invariant.py) is a pure function. What holds one sequence's
 state has ONE owner thread and is never shared: a KVSequence with its
 StaticKV or DynamicCache (kv.py, fast.py), a branch decoder
-(ssd.speculation.branches), an engine, a Speculator (it runs in its serving
+(ssd.saguaro.branches), an engine, a Speculator (it runs in its serving
 thread only). tests/test_threads.py holds the models to this.
 """
 

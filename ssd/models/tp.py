@@ -5,7 +5,9 @@ forward then runs all-reduces inside, so all target ranks must call the model
 in exactly the same order. Rank 0 owns sampling and verification, so it drives:
 `TPLeaderSequence` is a KVSequence that broadcasts each cache operation as a
 tiny int64 command before running it, and `run_tp_follower` replays those
-commands on the other ranks until told to stop.
+commands on the other ranks until told to stop. The followers mirror one
+sequence, so the engines hold the batch at one row on a tensor-parallel
+target (ssd.engine.batch reuses the leader's sequence for that row).
 
 The world built here holds only the target ranks: a draft rank in the same
 world (with TP on a sub-mesh) hung in `from_pretrained` when we tried it; the

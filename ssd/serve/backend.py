@@ -4,27 +4,24 @@ The servicer sees only this protocol, so the tests can wrap the real backend
 (slow it down, make it fail) and the cluster backend (cluster_backend.py) slots in.
 A backend may also offer `batch_engine(mode)` (ssd.serve.worker.BatchingBackend):
 the worker then runs that mode's requests together (continuous batching).
+The local backend's engines, for the worker and for `generate`, all come from
+ssd.engine.factory.make_engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence
 
-from ssd.config import Config
-from ssd.engine.batch import BatchEngine
-from ssd.engine.factory import LoadedPair, load_pair
+from ssd.config import MODES, Config
+from ssd.engine.batch import Engine
+from ssd.engine.factory import LoadedPair, load_pair, make_engine
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 
 log = logging.getLogger(__name__)
-
-# Modes LoadedPair.batch_engine batches.
-BATCHED_MODES = ("ar", "sd", "ssd")
-
 
 class UnsupportedRequest(ValueError):
     """The backend cannot do what was asked (e.g. chat without a template)."""
@@ -57,20 +54,20 @@ class Backend(Generator, Protocol):
 
 
 class EngineByMode:
-    """One engine per mode, made on first use; the request carries every other setting.
+    """One engine per mode (make_engine), made on first use; the request carries every other setting.
 
-    Engines share the loaded weights; each holds its own KV cache and (SSD) a
+    Engines share the loaded weights; each holds its own KV caches and (SSD) a
     speculator thread. Not thread-safe: the server runs one generation at a time.
     """
 
     def __init__(self, pair: LoadedPair, defaults: Config) -> None:
         self.pair = pair
         self.defaults = defaults
-        self._engines: dict[str, Any] = {}
+        self._engines: dict[str, Engine] = {}
 
-    def get(self, mode: str) -> Any:
+    def get(self, mode: str) -> Engine:
         if mode not in self._engines:
-            self._engines[mode] = self.pair.engine(dataclasses.replace(self.defaults.speculation, mode=mode))
+            self._engines[mode] = make_engine(mode, self.pair, self.defaults.speculation, self.defaults.batching)
         return self._engines[mode]
 
     def discard(self, mode: str) -> None:
@@ -115,7 +112,8 @@ class LocalBackend(TokenizerMixin):
         self.info = self._describe()
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        mode = (request.speculation or self.config.speculation).mode
+        """One request alone, a batch of one on its mode's engine."""
+        mode = request.settings(self.config.speculation).mode
         with self._lock:
             engine = self._engines.get(mode)
             try:
@@ -124,13 +122,11 @@ class LocalBackend(TokenizerMixin):
                 self._engines.discard(mode)
                 raise
 
-    def batch_engine(self, mode: str) -> BatchEngine | None:
-        """A new batch engine for `mode` over the loaded weights (the caller owns and
-        closes it); None when batching.max_rows is 1 (batching off): requests then
-        run alone through the one-sequence engines."""
-        if mode not in BATCHED_MODES or self.config.batching.max_rows == 1:
-            return None
-        return self.pair.batch_engine(dataclasses.replace(self.config.speculation, mode=mode), self.config.batching)
+    def batch_engine(self, mode: str) -> Engine:
+        """A new engine for `mode` over the loaded weights, with the config's limits
+        (batching.max_rows 1: one row at a time); the caller owns and closes it.
+        A mode the pair cannot run (no draft loaded) raises ValueError."""
+        return make_engine(mode, self.pair, self.config.speculation, self.config.batching)
 
     def close(self) -> None:
         with self._lock:
@@ -140,7 +136,7 @@ class LocalBackend(TokenizerMixin):
         tokenizer, target = self.pair.tokenizer, self.pair.target
         has_draft = self.pair.draft is not None
         return backend_info(
-            self.config, tokenizer, modes=("ar", "sd", "ssd") if has_draft else ("ar",),
+            self.config, tokenizer, modes=MODES if has_draft else ("ar",),
             max_context_tokens=_max_positions(target, tokenizer),
             eos_token_ids=eos_token_ids(tokenizer, target),
         )

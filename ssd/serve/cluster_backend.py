@@ -1,11 +1,14 @@
-"""The server's backend over the distributed runtime: requests go to target
-rank 0 as one streaming Ray call each; rounds stream back as they land."""
+"""The server's backend over the distributed runtime. AR and SSD rows batch on
+target rank 0 (one Ray call per step, ssd.cluster.batch); a tensor-parallel
+target holds its batch at one row, so there each request goes to rank 0 alone
+as one streaming Ray call, its rounds streaming back as they land."""
 
 from __future__ import annotations
 
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.runtime import Cluster
-from ssd.engine.batch import BatchEngine
+from ssd.cluster.workers import MODES
+from ssd.engine.batch import Engine
 from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
 from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
@@ -25,7 +28,7 @@ class ClusterBackend(TokenizerMixin):
         """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
         self.cluster.add_health_listener(listener)
 
-    def batch_engine(self, mode: str) -> BatchEngine | None:
+    def batch_engine(self, mode: str) -> Engine | None:
         """AR and SSD batch on target rank 0 (one Ray call per step); a
         tensor-parallel target runs one request at a time through generate, and
         so does every mode when batching.max_rows is 1."""
@@ -39,6 +42,6 @@ class ClusterBackend(TokenizerMixin):
     def _describe(self) -> BackendInfo:
         remote = self.cluster.describe()
         return backend_info(
-            self.config, self.tokenizer, modes=("ar", "ssd") if self.cluster.draft is not None else ("ar",),
+            self.config, self.tokenizer, modes=MODES if self.cluster.draft is not None else ("ar",),
             max_context_tokens=remote["max_positions"], eos_token_ids=remote["eos_token_ids"],
         )

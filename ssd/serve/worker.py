@@ -5,7 +5,7 @@ thread alone touches the engines. Admission bounds queued + running jobs.
 
 Scheduling policy:
 
-* Batched modes. A backend may give a `BatchEngine` per mode
+* Batched modes. A backend may give an `Engine` per mode
   (`backend.batch_engine(mode)`, see `BatchingBackend`); the worker makes one
   per mode on first use and owns it. Between rounds, queued jobs are admitted
   in arrival order while their mode's engine `can_admit` them. Admission is
@@ -13,8 +13,9 @@ Scheduling policy:
   wait too, so a large request is never overtaken forever.
 * Modes in turn. Each loop steps one engine that has rows, round-robin over
   the modes (one `step` each), so a busy mode cannot starve another.
-* Non-batched modes (no engine: SSD at batch 1, the cluster backend, a
-  backend without the hook) run through `backend.generate`, alone: when such
+* Non-batched modes (no engine: a tensor-parallel cluster target, the
+  cluster with batching.max_rows 1, a backend without the hook) run through
+  `backend.generate`, alone: when such
   a job reaches the head of the queue it runs to its end between two batched
   rounds, and the batched rows pause meanwhile (their deadlines keep running).
 * Rows leave the moment they end: every `Finished` the step returns is
@@ -37,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ssd.engine.batch import BatchEngine, Finished
+from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
@@ -64,7 +65,7 @@ class Unschedulable(RuntimeError):
 class BatchingBackend(Protocol):
     """The optional backend hook the worker looks for (by getattr)."""
 
-    def batch_engine(self, mode: str) -> BatchEngine | None:
+    def batch_engine(self, mode: str) -> Engine | None:
         """A new batch engine for `mode`, owned (and closed) by the caller;
         None: requests of that mode run one at a time through `generate`."""
 
@@ -134,7 +135,7 @@ class GenerationWorker:
         self._pending: deque[Job] = deque()
         self._jobs: dict[str, Job] = {}  # queued + running, for Abort and admission
         self._running: dict[str, Job] = {}  # rows in an engine, or the one running alone
-        self._engines: dict[str, BatchEngine | None] = {}  # worker thread only
+        self._engines: dict[str, Engine | None] = {}  # worker thread only
         self._last_stepped = ""
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ssd-generation-worker", daemon=True)
@@ -236,7 +237,7 @@ class GenerationWorker:
                 self._admit(engine, head)
         return None
 
-    def _fits(self, engine: BatchEngine, job: Job) -> bool:
+    def _fits(self, engine: Engine, job: Job) -> bool:
         if engine.can_admit(job.bound()):
             return True
         if not engine.rows:
@@ -258,10 +259,9 @@ class GenerationWorker:
             return True
 
     def _mode(self, job: Job) -> str:
-        speculation = job.request.speculation or self.backend.info.defaults.speculation
-        return speculation.mode
+        return job.request.settings(self.backend.info.defaults.speculation).mode
 
-    def _engine_for(self, mode: str) -> BatchEngine | None:
+    def _engine_for(self, mode: str) -> Engine | None:
         """This mode's batch engine (made on first use), or None: it runs alone."""
         if mode not in self._engines:
             make = getattr(self.backend, "batch_engine", None)
@@ -270,7 +270,7 @@ class GenerationWorker:
             self._engines[mode] = engine
         return self._engines[mode]
 
-    def _admit(self, engine: BatchEngine, job: Job) -> None:
+    def _admit(self, engine: Engine, job: Job) -> None:
         try:
             engine.admit(job.bound())
         except Exception as exc:  # this request alone is refused; the rows go on
@@ -370,7 +370,7 @@ class GenerationWorker:
         self.metrics.finished(done.reason, stats, ttft, now - job.arrived, started - job.arrived)
 
 
-def _close_quietly(engine: BatchEngine | None) -> None:
+def _close_quietly(engine: Engine | None) -> None:
     if engine is None:
         return
     try:

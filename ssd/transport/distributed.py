@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +60,13 @@ from ssd.hardware import to_device
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 
 log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a link's (or a world's) rendezvous."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 _TAG = 0
 _CLOSE = -1  # preamble header_nbytes of a close marker

@@ -2,11 +2,12 @@
 speculation (from the cache on a hit, from a backup on a miss), then build the
 cache for the outcome of that speculation while the target verifies it.
 
-A batch of sequences sends all its outcomes in one `rounds` message and gets
-one `proposals` reply. Every row is answered exactly as a lone `round` would
-answer it (same state, same random stream), except that the backup is the
-one the row's settings choose for the batch size, and the rows' cache builds
-share the batch's branch cap (fanout.batch_budget). Only rows that missed run
+The target sends every sequence's outcome of a round in one `rounds` message
+(a lone sequence: a batch of one) and gets one `proposals` reply. Every row
+is answered exactly as it would be alone (same state, same random stream),
+except that the backup is the one the row's settings choose for the batch
+size, and the rows' cache builds share the batch's branch cap
+(fanout.batch_budget). Only rows that missed run
 a backup: a hit row's proposal is ready, and drafting it again would cost the
 batch the time the cache saved. A row that fails is answered with its error
 and stays failed until released; the other rows go on.
@@ -26,16 +27,16 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
-from ssd.fanout import FanoutPlanner, make_planner, share_budget
+from ssd.saguaro.fanout import FanoutPlanner, make_planner, share_budget
 from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
-from ssd.speculation import protocol
-from ssd.speculation.backups import make_backup
-from ssd.speculation.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
-from ssd.speculation.builder import build_cache
-from ssd.speculation.cache import Proposal, SpeculationCache
-from ssd.speculation.drafting import Saguaro
+from ssd.saguaro import protocol
+from ssd.saguaro.backups import make_backup
+from ssd.saguaro.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
+from ssd.saguaro.builder import build_cache
+from ssd.saguaro.cache import Proposal, SpeculationCache
+from ssd.saguaro.sampling import Saguaro
 from ssd.transport.channel import Channel, Message
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,7 @@ class Speculator:
         """Handle messages until shutdown. A failure is reported, not swallowed:
         the target gets an error message instead of waiting forever."""
         handlers = {
-            protocol.PREFILL: self._prefill, protocol.ROUND: self._round,
-            protocol.ROUNDS: self._rounds, protocol.RELEASE: self._release,
+            protocol.PREFILL: self._prefill, protocol.ROUNDS: self._rounds, protocol.RELEASE: self._release,
         }
         while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
             try:
@@ -99,19 +99,12 @@ class Speculator:
         gen = make_generator(draft_seed(sampling.seed))
         self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner)
 
-    def _round(self, msg: Message) -> None:
-        """One sequence's round (the batch-of-one exchange); a failure fails the message."""
-        row = protocol.parse_round(msg)
-        reply = self._answer(row, batch_size=1)
-        self.channel.send(protocol.proposal(reply))
-        self._build_all([reply])
-
     def _rounds(self, msg: Message) -> None:
-        """A batch's round: answer every row in one reply, then build every row's cache."""
+        """A round of every row sent (one, alone): answer them in one reply, then build every row's cache."""
         rows = protocol.parse_rounds(msg)
         replies = [self._guarded(row.seq, self._answer, row, len(rows)) for row in rows]
         self.channel.send(protocol.proposals(replies))
-        self._build_all([r for r in replies if isinstance(r, protocol.ProposalReply)], guarded=True)
+        self._build_all([r for r in replies if isinstance(r, protocol.ProposalReply)])
 
     def _guarded(self, seq_id: int, fn: Callable[..., T], *args: Any) -> T | protocol.RowError:
         """fn(*args), or this row's error: the row is marked failed so that its
@@ -157,23 +150,17 @@ class Speculator:
         saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=False))
         return backup.propose(seq.kv, seq.committed, seq.speculation.k, seq.sampling, seq.gen, saguaro)
 
-    def _build_all(self, replies: list[protocol.ProposalReply], guarded: bool = False) -> None:
-        """Build the cache of every answered row, within the batch's shared branch cap.
-
-        guarded: a row whose build fails is marked failed (its next round
-        reports it) instead of failing the message.
-        """
+    def _build_all(self, replies: list[protocol.ProposalReply]) -> None:
+        """Build the cache of every answered row, within the batch's shared branch
+        cap; a row whose build fails is marked failed (its next round reports it)."""
         seqs = [self.sequences[r.seq] for r in replies]
         budgets = self._budgets(seqs, [r.hit for r in replies])
         for reply, seq, budget in zip(replies, seqs, budgets):
-            if guarded:
-                self._guarded(reply.seq, self._build, seq, reply.proposal, reply.hit, budget)
-            else:
-                self._build(seq, reply.proposal, reply.hit, budget)
+            self._guarded(reply.seq, self._build, seq, reply.proposal, reply.hit, budget)
 
     def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> list[int]:
         """Each row's branches this round: its own schedule's, scaled under the
-        tightest fanout.batch_budget among the rows (ssd.fanout.share_budget)."""
+        tightest fanout.batch_budget among the rows (ssd.saguaro.fanout.share_budget)."""
         caps = [s.speculation.fanout.batch_budget for s in seqs if s.speculation.fanout.batch_budget is not None]
         own = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
         return share_budget(own, min(caps, default=None))

@@ -6,8 +6,8 @@ over 127.0.0.1):
 - ECHO: sent back as is (the link's round-trip time);
 - SERVE(model spec, prefix): build the random model the spec names (once per
   spec), answer READY with its fingerprint, join a new link under `prefix`
-  and run ssd.speculation.speculator.Speculator on it until the target
-  shuts it down: the same draft side the cluster's DraftWorker runs;
+  and serve SSD's draft side on it until the target shuts it down: the one
+  draft-side host (ssd.saguaro.host.serve_link) the cluster's DraftWorker runs;
 - STOP: close and exit.
 A failure while serving is answered with ERROR, so the parent never waits
 for a draft that is gone.
@@ -19,7 +19,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import socket
 import sys
 import time
 import traceback
@@ -29,19 +28,14 @@ import torch
 
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint
 from ssd.transport.channel import ChannelClosed, Message
-from ssd.transport.distributed import DistributedChannel
+from ssd.saguaro.host import serve_link
+from ssd.transport.distributed import DistributedChannel, free_port
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 ECHO, SERVE, READY, ERROR, STOP = "echo", "serve", "ready", "error", "stop"
 CONTROL_PREFIX = "draft-host-control"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def exact_fp32() -> None:
@@ -51,7 +45,7 @@ def exact_fp32() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-class DraftHost:
+class DraftProcess:
     """The parent's handle on the second process (a context manager)."""
 
     def __init__(self, device: str, timeout_s: float = 120.0, threads: int | None = None) -> None:
@@ -108,7 +102,7 @@ class DraftHost:
             self._process.terminate()
             self._process.join(5)
 
-    def __enter__(self) -> "DraftHost":
+    def __enter__(self) -> "DraftProcess":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,8 +178,6 @@ def _host_loop(port: int, device: str, timeout_s: float, threads: int | None, st
 
 def _serve(control: DistributedChannel, msg: Message, models: dict[str, torch.nn.Module],
            port: int, device: str, timeout_s: float) -> None:
-    from ssd.speculation.speculator import Speculator
-
     try:
         spec = RandomModelSpec(**msg.header["model"])
         if spec.key() not in models:
@@ -196,8 +188,4 @@ def _serve(control: DistributedChannel, msg: Message, models: dict[str, torch.nn
         control.send(Message(ERROR, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
         return
     control.send(Message(READY, {"fingerprint": fingerprint(model)}))
-    link = DistributedChannel.connect(HOST, port, rank=1, prefix=msg.header["prefix"], timeout_s=timeout_s)
-    try:
-        Speculator(model, link).serve()
-    finally:
-        link.close()
+    serve_link(model, port, msg.header["prefix"], timeout_s, host=HOST)

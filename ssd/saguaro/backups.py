@@ -10,8 +10,9 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
-from ssd.speculation.cache import Proposal
-from ssd.speculation.drafting import Saguaro, draft_chain
+from ssd.saguaro.cache import Proposal
+from ssd.engine.drafting import draft_chain
+from ssd.saguaro.sampling import Saguaro
 
 
 class Backup(Protocol):

@@ -19,9 +19,9 @@ import torch
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, token_tensor
 from ssd.sampling import probs_from_logits, sample_ids
-from ssd.speculation.branches import BranchDecoder
-from ssd.speculation.cache import Proposal
-from ssd.speculation.drafting import Saguaro
+from ssd.saguaro.branches import BranchDecoder
+from ssd.saguaro.cache import Proposal
+from ssd.saguaro.sampling import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
 

@@ -4,31 +4,16 @@ SSD's neural backup, written once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, forward_rows
-from ssd.sampling import probs_from_logits, sample, saguaro_rescale_rows
+from ssd.sampling import probs_from_logits, sample
 
-
-@dataclass(frozen=True)
-class Saguaro:
-    """Saguaro sampling settings: rescale the top-F_j tokens at position j by c."""
-
-    c: float
-    fanout: Sequence[int]  # F_j for the position each drafted token fills
-
-    def apply(self, q: torch.Tensor, position: int) -> torch.Tensor:
-        """q' for one row [V]."""
-        return self.apply_rows(q.unsqueeze(0), position)[0]
-
-    def apply_rows(self, q: torch.Tensor, position: int) -> torch.Tensor:
-        """q' for each row of [B, V], each on its own top-F tokens."""
-        if self.c == 1.0 or position >= len(self.fanout):
-            return q
-        return saguaro_rescale_rows(q, self.fanout[position], self.c)
+if TYPE_CHECKING:  # SSD's neural backup drafts under Saguaro sampling; SD never does
+    from ssd.saguaro.sampling import Saguaro
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
-Ops target -> draft: prefill(seq, prompt, settings), round(seq, k, t*),
-rounds([(seq, k, t*), ...]), release(seq), shutdown. Draft -> target:
-proposal(seq, hit, tokens, q) answers a round, proposals(rows) answers a
+Ops target -> draft: prefill(seq, prompt, settings), rounds([(seq, k, t*),
+...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
 rounds message with one row per round row, in order; error(seq, text) is a
 whole message failing. Headers hold only plain data (msgpack-able); q rows
 travel as a tensor.
 
-A batch (SSD at batch > 1) uses one rounds/proposals exchange per round, so a
-round costs one message each way whatever the batch size:
+Every round is one rounds/proposals exchange, one row per sequence (a lone
+request is a batch of one), so a round costs one message each way whatever
+the batch size:
 
     rounds     header {"rows": [{"seq", "k", "token"}, ...]}, no tensors
     proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy)
@@ -29,11 +29,11 @@ from typing import Any, Sequence
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig, from_dict
-from ssd.speculation.cache import Proposal
+from ssd.saguaro.cache import Proposal
 from ssd.transport.channel import Message
 
-PREFILL, ROUND, ROUNDS, RELEASE, SHUTDOWN = "prefill", "round", "rounds", "release", "shutdown"
-PROPOSAL, PROPOSALS, ERROR = "proposal", "proposals", "error"
+PREFILL, ROUNDS, RELEASE, SHUTDOWN = "prefill", "rounds", "release", "shutdown"
+PROPOSALS, ERROR = "proposals", "error"
 
 
 class DraftError(RuntimeError):
@@ -60,14 +60,6 @@ class RoundRow:
     seq: int
     k: int
     token: int
-
-
-def round_(seq: int, k: int, token: int) -> Message:
-    return Message(ROUND, _round_header(RoundRow(seq, k, token)))
-
-
-def parse_round(msg: Message) -> RoundRow:
-    return _round_row(msg.header)
 
 
 def rounds(rows: Sequence[RoundRow]) -> Message:
@@ -106,7 +98,7 @@ class ProposalReply:
 
 @dataclass
 class RowError:
-    """One row of a batched round failed on the draft; its text says how."""
+    """One row of a round failed on the draft; its text says how."""
 
     seq: int
     error: str
@@ -115,18 +107,8 @@ class RowError:
 RowReply = ProposalReply | RowError
 
 
-def proposal(reply: ProposalReply) -> Message:
-    q = reply.proposal.q
-    return Message(PROPOSAL, _reply_header(reply), [] if q is None else [q])
-
-
 def error(seq: int, text: str) -> Message:
     return Message(ERROR, {"seq": seq, "error": text})
-
-
-def parse_proposal(msg: Message) -> ProposalReply:
-    _expect(msg, PROPOSAL)
-    return _reply(msg.header, msg.tensors[0] if msg.tensors else None)
 
 
 def proposals(rows: Sequence[RowReply]) -> Message:

@@ -1,0 +1,62 @@
+"""The draft side's one host: a speculator serving a draft model on a link
+until the target shuts it down.
+
+Every place that runs SSD's draft side runs `serve`; they differ only in
+where the process comes from and what carries the link:
+- `DraftThread`: a thread of this process over the in-process channel (SSD in
+  one process: the server's engines, launch/generate.py, the tests);
+- `serve_link`: rank 1 of a two-rank gloo link, in a Ray actor
+  (ssd.cluster.workers.DraftWorker) or in a spawned second process
+  (ssd.bench.draft_process, the GPU smoke run).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from ssd.saguaro import protocol
+from ssd.saguaro.speculator import Speculator
+from ssd.transport import inprocess_pair
+from ssd.transport.channel import Channel
+from ssd.transport.distributed import DistributedChannel
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+JOIN_TIMEOUT_S = 30.0  # a speculator mid-build finishes it before it reads the shutdown
+
+
+def serve(model: torch.nn.Module, channel: Channel) -> None:
+    """Answer the target on `channel` until it sends shutdown (blocks); the channel is closed after."""
+    try:
+        Speculator(model, channel).serve()
+    finally:
+        channel.close()
+
+
+def serve_link(
+    model: torch.nn.Module, port: int, prefix: str, timeout_s: float, backend: str = "gloo", host: str = LOOPBACK,
+) -> None:
+    """Join the link under `prefix` as rank 1 (the target is rank 0) and `serve` on it (blocks)."""
+    serve(model, DistributedChannel.connect(host, port, rank=1, backend=backend, timeout_s=timeout_s, prefix=prefix))
+
+
+class DraftThread:
+    """`serve` on a daemon thread of this process; `channel` is the target's end."""
+
+    def __init__(self, draft: torch.nn.Module) -> None:
+        self.channel, draft_end = inprocess_pair()
+        self.speculator = Speculator(draft, draft_end)
+        self.thread = threading.Thread(target=self.speculator.serve, name="ssd-speculator", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Shut the speculator down (through our own end: the engine may have dropped its link)."""
+        if self.thread.is_alive():
+            self.channel.send(protocol.shutdown())
+            self.thread.join(JOIN_TIMEOUT_S)
+            if self.thread.is_alive():
+                log.warning("the speculator thread did not stop within %.0f s", JOIN_TIMEOUT_S)

@@ -1,0 +1,332 @@
+"""SSD, the target side: every decoding row's last verification outcome goes to
+the draft in ONE `rounds` message, ONE `proposals` reply brings every row's
+next speculation (ready at once on a cache hit), and the packed target forward
+verifies them all; each row then settles on its own with the shared `verify`.
+A round costs one message each way whatever the batch size, and a single
+request is a batch of one. Written only against the Channel interface; the
+draft side is ssd.saguaro.speculator, hosted by ssd.saguaro.host.
+
+The draft never costs a request:
+- one row failing on the draft (a RowError in the reply) runs a plain target
+  step inside the same packed forward, then is released and prefilled again
+  under a new seq id, so it speculates again from the next step;
+- a draft that fails, disconnects or stalls past `draft_timeout_s` degrades
+  every row (the step has verified nothing yet): the batch goes on
+  target-only, counted as degraded rounds, until `attach` hands over a new
+  link from any thread; it is adopted before the next step, every running
+  row prefilled on it, mid-request too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ssd.config import BatchingConfig, SpeculationConfig
+from ssd.engine.batch import BatchedEngine, Finished, Row, SequenceState, Verifier
+from ssd.engine.request import GenerationRequest
+from ssd.engine.sd import draft_length
+from ssd.models.kv import KVSequence
+from ssd.models.quant import precision_of
+from ssd.models.tokenizer import Tokenizer
+from ssd.saguaro import protocol
+from ssd.saguaro.host import DraftThread
+from ssd.saguaro.protocol import ProposalReply, RowError, RowReply
+from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
+from ssd.verify import Outcome, verify
+
+log = logging.getLogger(__name__)
+
+LINK_FAILURES = (ChannelTimeout, ChannelClosed, protocol.DraftError, ConnectionError)
+
+
+@dataclass
+class DraftCursor:
+    """One sequence as the speculator knows it: its seq id on the current link
+    and the outcome its next round reports. A (re)prefill starts a cursor whose
+    first round is no cache lookup (no cache exists yet)."""
+
+    seq: int
+    outcome: Outcome = Outcome(0, 0)
+    first_round: bool = True
+
+    def restart(self, token: int) -> None:
+        """The speculator holds the sequence before `token`: its next round reports (0, token)."""
+        self.outcome = Outcome(0, token)
+        self.first_round = True
+
+    @property
+    def lookup_k(self) -> int | None:
+        """The acceptance length the next round looks up (None: the first round looks nothing up)."""
+        return None if self.first_round else self.outcome.k
+
+    def round_row(self) -> protocol.RoundRow:
+        return protocol.RoundRow(self.seq, self.outcome.k, self.outcome.token)
+
+    def advance(self, outcome: Outcome) -> None:
+        self.outcome, self.first_round = outcome, False
+
+
+@dataclass
+class RowLink:
+    """A row on the draft link: where the speculator holds it, and this step's speculation.
+
+    `reply` is None in a step where the row runs without the draft (link
+    down, or its row failed on the draft: then `restart` is set and the row
+    is prefilled again after its plain step).
+    """
+
+    cursor: DraftCursor | None = None
+    reply: ProposalReply | None = None
+    drafted: tuple[int, ...] = ()
+    q: torch.Tensor | None = None
+    wait_s: float = 0.0
+    restart: bool = False
+
+    def clear(self) -> None:
+        self.reply, self.drafted, self.q, self.wait_s = None, (), None, 0.0
+
+    def take(self, reply: ProposalReply, remaining: int, wait_s: float) -> None:
+        """This step's proposal, never verified past max_new_tokens (a round adds up to K + 1)."""
+        k = min(len(reply.proposal.tokens), remaining - 1)
+        q = reply.proposal.q
+        self.reply, self.drafted, self.q, self.wait_s = reply, tuple(reply.proposal.tokens[:k]), None if q is None else q[:k], wait_s
+
+
+def record_speculation(
+    req: SequenceState, reply: ProposalReply, lookup_k: int | None, outcome: Outcome, wait_s: float, verify_s: float,
+) -> None:
+    """SSD's per-round measures of one row."""
+    req.stats.spec.record(
+        lookup_k=lookup_k, hit=reply.hit, source=reply.proposal.source,
+        tokens=outcome.k + 1, wait_s=wait_s, verify_s=verify_s,
+        backup_s=reply.backup_s, build_s=reply.build_s,
+    )
+
+
+class SSDEngine(BatchedEngine):
+    """Continuous batching with SSD: one rounds/proposals exchange per step, one packed verification."""
+
+    mode = "ssd"
+
+    def __init__(
+        self,
+        target: torch.nn.Module | KVSequence,
+        tokenizer: Tokenizer,
+        speculation: SpeculationConfig | None = None,
+        batching: BatchingConfig | None = None,
+        verifier: Verifier = verify,
+        channel: Channel | None = None,
+        draft_timeout_s: float | None = None,
+        draft_precision: str | None = None,
+        host: DraftThread | None = None,
+    ) -> None:
+        """`speculation`: the settings for requests that bring none; the draft's
+        caches live with the speculator, so admission reserves target KV only.
+
+        `channel`: the link to the speculator (None: none yet; `attach` one).
+        `host`: the in-process draft side this engine owns (ssd.saguaro.host);
+        close() stops it. `draft_precision`: what the draft runs in, for the
+        stats line (whoever placed the draft knows it).
+        """
+        super().__init__(target, tokenizer, speculation, batching, verifier)
+        if draft_precision:
+            self.precision += f", draft {draft_precision}"
+        self.channel = channel
+        self.draft_timeout_s = draft_timeout_s
+        self.host = host
+        self._pending: Channel | None = None  # a new link, adopted before the next step
+        self._pending_lock = threading.Lock()
+        self._seq_ids = itertools.count()
+
+    @classmethod
+    def in_process(
+        cls,
+        target: torch.nn.Module | KVSequence,
+        draft: torch.nn.Module,
+        tokenizer: Tokenizer,
+        speculation: SpeculationConfig | None = None,
+        batching: BatchingConfig | None = None,
+        verifier: Verifier = verify,
+    ) -> "SSDEngine":
+        """SSD in one process: the speculator serves `draft` from a thread of this
+        process (ssd.saguaro.host.DraftThread), which close() stops."""
+        host = DraftThread(draft)
+        return cls(target, tokenizer, speculation, batching, verifier,
+                   channel=host.channel, draft_precision=precision_of(draft), host=host)
+
+    # --- the link -----------------------------------------------------------------------
+
+    @property
+    def link_up(self) -> bool:
+        return self.channel is not None or self._pending is not None
+
+    def attach(self, channel: Channel) -> None:
+        """Use a (new) draft link from the next step on; safe from any thread."""
+        with self._pending_lock:
+            old, self._pending = self._pending, channel
+        if old is not None:
+            _close_quietly(old)
+
+    def stop_draft(self) -> None:
+        """Tell the speculator to stop serving and close the link (shutdown)."""
+        self._adopt()
+        self._send(protocol.shutdown())
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            _close_quietly(channel)
+
+    def close(self) -> None:
+        """Stop the draft side: the speculator across the link, and the host this engine owns."""
+        self.stop_draft()
+        if self.host is not None:
+            self.host.stop()
+
+    def _adopt(self) -> bool:
+        """Switch to a pending link, if one came; True if it did."""
+        with self._pending_lock:
+            channel, self._pending = self._pending, None
+        if channel is None:
+            return False
+        if self.channel is not None:
+            _close_quietly(self.channel)
+        self.channel = channel
+        return True
+
+    def _send(self, message: Message) -> None:
+        """Send if a link is up; a failed send takes the link down instead of the request."""
+        if self.channel is None:
+            return
+        try:
+            self.channel.send(message)
+        except LINK_FAILURES as exc:
+            self._link_down(exc)
+
+    def _link_down(self, exc: BaseException) -> None:
+        log.warning("draft link lost (%s: %s); the target continues alone", type(exc).__name__, exc)
+        channel, self.channel = self.channel, None
+        _close_quietly(channel)
+
+    # --- rows on the link ---------------------------------------------------------------
+
+    def admit(self, request: GenerationRequest) -> None:
+        """Add a row and prefill the draft at once: its prefill overlaps the target's chunked one."""
+        super().admit(request)
+        row = self._rows[-1]
+        row.link = RowLink()
+        self._link_row(row)
+
+    def step(self) -> list[Finished]:
+        if self._adopt():
+            log.info("draft link adopted with %d running rows; each is prefilled on it", len(self._rows))
+            for row in self._rows:
+                self._link_row(row)
+        before = list(self._rows)
+        left = super().step()
+        self._release_left(before)
+        return left
+
+    def _link_row(self, row: Row) -> None:
+        """Start the row on the speculator under a new seq id: its prompt while it
+        prefills, else the sequence so far, whose last token the next round reports."""
+        state = row.state
+        prefix = state.sequence if not row.decoding else state.sequence[:-1]
+        row.link.cursor = DraftCursor(next(self._seq_ids))
+        self._send(protocol.prefill(row.link.cursor.seq, prefix, state.sampling, state.speculation))
+        if row.decoding:
+            row.link.cursor.restart(state.sequence[-1])
+
+    def _release_left(self, before: list[Row]) -> None:
+        """Rows that left this step (finished, cancelled, failed) free their draft state."""
+        staying = {id(row) for row in self._rows}
+        for row in before:
+            if id(row) not in staying and row.link.cursor is not None:
+                self._send(protocol.release(row.link.cursor.seq))
+
+    def _row_failed(self, row: Row, reply: RowError) -> None:
+        """The draft failed this row alone: drop its draft state; it is prefilled again after this step."""
+        log.warning("draft failed request %r (seq %d): %s; it runs a plain step, then is prefilled again",
+                    row.request.request_id, reply.seq, reply.error)
+        self._send(protocol.release(reply.seq))
+        row.link.cursor, row.link.restart = None, True
+
+    def _exchange(self, rows: list[Row]) -> list[RowReply]:
+        """One rounds message for `rows`, one proposals reply, its rows in the same order."""
+        self.channel.send(protocol.rounds([row.link.cursor.round_row() for row in rows]))
+        msg = self.channel.recv(self.draft_timeout_s)
+        try:
+            replies = protocol.parse_proposals(msg)
+        except protocol.DraftError:
+            raise
+        except (RuntimeError, KeyError) as exc:  # a reply of the wrong kind: the link is not to be trusted
+            raise protocol.DraftError(f"malformed proposals reply: {exc!r}") from exc
+        sent = [row.link.cursor.seq for row in rows]
+        if [reply.seq for reply in replies] != sent:
+            raise protocol.DraftError(f"proposals for seqs {[r.seq for r in replies]}, rounds sent for {sent}")
+        return replies
+
+    # --- what the mode says -------------------------------------------------------------
+
+    def _round_cost(self, row: Row) -> int:
+        return draft_length(row.state) + 1
+
+    def _draft(self, rows: list[Row]) -> None:
+        """Every decoding row's speculation for this step, from one exchange; a link
+        failure leaves every row without one (plain target steps)."""
+        for row in rows:
+            row.link.clear()
+        if self.channel is None or not rows:
+            return
+        started = time.perf_counter()
+        try:
+            replies = self._exchange(rows)
+        except LINK_FAILURES as exc:
+            self._link_down(exc)
+            return
+        waited = time.perf_counter() - started  # one wait for the whole batch: each row records it
+        for row, reply in zip(rows, replies):
+            if isinstance(reply, RowError):
+                self._row_failed(row, reply)
+            else:
+                row.link.take(reply, row.state.output.remaining, waited)
+
+    def _scored(self, row: Row) -> list[int]:
+        return [*row.state.sequence, *row.link.drafted][row.target.length :]
+
+    def _prefilled(self, row: Row, fed: int, logits: torch.Tensor) -> None:
+        super()._prefilled(row, fed, logits)
+        if row.decoding and row.link.cursor is not None:
+            row.link.cursor.restart(row.state.sequence[-1])  # the prefill is round 0: t* = the first token
+
+    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        link = row.link
+        if link.reply is None:
+            self._degraded_step(row, logits, forward_s)
+            return
+        lookup_k = link.cursor.lookup_k
+        outcome, verify_s = self._settle_speculation(row, link.drafted, link.q, logits, forward_s)
+        link.cursor.advance(outcome)
+        record_speculation(row.state, link.reply, lookup_k, outcome, link.wait_s, verify_s)
+
+    def _degraded_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        """A round without the draft (counted degraded); a row the draft failed is prefilled again after it."""
+        self._plain_step(row, logits, forward_s)
+        state = row.state
+        state.stats.spec.degraded_rounds += 1
+        if row.link.restart and not state.output.finished:
+            row.link.restart = False
+            self._link_row(row)
+
+
+def _close_quietly(channel: Channel | None) -> None:
+    if channel is None:
+        return
+    try:
+        channel.close()
+    except Exception:  # noqa: BLE001 - the link may be broken already; closing is best effort
+        log.debug("closing a draft link failed", exc_info=True)
