@@ -85,7 +85,8 @@ class Cluster:
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
         self._serving = None
-        self._draft_pid: int | None = None
+        self._draft_pid: int | None = None  # the speculator process last asked to link
+        self._linked_pid: int | None = None  # ... and the one the target holds a link to
         self._watching = threading.Event()  # set: the watcher should look now
         self._stopping = threading.Event()
         self._up = threading.Event()  # clear while the target is lost and restarting
@@ -174,23 +175,26 @@ class Cluster:
         The target adopts the new link before its next round, also in the
         middle of a request."""
         timeout = self.config.cluster.draft_timeout_s
-        self._draft_pid = ray.get(self.draft.ready.remote(), timeout=60)
+        self._draft_pid = ray.get(self.draft.ready.remote(), timeout=60)  # heal: a failed link makes it stale
         port = ray.get(self.targets[0].free_port.remote())
         prefix = next(self._prefixes)
         self._serving = self.draft.serve.remote(port, prefix, timeout)
         ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout))
+        # Only now: until the target holds the new link, `linked()` must not
+        # take the old one (dead, but not yet found so by an idle engine) for it.
+        self._linked_pid = self._draft_pid
         log.info("draft linked (%s)", prefix)
 
     @property
     def draft_pid(self) -> int | None:
         """The speculator process the target was last linked to."""
-        return self._draft_pid
+        return self._linked_pid
 
     def linked(self) -> bool:
         """The target holds a link to the speculator process that is running now."""
         try:
             pid = ray.get(self.draft.ready.remote(), timeout=10)
-            return pid == self._draft_pid and ray.get(self.targets[0].link_up.remote(), timeout=10)
+            return pid == self._linked_pid and ray.get(self.targets[0].link_up.remote(), timeout=10)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
