@@ -49,6 +49,18 @@ def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
         assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
 
 
+def test_actors_run_at_the_drivers_priority(cluster):
+    """Ray's raylet would start them at nice 15, so that any other busy process on
+    the host took the CPU from the target and the draft first."""
+    import os
+
+    import ray
+
+    actors = cluster.targets + [cluster.draft]
+    seen = [where["niceness"] for where in ray.get([a.whereabouts.remote() for a in actors])]
+    assert seen == cluster.actor_niceness == [os.nice(0)] * len(actors)
+
+
 def test_ar_mode_through_the_cluster(cluster):
     spec = dataclasses.replace(CONFIG.speculation, mode="ar")
     out = cluster.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20), spec))

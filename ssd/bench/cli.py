@@ -32,6 +32,10 @@ inter-token latency (p50/p99); "x base" is throughput over that
 one-at-a-time row at the same concurrency:
 
     python launch/bench.py --concurrency 1 2 4 8 --modes ar sd --max-new-tokens 64
+
+--background-load runs one busy process at nice 19 for the whole
+measurement (ssd.bench.background); every table says which condition it
+was measured under.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ssd.bench.background import busy_background
+from ssd.bench.background import describe as describe_background
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
 from ssd.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_bench
@@ -63,8 +69,10 @@ def main(argv: list[str] | None = None) -> Results:
         progress=not args.no_progress,
     )
     pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
-    results: Results = run_bench(pair, config, plan)
+    with busy_background(args.background_load):
+        results: Results = run_bench(pair, config, plan)
     rows, limits = summarize(results)
+    print(describe_background(args.background_load))
     print(format_tables(rows, limits))
     if args.json:
         write_json(args.json, results, rows, limits, _settings(args, config, plan))
@@ -98,7 +106,9 @@ def serving(args: argparse.Namespace, config) -> list:
         requests_per_client=args.requests_per_client, max_new_tokens=config.generation.max_new_tokens,
         temperature=(args.temperatures or [config.sampling.temperature])[0], progress=not args.no_progress,
     )
-    results = run_serving_bench(pair, config, plan)
+    with busy_background(args.background_load):
+        results = run_serving_bench(pair, config, plan)
+    print(describe_background(args.background_load))
     print(format_serving_table(results, baseline.label))
     for result in results:
         if result.errors:
@@ -135,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", type=Path, help="write the aggregate rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s by mode here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--background-load", dest="background_load", action="store_true",
+                        help="run one busy process at nice 19 for the whole measurement (robustness)")
     parser.add_argument("--concurrency", nargs="+", type=int,
                         help="serving benchmark: concurrent streaming clients, e.g. 1 2 4 8 (see above)")
     parser.add_argument("--adaptive", action="store_true",
@@ -170,7 +182,7 @@ def _settings(args: argparse.Namespace, config, plan: BenchPlan | None) -> dict:
         "prompt_sets": {name: len(prompts) for name, prompts in plan.prompt_sets.items()},
     }
     return {
-        "config": str(args.config), **asked,
+        "config": str(args.config), **asked, "background_load": args.background_load,
         **{role: {"name": m.name, "dtype": m.dtype, "quantization": m.quantization}
            for role, m in (("target", config.target), ("draft", config.draft))},
         "max_new_tokens": config.generation.max_new_tokens,

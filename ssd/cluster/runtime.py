@@ -71,6 +71,22 @@ def refuse_unworkable(config: Config, placement: Placement) -> None:
             )
 
 
+def start_ray(address: str | None) -> None:
+    """ray.init, with our actors at the driver's CPU priority.
+
+    Ray's raylet starts worker processes at nice 15 (its `worker_niceness`),
+    so on a busy host any other process takes the CPU from the target and
+    the draft first, while AR and SD in one process run at the driver's
+    priority. The raylet reads RAY_worker_niceness from its environment when
+    it starts: this holds for a Ray we start here. Joining a running cluster
+    (`address`) keeps that cluster's setting; `Cluster` logs the actors'
+    niceness when it differs from the driver's. A RAY_worker_niceness the
+    user set is kept.
+    """
+    os.environ.setdefault("RAY_worker_niceness", str(os.nice(0)))
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+
+
 class Cluster:
     def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
         refuse_unworkable(config, placement)
@@ -79,11 +95,12 @@ class Cluster:
         self.device = compute_device(config, placement)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+            start_ray(address)
         self._prefixes = (f"ssd-link-{os.getpid()}-{n}" for n in itertools.count())
         self._pg = self._reserve()
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
+        self.actor_niceness = self._check_priority()
         self._serving = None
         self._draft_pid: int | None = None  # the speculator process last asked to link
         self._linked_pid: int | None = None  # ... and the one the target holds a link to
@@ -136,6 +153,19 @@ class Cluster:
                 "CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
             }}
         return options
+
+    def _check_priority(self) -> list[int]:
+        """The actors' niceness (targets, then the draft); a warning when the
+        host favours other processes over them (a joined cluster's raylet)."""
+        actors = self.targets + ([self.draft] if self.draft is not None else [])
+        niceness = [where["niceness"] for where in ray.get([a.whereabouts.remote() for a in actors], timeout=60)]
+        driver = os.nice(0)
+        if max(niceness) > driver:
+            log.warning(
+                "the actors run at nice %s, the driver at %d: any other busy process on the host takes the CPU "
+                "from them first (start that cluster's Ray with RAY_worker_niceness=%d)", niceness, driver, driver,
+            )
+        return niceness
 
     def _cores(self, device: int) -> list[int] | None:
         return [device] if self.placement.kind == "cpu" else None

@@ -56,6 +56,7 @@ def whereabouts(device: str) -> dict[str, Any]:
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "niceness": os.nice(0),
     }
 
 
