@@ -22,3 +22,17 @@ def test_busy_background_spins_at_nice_19_and_is_gone_after():
 def test_disabled_background_starts_nothing():
     with busy_background(enabled=False) as pid:
         assert pid is None
+
+
+def test_omp_policy_rows_cover_each_policy_quiet_and_beside_a_busy_process(monkeypatch):
+    import ssd.bench.omp_policy as omp
+
+    assert omp.probe("passive", 1, repeats=1) > 0  # one real probe: a fresh process under the policy
+    asked = []
+    monkeypatch.setattr(omp, "probe", lambda policy, threads, repeats: asked.append((policy, threads)) or 10.0 * threads)
+    rows = omp.measure([1, 2], ["default", "passive"], rounds=2, repeats=1, progress=False)
+    assert {(r.policy, r.threads, r.background) for r in rows} == {
+        (p, t, b) for p, t in [("default", 1), ("default", 2), ("passive", 2)] for b in (False, True)
+    }
+    assert len(asked) == 2 * 2 * 3  # rounds x (quiet, busy) x cases: interleaved, none skipped
+    assert omp.format_rows(rows).splitlines()[2].split("|")[1].strip() == "2"  # default at 2 threads

@@ -242,9 +242,10 @@ def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
         "--config", str(ROOT / "configs" / "tiny.yaml"), "--modes", "ar", "sd", "hf",
         "--prompt-sets", "tiny", str(prompts), "--prompts", "2", "--temperatures", "0", "0.7",
         "--max-new-tokens", "12", "--thread-counts", "1", "--no-progress", "--log-level", "WARNING",
-        "--json", str(out["json"]), "--csv", str(out["csv"]), "--plot", str(out["png"]),
+        "--json", str(out["json"]), "--csv", str(out["csv"]), "--plot", str(out["png"]), "--background-load",
     ])
     printed = capsys.readouterr().out
+    assert "background load: one busy process at nice 19" in printed  # every table says which condition
     for title in ("prompt set 'tiny', temperature 0:", "prompt set 'mixed', temperature 0.7:"):
         assert title in printed
     assert "physical limit" in printed and "x limit" in printed
@@ -256,7 +257,8 @@ def test_bench_cli_end_to_end(tmp_path, monkeypatch, capsys):
         }
         assert greedy["sd"] == greedy["ar"] == greedy["hf"]
     assert len(list(csv.DictReader(out["csv"].open()))) == 12
-    assert json.loads(out["json"].read_text())["settings"]["temperatures"] == [0.0, 0.7]
+    settings = json.loads(out["json"].read_text())["settings"]
+    assert settings["temperatures"] == [0.0, 0.7] and settings["background_load"] is True
     assert out["png"].stat().st_size > 1000
 
 
