@@ -30,7 +30,6 @@ at five.
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from collections.abc import Iterator
 
@@ -155,7 +154,6 @@ class FusedInt8Linear(nn.Module):
         self.linear = Int8Linear.concat(parts)
         self.sizes = [p.out_features for p in parts]
         self._split: list[Int8Linear] | None = None
-        self._split_lock = threading.Lock()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(x).split(self.sizes, dim=-1)
@@ -163,14 +161,14 @@ class FusedInt8Linear(nn.Module):
     def part(self, index: int) -> Int8Linear:
         """Part `index` as a layer of its own, for callers that ask for one part at a time.
 
-        Built once on first use (a weight conversion, under a lock), then only
-        read: models that only the lean forward runs never pay its memory.
+        Built on first use (a weight conversion), then only read: models that
+        only the lean forward runs never pay its memory. Two threads may both
+        build it at once; they build the same weights, and either list serves.
         """
-        if self._split is None:
-            with self._split_lock:
-                if self._split is None:
-                    self._split = self.linear.split(self.sizes)
-        return self._split[index]
+        split = self._split
+        if split is None:
+            split = self._split = self.linear.split(self.sizes)
+        return split[index]
 
 
 class FusedPart(nn.Module):
