@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import MODES, Config, ConfigError, load_config
+from ssd.config import GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -34,6 +34,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", type=int, help="override speculation.k (drafted tokens per round)")
     parser.add_argument("--fanout", choices=["uniform", "geometric"], help="override speculation.fanout.kind")
     parser.add_argument("--budget", type=int, help="override speculation.fanout.budget (branches per round)")
+    parser.add_argument("--glue", choices=GLUES, help="override speculation.glue (how an SSD cache build starts)")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
     parser.add_argument("--backup", choices=["neural", "ngram", "random"], help="override speculation.backup")
     parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
@@ -61,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("speculation", "backup", args.backup),
         ("speculation", "mode", args.mode),
         ("speculation", "k", args.k),
+        ("speculation", "glue", args.glue),
         ("generation", "max_new_tokens", args.max_new_tokens),
         ("generation", "stop", args.stop),
         ("sampling", "temperature", args.temperature),
@@ -71,6 +75,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ]:
         if value is not None:
             overrides.setdefault(section, {})[key] = value
+    keeps = [name for name, value in (("k", args.k), ("budget", args.budget), ("glue", args.glue)) if value is not None]
+    if keeps:
+        overrides.setdefault("runtime", {})["plan_keeps"] = keeps
+    if args.no_plan:
+        overrides.setdefault("runtime", {})["plan"] = False
     for role in ("target", "draft"):
         precision = getattr(args, f"{role}_precision")
         if precision:

@@ -22,6 +22,13 @@ MODES = ("ar", "sd", "ssd")
 FANOUT_KINDS = ("uniform", "geometric")
 BACKUPS = ("neural", "ngram", "random")
 BRANCH_DECODERS = ("tree", "batched")
+# How an SSD cache build starts (ssd.saguaro.builder.build_cache): "fold" feeds
+# the one drafted token the draft lacks inside the first branch step (K draft
+# forwards a build; bonus branches propose K - 1 tokens); "reuse" feeds it in
+# a one-token pass first (K + 1 forwards, full-length bonus branches); "full"
+# re-feeds t* and all K drafted tokens (the build before reuse, for ablations).
+GLUES = ("fold", "reuse", "full")
+PLANNED = ("k", "budget", "glue")  # what the start-up plan chooses
 
 
 class ConfigError(ValueError):
@@ -155,6 +162,7 @@ class SpeculationConfig:
     # uses neural below 8 sequences and ngram from 8 on. Empty: always `backup`.
     backup_policy: dict[int, str] = field(default_factory=dict)
     branch_decoder: str = "tree"  # tree (one row, tree mask) | batched (expanded KV)
+    glue: str = "fold"  # fold | reuse | full: see GLUES
     # K by batch size for batched SD: {smallest batch size: K}, K 0 = speculation
     # off (plain AR steps), e.g. {1: 4, 4: 2, 8: 0}; empty: always k. Computed
     # from measured costs by `python launch/calibrate.py`; a request that asks
@@ -177,6 +185,8 @@ class SpeculationConfig:
             raise ConfigError("speculation.k_policy keys must be batch sizes >= 1")
         if any(not isinstance(k, int) or not 0 <= k <= 64 for k in self.k_policy.values()):
             raise ConfigError(f"speculation.k_policy values must be K in 0..64 (0: speculation off), got {self.k_policy}")
+        if self.glue not in GLUES:
+            raise ConfigError(f"speculation.glue must be one of {GLUES}, got {self.glue!r}")
         if self.branch_decoder not in BRANCH_DECODERS:
             raise ConfigError(
                 f"speculation.branch_decoder must be one of {BRANCH_DECODERS}, got {self.branch_decoder!r}"
@@ -196,6 +206,17 @@ class SpeculationConfig:
 @dataclass
 class RuntimeConfig:
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    # SSD: time this host when the cluster or server starts and pick the
+    # speculation's K, fan-out budget and glue (ssd.saguaro.startup; cached
+    # per host, model pair and precision). `plan_keeps` names the settings
+    # the plan must leave as configured (--k, --budget, --glue add theirs).
+    plan: bool = False
+    plan_keeps: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        bad = [name for name in self.plan_keeps if name not in PLANNED]
+        if bad:
+            raise ConfigError(f"runtime.plan_keeps must name settings among {PLANNED}, got {bad}")
 
 
 @dataclass

@@ -38,8 +38,8 @@ def record_builds(monkeypatch: pytest.MonkeyPatch) -> list[Build]:
     builds: list[Build] = []
     real = speculator_module.build_cache
 
-    def spy(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None):
-        entries = real(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro)
+    def spy(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None, **kwargs):
+        entries = real(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro, **kwargs)
         builds.append(Build(list(committed), list(drafted), sampling, entries))
         return entries
 

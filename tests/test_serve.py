@@ -325,7 +325,8 @@ def test_good_speculation_settings_are_honoured(client, backend, monkeypatch):
     assert len(s.acceptance_by_position) == 3 and 0 < s.drafted <= 3 * s.rounds
     assert dict(s.spec.backups) == {"ngram": s.rounds - s.spec.hits}  # every miss, the first round included
     # uniform: 6 outcomes over k = 0..3, the remainder to the lowest k
-    assert builds and all(len(b.drafted) == 3 and b.per_k(3) == [2, 2, 1, 1] for b in builds)
+    full = [b for b in builds if len(b.drafted) == 3]  # after a bonus-branch hit (glue "fold") a speculation has 2
+    assert full and all(b.per_k(3) == [2, 2, 1, 1] for b in full)
 
     builds.clear()  # C acts on sampled rows only
     client.generate(text=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, **settings)

@@ -164,10 +164,10 @@ def test_a_row_whose_cache_build_failed_reports_it_next_round(tiny_models, monke
     draft.prefill(spec())
     real = speculator_module.build_cache
 
-    def breaks_on_row_1(kv, decoder, committed, *args):
+    def breaks_on_row_1(kv, decoder, committed, *args, **kwargs):
         if committed[: len(PROMPTS[1])] == PROMPTS[1]:
             raise RuntimeError("build broke")
-        return real(kv, decoder, committed, *args)
+        return real(kv, decoder, committed, *args, **kwargs)
 
     monkeypatch.setattr(speculator_module, "build_cache", breaks_on_row_1)
     assert all(isinstance(r, ProposalReply) for r in draft.rounds(first_rounds()))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ssd.saguaro.speculator as speculator_module
-from ssd.config import FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.config import GLUES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
 from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
@@ -36,16 +36,20 @@ def references(tiny_models, tiny_tokenizer):
 
 @pytest.mark.parametrize("k, budget", [(1, 1), (2, 3), (3, 8), (4, 8), (4, 16), (6, 4), (8, 24)])
 @pytest.mark.parametrize("kind", ["uniform", "geometric"])
-def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind, monkeypatch):
+@pytest.mark.parametrize("glue", GLUES)
+def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget, kind, glue, monkeypatch):
     target, draft = tiny_models
     builds = record_builds(monkeypatch)
-    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind, glue=glue)) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
             assert out.stats.spec.lookups > 0 and len(out.stats.drafted_at) == k  # K tokens drafted, no more
-    # The settings took effect: every cache held `budget` outcomes, prepared for a K-token speculation.
-    assert builds and all(len(b.entries) == budget and len(b.drafted) == k for b in builds)
+    # The settings took effect: every cache held `budget` outcomes, prepared for a K-token speculation
+    # (K - 1 after a bonus branch's hit when the glue is folded).
+    assert builds and all(len(b.entries) == budget for b in builds)
+    lengths = {len(b.drafted) for b in builds}
+    assert lengths == {k} if glue != "fold" or k == 1 else k in lengths and lengths <= {k, k - 1}
 
 
 @pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
@@ -72,7 +76,8 @@ def test_both_branch_decoders_give_identical_sampled_output(tiny_models, tiny_to
     outs = []
     for decoder in ("tree", "batched"):
         starts = count_decoder_starts(monkeypatch)
-        with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(3, 8, branch_decoder=decoder)) as ssd:
+        spec = ssd_spec(3, 8, branch_decoder=decoder, glue="reuse")  # "fold" needs the tree decoder
+        with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
             out = ssd.generate(GenerationRequest([1, 2], sampling, GenerationConfig(max_new_tokens=30)))
         outs.append(out.token_ids)
         assert set(starts) == {decoder} and out.stats.spec.hits > 0  # two decoders really ran, and mattered
@@ -87,6 +92,7 @@ def test_budget_and_kind_set_the_cached_outcomes(tiny_models, tiny_tokenizer, mo
     with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k, budget, kind)) as ssd:
         ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=5), GenerationConfig(max_new_tokens=40)))
     assert len(builds) > 5 and all(len(b.entries) == budget for b in builds)
+    builds = [b for b in builds if len(b.drafted) == k]  # not those after a bonus branch's hit (glue "fold")
     if kind == "uniform":  # as even as whole numbers allow, the remainder to the lowest k
         for b in builds:
             counts = b.per_k(k)
@@ -117,14 +123,18 @@ def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monke
         assert min(saguaro_errors(draft, builds[0], 1.0, fanout)) > 1e-3
 
 
-def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references):
+@pytest.mark.parametrize("glue, tokens", [("reuse", 4.5), ("fold", 3.5)])
+def test_perfect_draft_hits_the_cache_almost_always(tiny_models, tiny_tokenizer, references, glue, tokens):
+    """Every round accepts all K drafts and hits a bonus branch: K + 1 tokens a
+    round, or K with the folded glue, whose bonus branches draft K - 1 (the
+    last round is cut short)."""
     target, _ = tiny_models
-    with SSDEngine.in_process(target, target, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
+    with SSDEngine.in_process(target, target, tiny_tokenizer, ssd_spec(4, 8, glue=glue)) as ssd:
         out = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == references[(1, 2, 3)]
     s = out.stats.spec
     assert s.hit_rate == 1.0
-    assert s.tokens_per_round_after_hit > 4.5  # K + bonus, but the last round is cut short
+    assert tokens < s.tokens_per_round_after_hit <= tokens + 1
 
 
 def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):

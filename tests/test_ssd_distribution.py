@@ -223,11 +223,17 @@ def break_cache(monkeypatch, drawn_from) -> None:
             pending.append(drawn_from(q, step, self.saguaro))
             return q
 
-    def build_cache(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None):
-        return real_build(kv, decoder, committed, drafted, fanout, sampling, gen, ShipsPlainQ(saguaro))
+    def build_cache(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None, **kwargs):
+        return real_build(kv, decoder, committed, drafted, fanout, sampling, gen, ShipsPlainQ(saguaro), **kwargs)
+
+    def sample_ids(q, gen):  # a step's rows may come in groups (branches that joined late: one position behind)
+        drawn = torch.cat(pending)
+        pending.clear()
+        assert drawn.shape == q.shape
+        return real_sample_ids(drawn, gen)
 
     monkeypatch.setattr(speculator_module, "build_cache", build_cache)
-    monkeypatch.setattr(builder_module, "sample_ids", lambda q, gen: real_sample_ids(pending.pop(), gen))
+    monkeypatch.setattr(builder_module, "sample_ids", sample_ids)
 
 
 def cache_draws_reversed(monkeypatch) -> None:
@@ -247,18 +253,18 @@ def cache_ships_q_not_q_prime(monkeypatch) -> None:
 
 def neural_draws_flat(monkeypatch) -> None:
     """Neural backup: drafts at depth >= 2 drawn uniformly over q's support, shipped with q."""
-    real_chain, real_sample = backups_module.draft_chain, drafting_module.sample
+    real_chain, real_sample = backups_module.drafted_chain, drafting_module.sample
     depth = [0]
 
-    def draft_chain(*args, **kwargs):
+    def drafted_chain(*args, **kwargs):
         depth[0] = 0
         return real_chain(*args, **kwargs)
 
-    def sample(q, gen):  # draft_chain's only draw: one per drafted token
+    def sample(q, gen):  # the chain's only draw: one per drafted token
         depth[0] += 1
         return real_sample(q if depth[0] == 1 else flat(q), gen)
 
-    monkeypatch.setattr(backups_module, "draft_chain", draft_chain)
+    monkeypatch.setattr(backups_module, "drafted_chain", drafted_chain)
     monkeypatch.setattr(drafting_module, "sample", sample)
 
 

@@ -40,12 +40,13 @@ import numpy as np
 import torch
 
 from ssd import hardware
-from ssd.config import SamplingConfig
+from ssd.config import GLUES, SamplingConfig
 from ssd.saguaro.fanout import uniform_fanout
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
 from ssd.saguaro.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
+from ssd.saguaro.cache import DraftWork
 from ssd.engine.drafting import draft_chain
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class CostSettings:
     repeats: int = 3
     threads: int = 1
     branch_decoder: str = "tree"
+    glue: str = "full"  # how each build starts (ssd.config.GLUES)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
 
@@ -157,6 +159,8 @@ class CostSettings:
         for name in ("prefix", "repeats", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.glue not in GLUES:
+            raise ValueError(f"glue must be one of {GLUES}, got {self.glue!r}")
         if self.branch_decoder not in ("tree", "batched"):
             raise ValueError(f"branch_decoder must be tree or batched, got {self.branch_decoder!r}")
 
@@ -188,13 +192,13 @@ def measure_costs(
         tkv, dkv = KVSequence(target), KVSequence(draft)
         tkv.forward(prefix, last_only=True)
         dkv.forward(prefix, last_only=True)
-        target_probes = {("verify", k): _target_forward(tkv, prefix, k + 1, gen) for k in settings.ks}
-        target_probes[("ar", 1)] = _target_forward(tkv, prefix, 1, gen)
+        target_probes = {("verify", k): forward_probe(tkv, prefix, k + 1, gen) for k in settings.ks}
+        target_probes[("ar", 1)] = forward_probe(tkv, prefix, 1, gen)
         decoder = _decoder(settings.branch_decoder)
-        draft_probes = {("backup", k): _backup(dkv, prefix, k, settings) for k in settings.ks}
+        draft_probes = {("backup", k): backup_probe(dkv, prefix, k, settings) for k in settings.ks}
         for k in settings.ks:
             for b in settings.budgets:
-                draft_probes[("build", k, b)] = _build(dkv, decoder, prefix, k, b, vocab, settings, gen)
+                draft_probes[("build", k, b)] = build_probe(dkv, decoder, prefix, k, b, vocab, settings, gen)
         with beside_draft():
             timed = round_robin(target_probes, settings.repeats, tick)
         with beside_target():
@@ -208,7 +212,7 @@ def measure_costs(
     meta = {
         "prefix": settings.prefix, "repeats": settings.repeats, "threads": settings.threads,
         "under_load": beside_draft is not contextlib.nullcontext, "machine": hardware.describe(),
-        "branch_decoder": settings.branch_decoder, "temperature": settings.sampling.temperature,
+        "branch_decoder": settings.branch_decoder, "glue": settings.glue, "temperature": settings.sampling.temperature,
     }
     return Costs(ar, verify, backup, build, meta)
 
@@ -239,27 +243,42 @@ def round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def _target_forward(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
+def forward_probe(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
     ids = torch.randint(kv.model.config.vocab_size, (n,), generator=gen).tolist()
     return lambda: hardware.sync(kv.forward(ids)), lambda: kv.rollback(len(prefix))
 
 
-def _backup(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
+def backup_probe(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
     """draft_chain after a miss: the cache lacks only t* (the last prefix token)."""
     gen = make_generator(s.seed)
     return lambda: draft_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1)
 
 
-def _build(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
-           vocab: int, s: CostSettings, gen: torch.Generator) -> Probe:
-    """build_cache after a hit: the glue feeds t* and K drafted tokens."""
+def build_probe(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
+                vocab: int, s: CostSettings, gen: torch.Generator) -> Probe:
+    """build_cache after a round, with the settings' glue: "full" feeds t* and
+    K drafted tokens; "reuse" and "fold" start where a backup chain left the
+    cache (prefix + drafted[:-1], its logits kept: ssd.saguaro.cache.DraftWork)."""
     drafted = torch.randint(vocab, (k,), generator=gen).tolist()
     fanout = uniform_fanout(k, budget, caps=[vocab - 1] * k + [vocab])
     sample_gen = make_generator(s.seed)
-    return (
-        lambda: (build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen), hardware.sync(kv.model.device)),
-        lambda: kv.rollback(min(kv.length, len(prefix) - 1)),
-    )
+    work_logits = torch.randn(k, kv.model.config.vocab_size, generator=gen).to(kv.model.device)  # ranking only
+
+    def run() -> None:
+        work = None if s.glue == "full" else DraftWork(list(work_logits))
+        build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen, work=work, depth=k, glue=s.glue)
+        hardware.sync(kv.model.device)
+
+    def reset() -> None:
+        if s.glue == "full":
+            kv.rollback(min(kv.length, len(prefix) - 1))
+            return
+        sequence = prefix + drafted
+        kv.trim_to_prefix_of(sequence)
+        if kv.length < len(sequence) - 1:
+            kv.forward(sequence[kv.length : -1])
+
+    return run, reset
 
 
 def _decoder(name: str) -> BranchDecoder:

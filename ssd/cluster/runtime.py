@@ -112,12 +112,32 @@ class Cluster:
         self._listeners_lock = threading.Lock()
         self.target_restarts = 0
         if self.draft is not None:
+            self._plan()
             self.link()
         self._up.set()
         self._watcher = threading.Thread(target=self._watch, name="ssd-cluster-watcher", daemon=True)
         self._watcher.start()
 
     # ----------------------------------------------------------------- start-up
+
+    def _plan(self) -> None:
+        """SSD's start-up plan (ssd.saguaro.startup), each half timed on its own actor,
+        before the link starts; the speculation defaults of the driver and the target change."""
+        from ssd.saguaro import startup
+
+        if not startup.wanted(self.config, world=len(self.targets)):
+            return
+
+        def measure() -> tuple[dict, dict]:
+            target_part = ray.get(self.targets[0].plan_probe.remote())
+            starts = target_part.pop("starts")
+            draft_part = ray.get(self.draft.plan_probe.remote(target_part["sequences"], starts))
+            return target_part, draft_part
+
+        device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
+        key, meta = startup.config_key(self.config, [device, "cluster"])
+        self.config = startup.planned(self.config, startup.load_or_measure(key, measure, meta))
+        ray.get(self.targets[0].set_speculation.remote(dataclasses.asdict(self.config.speculation)))
 
     def _devices(self) -> list[int]:
         """The device of each bundle: target ranks first, then the draft."""

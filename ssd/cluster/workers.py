@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ssd.config import Config, from_dict
+from ssd.config import Config, SpeculationConfig, from_dict
 from ssd.transport.distributed import free_port
 
 if TYPE_CHECKING:
@@ -186,6 +186,19 @@ class TargetWorker:
             ended.append((key, finished.result, error))
         return emitted, ended
 
+    def plan_probe(self) -> dict[str, Any]:
+        """SSD's start-up plan, the target's half (ssd.saguaro.startup.target_probe), with the prompts' lengths."""
+        from ssd.saguaro.startup import sample_prompt_ids, target_probe
+
+        ids = sample_prompt_ids(self.tokenizer)
+        return target_probe(self.model, ids) | {"starts": [len(i) for i in ids]}
+
+    def set_speculation(self, speculation: dict[str, Any]) -> None:
+        """New speculation defaults (the start-up plan's), before any engine exists."""
+        if self._engines:
+            raise RuntimeError("the speculation defaults are set before the first request")
+        self.config = dataclasses.replace(self.config, speculation=from_dict(SpeculationConfig, speculation))
+
     def describe(self) -> dict[str, Any]:
         from ssd.models.tokenizer import eos_token_ids
 
@@ -250,6 +263,12 @@ class DraftWorker:
 
     def whereabouts(self) -> dict[str, Any]:
         return whereabouts(self.device)
+
+    def plan_probe(self, sequences: list[list[int]], starts: list[int]) -> dict[str, Any]:
+        """SSD's start-up plan, the draft's half (ssd.saguaro.startup.draft_probe)."""
+        from ssd.saguaro.startup import draft_probe
+
+        return draft_probe(self.model, sequences, starts)
 
     def serve(self, port: int, prefix: str, timeout_s: float) -> None:
         """Join the link as rank 1 and answer rounds until shutdown (blocks)."""

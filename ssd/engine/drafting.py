@@ -32,6 +32,7 @@ class Chain:
     saguaro: Saguaro | None = None
     tokens: list[int] = field(default_factory=list)
     q_rows: list[torch.Tensor] = field(default_factory=list)
+    logit_rows: list[torch.Tensor] = field(default_factory=list)  # what each token was drawn from, before sampling
     error: Exception | None = None
 
     @property
@@ -53,6 +54,7 @@ class Chain:
             q = self.saguaro.apply(q, len(self.tokens))
         self.tokens.append(sample(q, self.gen))
         self.q_rows.append(q)
+        self.logit_rows.append(logits)
 
 
 def draft_chains(chains: Sequence[Chain]) -> None:
@@ -81,7 +83,20 @@ def draft_chain(
     gen: torch.Generator,
     saguaro: Saguaro | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """Draft k tokens after `sequence`; return them and the exact q rows they were drawn from.
+    """Draft k tokens after `sequence`; return them and the exact q rows they were drawn from."""
+    chain = drafted_chain(kv, sequence, k, sampling, gen, saguaro)
+    return chain.tokens, chain.q_rows
+
+
+def drafted_chain(
+    kv: KVSequence,
+    sequence: Sequence[int],
+    k: int,
+    sampling: SamplingConfig,
+    gen: torch.Generator,
+    saguaro: Saguaro | None = None,
+) -> Chain:
+    """The finished Chain of k tokens drafted after `sequence` (its error raised).
 
     Whatever `kv` holds beyond its longest common prefix with `sequence` is
     dropped; afterwards it holds sequence + the first k-1 drafted tokens (the
@@ -92,4 +107,4 @@ def draft_chain(
     draft_chains([chain])
     if chain.error is not None:
         raise chain.error
-    return chain.tokens, chain.q_rows
+    return chain

@@ -75,16 +75,58 @@ class KVSequence:
         self.tokens.extend(ids)
         return logits
 
-    def extend(self, ids: Sequence[int] | torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Append uncommitted entries at explicit positions; logits [len(ids), V].
+    @property
+    def lean(self) -> bool:
+        """Whether the lean forward carries this cache (branch entries can then be kept: `keep_branch`)."""
+        return self._fast is not None
 
-        ids may be a tensor on the model's device (sampled there: never read
-        by the host). visible: bool [len(ids), cached + len(ids)], True where
-        a new row may attend (cached entries, then the new rows themselves).
+    def extend(
+        self, ids: Sequence[int] | torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, commit: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """Append entries at explicit positions; logits [len(commit) + len(ids), V].
+
+        `commit`: tokens fed first, in sequence order, that become committed
+        (the cache must hold no uncommitted entry then); `ids` follow as
+        uncommitted entries, and may be a tensor on the model's device
+        (sampled there: never read by the host). visible: bool
+        [rows, cached + rows], True where a new row may attend (cached
+        entries, then the new rows themselves).
         """
-        logits = self._run(ids if isinstance(ids, torch.Tensor) else list(ids), positions, visible, last_only=False)
+        if commit and self._extra:
+            raise RuntimeError("committed tokens cannot follow uncommitted entries")
+        rows: list[int] | torch.Tensor
+        if isinstance(ids, torch.Tensor):
+            rows = torch.cat([token_tensor(commit, ids.device), ids]) if commit else ids
+        else:
+            rows = list(commit) + list(ids)
+        logits = self._run(rows, positions, visible, last_only=False)
+        self.tokens.extend(commit)
         self._extra += len(ids)
         return logits
+
+    @torch.inference_mode()
+    def keep_branch(self, length: int, indices: Sequence[int], tokens: Sequence[int]) -> None:
+        """Keep the first `length` committed tokens, then commit the uncommitted
+        entries at cache `indices` as `tokens` after them (a branch the tree
+        decoder fed, ssd.saguaro.branches); every other uncommitted entry is
+        dropped. Lean carrier only: its entries stay where they were written.
+        """
+        if self._fast is None:
+            raise NotImplementedError("keeping a branch needs the lean carrier")
+        if len(indices) != len(tokens):
+            raise ValueError(f"{len(indices)} cache indices for {len(tokens)} tokens")
+        if not all(self.length <= i < self.cached for i in indices):
+            raise ValueError(f"indices {list(indices)} must be uncommitted entries in [{self.length}, {self.cached})")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot keep {length} of {self.length} tokens")
+        index = torch.tensor(list(indices), dtype=torch.long, device=self.cache.keys[0].device)
+        picked = [(k.index_select(1, index), v.index_select(1, index)) for k, v in zip(self.cache.keys, self.cache.values)]
+        self.rollback(length)  # drops the other entries; the lean carrier only moves a length
+        end = length + len(tokens)
+        for (k, v), (store_k, store_v) in zip(picked, zip(self.cache.keys, self.cache.values)):
+            store_k[:, length:end] = k
+            store_v[:, length:end] = v
+        self.tokens.extend(tokens)
 
     def drop_uncommitted(self) -> None:
         """Forget every entry past the committed tokens (also after a failed forward)."""

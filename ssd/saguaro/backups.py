@@ -10,8 +10,8 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
-from ssd.saguaro.cache import Proposal
-from ssd.engine.drafting import draft_chain
+from ssd.saguaro.cache import DraftWork, Proposal
+from ssd.engine.drafting import drafted_chain
 from ssd.saguaro.sampling import Saguaro
 
 
@@ -25,14 +25,15 @@ class Backup(Protocol):
 
 
 class NeuralBackup:
-    """The draft drafts K tokens now, exactly as plain SD would."""
+    """The draft drafts K tokens now, exactly as plain SD would; the chain's
+    cache and logits are the next cache build's start (DraftWork)."""
 
     kind = "neural"
 
     def propose(self, kv, context, k, sampling, gen, saguaro):
-        tokens, rows = draft_chain(kv, context, k, sampling, gen, saguaro)
-        q = None if sampling.greedy else torch.stack(rows)
-        return Proposal(tokens, q, self.kind)
+        chain = drafted_chain(kv, context, k, sampling, gen, saguaro)
+        q = None if sampling.greedy else torch.stack(chain.q_rows)
+        return Proposal(chain.tokens, q, self.kind, DraftWork(chain.logit_rows))
 
 
 class NgramBackup:

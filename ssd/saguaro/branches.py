@@ -131,42 +131,122 @@ class _Base:
         return self._kv
 
 
-class TreeBranchDecoder(_Base):
-    """All branches in one row of the sequence's own cache, separated by a tree mask.
+class TreeBranchDecoder:
+    """All branches in the sequence's own cache, one step after another, under a mask.
 
-    Step i appends B tokens at cache indices L + i*B + b (L = cached length at
-    start). Token (b, i) sees cached entries j < prefix_len_b and the tokens
-    (b, i') with i' <= i: over the appended part that is the identity matrix
-    repeated once per step, so the whole mask is built once per `start` and
-    each step only takes a column slice of it.
+    Each step appends one token per branch, in branch order, after the
+    entries of earlier steps. A branch's token sees the cached entries before
+    its prefix length and its own branch's earlier tokens; the mask is built
+    per step from each appended entry's owner (a few hundred booleans a row).
+    No cache copy; `finish` crops the tokens off.
+
+    Two extensions let the builder fold its glue pass into the first step
+    (ssd.saguaro.builder):
+    - `start(..., lead=t)`: the first step also commits the sequence's next
+      token t, fed before the branches (logits row 0); branches started now
+      cannot see it, branches that `join` later can;
+    - `join(prefix_lens, first_tokens)`: branches whose first token goes into
+      the next step, after the others';
+    and `detach` ends a build keeping the branches' entries, so that the next
+    round can commit the branch the target confirmed (KVSequence.keep_branch)
+    instead of feeding its tokens again.
     """
 
-    def _prepare(self, kv: KVSequence) -> None:
-        self._glue = kv.length
-        self._build_mask()
+    def __init__(self, max_steps: int = DEFAULT_MAX_STEPS) -> None:
+        if max_steps < 1:  # kept for the factory's signature: the mask is built per step
+            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        self._kv: KVSequence | None = None
+        self._prefix: list[int] = []
+        self._fed: list[list[int]] = []  # per branch: cache indices of its tokens
+        self._joining: tuple[list[int], list[int]] = ([], [])
 
-    def _build_mask(self) -> None:
-        n = self.num_branches
-        own = torch.eye(n, dtype=torch.bool).repeat(1, self._capacity)
-        self._mask = torch.cat([_glue_visibility(self._prefix, self._glue), own], dim=1)
+    @property
+    def active(self) -> bool:
+        return self._kv is not None
 
+    @property
+    def num_branches(self) -> int:
+        return len(self._prefix)
+
+    @torch.inference_mode()
+    def start(
+        self, kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int], lead: int | None = None,
+    ) -> torch.Tensor:
+        if self._kv is not None:
+            raise RuntimeError("branches already active: call finish() first")
+        _check_start(kv, prefix_lens, first_tokens)
+        self._kv, self._prefix, self._fed = kv, [], []
+        self._joining = (list(prefix_lens), [])
+        return self._advance(list(first_tokens), [] if lead is None else [lead])
+
+    def join(self, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> None:
+        """Branches that start at the next step; their logits follow the others'."""
+        kv = self._require()
+        if len(prefix_lens) != len(first_tokens):
+            raise ValueError(f"need one first token per branch (got {len(prefix_lens)} and {len(first_tokens)})")
+        if not all(0 <= p <= kv.length for p in prefix_lens):
+            raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
+        self._joining = (self._joining[0] + list(prefix_lens), self._joining[1] + list(first_tokens))
+
+    @torch.inference_mode()
     def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        kv = self._check_step(tokens)
-        width = self._glue + (self._steps + 1) * self.num_branches
+        self._require()
+        if len(tokens) != self.num_branches:
+            raise ValueError(f"need one token per branch ({self.num_branches}), got {len(tokens)}")
+        joining = self._joining[1]
+        if joining:
+            device = self._kv.model.device
+            tokens = torch.cat([token_tensor(tokens, device), token_tensor(joining, device)])
+        return self._advance(tokens, [])
+
+    def _advance(self, tokens: Sequence[int] | torch.Tensor, commit: list[int]) -> torch.Tensor:
+        kv = self._kv
+        self._prefix += self._joining[0]
+        self._fed += [[] for _ in self._joining[0]]
+        self._joining = ([], [])
+        first = kv.cached + len(commit)  # cache index of this step's first branch token
+        positions = [kv.cached + i for i in range(len(commit))] + [p + len(f) for p, f in zip(self._prefix, self._fed)]
         try:
-            logits = kv.extend(tokens, self._prefix + self._steps, self._mask[:, :width])
+            logits = kv.extend(tokens, torch.tensor(positions), self._visible(len(commit)), commit=commit)
         except BaseException:
             self.finish()  # a failed forward may have grown some layers only
             raise
-        self._steps += 1
+        for b, fed in enumerate(self._fed):
+            fed.append(first + b)
         return logits
+
+    def _visible(self, leads: int) -> torch.Tensor:
+        """[leads + B, width]: a lead sees everything before it; branch b its prefix and its own tokens."""
+        kv, n = self._kv, self.num_branches
+        width = kv.cached + leads + n
+        owner = torch.full((width,), -1, dtype=torch.long)
+        for b, fed in enumerate(self._fed):
+            owner[fed] = b
+        owner[width - n :] = torch.arange(n)
+        column = torch.arange(width)
+        lead_rows = column[None, :] <= torch.arange(kv.cached, kv.cached + leads)[:, None]
+        prefix = torch.tensor(self._prefix, dtype=torch.long)
+        branch_rows = (column[None, :] < prefix[:, None]) | (owner[None, :] == torch.arange(n)[:, None])
+        return torch.cat([lead_rows, branch_rows])
+
+    def fed_indices(self) -> list[list[int]]:
+        """Per branch, the cache indices of the tokens fed so far."""
+        return [list(f) for f in self._fed]
+
+    def detach(self) -> None:
+        """End the build, keeping the branches' entries (uncommitted) in the cache."""
+        self._kv = None
 
     def finish(self) -> None:
         if self._kv is None:
             return
         self._kv.drop_uncommitted()  # kv.tokens were never touched: the committed cache is as before
         self._kv = None
-        self._mask = None
+
+    def _require(self) -> KVSequence:
+        if self._kv is None:
+            raise RuntimeError("no active branches: call start() first")
+        return self._kv
 
 
 class BatchedBranchDecoder(_Base):
@@ -231,7 +311,7 @@ def _expanded_cache(kv: KVSequence, length: int, batch: int) -> DynamicCache:
     return DynamicCache(data, config=config)
 
 
-BRANCH_DECODERS: dict[str, type[_Base]] = {
+BRANCH_DECODERS: dict[str, type] = {
     "tree": TreeBranchDecoder,
     "batched": BatchedBranchDecoder,
 }

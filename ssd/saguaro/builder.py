@@ -5,6 +5,11 @@ at every acceptance length k; the top-F_k tokens there (for k < K without
 s_{k+1}, which a rejection can never produce) are the guessed outcomes
 (k, t*). Then K decode steps run for all guessed branches at once.
 
+The draft computed most of the glue already: s1..sK came from a cache
+branch or a backup chain that fed t', s1..s_{K-1} and kept their logits
+(DraftWork). From there only s_K is new, and it rides in the first branch
+step (`build_cache`): a build is K draft forwards, not K + 1.
+
 Everything stays on the draft's device: each step's sampled ids feed the next
 step from there, and the host reads the guesses once and every branch's
 tokens once, at the end.
@@ -19,8 +24,8 @@ import torch
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, token_tensor
 from ssd.sampling import probs_from_logits, sample_ids
-from ssd.saguaro.branches import BranchDecoder
-from ssd.saguaro.cache import Proposal
+from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
+from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.saguaro.sampling import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
@@ -57,6 +62,34 @@ def glue_pass(kv: KVSequence, committed: Sequence[int], drafted: Sequence[int]) 
     return rows[-(len(drafted) + 1) :]
 
 
+def resume(kv: KVSequence, committed: Sequence[int], drafted: Sequence[int], work: DraftWork | None) -> torch.Tensor | None:
+    """The glue rows the draft computed already ([len(drafted), V]: after
+    committed[-1] and each drafted token but the last), with `kv` then holding
+    committed + drafted[:-1]; None where the cache does not hold that work.
+
+    A hit's branch is committed out of the tree's entries; a backup chain left
+    exactly that in the cache. Anything else (a re-prefill, an n-gram backup,
+    the other branch decoder) starts from a full glue pass.
+    """
+    if work is None or len(work.logits) != len(drafted) or not drafted:
+        return None
+    head = len(committed) - 1
+    if work.indices is not None:
+        if not kv.lean or kv.tokens[:head] != list(committed[:head]) or len(work.indices) != len(drafted):
+            return None
+        kv.keep_branch(head, work.indices, [committed[-1], *drafted[:-1]])
+    if kv.cached != kv.length or kv.tokens != [*committed, *drafted[:-1]]:
+        return None
+    return torch.stack(work.logits)
+
+
+def fanout_for(fanout: Sequence[int], drafted: int) -> list[int]:
+    """The schedule F_0..F_K cut to a speculation of `drafted` tokens: its
+    last outcome (all accepted) takes the rest of the budget, as it takes the
+    rest of the acceptance law's mass."""
+    return [*fanout[:drafted], sum(fanout[drafted:])]
+
+
 def build_cache(
     kv: KVSequence,
     decoder: BranchDecoder,
@@ -66,38 +99,114 @@ def build_cache(
     sampling: SamplingConfig,
     gen: torch.Generator,
     saguaro: Saguaro | None = None,
+    work: DraftWork | None = None,
+    depth: int | None = None,
+    glue: str = "fold",
 ) -> Entries:
     """Speculations for every guessed outcome of verifying `drafted` after `committed`.
 
-    fanout: F_k for k = 0..K. saguaro: Saguaro sampling for the prepared
+    fanout: F_k for k = 0..K, the schedule for a K-token speculation; a
+    shorter one (a bonus branch's, see below) has fewer outcomes and its last
+    position takes the rest of the budget. depth: tokens per prepared
+    speculation (default: len(drafted)). saguaro: Saguaro sampling for the prepared
     speculations, with the schedule that will be in force when one of them is
-    verified (the after-hit schedule).
+    verified (the after-hit schedule). work: what the draft computed for
+    `drafted` already (its Proposal's), so the glue pass shrinks (glue, one
+    of ssd.config.GLUES):
+    - "reuse": from the work on, a build needs the logits after drafted[-1]
+      only, a one-token pass;
+    - "fold" (tree decoder, depth >= 2): that token rides in the first branch
+      step, so the build is K forwards instead of K + 1. Its bonus branches
+      (k = K, guessed from those logits) join one step later and so propose
+      depth - 1 tokens: a draft that is often right all the way pays for the
+      forward it saves (the start-up plan weighs both, ssd.saguaro.plan);
+    - "full": the whole glue pass, work or not.
     """
-    k = len(drafted)
-    branches = guessed_outcomes(glue_pass(kv, committed, drafted), drafted, fanout)
+    depth = len(drafted) if depth is None else depth
+    fanout = fanout_for(fanout, len(drafted))
+    grower = _Grower(sampling, gen, saguaro, keep=isinstance(decoder, TreeBranchDecoder) and kv.lean)
+    known = None if glue == "full" else resume(kv, committed, drafted, work)
+    if known is not None and glue == "fold" and depth >= 2 and grower.keep:
+        early = guessed_outcomes(known, drafted, fanout[:-1])
+        if early:
+            return grower.folded(kv, decoder, committed, drafted, fanout[-1], early, depth)
+    if known is not None:
+        glue = torch.cat([known, kv.forward(drafted[-1:])])  # one token instead of K + 1
+    else:
+        glue = glue_pass(kv, committed, drafted)
+    branches = guessed_outcomes(glue, drafted, fanout)
     if not branches:
         return {}
-    prefix_lens = [len(committed) + kb for kb, _ in branches]
-    logits = decoder.start(kv, prefix_lens, [t for _, t in branches])
-    steps: list[torch.Tensor] = []  # [step] -> [B] ids on the draft's device
-    q_steps: list[torch.Tensor] = []  # [step] -> [B, V]
-    try:
-        for step in range(k):
-            if step:
-                logits = decoder.step(steps[-1])
-            if sampling.greedy:
-                steps.append(logits.argmax(dim=-1))
-                continue
-            q = probs_from_logits(logits, sampling)
-            if saguaro is not None:
-                q = saguaro.apply_rows(q, step)
-            steps.append(token_tensor(sample_ids(q, gen), q.device))
-            q_steps.append(q)
-    finally:
-        decoder.finish()
-    tokens = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in branches]  # [B][K]: one host read
-    q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [B, K, V]
-    return {
-        key: Proposal(tokens[b], None if q_all is None else q_all[b], "cache")
-        for b, key in enumerate(branches)
-    }
+    logits = decoder.start(kv, [len(committed) + k for k, _ in branches], [t for _, t in branches])
+    return grower.grow(decoder, logits, branches, depth)
+
+
+class _Grower:
+    """Decodes the branches of one build step by step and turns them into cache entries.
+
+    Draws stay on the draft's device: each step's ids feed the next step from
+    there, and the host reads every branch's tokens once, at the end. With
+    `keep`, the branches' cache entries outlive the build and each entry
+    carries its DraftWork, for the next build to resume from.
+    """
+
+    def __init__(self, sampling: SamplingConfig, gen: torch.Generator, saguaro: Saguaro | None, keep: bool) -> None:
+        self.sampling, self.gen, self.saguaro, self.keep = sampling, gen, saguaro, keep
+
+    def folded(self, kv, decoder: TreeBranchDecoder, committed, drafted, bonus_fanout: int, early, depth: int) -> Entries:
+        """The first step feeds drafted[-1] (committed) and the early branches'
+        first tokens; the bonus branches, guessed from the logits after
+        drafted[-1], join at the second step."""
+        first = decoder.start(kv, [len(committed) + k for k, _ in early], [t for _, t in early], lead=drafted[-1])
+        k = len(drafted)
+        bonus = guessed_outcomes(first[:1], (), [bonus_fanout]) if bonus_fanout > 0 else []
+        bonus = [(k, t) for _, t in bonus]
+        return self.grow(decoder, first[1:], early, depth, late=bonus, late_prefix=len(committed) + k)
+
+    def grow(self, decoder, logits: torch.Tensor, branches, steps: int, late=(), late_prefix: int = 0) -> Entries:
+        """`steps` tokens for each of `branches` (logits: after their first
+        tokens) and steps - 1 for each `late` branch (joining at step 2)."""
+        ids: list[torch.Tensor] = []  # [step] -> [active branches], on the draft's device
+        q: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []  # [step] -> logits of the active branches
+        try:
+            for step in range(steps):
+                if step:
+                    if step == 1 and late:
+                        decoder.join([late_prefix] * len(late), [t for _, t in late])
+                    logits = decoder.step(ids[-1])
+                rows.append(logits)
+                step_ids, step_q = self._draw(logits, step, len(branches))
+                ids.append(step_ids)
+                if step_q is not None:
+                    q.append(step_q)
+            fed = decoder.fed_indices() if self.keep else None
+        finally:
+            decoder.detach() if self.keep else decoder.finish()
+        return self._entries(list(branches), list(late), ids, q, rows, fed)
+
+    def _draw(self, logits: torch.Tensor, step: int, early: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next ids of the active branches, and the q rows they were drawn from (None: greedy)."""
+        if self.sampling.greedy:
+            return logits.argmax(dim=-1), None
+        q = probs_from_logits(logits, self.sampling)
+        if self.saguaro is not None:  # token positions: `step` for the early branches, one less for late ones
+            parts = [self.saguaro.apply_rows(q[:early], step)]
+            if q.shape[0] > early:
+                parts.append(self.saguaro.apply_rows(q[early:], step - 1))
+            q = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return token_tensor(sample_ids(q, self.gen), q.device), q
+
+    def _entries(self, early, late, ids, q, rows, fed) -> Entries:
+        steps = len(ids)
+        host = torch.cat(ids).tolist()  # one host read
+        offsets = [sum(len(x) for x in ids[:s]) for s in range(steps)]
+        entries: Entries = {}
+        for b, key in enumerate(early + late):
+            joined = 0 if b < len(early) else 1
+            span = range(joined, steps)
+            tokens = [host[offsets[s] + b] for s in span]
+            q_rows = torch.stack([q[s][b] for s in span]) if q else None
+            work = DraftWork([rows[s][b] for s in span], fed[b]) if fed is not None else None
+            entries[key] = Proposal(tokens, q_rows, "cache", work)
+        return entries

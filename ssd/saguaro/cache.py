@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class DraftWork:
+    """The draft's forwards behind a proposal d_1..d_m that followed t (the
+    last committed token), kept so that the next cache build need not redo
+    them (ssd.saguaro.builder): `logits`, the m rows after t and after each
+    of d_1..d_{m-1}; their keys and values sit at `indices`, uncommitted
+    entries of the draft's cache (a tree branch), or, with None, the cache
+    already holds ... t, d_1..d_{m-1} as committed tokens (a backup chain).
+    Draft-side only: never sent to the target.
+    """
+
+    logits: list[torch.Tensor]  # m rows [V], on the draft's device
+    indices: list[int] | None = None
 
 
 @dataclass
@@ -17,6 +32,7 @@ class Proposal:
     tokens: list[int]
     q: torch.Tensor | None  # [K, V]
     source: str  # "cache" or the backup that made it: "neural" | "ngram" | "random"
+    work: DraftWork | None = field(default=None, repr=False, compare=False)
 
 
 class SpeculationCache:

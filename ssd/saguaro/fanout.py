@@ -404,20 +404,22 @@ class FanoutPlanner:
             return list(own)
         return allocate(self._weights[bool(after_hit)], budget, self.caps)
 
-    def observe(self, after_hit: bool, k: int, fanout_at_k: int, hit: bool | None) -> None:
+    def observe(self, after_hit: bool, k: int, fanout_at_k: int, hit: bool | None, drafted: int | None = None) -> None:
         """Record one verified round.
 
         after_hit: the verified speculation came from a cache hit.
         k: accepted length; fanout_at_k: F_k of the schedule the cache was
-        built with; hit: whether (k, t*) was in that cache, None if unknown.
+        built with; hit: whether (k, t*) was in that cache, None if unknown;
+        drafted: tokens the speculation had (default K; a bonus branch's has fewer).
         """
         k = _as_int("k", k)
-        if k > self.k:
-            raise ValueError(f"accepted length k={k} exceeds K={self.k}")
+        drafted = self.k if drafted is None else _as_int("drafted", drafted)
+        if k > drafted:
+            raise ValueError(f"accepted length k={k} exceeds the {drafted} drafted tokens")
         f = _as_int("fanout_at_k", fanout_at_k)
         if hit and f == 0:
             raise ValueError("a cache hit needs fanout_at_k >= 1")
-        self._acc[bool(after_hit)].update(k, self.k)
+        self._acc[bool(after_hit)].update(k, drafted)
         if hit is not None and f >= 1:  # F = 0 is a certain miss: no evidence on r
             self._power.update(f, bool(hit))
         self.observations += 1

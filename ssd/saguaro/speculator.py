@@ -34,7 +34,7 @@ from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.backups import make_backup
 from ssd.saguaro.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
-from ssd.saguaro.builder import build_cache
+from ssd.saguaro.builder import build_cache, fanout_for
 from ssd.saguaro.cache import Proposal, SpeculationCache
 from ssd.saguaro.sampling import Saguaro
 from ssd.transport.channel import Channel, Message
@@ -141,7 +141,8 @@ class Speculator:
             seq.committed.append(token)
             return None
         cached = seq.cache.lookup(k, token)
-        seq.planner.observe(seq.in_flight_hit, k, seq.in_flight_fanout[k], cached is not None)
+        drafted = len(seq.in_flight.tokens)
+        seq.planner.observe(seq.in_flight_hit, k, seq.in_flight_fanout[k], cached is not None, drafted)
         seq.committed += seq.in_flight.tokens[:k] + [token]
         return cached
 
@@ -170,9 +171,13 @@ class Speculator:
         fanout = seq.planner.schedule(after_hit=hit, budget=budget)
         saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
         decoder = self.decoders[seq.speculation.branch_decoder]
-        entries = build_cache(seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro)
+        entries = build_cache(
+            seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro,
+            work=proposal.work, depth=seq.speculation.k, glue=seq.speculation.glue,
+        )
         seq.cache.replace(entries)
-        seq.in_flight, seq.in_flight_hit, seq.in_flight_fanout = proposal, hit, fanout
+        seq.in_flight, seq.in_flight_hit = proposal, hit
+        seq.in_flight_fanout = fanout_for(fanout, len(proposal.tokens))
         sync(self.model.device)
         seq.build_s = time.perf_counter() - started
 

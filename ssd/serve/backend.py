@@ -104,10 +104,10 @@ class LocalBackend(TokenizerMixin):
 
     def __init__(self, config: Config, with_draft: bool = True, pair: LoadedPair | None = None) -> None:
         """pair: models already loaded (the serving bench starts several servers over one pair)."""
-        self.config = config
         self.pair = pair if pair is not None else load_pair(config, with_draft=with_draft)
+        self.config = _planned(config, self.pair)
         self.tokenizer = self.pair.tokenizer
-        self._engines = EngineByMode(self.pair, config)
+        self._engines = EngineByMode(self.pair, self.config)
         self._lock = threading.Lock()  # the worker serializes; this guards misuse
         self.info = self._describe()
 
@@ -172,3 +172,14 @@ def _close_quietly(engine: Any) -> None:
         engine.close()
     except Exception:  # closing a broken engine must not hide the original error
         log.exception("closing an engine failed")
+
+
+def _planned(config: Config, pair: LoadedPair) -> Config:
+    """config with SSD's start-up plan applied, where it asks for one (ssd.saguaro.startup)."""
+    from ssd.saguaro import startup
+
+    if pair.draft is None or not startup.wanted(config):
+        return config
+    devices = [str(getattr(pair.target, "device", "?")), str(pair.draft.device), "in-process"]
+    key, meta = startup.config_key(config, devices)
+    return startup.planned(config, startup.plan_in_process(pair.target, pair.draft, pair.tokenizer, key, meta))

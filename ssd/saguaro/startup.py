@@ -1,0 +1,248 @@
+"""Plan SSD's K, fan-out budget and glue when it starts, on the devices it runs on.
+
+Two probes, one per role, so that each runs where its model lives (in one
+process, or inside the cluster's target and draft actors):
+- `target_probe`: the target's verification of K + 1 tokens for K = 1..6
+  and one decode step, each after a 200-token context; and its own greedy
+  continuation of a few prompts, which the draft is then scored against;
+- `draft_probe`: the draft's backup chain per K and its cache build per
+  (K, budget) for each glue kind, on a small grid (the rest is fitted:
+  ssd.ablation.costs.Costs); and where the target's tokens rank among the
+  draft's (ssd.saguaro.plan.Agreement).
+Both time with one intra-op thread per role, as SSD runs them, in a few
+seconds each. `plan_from_probes` turns them into ssd.saguaro.plan.Plan; the
+result is cached per host (CPU model and torch's capability, or the GPU),
+model pair and precision, so later starts only read a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ssd import hardware
+from ssd.ablation.costs import CostSettings, Costs, backup_probe, build_probe, forward_probe, round_robin
+from ssd.config import Config, SpeculationConfig
+from ssd.models.kv import KVSequence
+from ssd.saguaro.branches import make_branch_decoder
+from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, choose
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ssd-startup-plan/1"
+PLAN_GLUES = ("fold", "reuse")
+BUILD_KS = (1, 2, 4, 6)  # measured; the others fitted (bilinear in K and budget)
+BUILD_BUDGETS = (2, 8, 16)
+CONTINUATION = 24  # target tokens per prompt the draft is scored against
+PREFIX = 200
+SAMPLE_PROMPTS = (  # code and chat, as users send
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "Explain in two sentences why the sky is blue.",
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SSD_CACHE", Path.home() / ".cache" / "ssd")) / "plans"
+
+
+def plan_key(target_name: str, draft_name: str, precisions: Sequence[str], devices: Sequence[str]) -> str:
+    """What a plan depends on: host, devices, models and their precisions, torch."""
+    parts = [hardware.describe(), torch.__version__, target_name, draft_name, *precisions, *devices, FORMAT]
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def sample_prompt_ids(tokenizer) -> list[list[int]]:
+    """SAMPLE_PROMPTS as token ids; a tokenizer that cannot spell them (the tests'
+    tiny one) gets two fixed id sequences instead."""
+    try:
+        return [tokenizer.encode(p, add_special_tokens=False) for p in SAMPLE_PROMPTS]
+    except ValueError as exc:
+        log.info("SSD plan: sample prompts not encodable (%s); fixed token ids instead", exc)
+        return [list(range(1, 9)), list(range(3, 13))]
+
+
+def _single_thread(fn: Callable[[], Any]) -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def target_probe(target: torch.nn.Module, prompts: Sequence[Sequence[int]], ks: Sequence[int] = DEFAULT_KS,
+                 repeats: int = 2) -> dict[str, Any]:
+    """Verification and decode costs, and the target's greedy continuation of each prompt."""
+    def run() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        vocab = target.config.vocab_size
+        prefix = torch.randint(vocab, (PREFIX,), generator=gen).tolist()
+        kv = KVSequence(target)
+        kv.forward(prefix, last_only=True)
+        probes = {k: forward_probe(kv, prefix, k + 1, gen) for k in ks}
+        probes[0] = forward_probe(kv, prefix, 1, gen)
+        timed = round_robin(probes, repeats, lambda: None)
+        return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
+                "sequences": [_continue(target, list(p), CONTINUATION) for p in prompts]}
+    return _single_thread(run)
+
+
+def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                ks: Sequence[int] = DEFAULT_KS, budgets: Sequence[int] = BUILD_BUDGETS,
+                glues: Sequence[str] = PLAN_GLUES, repeats: int = 2) -> dict[str, Any]:
+    """Backup and build costs, and where the target's tokens rank among the draft's.
+
+    sequences: prompt + the target's greedy continuation, which starts at `starts`.
+    """
+    def run() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        vocab = draft.config.vocab_size
+        prefix = torch.randint(vocab, (PREFIX,), generator=gen).tolist()
+        kv = KVSequence(draft)
+        kv.forward(prefix, last_only=True)
+        settings = CostSettings(ks=tuple(ks), budgets=tuple(budgets), repeats=repeats)
+        probes = {("backup", k): backup_probe(kv, prefix, k, settings) for k in ks}
+        decoder = make_branch_decoder("tree")
+        for glue in glues:
+            glued = dataclasses.replace(settings, glue=glue)
+            for k in (k for k in BUILD_KS if k in ks):
+                for b in budgets:
+                    probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
+        timed = round_robin(probes, repeats, lambda: None)
+        builds: dict[str, list[list]] = {glue: [] for glue in glues}
+        for key, seconds in timed.items():
+            if key[0] in builds:
+                builds[key[0]].append([key[1], key[2], seconds])
+        return {"backup_s": {k: timed[("backup", k)] for k in ks}, "build_s": builds,
+                "agreement": agreement(draft, sequences, starts).to_json()}
+    return _single_thread(run)
+
+
+def agreement(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
+    """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations."""
+    matches, rejected, bonus = 0, [], []
+    for seq, start in zip(sequences, starts):
+        with torch.inference_mode():
+            logits = KVSequence(draft).forward(list(seq))[start - 1 : len(seq) - 1].float()
+        for row, token in zip(logits, seq[start:]):
+            rank = int((row > row[token]).sum())
+            bonus.append(rank)
+            if rank == 0:
+                matches += 1
+            else:
+                rejected.append(rank - 1)  # among the draft's tokens other than its rejected top choice
+    positions = len(bonus)
+    return Agreement(min(matches / max(positions, 1), 0.99), rejected, bonus, positions)
+
+
+def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], meta: dict[str, Any]) -> Plan:
+    verify = {int(k): v for k, v in target_part["verify_s"].items()}
+    backup = {int(k): v for k, v in draft_part["backup_s"].items()}
+    costs = {
+        glue: Costs(target_part["ar_step_s"], verify, backup, {(k, b): s for k, b, s in rows}, meta)
+        for glue, rows in draft_part["build_s"].items()
+    }
+    plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=sorted(verify), budgets=DEFAULT_BUDGETS)
+    plan.meta = meta
+    return plan
+
+
+def load_or_measure(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict[str, Any],
+                    directory: Path | None = None) -> Plan:
+    """The plan for `key` from the cache, else from `measure()` (then cached)."""
+    path = (directory or cache_dir()) / f"{key}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") == FORMAT:
+                log.info("SSD plan: probes cached at %s", path)
+                return plan_from_probes(data["target"], data["draft"], data["meta"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
+    log.info("SSD plan: timing verification and cache builds on this host (once; cached at %s)", path)
+    target_part, draft_part = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "meta": meta, "target": target_part, "draft": draft_part}))
+    return plan_from_probes(target_part, draft_part, meta)
+
+
+def plan_in_process(target: torch.nn.Module, draft: torch.nn.Module, tokenizer, key: str, meta: dict[str, Any],
+                    directory: Path | None = None) -> Plan:
+    """Both probes in this process (the local engines and server)."""
+    def measure() -> tuple[dict, dict]:
+        prompts = sample_prompt_ids(tokenizer)
+        t = target_probe(target, prompts)
+        return t, draft_probe(draft, t["sequences"], [len(p) for p in prompts])
+    return load_or_measure(key, measure, meta, directory)
+
+
+def wanted(config: Config, world: int = 1) -> bool:
+    """Whether to plan: asked for, SSD is the default mode, and one target rank (a
+    tensor-parallel target's forward needs every rank: its probe is not written)."""
+    if not (config.runtime.plan and config.speculation.mode == "ssd"):
+        return False
+    if world > 1:
+        log.info("SSD plan: skipped for a %d-rank target; K, budget and glue as configured", world)
+        return False
+    return True
+
+
+def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """The cache key and the metadata recorded with a plan."""
+    precisions = [f"{m.dtype}/{m.quantization}" for m in (config.target, config.draft)]
+    meta = {"machine": hardware.describe(), "torch": torch.__version__, "target": config.target.name,
+            "draft": config.draft.name, "precisions": precisions, "devices": list(devices)}
+    return plan_key(config.target.name, config.draft.name, precisions, devices), meta
+
+
+def planned(config: Config, plan: Plan) -> Config:
+    """config with the plan applied to its speculation defaults (runtime.plan_keeps kept), reported."""
+    report(plan)
+    speculation = apply_plan(config.speculation, plan, config.runtime.plan_keeps)
+    if config.runtime.plan_keeps:
+        log.info("SSD plan: kept as configured: %s", ", ".join(config.runtime.plan_keeps))
+    log.info("SSD runs with K=%d, budget=%d, glue=%s", speculation.k, speculation.fanout.budget, speculation.glue)
+    return dataclasses.replace(config, speculation=speculation)
+
+
+def apply_plan(speculation: SpeculationConfig, plan: Plan, fixed: Sequence[str] = ()) -> SpeculationConfig:
+    """The speculation defaults with the plan's K, budget and glue, except the `fixed` ones
+    ("k", "budget", "glue": set by the user), and its measured acceptance as the fan-out's prior."""
+    best = plan.best
+    fanout = speculation.fanout
+    fanout = dataclasses.replace(
+        fanout, budget=fanout.budget if "budget" in fixed else best.budget, initial_a=plan.agreement.a
+    )
+    return dataclasses.replace(
+        speculation, fanout=fanout, k=speculation.k if "k" in fixed else best.k,
+        glue=speculation.glue if "glue" in fixed else best.glue,
+    )
+
+
+def report(plan: Plan) -> None:
+    log.info("%s", plan.summary())
+    if not plan.beats_sd:
+        log.warning(
+            "SSD plan: no SSD setting is predicted to beat SD on this host (best SSD %.2f tok/s, SD %.2f): "
+            "the draft's cache build (%.0f ms) against the verification it hides behind (%.0f ms) is why; "
+            "--mode sd is the faster choice here", plan.best.tokens_per_s, plan.sd_tokens_per_s,
+            plan.best.build_s * 1e3, plan.best.verify_s * 1e3,
+        )
+
+
+def _continue(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """prompt + the model's greedy continuation of n tokens."""
+    kv = KVSequence(model)
+    logits = kv.forward(prompt, last_only=True)[-1]
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = kv.forward(out[-1:])[-1]
+    return out

@@ -1,0 +1,36 @@
+"""SSD's start-up plan on the cluster: each half timed on its own actor, the
+plan's K, budget and glue in force for requests without settings of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import ray
+
+from ssd.cluster.devices import plan_placement
+from ssd.cluster.runtime import Cluster
+from ssd.config import RuntimeConfig, load_config
+from ssd.engine.request import GenerationRequest
+from tests.conftest import ROOT
+from tests.test_cluster import local_ar
+
+pytestmark = pytest.mark.cluster
+
+CONFIG = load_config(ROOT / "configs" / "tiny-cluster.yaml")
+
+
+def test_the_cluster_plans_at_start_and_runs_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CACHE", str(tmp_path))
+    config = dataclasses.replace(CONFIG, runtime=RuntimeConfig(plan=True, plan_keeps=["glue"]))
+    with Cluster(config, plan_placement("0", "1", 2, "cpu")) as cluster:
+        plans = list((tmp_path / "plans").glob("*.json"))
+        assert len(plans) == 1  # measured on the actors, cached here
+        chosen = cluster.config.speculation
+        assert chosen.glue == CONFIG.speculation.glue  # kept, as asked
+        worker = ray.get(cluster.targets[0].__ray_call__.remote(lambda self: self.config.speculation))
+        assert worker == chosen
+        prompt = cluster.encode(CONFIG.prompt)
+        out = cluster.generate(GenerationRequest(prompt, CONFIG.sampling, CONFIG.generation))
+        assert out.token_ids == local_ar(CONFIG, prompt, CONFIG.generation.max_new_tokens)
+        assert len(out.stats.acceptance_by_position) == chosen.k  # the plan's K drafted each round

@@ -1,0 +1,131 @@
+"""SSD's start-up plan: the speed model's choices (pure), the probes on a tiny
+pair, the per-host cache, and the plan reaching a local server's engines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from ssd.ablation.costs import Costs
+from ssd.config import Config, ConfigError, RuntimeConfig, SpeculationConfig, TinyModelConfig
+from ssd.models import build_tiny_model
+from ssd.saguaro import startup
+from ssd.saguaro.plan import Agreement, choose, hit_rate, predict, tokens_per_round
+
+GOOD_DRAFT = Agreement(0.8, ranks_rejected=[0] * 6 + [1] * 2 + [5] * 2, ranks_bonus=[0] * 8 + [1] * 2)
+
+
+def costs(build_per_step: float, verify: float = 0.15, glue_step: float = 0.0) -> Costs:
+    """A host where a build is K steps (plus one more for `glue_step`) growing slowly with the budget."""
+    builds = {(k, b): (k + glue_step) * build_per_step * (1 + 0.02 * b) for k in (1, 2, 4, 6) for b in (2, 8, 16)}
+    return Costs(0.12, {k: verify + 0.01 * k for k in range(1, 7)}, {k: 0.06 * k for k in range(1, 7)}, builds)
+
+
+def test_agreement_reads_hits_off_the_measured_ranks():
+    assert GOOD_DRAFT.hit(1, bonus=False) == 0.6 and GOOD_DRAFT.hit(2, bonus=False) == 0.8
+    assert GOOD_DRAFT.hit(6, bonus=False) == 1.0 and GOOD_DRAFT.hit(0, bonus=True) == 0.0
+    assert hit_rate(GOOD_DRAFT, [1, 1]) == pytest.approx(0.2 * 0.6 + 0.8 * 0.8)
+    assert tokens_per_round(0.5, 2) == 1.75
+    with pytest.raises(ValueError, match="acceptance"):
+        Agreement(1.0, [], [])
+
+
+def test_a_build_that_outlasts_verification_moves_the_plan_to_a_cheaper_setting():
+    cheap = choose({"reuse": costs(0.02)}, GOOD_DRAFT)
+    dear = choose({"reuse": costs(0.06)}, GOOD_DRAFT)
+    assert cheap.beats_sd and cheap.best.build_s <= cheap.best.verify_s * 1.05
+    assert (dear.best.k, dear.best.budget) != (cheap.best.k, cheap.best.budget)
+    assert dear.best.build_s < costs(0.06).build(cheap.best.k, cheap.best.budget)
+
+
+def test_no_ssd_setting_beats_sd_when_every_build_is_dear():
+    plan = choose({"reuse": costs(0.5)}, GOOD_DRAFT)
+    assert not plan.beats_sd and "SD at its best K" in plan.summary()
+
+
+def test_fold_wins_when_its_saved_forward_matters_and_loses_to_a_near_perfect_draft():
+    """fold saves one draft forward a build; its bonus branches draft K - 1 tokens."""
+    by_glue = {"fold": costs(0.04), "reuse": costs(0.04, glue_step=1.0)}  # at K=4: fold fits in the verification
+    fold, reuse = (predict(by_glue[g], GOOD_DRAFT, 4, 8, g) for g in ("fold", "reuse"))
+    assert fold.build_s < fold.verify_s < reuse.build_s and fold.tokens_per_s > reuse.tokens_per_s
+    perfect = Agreement(0.98, [0] * 10, [0] * 10)
+    free = {"fold": costs(0.001), "reuse": costs(0.001, glue_step=1.0)}  # builds cost nothing either way
+    fold, reuse = (predict(free[g], perfect, 4, 8, g) for g in ("fold", "reuse"))
+    assert fold.tokens_per_round < reuse.tokens_per_round and reuse.tokens_per_s > fold.tokens_per_s
+
+
+def test_apply_plan_keeps_what_the_user_set():
+    plan = choose({"fold": costs(0.02)}, GOOD_DRAFT)
+    base = SpeculationConfig(mode="ssd", k=7, glue="full")
+    applied = startup.apply_plan(base, plan)
+    assert (applied.k, applied.fanout.budget, applied.glue) == (plan.best.k, plan.best.budget, plan.best.glue)
+    assert applied.fanout.initial_a == GOOD_DRAFT.a
+    kept = startup.apply_plan(base, plan, fixed=["k", "glue"])
+    assert (kept.k, kept.glue, kept.fanout.budget) == (7, "full", plan.best.budget)
+    with pytest.raises(ConfigError, match="plan_keeps"):
+        RuntimeConfig(plan_keeps=["K"])
+
+
+# --------------------------------------------------------------------- probes
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 16 for c in text][:12]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tuple(build_tiny_model(TinyModelConfig(vocab_size=16, seed=s), torch.float32) for s in (0, 1))
+
+
+def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkeypatch):
+    target, draft = pair
+    plan = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
+    data = json.loads((tmp_path / "k1.json").read_text())
+    assert sorted(map(int, data["target"]["verify_s"])) == list(range(1, 7))
+    assert set(data["draft"]["build_s"]) == {"fold", "reuse"}
+    assert len(data["draft"]["build_s"]["fold"]) == len(startup.BUILD_KS) * len(startup.BUILD_BUDGETS)
+    assert plan.agreement.positions == 2 * startup.CONTINUATION
+    assert all(s > 0 for s in data["target"]["verify_s"].values())
+    # A later start reads the file: nothing is timed again.
+    monkeypatch.setattr(startup, "target_probe", lambda *a, **k: pytest.fail("measured again"))
+    again = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
+    assert again.best == plan.best
+
+
+def test_agreement_of_a_draft_with_itself_is_perfect(pair):
+    target, _ = pair
+    sequences = [startup._continue(target, [1, 2, 3], 10), startup._continue(target, [4, 5], 10)]
+    agreement = startup.agreement(target, sequences, [3, 2])
+    assert agreement.a == 0.99 and set(agreement.ranks_bonus) == {0} and not agreement.ranks_rejected
+    other = startup.agreement(pair[1], sequences, [3, 2])
+    assert other.a < 0.9 and other.ranks_rejected  # a different draft disagrees somewhere
+
+
+def test_the_plan_reaches_a_local_server_s_engines(pair, tiny_tokenizer, tmp_path, monkeypatch):
+    from ssd.engine.factory import LoadedPair
+    from ssd.serve.backend import LocalBackend
+
+    monkeypatch.setenv("SSD_CACHE", str(tmp_path))
+    target, draft = pair
+    config = Config(speculation=SpeculationConfig(mode="ssd", k=7), runtime=RuntimeConfig(plan=True, plan_keeps=["glue"]))
+    backend = LocalBackend(config, pair=LoadedPair(target, draft, tiny_tokenizer))
+    try:
+        key, meta = startup.config_key(config, _devices(target, draft))
+        plan = startup.plan_in_process(target, draft, tiny_tokenizer, key, meta)  # from the cache the backend wrote
+        assert backend.config.speculation.k == plan.best.k and backend.config.speculation.glue == "fold"
+        assert list((tmp_path / "plans").glob("*.json"))
+    finally:
+        backend.close()
+    off_config = dataclasses.replace(config, runtime=RuntimeConfig(plan=False))
+    off = LocalBackend(off_config, pair=LoadedPair(target, draft, tiny_tokenizer))
+    assert off.config.speculation.k == 7
+    off.close()
+
+
+def _devices(target, draft):
+    return [str(target.device), str(draft.device), "in-process"]
