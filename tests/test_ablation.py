@@ -3,6 +3,7 @@ within sampling noise at T > 0), the power-law fit, the planner, plots, the CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import math
 import random
@@ -268,14 +269,15 @@ def test_planner_picks_the_obviously_best_config():
     """Verification costs 1 s whatever K; a miss adds a 0.5 s/token backup; a build
     costs 0.05 s per branch, so B = 40 no longer fits inside a verification.
     With a perfect draft the best is the longest K with the smallest budget
-    that always holds the bonus token: uniform K = 8, B = 9 (F = 1 everywhere)."""
+    that always holds the bonus token: uniform K = 8, B = 9 (F = 1 everywhere).
+    Glue "reuse": with "fold" a bonus branch drafts K - 1 tokens (a perfect draft hits one every round)."""
     ks, budgets = (2, 8), (9, 40)
     costs = Costs(
         ar_step_s=1.0, verify_s={k: 1.0 for k in ks}, backup_s={k: 0.5 * k for k in ks},
         build_s={(k, b): 0.05 * b for k in ks for b in budgets},
     )
     data = ReplayData(_perfect_draft_trace())
-    plan = recommend(data, costs, candidates(True, ks, budgets), BASE)
+    plan = recommend(data, costs, candidates(True, ks, budgets), dataclasses.replace(BASE, glue="reuse"))
     best = plan.ranked[0]
     assert (best.candidate.kind, best.candidate.k, best.candidate.budget) == ("uniform", 8, 9)
     assert best.replay.acceptance_rate == 1.0 and best.replay.hit_rate == 1.0

@@ -43,7 +43,11 @@ t* ranked beyond N is a miss ("unresolved" when F could reach it);
 (3) variance: a trajectory is one sample; use several per prompt and
 `samples` Monte Carlo passes per trajectory.
 
-Both modes: the backup is the neural draft (as plain SD). A trajectory that
+Both modes: the backup is the neural draft (as plain SD). With the folded
+glue (ssd.saguaro.builder) a hit on a bonus outcome serves a K - 1 token
+speculation, whose cache covers k = 0..K-1 (ssd.saguaro.builder.fanout_for);
+replayed the same way, assuming the fold always runs (live, a build whose
+schedule puts no branch below the bonus position does not fold). A trajectory that
 ended on EOS ends the replay there; the live engine may count drafted tokens
 past the EOS as accepted in that final round (admitted tokens, rounds and
 hits are unaffected).
@@ -63,7 +67,7 @@ import torch
 from ssd.ablation.trace import Trace, TraceSequence
 from ssd.config import SpeculationConfig
 from ssd.engine.metrics import RoundRatios, SpecStats
-from ssd.saguaro.fanout import FanoutPlanner, make_planner
+from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner
 
 PlannerFactory = Callable[[SpeculationConfig, int], FanoutPlanner]
 
@@ -286,6 +290,7 @@ class _Pending:
     fanout: list[int]
     hit: bool
     unresolved: bool
+    speculated: int  # tokens the draft's speculation had (K; K - 1 from a folded bonus branch)
 
 
 def replay(
@@ -331,19 +336,22 @@ def _walk(view: SequenceView, spec: SpeculationConfig, limit: int, planner: Fano
     """One sequence, round by round, in the speculator's order of operations."""
     n = min(view.n, limit)
     pos, pending, cached_saguaro = 1, None, None
+    fold = spec.glue == "fold" and spec.k >= 2
     out.walks += 1
     out.new_tokens += n - 1
     while pos < n:
-        hit = False
+        hit, speculated = False, spec.k
         if pending is not None:
             hit = pending.hit
-            planner.observe(pending.after_hit, pending.k, pending.fanout[pending.k], hit)
+            planner.observe(pending.after_hit, pending.k, pending.fanout[pending.k], hit, pending.speculated)
             out.unresolved += pending.unresolved
+            if hit and fold and pending.k == pending.speculated:  # a folded bonus branch drafted K - 1
+                speculated = spec.k - 1
         saguaro = cached_saguaro if hit else planner.schedule(after_hit=False)
-        fanout = planner.schedule(after_hit=hit)
+        fanout = fanout_for(planner.schedule(after_hit=hit), speculated)
         cached_saguaro = planner.schedule(after_hit=True)
-        drafted = min(spec.k, limit - pos - 1)
-        outcome = rounds.play(view, pos, min(drafted, n - pos - 1), spec.k, saguaro, fanout)
+        drafted = min(speculated, limit - pos - 1)
+        outcome = rounds.play(view, pos, min(drafted, n - pos - 1), speculated, saguaro, fanout)
         out.spec.record(
             lookup_k=None if pending is None else pending.k, hit=hit, source="cache" if hit else "neural",
             tokens=outcome.k + 1, wait_s=0.0, verify_s=0.0, backup_s=0.0, build_s=0.0,
@@ -351,7 +359,7 @@ def _walk(view: SequenceView, spec: SpeculationConfig, limit: int, planner: Fano
         out.rounds += 1
         out.drafted += drafted
         out.accepted += outcome.k
-        pending = _Pending(hit, outcome.k, fanout, outcome.next_hit, outcome.unresolved)
+        pending = _Pending(hit, outcome.k, fanout, outcome.next_hit, outcome.unresolved, speculated)
         pos += outcome.k + 1
 
 

@@ -26,6 +26,7 @@ from ssd.models.kv import KVSequence, token_tensor
 from ssd.sampling import probs_from_logits, sample_ids
 from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.cache import DraftWork, Proposal
+from ssd.saguaro.fanout import fanout_for
 from ssd.saguaro.sampling import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
@@ -81,13 +82,6 @@ def resume(kv: KVSequence, committed: Sequence[int], drafted: Sequence[int], wor
     if kv.cached != kv.length or kv.tokens != [*committed, *drafted[:-1]]:
         return None
     return torch.stack(work.logits)
-
-
-def fanout_for(fanout: Sequence[int], drafted: int) -> list[int]:
-    """The schedule F_0..F_K cut to a speculation of `drafted` tokens: its
-    last outcome (all accepted) takes the rest of the budget, as it takes the
-    rest of the acceptance law's mass."""
-    return [*fanout[:drafted], sum(fanout[drafted:])]
 
 
 def build_cache(

@@ -451,6 +451,13 @@ class FanoutPlanner:
             self._schedules[h] = allocate(self._weights[h], self.budget, self.caps)
 
 
+def fanout_for(fanout: Sequence[int], drafted: int) -> list[int]:
+    """The schedule F_0..F_K cut to a speculation of `drafted` tokens: its
+    last outcome (all accepted) takes the rest of the budget, as it takes the
+    rest of the acceptance law's mass."""
+    return [*fanout[:drafted], sum(fanout[drafted:])]
+
+
 def share_budget(budgets: Sequence[int], cap: int | None) -> list[int]:
     """Each row's branch budget when a batch shares at most `cap` branches.
 

@@ -27,14 +27,14 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
-from ssd.saguaro.fanout import FanoutPlanner, make_planner, share_budget
+from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner, share_budget
 from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.backups import make_backup
 from ssd.saguaro.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
-from ssd.saguaro.builder import build_cache, fanout_for
+from ssd.saguaro.builder import build_cache
 from ssd.saguaro.cache import Proposal, SpeculationCache
 from ssd.saguaro.sampling import Saguaro
 from ssd.transport.channel import Channel, Message
