@@ -488,28 +488,3 @@ def test_http_port_flag():
     add_serve_args(parser)
     assert serve_options_from_args(parser.parse_args(["--http-port", "8000"])).http_port == 8000
     assert serve_options_from_args(parser.parse_args([])).http_port is None
-
-
-# --- the cluster -------------------------------------------------------------------
-
-
-@pytest.mark.cluster
-def test_openai_api_over_the_cluster():
-    """launch/cluster.py --http-port: the same API over Ray actors; SSD greedy == AR, logprobs
-    (they come back with the result, in the last chunk) == the streamed-less response's."""
-    from ssd.cluster.devices import plan_placement
-    from ssd.cluster.runtime import Cluster
-    from ssd.models import load_tokenizer
-    from ssd.serve.cluster_backend import ClusterBackend
-    from tests.test_cluster import CONFIG, local_ar
-
-    with Cluster(CONFIG, plan_placement("0", "1", 2, "cpu")) as cluster:
-        with serving(lambda: ClusterBackend(cluster)) as srv:
-            client = oai(srv)
-            whole = complete(client, False, False, max_tokens=30, temperature=0, logprobs=1)
-            streamed = complete(client, False, True, max_tokens=30, temperature=0, logprobs=1,
-                                stream_options={"include_usage": True})
-            want = local_ar(CONFIG, cluster.encode(PROMPT), 30)
-    assert whole["text"] == streamed["text"] == load_tokenizer(CONFIG.target).decode(want)
-    assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"]) and whole["logprobs"] == streamed["logprobs"]
-    assert whole["stats"]["mode"] == "ssd" and streamed["usage"].completion_tokens == 30
