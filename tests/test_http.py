@@ -347,17 +347,30 @@ def test_503_while_loading_then_serving(backend):
         assert gate.wait(30)
         return ChatBackend(backend)
 
-    with serving(load, wait=False) as srv:
+    with serving(load, wait=False) as srv, GenerationClient(f"127.0.0.1:{srv.port}") as grpc_client:
         url = base_url(srv)
-        assert httpx.get(url + "/health").status_code == 503
+        assert httpx.get(url + "/health").status_code == 503 and grpc_client.health() == "NOT_SERVING"
         with pytest.raises(openai.InternalServerError) as info:
             oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
         assert info.value.status_code == 503 and "loading" in info.value.body["message"]
         assert httpx.get(url + "/v1/models").status_code == 503
         gate.set()
         assert srv.wait_ready(30)
-        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/health").status_code == 200 and grpc_client.health() == "SERVING"
         assert oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_an_engine_fault_is_an_error_not_a_dead_server(backend):
+    """A whole response gets a 500 in the error shape; a stream gets an error event, then [DONE]."""
+    with serving(lambda: ControlledBackend(backend, fail_after_rounds=2)) as srv:
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=20)
+        assert info.value.status_code == 500 and "injected engine fault" in info.value.body["message"]
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "stream": True}
+        reply = httpx.post(base_url(srv) + "/v1/completions", json=body, timeout=30)
+        events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "generation_failed"
+        assert httpx.get(base_url(srv) + "/health").status_code == 200
 
 
 def test_token_guards_v1_but_not_health(backend):
@@ -447,6 +460,10 @@ BAD = [
     (CHAT, _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (CHAT, _chat(max_completion_tokens=3, max_tokens=3), 400, "max_tokens"),  # both given
+    (C, b'{"model": "tiny", "prompt": "ab", "temperature": NaN}', 400, "temperature"),
+    (C, b'{"model": "tiny", "prompt": "ab", "top_p": Infinity}', 400, "top_p"),
+    (C, _ok(seed=2**64), 400, "seed"),
+    (C, b"[" * 4000, 400, "body"),
     (C, b'{"model": "tiny", "prompt": ', 400, "body"),
     (C, b"[1, 2]", 400, "body"),
     (C, b"", 400, "body"),

@@ -158,6 +158,8 @@ class OpenAIFrontend:
             data = json.loads(raw.decode("utf-8", errors="surrogateescape"))
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"body: not valid JSON: {exc}", param="body", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "body: nested too deeply", param="body", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "body: must be a JSON object", param="body", code="invalid_json")
         where = _first_surrogate(data)
