@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -53,13 +55,28 @@ class ChatBackend:
         return self.inner.encode("".join(ROLES[m["role"]] + m["content"] for m in messages) + "d")
 
     def batch_engine(self, mode: str):
-        return self.inner.batch_engine(mode)
+        engine = self.inner.batch_engine(mode)
+        return SlowEngine(engine, self.round_delay_s) if self.round_delay_s else engine
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def close(self) -> None:
         """The module's LocalBackend outlives each server."""
+
+
+class SlowEngine:
+    """A batch engine whose every step takes round_delay_s longer: a long request lasts seconds."""
+
+    def __init__(self, inner: Any, round_delay_s: float) -> None:
+        self.inner, self.round_delay_s = inner, round_delay_s
+
+    def step(self):
+        time.sleep(self.round_delay_s)
+        return self.inner.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @contextmanager
@@ -228,6 +245,33 @@ def test_seed_fixes_the_output_in_ar_and_sd(client, grpc_client, backend, mode):
     assert len(others | {first}) > 1  # the seed matters
 
 
+def test_top_k_travels_as_an_extra_field(client):
+    """top_k 1 keeps only the argmax: sampling at temperature 1 then is greedy decoding."""
+    greedy = complete(client, False, False, max_tokens=24, temperature=0)["text"]
+    for mode in MODES:
+        top1 = complete(client, False, False, max_tokens=24, temperature=1.0, seed=5,
+                        extra_body={"top_k": 1, "speculation": {"mode": mode}})["text"]
+        assert top1 == greedy, mode
+
+
+def test_tls_on_the_http_port(backend, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with serving(lambda: ChatBackend(backend), tls_cert=cert, tls_key=key) as srv:
+        url = f"https://localhost:{srv.http_port}"
+        assert httpx.get(url + "/health", verify=str(cert)).status_code == 200
+        reply = httpx.post(url + "/v1/completions", verify=str(cert),
+                           json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://localhost:{srv.http_port}/health", timeout=2)
+
+
 @pytest.mark.parametrize("stop", ["lla", ["zz", "lla"]], ids=["string", "list"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_stop_strings(client, grpc_client, stop, stream):
@@ -295,10 +339,15 @@ def test_http_and_grpc_streams_share_one_batch(backend):
     assert batch.n > 0 and max(i for i, c in enumerate(batch.counts) if c) >= 2, batch  # steps of 3-4 rows ran
 
 
-@pytest.fixture
-def slow(backend):
-    """One request at a time, ~20 ms per round, queue of 1: a long request holds the only slot for seconds."""
-    with serving(lambda: ControlledBackend(backend, round_delay_s=0.02), max_queue=1) as srv:
+@pytest.fixture(params=["alone", "batched"])
+def slow(request, backend):
+    """~20 ms per round, queue of 1: a long request holds the only slot for seconds; it
+    runs alone (a backend without batch engines) or as a row of the mode's batch."""
+    if request.param == "alone":
+        load = lambda: ControlledBackend(backend, round_delay_s=0.02)  # noqa: E731
+    else:
+        load = lambda: ChatBackend(backend, round_delay_s=0.02)  # noqa: E731
+    with serving(load, max_queue=1) as srv:
         yield srv
 
 

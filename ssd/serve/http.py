@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.engine.request import GeneratorUnavailable, TokenLogprob
 from ssd.serve import http_schema as schema
 from ssd.serve.backend import Backend
+from ssd.serve.server import NotServing
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import InvalidArgument, validate
 from ssd.serve.worker import Done, DuplicateRequestId, GenerationWorker, Job, QueueFull, Round, WorkerClosed
@@ -111,7 +112,7 @@ class OpenAIFrontend:
         """200 only while SERVING: the same truth as grpc.health.v1 (both follow servicer.unavailable)."""
         try:
             self.servicer.serving()
-        except Exception as exc:  # NotServing
+        except NotServing as exc:
             return JSONResponse({"status": "NOT_SERVING", "reason": str(exc)}, status_code=503)
         return JSONResponse({"status": "SERVING"})
 
@@ -127,9 +128,12 @@ class OpenAIFrontend:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
+        """OpenAI completions. `seed`: in AR and SD the same request gives the same output; in
+        SSD the same distribution (the output may depend on timing and batch composition)."""
         return await self._generate(request, schema.CompletionBody, chat=False)
 
     async def chat(self, request: Request) -> Response:
+        """OpenAI chat completions (the model's chat template). `seed`: as for /v1/completions."""
         return await self._generate(request, schema.ChatBody, chat=True)
 
     # --- one generation ------------------------------------------------------------
@@ -145,7 +149,7 @@ class OpenAIFrontend:
         self._submit(worker, job)
         call = Call(self, body, backend, job, chat)
         if body.stream:
-            return JobStream(call.events(request), on_close=lambda: worker.cancel(job))
+            return JobStream(call.events(), on_close=lambda: worker.cancel(job))
         try:
             return await call.complete(request)
         finally:
@@ -201,7 +205,7 @@ class OpenAIFrontend:
     def _serving(self) -> tuple[Backend, GenerationWorker]:
         try:
             return self.servicer.serving()
-        except Exception as exc:  # NotServing
+        except NotServing as exc:
             raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
 
     def _submit(self, worker: GenerationWorker, job: Job) -> None:
@@ -256,7 +260,7 @@ class Call:
                     self.job.cancel()
                     return JSONResponse({}, status_code=499)
 
-    async def events(self, request: Request) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncIterator[bytes]:
         """SSE events: a first chunk (chat: the role), one per round, the finish, usage, [DONE]."""
         if self.chat:
             yield self._sse(self._chunk({"role": "assistant", "content": ""}))
