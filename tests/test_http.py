@@ -409,6 +409,34 @@ def test_503_while_loading_then_serving(backend):
         assert oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].text
 
 
+def test_shutdown_finishes_running_streams_and_refuses_new_requests(backend):
+    with serving(lambda: ChatBackend(backend, round_delay_s=0.02)) as srv:
+        client, out = oai(srv), {}
+        first = threading.Event()
+
+        def stream() -> None:
+            text = ""
+            for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                                   stream=True):
+                text += chunk.choices[0].text
+                first.set()
+                out["finish"] = chunk.choices[0].finish_reason
+            out["text"] = text
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30)
+        stopper = threading.Thread(target=srv.stop, kwargs={"grace_s": 30})
+        stopper.start()
+        assert _wait(lambda: srv.servicer.unavailable is not None)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 503 and "shutting down" in info.value.body["message"]
+        reader.join(30)
+        stopper.join(30)
+    assert out["finish"] == "length" and out["text"] == direct(backend, backend.encode(PROMPT), "ar", max_new=60).text
+
+
 def test_an_engine_fault_is_an_error_not_a_dead_server(backend):
     """A whole response gets a 500 in the error shape; a stream gets an error event, then [DONE]."""
     with serving(lambda: ControlledBackend(backend, fail_after_rounds=2)) as srv:
