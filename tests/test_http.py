@@ -514,6 +514,7 @@ BAD = [
     (C, _ok(prompt=[]), 400, "prompt"),
     (C, _ok(prompt=[1, 16]), 400, "prompt"),
     (C, _ok(prompt=[1, -1]), 400, "prompt"),
+    (C, _ok(prompt=[1, 2**40]), 400, "prompt"),
     (C, _ok(prompt=["ab", "cd"]), 400, "prompt[0]"),
     (C, _ok(prompt="a" * 600), 400, "prompt"),
     (C, {"prompt": PROMPT}, 400, "model"),

@@ -23,6 +23,7 @@ from ssd.serve.protos import enum_values
 from ssd.serve.validation import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+_RANGES = {"seed": "0..2**64-1", "ids": "0..2**32-1"}  # the GenerateRequest fields' ranges (else int32)
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
 
 
@@ -216,8 +217,9 @@ def _set(message: Any, name: str, value: Any, param: str) -> None:
             getattr(message, name).extend(value)
         else:
             setattr(message, name, value)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidArgument(param, f"out of range: {exc}") from None
+    except (ValueError, TypeError, OverflowError):
+        shown = "a larger id" if isinstance(value, list) else value
+        raise InvalidArgument(param, f"out of range for the field ({_RANGES.get(name, 'int32')}), got {shown}") from None
 
 
 def body_param(field: str, body: _Common) -> str:
