@@ -1,8 +1,10 @@
-"""Serve the configured pair over gRPC (ssd.v1.GenerationService, health, reflection).
+"""Serve the configured pair over gRPC (ssd.v1.GenerationService, health, reflection)
+and, with --http-port, the OpenAI-compatible HTTP API (ssd/serve/http.py).
 
     python launch/serve.py --config configs/tiny.yaml --port 50051
     python launch/serve.py --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem
     python launch/serve.py --metrics-port 9400   # Prometheus scrapes http://127.0.0.1:9400/metrics
+    python launch/serve.py --http-port 8000      # + the OpenAI API at http://127.0.0.1:8000/v1 (same batch)
 
 Config flags (--mode, --max-new-tokens, --temperature, ...) set the defaults
 for requests that leave those fields unset. The token may also come from

@@ -109,6 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="on SIGINT/SIGTERM: seconds running requests may finish")
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+    parser.add_argument("--http-port", type=int, default=defaults.http_port,
+                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                             "/v1/models, /health, /metrics) on this port (0: any free port; default: off)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -118,4 +121,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
         max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
+        http_port=args.http_port,
     )

@@ -50,6 +50,31 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingConfig) -> torch.Ten
     return probs
 
 
+def token_logprobs(
+    logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each token i: (log p_i[token], the top_n (id, log p_i) pairs), p_i the
+    distribution of logits row i [n, V] under `params`.
+
+    Sampled requests get the log of exactly the distribution verification and
+    sampling use (probs_from_logits); greedy ones the log-softmax at
+    temperature 1, since their one-hot distribution carries no information.
+    """
+    if not tokens:
+        return []
+    rows = logits[: len(tokens)].to(torch.float64)
+    if params.greedy:
+        logp = torch.log_softmax(rows, dim=-1)
+    else:
+        logp = torch.log(probs_from_logits(rows, params))
+    chosen = logp.gather(-1, torch.tensor(list(tokens), device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if top_n <= 0:
+        return [(value, []) for value in chosen]
+    values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return list(zip(chosen, tops))
+
+
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy as a distribution; ties go to the lowest id, as torch.argmax does."""
     out = torch.zeros_like(logits, dtype=torch.float64)

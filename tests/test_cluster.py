@@ -199,6 +199,23 @@ def test_ar_requests_batch_on_the_target_through_the_grpc_frontend(cluster):
     assert batch_sizes.n > 0 and batch_sizes.total / batch_sizes.n > 1.5, batch_sizes  # rows ran together
 
 
+def test_openai_http_api_over_the_cluster(cluster):
+    """launch/cluster.py --http-port: the OpenAI API over the actors (ssd.serve.http). SSD greedy
+    == AR; logprobs come back with the result (in the stream's last chunk) and match the whole response's."""
+    from ssd.serve.cluster_backend import ClusterBackend
+    from tests.test_http import PROMPT, complete, oai, serving
+
+    with serving(lambda: ClusterBackend(cluster)) as server:
+        client = oai(server)
+        whole = complete(client, False, False, max_tokens=30, temperature=0, logprobs=1)
+        streamed = complete(client, False, True, max_tokens=30, temperature=0, logprobs=1,
+                            stream_options={"include_usage": True})
+    want = local_ar(CONFIG, cluster.encode(PROMPT), 30)
+    assert whole["text"] == streamed["text"] == load_tokenizer(CONFIG.target).decode(want)
+    assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"]) and whole["logprobs"] == streamed["logprobs"]
+    assert whole["stats"]["mode"] == "ssd" and streamed["usage"].completion_tokens == 30
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

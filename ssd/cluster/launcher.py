@@ -6,6 +6,7 @@ on separate devices, linked by torch.distributed, behind the gRPC frontend.
     python launch/cluster.py --cpu                          # serve on 127.0.0.1:50051 (gloo, cores as devices)
     python launch/cluster.py --cpu "def add(a, b):"         # one generation, then exit
     python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
+    python launch/cluster.py --cpu --http-port 8000         # + the OpenAI-compatible API at :8000/v1
 
 With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
 (override with --target-cores / --draft-core). With no prompt it serves
@@ -118,6 +119,8 @@ def serve(cluster, options) -> None:
     server = GenerationServer(options, lambda: ClusterBackend(cluster))
     server.start()
     log.info("serving ssd.v1.GenerationService on %s:%d", options.host, server.port)
+    if server.http_port is not None:
+        log.info("serving the OpenAI-compatible API on %s:%d/v1", options.host, server.http_port)
     try:
         while not server.wait_for_termination(timeout=1.0):
             pass

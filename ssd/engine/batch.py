@@ -40,12 +40,12 @@ from ssd.config import BatchingConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.drafting import Chain
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
-from ssd.engine.request import GenerationRequest, GenerationResult
+from ssd.engine.request import GenerationRequest, GenerationResult, TokenLogprob
 from ssd.hardware import sync, to_device
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
 from ssd.models.quant import precision_of
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
-from ssd.sampling import make_generator, probs_from_logits, sample
+from ssd.sampling import make_generator, probs_from_logits, sample, token_logprobs
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class SequenceState:
     sequence: list[int]  # prompt + generated ids so far
     output: OutputTracker
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per admitted token, when the request asked
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -302,6 +303,7 @@ class BatchedEngine(Engine):
                 mode=self.mode, k=speculation.k if speculation is not None else 0,
                 prompt_tokens=len(request.prompt_ids), precision=self.precision,
             ),
+            logprobs=[] if request.logprobs is not None else None,
         )
 
     def _target_sequence(self) -> KVSequence:
@@ -315,7 +317,8 @@ class BatchedEngine(Engine):
         req.stats.total_s = clock.elapsed()
         req.stats.new_tokens = len(req.output.token_ids)
         log.debug("%s", req.stats.summary())
-        return GenerationResult(req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats)
+        return GenerationResult(req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats,
+                                logprobs=list(req.logprobs) if req.logprobs is not None else None)
 
     @staticmethod
     def _next_token(req: SequenceState, logits: torch.Tensor) -> int:
@@ -354,7 +357,7 @@ class BatchedEngine(Engine):
             row.draft.rollback(min(row.draft.length, len(state.sequence) + outcome.k))
         target_s = forward_s + time.perf_counter() - started
         state.stats.record_round(drafted=k, accepted=outcome.k, target_s=target_s)
-        self._emit(state, outcome.tokens(drafted))
+        self._emit(state, outcome.tokens(drafted), logits[-(k + 1) :])
         return outcome, target_s
 
     def _plain_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
@@ -362,13 +365,23 @@ class BatchedEngine(Engine):
         started = time.perf_counter()
         token = self._next_token(row.state, logits[-1])
         row.state.stats.record_round(drafted=0, accepted=0, target_s=forward_s + time.perf_counter() - started)
-        self._emit(row.state, [token])
+        self._emit(row.state, [token], logits[-1:])
 
     @staticmethod
-    def _emit(req: SequenceState, tokens: list[int]) -> None:
+    def _emit(req: SequenceState, tokens: list[int], logits: torch.Tensor) -> None:
+        """Admit the round's tokens; `logits` [len(tokens), V] are the target's
+        rows that scored them (the source of their log-probabilities)."""
         admitted = req.output.add(tokens)
         req.sequence.extend(admitted)
-        req.request.emit(admitted)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = [
+                TokenLogprob(token, value, tuple(top))
+                for token, (value, top) in zip(admitted, token_logprobs(
+                    logits, req.sampling, admitted, req.request.logprobs))
+            ]
+            req.logprobs.extend(logprobs)
+        req.request.emit(admitted, logprobs)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -417,7 +430,7 @@ class BatchedEngine(Engine):
         """Count a prefill chunk; the chunk that completes the prompt samples the first token."""
         row.prefilled += fed
         if row.decoding:
-            self._emit(row.state, [self._next_token(row.state, logits[-1])])
+            self._emit(row.state, [self._next_token(row.state, logits[-1])], logits[-1:])
             row.state.stats.time_to_first_token_s = row.clock.elapsed()
 
     def _together(self, rows: list[Row], work: Callable, *args) -> object:

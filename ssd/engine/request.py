@@ -21,6 +21,26 @@ from ssd.engine.metrics import GenerationStats
 TokenCallback = Callable[[list[int]], None]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and of the most likely alternatives.
+
+    Taken from the logits the round already scored (verification, or the
+    target's own step), under the request's sampling settings: log of the
+    distribution the token was verified or sampled against (temperature,
+    top-k, top-p applied; -inf outside top-k / top-p). Greedy requests
+    (temperature 0) get the plain log-softmax, since their distribution is a
+    one-hot that says nothing.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
+
+
+LogprobCallback = Callable[[list[TokenLogprob]], None]
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -32,6 +52,10 @@ class GenerationRequest:
     # Polled before every round; True ends generation with finish reason "aborted".
     cancelled: Callable[[], bool] | None = None
     request_id: str = ""  # for logs; the server assigns one when empty
+    # None: no log-probabilities; n >= 0: each emitted token's, with the n most likely alternatives.
+    logprobs: int | None = None
+    # Called, before on_tokens, with the log-probabilities of the tokens that round admitted.
+    on_logprobs: LogprobCallback | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)
@@ -44,12 +68,14 @@ class GenerationRequest:
 
     def portable(self) -> "GenerationRequest":
         """The request without its callbacks, to send to another process."""
-        return dataclasses.replace(self, on_tokens=None, cancelled=None)
+        return dataclasses.replace(self, on_tokens=None, cancelled=None, on_logprobs=None)
 
     def is_cancelled(self) -> bool:
         return self.cancelled is not None and self.cancelled()
 
-    def emit(self, tokens: list[int]) -> None:
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        if self.on_logprobs is not None and logprobs:
+            self.on_logprobs(logprobs)
         if self.on_tokens is not None and tokens:
             self.on_tokens(tokens)
 
@@ -62,6 +88,8 @@ class GenerationResult:
     stats: GenerationStats
     # Tokens the first reply carried (1 for our engines; HF's first round may carry more).
     first_tokens: int = 1
+    # One per token_ids entry when the request asked for logprobs (else None).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GeneratorUnavailable(RuntimeError):

@@ -1,4 +1,4 @@
-"""The gRPC frontend (protos/ssd/v1/generation.proto).
+"""The front ends: gRPC (protos/ssd/v1/generation.proto) and the OpenAI-compatible HTTP API.
 
 protos.py     compiles the .proto into _proto/ on first use (generated, not committed)
 options.py    ServeOptions: bind address, token, TLS, request limits
@@ -11,4 +11,6 @@ auth.py       bearer-token interceptor (health and reflection stay open)
 convert.py    engine values -> ssd.v1 messages
 server.py     GenerationServicer and GenerationServer (health, reflection, TLS, lifecycle)
 client.py     GenerationClient, used by launch/client.py and the tests
+http.py       the OpenAI-compatible HTTP API (FastAPI + uvicorn) over the same servicer and worker
+http_schema.py OpenAI request bodies (pydantic) -> GenerateRequest, validated by validation.py
 """

@@ -28,14 +28,19 @@ class ServeOptions:
     # never prompts or outputs); TLS when the gRPC port has it. 0: any free
     # port (the server reports the one it got); None: no endpoint.
     metrics_port: int | None = None
+    # The OpenAI-compatible HTTP API (ssd.serve.http) on `host`, same process,
+    # same batch; TLS and the token as for gRPC. 0: any free port; None: off.
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("serve: tls_cert and tls_key must be given together")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"serve.metrics_port must be in 0..65535, got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"serve.{name} must be in 0..65535, got {value}")
         if self.token is not None and not self.token.strip():
             raise ConfigError("serve.token must not be blank")
         for name in ("max_queue", "max_new_tokens", "max_stop_strings", "max_stop_chars",

@@ -48,8 +48,17 @@ EVENT_POLL_S = 0.1  # how often a waiting stream checks that its client is still
 NO_DEADLINE_S = 1e9
 
 
+class NotServing(RuntimeError):
+    """The model is loading, restarting or shutting down; str() says which."""
+
+
 class GenerationServicer:
-    """The four ssd.v1 RPCs; serves once `attach` gives it a backend."""
+    """The four ssd.v1 RPCs; serves once `attach` gives it a backend.
+
+    `serving`, `submit` and `request_stats` are the admission path the HTTP
+    front end (ssd.serve.http) shares, so both front ends refuse, count and
+    describe requests alike.
+    """
 
     def __init__(self, pb: Any, options: ServeOptions, metrics: ServerMetrics,
                  registry: CollectorRegistry) -> None:
@@ -91,6 +100,31 @@ class GenerationServicer:
             log.info("abort requested for %s", request.request_id)
         return self.pb.AbortResponse(found=found)
 
+    def serving(self) -> tuple[Backend, GenerationWorker]:
+        """The backend and worker, or NotServing saying why not."""
+        backend, worker, why = self.backend, self.worker, self.unavailable
+        if why is not None or backend is None or worker is None:
+            raise NotServing(why or "not serving")
+        return backend, worker
+
+    def submit(self, worker: GenerationWorker, job: Job) -> int:
+        """Queue a job, counted as admitted or rejected; the jobs ahead of it.
+        QueueFull, DuplicateRequestId and WorkerClosed pass through."""
+        try:
+            ahead = worker.submit(job)
+        except QueueFull:
+            self.metrics.rejected()
+            raise
+        self.metrics.admitted()
+        return ahead
+
+    def request_stats(self, job: Job, stats: Any) -> Any:
+        """The finished request's RequestStats message (the HTTP API sends it as JSON)."""
+        started = job.started if job.started is not None else job.arrived
+        first = job.first_token if job.first_token is not None else started
+        total = time.monotonic() - job.arrived
+        return convert.request_stats(self.pb, stats, started - job.arrived, first - job.arrived, total)
+
     def ModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         backend, _ = self._serving(context)
         return convert.model_info(self.pb, backend.info, self.options)
@@ -102,23 +136,20 @@ class GenerationServicer:
         return convert.stats_response(self.pb, counters, running, waiting, self.metrics.uptime_s(), text)
 
     def _serving(self, context: grpc.ServicerContext) -> tuple[Backend, GenerationWorker]:
-        backend, worker, why = self.backend, self.worker, self.unavailable
-        if why is not None or backend is None or worker is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, why or "not serving")
-        return backend, worker
+        try:
+            return self.serving()
+        except NotServing as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def _submit(self, worker: GenerationWorker, job: Job, context: grpc.ServicerContext) -> int:
         try:
-            ahead = worker.submit(job)
+            return self.submit(worker, job)
         except QueueFull as exc:
-            self.metrics.rejected()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except DuplicateRequestId as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except WorkerClosed as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.metrics.admitted()
-        return ahead
 
     def _stream(self, job: Job, backend: Backend, context: grpc.ServicerContext) -> Iterator[Any]:
         """Round messages as the engine produces them, then the final one."""
@@ -145,16 +176,10 @@ class GenerationServicer:
             delta = text.finish(result.text)
             finished.output_token_ids.extend(result.token_ids)
             finished.output_text = result.text
-            finished.stats.CopyFrom(self._request_stats(job, result.stats))
+            finished.stats.CopyFrom(self.request_stats(job, result.stats))
         if done.error is not None:
             finished.error = f"{type(done.error).__name__}: {done.error}"
         return pb.GenerateResponse(request_id=job.request_id, text=delta, finished=finished)
-
-    def _request_stats(self, job: Job, stats: Any) -> Any:
-        started = job.started if job.started is not None else job.arrived
-        first = job.first_token if job.first_token is not None else started
-        total = time.monotonic() - job.arrived
-        return convert.request_stats(self.pb, stats, started - job.arrived, first - job.arrived, total)
 
     @staticmethod
     def _set_status(job: Job, done: Done, context: grpc.ServicerContext) -> None:
@@ -218,6 +243,8 @@ class GenerationServer:
         self.port: int | None = None
         self.metrics_port: int | None = None  # the /metrics HTTP port, once started
         self._metrics_http: WSGIServer | None = None
+        self.http_port: int | None = None  # the OpenAI-compatible API's port, once started
+        self._http: Any = None  # ssd.serve.http.HttpServer
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -236,6 +263,8 @@ class GenerationServer:
         log.info("listening on %s:%d (%s)", self.options.host, self.port, "TLS" if self.options.tls else "plaintext")
         if self.options.metrics_port is not None:
             self._start_metrics_http()
+        if self.options.http_port is not None:
+            self._start_openai_http()
         threading.Thread(target=self._load, name="ssd-serve-loader", daemon=True).start()
         return self.port
 
@@ -258,6 +287,8 @@ class GenerationServer:
         if self._server is not None:
             self._server.stop(grace=min(grace, 1.0)).wait()
         self._stop_metrics_http()
+        if self._http is not None:
+            self._http.stop()
         self._close_backend()
         self._stopped.set()
         log.info("stopped")
@@ -282,6 +313,18 @@ class GenerationServer:
         self.metrics_port = self._metrics_http.server_port
         host = f"[{opts.host}]" if ":" in opts.host else opts.host
         log.info("metrics at %s://%s:%d/metrics", "https" if opts.tls else "http", host, self.metrics_port)
+
+    def _start_openai_http(self) -> None:
+        """The OpenAI-compatible API over this server's servicer: one worker, one batch."""
+        from ssd.serve.http import HttpServer, OpenAIFrontend  # FastAPI loads only when asked for
+
+        self._http = HttpServer(OpenAIFrontend(self.servicer, self.options), self.options)
+        try:
+            self.http_port = self._http.start()
+        except OSError:
+            self._server.stop(0)
+            self._stop_metrics_http()
+            raise
 
     def _stop_metrics_http(self) -> None:
         if self._metrics_http is not None:

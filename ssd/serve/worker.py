@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ssd.engine.batch import Engine, Finished
-from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
+from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable, TokenLogprob
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
 
@@ -72,9 +72,11 @@ class BatchingBackend(Protocol):
 
 @dataclass
 class Round:
-    """Tokens one engine round admitted."""
+    """Tokens one engine round admitted (and their log-probabilities, when asked
+    for and the engine runs in this process; a remote one returns them with the result)."""
 
     ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Job:
     events: "queue.Queue[Round | Done]" = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _bound: GenerationRequest | None = None
+    _logprobs: list[TokenLogprob] = field(default_factory=list)  # this round's, until on_tokens
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -115,13 +118,19 @@ class Job:
     def on_tokens(self, ids: list[int]) -> None:
         if self.first_token is None:
             self.first_token = time.monotonic()
-        self.events.put(Round(list(ids)))
+        logprobs, self._logprobs = self._logprobs, []
+        self.events.put(Round(list(ids), logprobs))
+
+    def on_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        """The engine calls this just before on_tokens, for the same tokens."""
+        self._logprobs = list(logprobs)
 
     def bound(self) -> GenerationRequest:
-        """The request as engines see it: this job's id, token callback and cancel hook."""
+        """The request as engines see it: this job's id, token callbacks and cancel hook."""
         if self._bound is None:
             self._bound = dataclasses.replace(
-                self.request, request_id=self.request_id, on_tokens=self.on_tokens, cancelled=self.cancelled
+                self.request, request_id=self.request_id, on_tokens=self.on_tokens, cancelled=self.cancelled,
+                on_logprobs=self.on_logprobs,
             )
         return self._bound
 

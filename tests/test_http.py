@@ -1,0 +1,585 @@
+"""The OpenAI-compatible HTTP API: a live server on loopback over the tiny fp64
+pair, driven by the official `openai` client (and httpx for what it cannot send).
+
+Exactness through the wire (greedy == AR == the gRPC endpoint, every mode and
+endpoint, streamed or not), logprobs == the target's own log-softmax, seeds,
+stop strings, usage, both front ends in one batch, disconnects, auth, the
+error shapes for bad input, 429 and 503.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from ssd.config import GenerationConfig, SamplingConfig, load_config
+from ssd.engine.factory import make_engine
+from ssd.engine.request import GenerationRequest
+from ssd.serve.backend import LocalBackend, UnsupportedRequest
+from ssd.serve.client import GenerationClient
+from ssd.serve.options import ServeOptions
+from ssd.serve.server import GenerationServer
+from tests.conftest import ROOT
+from tests.test_serve import ControlledBackend
+
+PROMPT = "abcab"
+MODES = ("ar", "sd", "ssd")
+ROLES = {"system": "a", "user": "b", "assistant": "c"}
+
+
+class ChatBackend:
+    """The real backend (batching included) with a chat template: the tiny
+    tokenizer has none, so each message renders as its role's letter and its
+    content, and the generation prompt is "d"."""
+
+    def __init__(self, inner: Any, round_delay_s: float = 0.0) -> None:
+        self.inner = inner
+        self.info = dataclasses.replace(inner.info, chat_template=True)
+        self.round_delay_s = round_delay_s
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        unknown = [m["role"] for m in messages if m["role"] not in ROLES]
+        if unknown:
+            raise UnsupportedRequest(f"the template knows no role {unknown[0]!r}")
+        return self.inner.encode("".join(ROLES[m["role"]] + m["content"] for m in messages) + "d")
+
+    def batch_engine(self, mode: str):
+        engine = self.inner.batch_engine(mode)
+        return SlowEngine(engine, self.round_delay_s) if self.round_delay_s else engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def close(self) -> None:
+        """The module's LocalBackend outlives each server."""
+
+
+class SlowEngine:
+    """A batch engine whose every step takes round_delay_s longer: a long request lasts seconds."""
+
+    def __init__(self, inner: Any, round_delay_s: float) -> None:
+        self.inner, self.round_delay_s = inner, round_delay_s
+
+    def step(self):
+        time.sleep(self.round_delay_s)
+        return self.inner.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def serving(load: Callable[[], Any], wait: bool = True, **options: Any) -> Iterator[GenerationServer]:
+    server = GenerationServer(ServeOptions(port=0, http_port=0, grace_s=2.0, **options), load)
+    server.start()
+    try:
+        if wait:
+            assert server.wait_ready(30)
+        yield server
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def base_url(server: GenerationServer) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def oai(server: GenerationServer, token: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(server) + "/v1", api_key=token, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    local = LocalBackend(load_config(ROOT / "configs" / "tiny.yaml"))
+    yield local
+    local.close()
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    with serving(lambda: ChatBackend(backend)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return oai(server)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with GenerationClient(f"127.0.0.1:{server.port}") as c:
+        yield c
+
+
+def chat_ids(backend, messages) -> list[int]:
+    return ChatBackend(backend).apply_chat(messages)
+
+
+def direct(backend, prompt_ids: list[int], mode: str, temperature: float = 0.0, seed: int = 0,
+           max_new: int = 24, stop=()):
+    """The same request through a fresh engine, no server."""
+    speculation = dataclasses.replace(backend.config.speculation, mode=mode)
+    engine = make_engine(mode, backend.pair, speculation)
+    try:
+        return engine.generate(GenerationRequest(
+            prompt_ids, SamplingConfig(temperature=temperature, seed=seed),
+            GenerationConfig(max_new_tokens=max_new, stop=list(stop)), speculation,
+        ))
+    finally:
+        engine.close()
+
+
+def complete(client, chat: bool, stream: bool, **kwargs: Any) -> dict[str, Any]:
+    """text, finish_reason, logprobs (token, logprob, top) and the extras, streamed or not."""
+    prompt = kwargs.pop("prompt", PROMPT)
+    if chat:
+        call = client.chat.completions.create
+        kwargs["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    else:
+        call = client.completions.create
+        kwargs["prompt"] = prompt
+    out = {"text": "", "logprobs": [], "chunks": 0}
+    if not stream:
+        reply = call(model="tiny", **kwargs)
+        choice = reply.choices[0]
+        out["text"] = choice.message.content if chat else choice.text
+        out["logprobs"] = _logprobs(choice.logprobs, chat)
+        out.update(finish=choice.finish_reason, usage=reply.usage, stats=reply.model_extra["speculation_stats"])
+        return out
+    for chunk in call(model="tiny", stream=True, **kwargs):
+        out["chunks"] += 1
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        out["text"] += (choice.delta.content or "") if chat else choice.text
+        out["logprobs"] += _logprobs(choice.logprobs, chat)
+        if choice.finish_reason is not None:
+            out.update(finish=choice.finish_reason, stats=chunk.model_extra["speculation_stats"])
+    return out
+
+
+def _logprobs(logprobs: Any, chat: bool) -> list[tuple[str, float, dict[str, float]]]:
+    if logprobs is None:
+        return []
+    if chat:
+        return [(e.token, e.logprob, {t.token: t.logprob for t in e.top_logprobs}) for e in logprobs.content]
+    return list(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))
+
+
+# --- exactness through the wire ---------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_equals_ar_and_the_grpc_endpoint(client, grpc_client, backend, mode, chat, stream):
+    messages = [{"role": "system", "content": "ab"}, {"role": "user", "content": "cab"}]
+    prompt_ids = chat_ids(backend, messages) if chat else backend.encode(PROMPT)
+    out = complete(client, chat, stream, prompt=messages if chat else PROMPT, max_tokens=24, temperature=0,
+                   extra_body={"speculation": {"mode": mode}})
+    want = direct(backend, prompt_ids, "ar")
+    grpc_out = grpc_client.generate(token_ids=prompt_ids, mode=mode, temperature=0.0, max_new_tokens=24)
+    assert out["text"] == want.text == grpc_out.text == backend.decode(grpc_out.token_ids)
+    assert out["finish"] == "length" and out["stats"]["mode"] == mode
+    if stream:
+        assert out["chunks"] > 3 and "usage" not in out  # round by round; usage only when asked for
+    else:
+        assert out["usage"].completion_tokens == 24
+
+
+def test_logprobs_are_the_targets_log_softmax(client, backend):
+    """Greedy: log-softmax of the target's logits; sampled (T = 0.5): of logits / T;
+    every mode, streamed (concatenated) == whole; top alternatives sorted, chosen among them when greedy."""
+    prompt = backend.encode(PROMPT)
+    for mode in MODES:
+        for temperature in (0.0, 0.5):
+            whole = complete(client, False, False, max_tokens=20, temperature=temperature, seed=3, logprobs=3,
+                             extra_body={"speculation": {"mode": mode}})
+            ids = backend.encode(whole["text"])
+            reference = _target_logprobs(backend, prompt, ids, temperature or 1.0)
+            got = [lp for _, lp, _ in whole["logprobs"]]
+            assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"])
+            assert torch.allclose(torch.tensor(got, dtype=torch.float64), reference, atol=1e-6), (mode, temperature)
+            for token, value, top in whole["logprobs"]:
+                assert len(top) == 3 and max(top.values()) >= value
+                if temperature == 0:
+                    assert top[token] == value == max(top.values())
+            if mode != "ssd":  # SSD's sampled output may depend on timing (see the README)
+                streamed = complete(client, True, True, prompt=PROMPT, max_tokens=20, temperature=temperature,
+                                    seed=3, logprobs=True, top_logprobs=2, extra_body={"speculation": {"mode": mode}})
+                chat = complete(client, True, False, prompt=PROMPT, max_tokens=20, temperature=temperature,
+                                seed=3, logprobs=True, top_logprobs=2, extra_body={"speculation": {"mode": mode}})
+                assert streamed["logprobs"] == chat["logprobs"] and len(chat["logprobs"]) == 20
+
+
+def _target_logprobs(backend, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        out = backend.pair.target(torch.tensor([prompt + ids]))
+    logits = (out.logits if hasattr(out, "logits") else out)[0, len(prompt) - 1 : -1].to(torch.float64)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_seed_fixes_the_output_in_ar_and_sd(client, grpc_client, backend, mode):
+    kwargs = dict(max_tokens=24, temperature=0.9, extra_body={"speculation": {"mode": mode}})
+    first = complete(client, False, False, seed=7, **kwargs)["text"]
+    again = complete(client, False, True, seed=7, **kwargs)["text"]
+    grpc_out = grpc_client.generate(text=PROMPT, mode=mode, temperature=0.9, seed=7, max_new_tokens=24)
+    assert first == again == grpc_out.text == direct(backend, backend.encode(PROMPT), mode, 0.9, 7).text
+    others = {complete(client, False, False, seed=s, **kwargs)["text"] for s in (1, 2, 3)}
+    assert len(others | {first}) > 1  # the seed matters
+
+
+def test_top_k_travels_as_an_extra_field(client):
+    """top_k 1 keeps only the argmax: sampling at temperature 1 then is greedy decoding."""
+    greedy = complete(client, False, False, max_tokens=24, temperature=0)["text"]
+    for mode in MODES:
+        top1 = complete(client, False, False, max_tokens=24, temperature=1.0, seed=5,
+                        extra_body={"top_k": 1, "speculation": {"mode": mode}})["text"]
+        assert top1 == greedy, mode
+
+
+def test_tls_on_the_http_port(backend, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with serving(lambda: ChatBackend(backend), tls_cert=cert, tls_key=key) as srv:
+        url = f"https://localhost:{srv.http_port}"
+        assert httpx.get(url + "/health", verify=str(cert)).status_code == 200
+        reply = httpx.post(url + "/v1/completions", verify=str(cert),
+                           json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://localhost:{srv.http_port}/health", timeout=2)
+
+
+@pytest.mark.parametrize("stop", ["lla", ["zz", "lla"]], ids=["string", "list"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_strings(client, grpc_client, stop, stream):
+    out = complete(client, False, stream, max_tokens=60, temperature=0, stop=stop)
+    grpc_out = grpc_client.generate(text=PROMPT, max_new_tokens=60, temperature=0.0, stop=["lla"])
+    assert out["finish"] == "stop" == grpc_out.finish_reason
+    assert out["text"] == grpc_out.text and "lla" not in out["text"]
+
+
+def test_usage_counts_and_speculation_stats(client, backend):
+    prompt_ids = backend.encode(PROMPT)
+    whole = complete(client, False, False, max_tokens=9, temperature=0, extra_body={"speculation": {"mode": "ssd"}})
+    streamed = complete(client, False, True, max_tokens=9, temperature=0, stream_options={"include_usage": True},
+                        extra_body={"speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4}})
+    chat = complete(client, True, True, prompt=[{"role": "user", "content": "abc"}], max_completion_tokens=5,
+                    temperature=0, stream_options={"include_usage": True})
+    for out, prompt_tokens, n in ((whole, len(prompt_ids), 9), (streamed, len(prompt_ids), 9),
+                                  (chat, len(chat_ids(backend, [{"role": "user", "content": "abc"}])), 5)):
+        usage = out["usage"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            prompt_tokens, n, prompt_tokens + n)
+        assert out["stats"]["new_tokens"] == n and out["stats"]["rounds"] >= 1
+    assert whole["stats"]["mode"] == "ssd" and whole["stats"]["spec"]["lookups"] > 0
+    assert 0 <= whole["stats"]["acceptance_rate"] <= 1 and "hit_rate" in whole["stats"]["spec"]
+    assert streamed["stats"]["k"] == 2 and chat["stats"]["mode"] == "sd"  # the server's default mode
+
+
+def test_models_health_and_metrics_on_the_http_port(server, client, grpc_client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(base_url(server) + "/health")
+    assert health.status_code == 200 and health.json()["status"] == grpc_client.health() == "SERVING"
+    metrics = httpx.get(base_url(server) + "/metrics")
+    assert metrics.status_code == 200 and "ssd:num_requests_running" in metrics.text
+
+
+# --- one batch, disconnects, admission -----------------------------------------
+
+
+def test_http_and_grpc_streams_share_one_batch(backend):
+    """Two HTTP and two gRPC streams at once run as rows of one batch, each exact."""
+    with serving(lambda: ChatBackend(backend)) as srv:
+        client = oai(srv)
+        outs: dict[str, Any] = {}
+        started = threading.Barrier(4)
+
+        def http(key: str, prompt: str) -> None:
+            started.wait()
+            outs[key] = complete(client, False, True, prompt=prompt, max_tokens=120, temperature=0,
+                                 extra_body={"speculation": {"mode": "sd"}})["text"]
+
+        def grpc(key: str, prompt: str) -> None:
+            with GenerationClient(f"127.0.0.1:{srv.port}") as own:
+                started.wait()
+                outs[key] = own.generate(text=prompt, mode="sd", temperature=0.0, max_new_tokens=120).text
+
+        jobs = {"h1": (http, "abcab"), "h2": (http, "ponm"), "g1": (grpc, "aaaabbbb"), "g2": (grpc, "mnop")}
+        threads = [threading.Thread(target=fn, args=(key, prompt)) for key, (fn, prompt) in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        batch = srv.metrics.snapshot().batch
+    for key, (_, prompt) in jobs.items():
+        assert outs[key] == direct(backend, backend.encode(prompt), "ar", max_new=120).text, key
+    assert batch.n > 0 and max(i for i, c in enumerate(batch.counts) if c) >= 2, batch  # steps of 3-4 rows ran
+
+
+@pytest.fixture(params=["alone", "batched"])
+def slow(request, backend):
+    """~20 ms per round, queue of 1: a long request holds the only slot for seconds; it
+    runs alone (a backend without batch engines) or as a row of the mode's batch."""
+    if request.param == "alone":
+        load = lambda: ControlledBackend(backend, round_delay_s=0.02)  # noqa: E731
+    else:
+        load = lambda: ChatBackend(backend, round_delay_s=0.02)  # noqa: E731
+    with serving(load, max_queue=1) as srv:
+        yield srv
+
+
+def _next_request_starts_at_once(srv: GenerationServer, limit_s: float = 2.0) -> None:
+    started = time.monotonic()
+    out = complete(oai(srv), False, False, max_tokens=2, temperature=0, extra_body={"speculation": {"mode": "ar"}})
+    assert out["finish"] == "length" and out["stats"]["queue_s"] < limit_s
+    assert time.monotonic() - started < limit_s
+
+
+def _aborted(srv: GenerationServer) -> int:
+    return srv.metrics.snapshot().finished["aborted"]
+
+
+def test_disconnect_mid_stream_frees_the_row(slow):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "speculation": {"mode": "ar"}}
+    with httpx.stream("POST", base_url(slow) + "/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data:")) >= 3
+    _next_request_starts_at_once(slow)  # the queue holds 1: a leftover row would make this a 429
+    assert _aborted(slow) == 1
+
+
+def test_disconnect_while_waiting_for_a_whole_response_frees_the_row(slow):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "speculation": {"mode": "ar"}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url(slow) + "/v1/completions", json=body, timeout=0.5)
+    assert _wait(lambda: _aborted(slow) == 1)
+    _next_request_starts_at_once(slow)
+
+
+def test_queue_full_is_429(slow):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True, "speculation": {"mode": "ar"}}
+    with httpx.stream("POST", base_url(slow) + "/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()  # kept: dropping it would close the connection (and free the slot)
+        next(lines)
+        with pytest.raises(openai.RateLimitError) as info:
+            oai(slow).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+
+
+def test_503_while_loading_then_serving(backend):
+    gate = threading.Event()
+
+    def load():
+        assert gate.wait(30)
+        return ChatBackend(backend)
+
+    with serving(load, wait=False) as srv, GenerationClient(f"127.0.0.1:{srv.port}") as grpc_client:
+        url = base_url(srv)
+        assert httpx.get(url + "/health").status_code == 503 and grpc_client.health() == "NOT_SERVING"
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 503 and "loading" in info.value.body["message"]
+        assert httpx.get(url + "/v1/models").status_code == 503
+        gate.set()
+        assert srv.wait_ready(30)
+        assert httpx.get(url + "/health").status_code == 200 and grpc_client.health() == "SERVING"
+        assert oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_shutdown_finishes_running_streams_and_refuses_new_requests(backend):
+    with serving(lambda: ChatBackend(backend, round_delay_s=0.02)) as srv:
+        client, out = oai(srv), {}
+        first = threading.Event()
+
+        def stream() -> None:
+            text = ""
+            for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                                   stream=True):
+                text += chunk.choices[0].text
+                first.set()
+                out["finish"] = chunk.choices[0].finish_reason
+            out["text"] = text
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30)
+        stopper = threading.Thread(target=srv.stop, kwargs={"grace_s": 30})
+        stopper.start()
+        assert _wait(lambda: srv.servicer.unavailable is not None)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 503 and "shutting down" in info.value.body["message"]
+        reader.join(30)
+        stopper.join(30)
+    assert out["finish"] == "length" and out["text"] == direct(backend, backend.encode(PROMPT), "ar", max_new=60).text
+
+
+def test_an_engine_fault_is_an_error_not_a_dead_server(backend):
+    """A whole response gets a 500 in the error shape; a stream gets an error event, then [DONE]."""
+    with serving(lambda: ControlledBackend(backend, fail_after_rounds=2)) as srv:
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=20)
+        assert info.value.status_code == 500 and "injected engine fault" in info.value.body["message"]
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "stream": True}
+        reply = httpx.post(base_url(srv) + "/v1/completions", json=body, timeout=30)
+        events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "generation_failed"
+        assert httpx.get(base_url(srv) + "/health").status_code == 200
+
+
+def test_token_guards_v1_but_not_health(backend):
+    with serving(lambda: ChatBackend(backend), token="s3cret") as srv:
+        url = base_url(srv)
+        for token in ("wrong", None):
+            headers = {"authorization": f"Bearer {token}"} if token else {}
+            reply = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT}, headers=headers)
+            assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            oai(srv, "wrong").models.list()
+        assert oai(srv, "s3cret").completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# --- bad input ------------------------------------------------------------------
+
+
+def _ok(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "ab"}], **fields}
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+# (path, body: a dict sent as JSON or raw bytes, expected status, expected param)
+BAD = [
+    (C, _ok(temperature="hot"), 400, "temperature"),
+    (C, _ok(temperature=-0.5), 400, "temperature"),
+    (C, _ok(top_p=0), 400, "top_p"),
+    (C, _ok(top_p=1.5), 400, "top_p"),
+    (C, _ok(top_k=-1), 400, "top_k"),
+    (C, _ok(max_tokens=0), 400, "max_tokens"),
+    (C, _ok(max_tokens=10**6), 400, "max_tokens"),
+    (C, _ok(max_tokens=2**40), 400, "max_tokens"),
+    (C, _ok(max_tokens=True), 400, "max_tokens"),
+    (C, _ok(max_tokens=3.5), 400, "max_tokens"),
+    (C, _ok(seed=-1), 400, "seed"),
+    (C, _ok(seed="7"), 400, "seed"),
+    (C, _ok(n=2), 400, "n"),
+    (C, _ok(stop=["a", 3]), 400, "stop[1]"),
+    (C, _ok(stop=[""]), 400, "stop[0]"),
+    (C, _ok(stop=""), 400, "stop"),
+    (C, _ok(stop=["a"] * 9), 400, "stop"),
+    (C, _ok(logprobs=21), 400, "logprobs"),
+    (C, _ok(presence_penalty=0.5), 400, "presence_penalty"),
+    (C, _ok(logit_bias={"1": 5}), 400, "logit_bias"),
+    (C, _ok(echo=True), 400, "echo"),
+    (C, _ok(stream_options={"include_usage": True}), 400, "stream_options"),
+    (C, _ok(prompt=""), 400, "prompt"),
+    (C, _ok(prompt="xyz"), 400, "prompt"),
+    (C, _ok(prompt=[]), 400, "prompt"),
+    (C, _ok(prompt=[1, 16]), 400, "prompt"),
+    (C, _ok(prompt=[1, -1]), 400, "prompt"),
+    (C, _ok(prompt=[1, 2**40]), 400, "prompt"),
+    (C, _ok(prompt=["ab", "cd"]), 400, "prompt[0]"),
+    (C, _ok(prompt="a" * 600), 400, "prompt"),
+    (C, {"prompt": PROMPT}, 400, "model"),
+    (C, _ok(model="gpt-4o"), 404, "model"),
+    (C, _ok(speculation={"mode": "xl"}), 400, "speculation.mode"),
+    (C, _ok(speculation={"mode": "sd", "k": 0}), 400, "speculation.k"),
+    (C, _ok(speculation={"mode": "sd", "k": 17}), 400, "speculation.k"),
+    (C, _ok(speculation={"mode": "ar", "k": 2}), 400, "speculation.k"),
+    (C, _ok(speculation={"mode": "ssd", "fanout_budget": 0}), 400, "speculation.fanout_budget"),
+    (C, _ok(speculation={"mode": "ssd", "fanout_kind": "zipf"}), 400, "speculation.fanout_kind"),
+    (C, _ok(speculation={"mode": "ssd", "saguaro_c": 1.5}), 400, "speculation.saguaro_c"),
+    (C, _ok(speculation={"mode": "ssd", "backup": "oracle"}), 400, "speculation.backup"),
+    (C, _ok(speculation={"mode": "sd", "tree": 3}), 400, "speculation.tree"),
+    (CHAT, _chat(messages=[]), 400, "messages"),
+    (CHAT, _chat(messages=[{"role": "", "content": "ab"}]), 400, "messages[0].role"),
+    (CHAT, _chat(messages=[{"role": "robot", "content": "ab"}]), 400, "messages"),
+    (CHAT, _chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    (CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    (CHAT, _chat(messages="ab"), 400, "messages"),
+    (CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    (CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (CHAT, _chat(max_completion_tokens=3, max_tokens=3), 400, "max_tokens"),  # both given
+    (C, b'{"model": "tiny", "prompt": "ab", "temperature": NaN}', 400, "temperature"),
+    (C, b'{"model": "tiny", "prompt": "ab", "top_p": Infinity}', 400, "top_p"),
+    (C, _ok(seed=2**64), 400, "seed"),
+    (C, b"[" * 4000, 400, "body"),
+    (C, b'{"model": "tiny", "prompt": ', 400, "body"),
+    (C, b"[1, 2]", 400, "body"),
+    (C, b"", 400, "body"),
+    (C, b'{"model": "tiny", "prompt": "ab\xff"}', 400, "prompt"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3("}]}', 400, "messages[0].content"),
+    (C, b'{"model": "tiny", "prompt": "' + b"a" * 5000 + b'"}', 413, "body"),
+]
+
+
+@pytest.fixture(scope="module")
+def strict_server(backend):
+    """A small body limit, so an oversize body is cheap to send."""
+    with serving(lambda: ChatBackend(backend), max_message_bytes=4096) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_status_and_names_the_field(strict_server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = httpx.post(base_url(strict_server) + path, content=content, headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"].startswith(param), error
+    assert httpx.get(base_url(strict_server) + "/health").status_code == 200  # nothing took the server down
+
+
+def test_unknown_path_and_method_keep_the_error_shape(server):
+    for reply in (httpx.get(base_url(server) + "/v1/nothing"), httpx.get(base_url(server) + "/v1/completions")):
+        assert reply.status_code in (404, 405) and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_http_port_flag():
+    import argparse
+
+    from ssd.cli import add_serve_args, serve_options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve_options_from_args(parser.parse_args(["--http-port", "8000"])).http_port == 8000
+    assert serve_options_from_args(parser.parse_args([])).http_port is None
