@@ -150,3 +150,47 @@ def test_a_backup_chain_s_work_for_another_history_is_not_used(draft):
     ref_kv, want = fresh(draft, committed, backup.tokens)
     assert_same_cache(kv, ref_kv)
     assert_same_entries(got, want, backup.tokens, folded=False)
+
+
+def _after_backup(draft, context):
+    kv = KVSequence(draft)
+    kv.forward(context[:-1])
+    return kv, NeuralBackup().propose(kv, context, K, GREEDY, torch.Generator(), None)
+
+
+@pytest.mark.parametrize("glue", ["fold", "reuse", "full"])
+def test_rows_build_in_lockstep_as_each_would_alone_in_one_forward_a_step(draft, glue, monkeypatch):
+    from ssd.models.fast import FastForward
+    from ssd.saguaro.builder import BuildJob, build_caches
+
+    contexts = [CONTEXT, [9, 8, 7, 6], [3, 3, 3, 3, 3, 3, 3, 3, 3, 1]]
+    alone = []
+    for context in contexts:
+        kv, proposal = _after_backup(draft, context)
+        alone.append(build(kv, context, proposal.tokens, proposal.work, glue))
+    jobs = []
+    for context in contexts:
+        kv, proposal = _after_backup(draft, context)
+        jobs.append(BuildJob(kv, TreeBranchDecoder(), context, proposal.tokens, FANOUT, GREEDY, torch.Generator(),
+                             work=proposal.work, depth=K, glue=glue))
+    forwards = []
+    real = FastForward.packed
+    monkeypatch.setattr(FastForward, "packed", lambda self, segments, *a, **kw: (forwards.append(len(segments)), real(self, segments, *a, **kw))[1])
+    together = build_caches(jobs)
+    for got, want in zip(together, alone):
+        assert {key: e.tokens for key, e in got.items()} == {key: e.tokens for key, e in want.items()}
+    assert forwards == [3] * (K if glue == "fold" else K + 1)  # every step: one forward holding all three rows
+
+
+def test_a_row_whose_own_draw_fails_fails_alone(draft):
+    from ssd.saguaro.builder import BuildJob, build_caches
+
+    jobs = []
+    for context in (CONTEXT, [9, 8, 7, 6]):
+        kv, proposal = _after_backup(draft, context)
+        jobs.append(BuildJob(kv, TreeBranchDecoder(), context, proposal.tokens, FANOUT, GREEDY, torch.Generator(),
+                             work=proposal.work, depth=K))
+    jobs[1].sampling = None  # its first draw raises
+    ok, failed = build_caches(jobs)
+    assert isinstance(failed, AttributeError) and isinstance(ok, dict) and len(ok) == sum(FANOUT)
+    assert jobs[1].kv.cached == jobs[1].kv.length  # the failed row's branch entries were dropped

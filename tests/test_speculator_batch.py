@@ -162,16 +162,18 @@ def test_a_row_whose_cache_build_failed_reports_it_next_round(tiny_models, monke
     answer next round; the row stays failed until released and prefilled again."""
     draft = Draft(tiny_models[1])
     draft.prefill(spec())
-    real = speculator_module.build_cache
+    real = speculator_module.build_caches
 
-    def breaks_on_row_1(kv, decoder, committed, *args, **kwargs):
-        if committed[: len(PROMPTS[1])] == PROMPTS[1]:
-            raise RuntimeError("build broke")
-        return real(kv, decoder, committed, *args, **kwargs)
+    def breaks_on_row_1(jobs):  # row 1's own work fails; the others' builds run, in one lockstep
+        broken = [job.committed[: len(PROMPTS[1])] == PROMPTS[1] for job in jobs]
+        for job, bad in zip(jobs, broken):
+            if bad:
+                job.sampling = None  # its first draw raises
+        return [RuntimeError("build broke") if bad else out for bad, out in zip(broken, real(jobs))]
 
-    monkeypatch.setattr(speculator_module, "build_cache", breaks_on_row_1)
+    monkeypatch.setattr(speculator_module, "build_caches", breaks_on_row_1)
     assert all(isinstance(r, ProposalReply) for r in draft.rounds(first_rounds()))
-    monkeypatch.setattr(speculator_module, "build_cache", real)
+    monkeypatch.setattr(speculator_module, "build_caches", real)
     for _ in range(2):
         replies = draft.rounds([RoundRow(i, *draft.missing(i)) if i != 1 else RoundRow(1, 0, 2) for i in range(3)])
         assert [type(r) for r in replies] == [ProposalReply, RowError, ProposalReply]

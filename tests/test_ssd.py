@@ -188,7 +188,7 @@ def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monke
     assert spec.rounds_after_hit > 0 and s.target_s >= spec.verify_s
     assert spec.wait_s < spec.verify_s / 2  # the draft built its cache while the target verified
 
-    real_build, real_backup = speculator_module.build_cache, speculator_module.make_backup
+    real_build, real_backup = speculator_module.build_caches, speculator_module.make_backup
 
     def slow_build(*args, **kwargs):
         time.sleep(DRAFT_DELAY_S)
@@ -202,7 +202,7 @@ def test_timings_land_where_the_time_is_spent(tiny_models, tiny_tokenizer, monke
             time.sleep(DRAFT_DELAY_S)
             return self.inner.propose(*args, **kwargs)
 
-    monkeypatch.setattr(speculator_module, "build_cache", slow_build)
+    monkeypatch.setattr(speculator_module, "build_caches", slow_build)
     monkeypatch.setattr(speculator_module, "make_backup", lambda *a, **kw: SlowBackup(real_backup(*a, **kw)))
     with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
         s = ssd.generate(GenerationRequest([1, 2, 3], GREEDY, GenerationConfig(max_new_tokens=30))).stats

@@ -183,7 +183,7 @@ def assert_slots_reached(draws: Draws, deepest: int) -> None:
 @pytest.fixture
 def always_miss(monkeypatch):
     """A speculator whose cache never holds anything: every round uses the backup."""
-    monkeypatch.setattr(speculator_module, "build_cache", lambda *args, **kwargs: {})
+    monkeypatch.setattr(speculator_module, "build_caches", lambda jobs: [{} for _ in jobs])
 
 
 # --- broken paths: each breaks one path alone -------------------------------------------
@@ -212,7 +212,7 @@ def break_cache(monkeypatch, drawn_from) -> None:
     but its tokens are drawn from drawn_from(q, step, saguaro) (step 0: depth 1;
     drawing q there, under Saguaro too, stays exact). The backups and the
     verifier are untouched."""
-    real_build, real_sample_ids = speculator_module.build_cache, builder_module.sample_ids
+    real_build, real_sample_ids = speculator_module.build_caches, builder_module.sample_ids
     pending: list[torch.Tensor] = []  # what the builder's next draw really samples from
 
     class ShipsPlainQ:  # stands in for the builder's Saguaro: q' is never shipped
@@ -223,8 +223,10 @@ def break_cache(monkeypatch, drawn_from) -> None:
             pending.append(drawn_from(q, step, self.saguaro))
             return q
 
-    def build_cache(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro=None, **kwargs):
-        return real_build(kv, decoder, committed, drafted, fanout, sampling, gen, ShipsPlainQ(saguaro), **kwargs)
+    def build_caches(jobs):
+        for job in jobs:
+            job.saguaro = ShipsPlainQ(job.saguaro)
+        return real_build(jobs)
 
     def sample_ids(q, gen):  # a step's rows may come in groups (branches that joined late: one position behind)
         drawn = torch.cat(pending)
@@ -232,7 +234,7 @@ def break_cache(monkeypatch, drawn_from) -> None:
         assert drawn.shape == q.shape
         return real_sample_ids(drawn, gen)
 
-    monkeypatch.setattr(speculator_module, "build_cache", build_cache)
+    monkeypatch.setattr(speculator_module, "build_caches", build_caches)
     monkeypatch.setattr(builder_module, "sample_ids", sample_ids)
 
 

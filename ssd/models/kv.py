@@ -16,6 +16,7 @@ the other (correct, not batched), behind one call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -196,6 +197,31 @@ class KVSequence:
         return logits  # on the model's device: sampling and verification run there
 
 
+@dataclass
+class Feed:
+    """Tokens for one sequence's cache, to run in one forward with other sequences' (`feed_rows`).
+
+    The first `commit` ids become committed tokens (host ints), the rest
+    uncommitted entries (KVSequence.extend). positions: None for consecutive
+    positions after the cache; visible: bool [rows, cached + rows] or None
+    for causal order; last_only: logits for the last row only.
+    """
+
+    kv: KVSequence
+    ids: Sequence[int] | torch.Tensor
+    commit: int
+    positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+    last_only: bool = False
+
+    def run_alone(self) -> torch.Tensor:
+        if self.commit == len(self.ids) and self.positions is None and self.visible is None:
+            return self.kv.forward(list(self.ids), last_only=self.last_only)
+        commit = [int(t) for t in self.ids[: self.commit]]
+        logits = self.kv.extend(self.ids[self.commit :], self.positions, self.visible, commit=commit)
+        return logits[-1:] if self.last_only else logits
+
+
 def forward_rows(
     rows: Sequence[KVSequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False
 ) -> list[torch.Tensor]:
@@ -209,9 +235,14 @@ def forward_rows(
     flags = [last_only] * len(rows) if isinstance(last_only, bool) else list(last_only)
     if len(rows) != len(ids) or len(rows) != len(flags):
         raise ValueError(f"{len(rows)} rows, {len(ids)} id lists and {len(flags)} last_only flags")
-    if len(rows) <= 1 or not _packable(rows):
-        return [row.forward(row_ids, last_only=flag) for row, row_ids, flag in zip(rows, ids, flags)]
-    return _forward_packed(rows, [list(x) for x in ids], flags)
+    return feed_rows([Feed(row, list(x), len(x), last_only=flag) for row, x, flag in zip(rows, ids, flags)])
+
+
+def feed_rows(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """Each feed's logits, in one packed forward where the carrier allows, else one by one."""
+    if len(feeds) <= 1 or not _packable([f.kv for f in feeds]):
+        return [f.run_alone() for f in feeds]
+    return _forward_packed(feeds)
 
 
 def _packable(rows: Sequence[KVSequence]) -> bool:
@@ -223,27 +254,27 @@ def _packable(rows: Sequence[KVSequence]) -> bool:
 
 
 @torch.inference_mode()
-def _forward_packed(rows: Sequence[KVSequence], ids: list[list[int]], last_only: list[bool]) -> list[torch.Tensor]:
-    """One packed forward; logits per row as KVSequence.forward returns them."""
-    device = rows[0].model.device
+def _forward_packed(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """One packed forward; logits per feed as `Feed.run_alone` returns them."""
+    device = feeds[0].kv.model.device
     segments, positions, keep, counts, offset = [], [], [], [], 0
-    for row, row_ids, flag in zip(rows, ids, last_only):
-        if not row_ids:
+    for f in feeds:
+        row, m = f.kv, len(f.ids)
+        if not m:
             raise ValueError("forward needs at least one token")
-        if row._extra:
+        if f.commit and row._extra:
             raise RuntimeError("drop the uncommitted entries before committing tokens")
-        m, start = len(row_ids), row.cached
-        segments.append(Segment(row.cache, start, m))
-        positions.append(torch.arange(start, start + m))
-        keep.extend([offset + m - 1] if flag else range(offset, offset + m))
-        counts.append(1 if flag else m)
+        start = row.cached
+        segments.append(Segment(row.cache, start, m, None if f.visible is None else f.visible.to(device)))
+        positions.append(torch.arange(start, start + m) if f.positions is None else f.positions.cpu())
+        keep.extend([offset + m - 1] if f.last_only else range(offset, offset + m))
+        counts.append(1 if f.last_only else m)
         offset += m
-    flat = token_tensor([t for row_ids in ids for t in row_ids], device)
-    logits = rows[0]._fast.packed(
-        segments, flat, torch.cat(positions).to(device), torch.tensor(keep, device=device)
-    )
-    for row, row_ids in zip(rows, ids):
-        row.tokens.extend(row_ids)
+    flat = torch.cat([token_tensor(f.ids, device) for f in feeds])
+    logits = feeds[0].kv._fast.packed(segments, flat, torch.cat(positions).to(device), torch.tensor(keep, device=device))
+    for f in feeds:
+        f.kv.tokens.extend(int(t) for t in f.ids[: f.commit])
+        f.kv._extra += len(f.ids) - f.commit
     return list(logits.split(counts))
 
 

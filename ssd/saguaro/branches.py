@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.kv import KVSequence, hf_attention_mask, token_tensor
+from ssd.models.kv import Feed, KVSequence, feed_rows, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,7 @@ class TreeBranchDecoder:
         self._prefix: list[int] = []
         self._fed: list[list[int]] = []  # per branch: cache indices of its tokens
         self._joining: tuple[list[int], list[int]] = ([], [])
+        self._first = 0  # cache index of the prepared step's first branch token
 
     @property
     def active(self) -> bool:
@@ -172,12 +173,19 @@ class TreeBranchDecoder:
     def start(
         self, kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int], lead: int | None = None,
     ) -> torch.Tensor:
+        return self.run(self.open(kv, prefix_lens, first_tokens, lead))
+
+    def open(
+        self, kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int], lead: int | None = None,
+    ) -> Feed:
+        """`start`'s forward, prepared and not run: run it (`run`), or with other
+        sequences' feeds (ssd.models.kv.feed_rows) and then call `fed`."""
         if self._kv is not None:
             raise RuntimeError("branches already active: call finish() first")
         _check_start(kv, prefix_lens, first_tokens)
         self._kv, self._prefix, self._fed = kv, [], []
         self._joining = (list(prefix_lens), [])
-        return self._advance(list(first_tokens), [] if lead is None else [lead])
+        return self._feed(list(first_tokens), [] if lead is None else [lead])
 
     def join(self, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> None:
         """Branches that start at the next step; their logits follow the others'."""
@@ -190,6 +198,10 @@ class TreeBranchDecoder:
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        return self.run(self.next(tokens))
+
+    def next(self, tokens: Sequence[int] | torch.Tensor) -> Feed:
+        """`step`'s forward, prepared and not run (see `open`)."""
         self._require()
         if len(tokens) != self.num_branches:
             raise ValueError(f"need one token per branch ({self.num_branches}), got {len(tokens)}")
@@ -197,23 +209,33 @@ class TreeBranchDecoder:
         if joining:
             device = self._kv.model.device
             tokens = torch.cat([token_tensor(tokens, device), token_tensor(joining, device)])
-        return self._advance(tokens, [])
+        return self._feed(tokens, [])
 
-    def _advance(self, tokens: Sequence[int] | torch.Tensor, commit: list[int]) -> torch.Tensor:
+    def run(self, feed: Feed) -> torch.Tensor:
+        """Run a prepared step alone; its logits."""
+        try:
+            logits = feed_rows([feed])[0]
+        except BaseException:
+            self.finish()
+            raise
+        self.fed()
+        return logits
+
+    def fed(self) -> None:
+        """The prepared step ran: its tokens are in the cache."""
+        for b, fed in enumerate(self._fed):
+            fed.append(self._first + b)
+
+    def _feed(self, tokens: Sequence[int] | torch.Tensor, commit: list[int]) -> Feed:
         kv = self._kv
         self._prefix += self._joining[0]
         self._fed += [[] for _ in self._joining[0]]
         self._joining = ([], [])
-        first = kv.cached + len(commit)  # cache index of this step's first branch token
+        self._first = kv.cached + len(commit)  # cache index of this step's first branch token
         positions = [kv.cached + i for i in range(len(commit))] + [p + len(f) for p, f in zip(self._prefix, self._fed)]
-        try:
-            logits = kv.extend(tokens, torch.tensor(positions), self._visible(len(commit)), commit=commit)
-        except BaseException:
-            self.finish()  # a failed forward may have grown some layers only
-            raise
-        for b, fed in enumerate(self._fed):
-            fed.append(first + b)
-        return logits
+        if commit:
+            tokens = torch.cat([token_tensor(commit, kv.model.device), token_tensor(tokens, kv.model.device)])
+        return Feed(kv, tokens, len(commit), torch.tensor(positions), self._visible(len(commit)))
 
     def _visible(self, leads: int) -> torch.Tensor:
         """[leads + B, width]: a lead sees everything before it; branch b its prefix and its own tokens."""

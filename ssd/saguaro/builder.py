@@ -17,12 +17,13 @@ tokens once, at the end.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Generator, Sequence
 
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.models.kv import KVSequence, token_tensor
+from ssd.models.kv import Feed, KVSequence, feed_rows, token_tensor
 from ssd.sampling import probs_from_logits, sample_ids
 from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.cache import DraftWork, Proposal
@@ -84,6 +85,23 @@ def resume(kv: KVSequence, committed: Sequence[int], drafted: Sequence[int], wor
     return torch.stack(work.logits)
 
 
+@dataclass
+class BuildJob:
+    """One sequence's cache build (the arguments of `build_cache`)."""
+
+    kv: KVSequence
+    decoder: BranchDecoder
+    committed: Sequence[int]
+    drafted: Sequence[int]
+    fanout: Sequence[int]
+    sampling: SamplingConfig
+    gen: torch.Generator
+    saguaro: Saguaro | None = None
+    work: DraftWork | None = None
+    depth: int | None = None
+    glue: str = "fold"
+
+
 def build_cache(
     kv: KVSequence,
     decoder: BranchDecoder,
@@ -116,25 +134,85 @@ def build_cache(
       forward it saves (the start-up plan weighs both, ssd.saguaro.plan);
     - "full": the whole glue pass, work or not.
     """
-    depth = len(drafted) if depth is None else depth
-    fanout = fanout_for(fanout, len(drafted))
-    grower = _Grower(sampling, gen, saguaro, keep=isinstance(decoder, TreeBranchDecoder) and kv.lean)
-    known = None if glue == "full" else resume(kv, committed, drafted, work)
-    if known is not None and glue == "fold" and depth >= 2 and grower.keep:
+    job = BuildJob(kv, decoder, committed, drafted, fanout, sampling, gen, saguaro, work, depth, glue)
+    result = build_caches([job])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def build_caches(jobs: Sequence[BuildJob]) -> list[Entries | Exception]:
+    """Every job's build in lockstep: each step's draft forwards of all rows run
+    as ONE packed forward (ssd.models.kv.feed_rows), so b rows cost about K
+    forwards of b times the tokens, not b x K forwards. A row whose own work
+    fails (its sampling, say) gets its exception and the others go on; a
+    failed forward is every row's in it.
+    """
+    steps = [_build_steps(job) for job in jobs]
+    results: list[Entries | Exception | None] = [None] * len(jobs)
+    pending: dict[int, Feed] = {}
+
+    def advance(i: int, send: Callable[[], Feed]) -> None:
+        try:
+            pending[i] = send()
+        except StopIteration as done:
+            results[i] = done.value
+        except Exception as exc:  # noqa: BLE001 - this row's failure, returned with it
+            results[i] = exc
+
+    for i, row in enumerate(steps):
+        advance(i, row.__next__)
+    while pending:
+        rows, feeds = list(pending), list(pending.values())
+        pending.clear()
+        try:
+            outs: list = feed_rows(feeds)
+        except Exception as exc:  # noqa: BLE001 - the forward was every row's in it
+            outs = [exc] * len(rows)
+        for i, out in zip(rows, outs):
+            advance(i, (lambda g=steps[i], e=out: g.throw(e)) if isinstance(out, BaseException)
+                    else (lambda g=steps[i], o=out: g.send(o)))
+    return results  # type: ignore[return-value]
+
+
+def _build_steps(job: BuildJob) -> Generator[Feed, torch.Tensor, Entries]:
+    """One row's build, yielding each draft forward for `build_caches` to run."""
+    kv, decoder, committed, drafted = job.kv, job.decoder, job.committed, job.drafted
+    depth = len(drafted) if job.depth is None else job.depth
+    fanout = fanout_for(job.fanout, len(drafted))
+    grower = _Grower(job.sampling, job.gen, job.saguaro, keep=isinstance(decoder, TreeBranchDecoder) and kv.lean)
+    known = None if job.glue == "full" else resume(kv, committed, drafted, job.work)
+    if known is not None and job.glue == "fold" and depth >= 2 and grower.keep:
         early = guessed_outcomes(known, drafted, fanout[:-1])
         if early:
-            return grower.folded(kv, decoder, committed, drafted, fanout[-1], early, depth)
+            return (yield from grower.folded(kv, decoder, committed, drafted, fanout[-1], early, depth))
     if known is not None:
-        glue = torch.cat([known, kv.forward(drafted[-1:])])  # one token instead of K + 1
+        glue = torch.cat([known, (yield Feed(kv, drafted[-1:], 1))])  # one token instead of K + 1
     else:
-        glue = glue_pass(kv, committed, drafted)
+        kv.trim_to_prefix_of(committed)
+        sequence = [*committed, *drafted]
+        glue = (yield Feed(kv, sequence[kv.length :], len(sequence) - kv.length))[-(len(drafted) + 1) :]
     branches = guessed_outcomes(glue, drafted, fanout)
     if not branches:
         return {}
-    logits = decoder.start(kv, [len(committed) + k for k, _ in branches], [t for _, t in branches])
-    return grower.grow(decoder, logits, branches, depth)
+    prefixes, firsts = [len(committed) + k for k, _ in branches], [t for _, t in branches]
+    logits = yield from _step(decoder, lambda: decoder.open(kv, prefixes, firsts), lambda: decoder.start(kv, prefixes, firsts))
+    return (yield from grower.grow(decoder, logits, branches, depth))
 
 
+def _step(decoder: BranchDecoder, prepare: Callable[[], Feed], run_alone: Callable[[], torch.Tensor]):
+    """A branch step: yielded to run with the other rows' (the tree decoder),
+    or run alone (the batched decoder, which decodes over its own cache copy)."""
+    if not isinstance(decoder, TreeBranchDecoder):
+        return run_alone()
+    feed = prepare()
+    try:
+        logits = yield feed
+    except BaseException:
+        decoder.finish()  # a failed forward may have grown some layers only
+        raise
+    decoder.fed()
+    return logits
 class _Grower:
     """Decodes the branches of one build step by step and turns them into cache entries.
 
@@ -151,11 +229,12 @@ class _Grower:
         """The first step feeds drafted[-1] (committed) and the early branches'
         first tokens; the bonus branches, guessed from the logits after
         drafted[-1], join at the second step."""
-        first = decoder.start(kv, [len(committed) + k for k, _ in early], [t for _, t in early], lead=drafted[-1])
+        prefixes, firsts = [len(committed) + k for k, _ in early], [t for _, t in early]
+        first = yield from _step(decoder, lambda: decoder.open(kv, prefixes, firsts, lead=drafted[-1]), None)
         k = len(drafted)
         bonus = guessed_outcomes(first[:1], (), [bonus_fanout]) if bonus_fanout > 0 else []
         bonus = [(k, t) for _, t in bonus]
-        return self.grow(decoder, first[1:], early, depth, late=bonus, late_prefix=len(committed) + k)
+        return (yield from self.grow(decoder, first[1:], early, depth, late=bonus, late_prefix=len(committed) + k))
 
     def grow(self, decoder, logits: torch.Tensor, branches, steps: int, late=(), late_prefix: int = 0) -> Entries:
         """`steps` tokens for each of `branches` (logits: after their first
@@ -168,15 +247,18 @@ class _Grower:
                 if step:
                     if step == 1 and late:
                         decoder.join([late_prefix] * len(late), [t for _, t in late])
-                    logits = decoder.step(ids[-1])
+                    tokens = ids[-1]
+                    logits = yield from _step(decoder, lambda: decoder.next(tokens), lambda: decoder.step(tokens))
                 rows.append(logits)
                 step_ids, step_q = self._draw(logits, step, len(branches))
                 ids.append(step_ids)
                 if step_q is not None:
                     q.append(step_q)
-            fed = decoder.fed_indices() if self.keep else None
-        finally:
-            decoder.detach() if self.keep else decoder.finish()
+        except BaseException:
+            decoder.finish()  # a failed row keeps nothing
+            raise
+        fed = decoder.fed_indices() if self.keep else None
+        decoder.detach() if self.keep else decoder.finish()
         return self._entries(list(branches), list(late), ids, q, rows, fed)
 
     def _draw(self, logits: torch.Tensor, step: int, early: int) -> tuple[torch.Tensor, torch.Tensor | None]:

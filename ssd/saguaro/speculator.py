@@ -33,8 +33,8 @@ from ssd.models.kv import KVSequence
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.backups import make_backup
-from ssd.saguaro.branches import BRANCH_DECODERS, BranchDecoder, make_branch_decoder
-from ssd.saguaro.builder import build_cache
+from ssd.saguaro.branches import BranchDecoder, make_branch_decoder
+from ssd.saguaro.builder import BuildJob, build_caches
 from ssd.saguaro.cache import Proposal, SpeculationCache
 from ssd.saguaro.sampling import Saguaro
 from ssd.transport.channel import Channel, Message
@@ -65,6 +65,7 @@ class DraftSequence:
     in_flight_hit: bool = False
     in_flight_fanout: list[int] = field(default_factory=list)
     build_s: float = 0.0
+    decoder: BranchDecoder | None = None  # its own: the rows' builds run in lockstep
     failed: str | None = None  # why this row failed in a batched round; it answers only that
 
 
@@ -74,8 +75,6 @@ class Speculator:
         self.channel = channel
         self.vocab_size = model.config.vocab_size
         self.sequences: dict[int, DraftSequence] = {}
-        # Decoders keep their mask buffers between rounds: one of each kind.
-        self.decoders: dict[str, BranchDecoder] = {kind: make_branch_decoder(kind) for kind in BRANCH_DECODERS}
 
     def serve(self) -> None:
         """Handle messages until shutdown. A failure is reported, not swallowed:
@@ -97,7 +96,8 @@ class Speculator:
             kv.forward(prompt[:-1], last_only=True)  # overlaps the target's own prefill
         planner = make_planner(speculation, self.vocab_size)
         gen = make_generator(draft_seed(sampling.seed))
-        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner)
+        decoder = make_branch_decoder(speculation.branch_decoder)
+        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner, decoder=decoder)
 
     def _rounds(self, msg: Message) -> None:
         """A round of every row sent (one, alone): answer them in one reply, then build every row's cache."""
@@ -152,12 +152,26 @@ class Speculator:
         return backup.propose(seq.kv, seq.committed, seq.speculation.k, seq.sampling, seq.gen, saguaro)
 
     def _build_all(self, replies: list[protocol.ProposalReply]) -> None:
-        """Build the cache of every answered row, within the batch's shared branch
-        cap; a row whose build fails is marked failed (its next round reports it)."""
+        """Build the cache of every answered row at once (one packed draft forward
+        per step: ssd.saguaro.builder.build_caches), within the batch's shared
+        branch cap; a row whose build fails is marked failed (its next round
+        reports it). Every row's build_s is the whole build's time."""
+        started = time.perf_counter()
         seqs = [self.sequences[r.seq] for r in replies]
         budgets = self._budgets(seqs, [r.hit for r in replies])
-        for reply, seq, budget in zip(replies, seqs, budgets):
-            self._guarded(reply.seq, self._build, seq, reply.proposal, reply.hit, budget)
+        jobs = [self._job(seq, r.proposal, r.hit, b) for seq, r, b in zip(seqs, replies, budgets)]
+        results = build_caches(jobs) if jobs else []
+        sync(self.model.device)
+        elapsed = time.perf_counter() - started
+        for reply, seq, job, result in zip(replies, seqs, jobs, results):
+            if isinstance(result, Exception):
+                log.error("speculator failed on sequence %s: %s", reply.seq, _describe(result), exc_info=result)
+                self._fail(reply.seq, _describe(result))
+                continue
+            seq.cache.replace(result)
+            seq.in_flight, seq.in_flight_hit = reply.proposal, reply.hit
+            seq.in_flight_fanout = fanout_for(job.fanout, len(reply.proposal.tokens))
+            seq.build_s = elapsed
 
     def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> list[int]:
         """Each row's branches this round: its own schedule's, scaled under the
@@ -166,20 +180,13 @@ class Speculator:
         own = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
         return share_budget(own, min(caps, default=None))
 
-    def _build(self, seq: DraftSequence, proposal: Proposal, hit: bool, budget: int | None = None) -> None:
-        started = time.perf_counter()
+    def _job(self, seq: DraftSequence, proposal: Proposal, hit: bool, budget: int | None) -> BuildJob:
+        """This row's build: its schedule (scaled to `budget`), Saguaro, decoder and the proposal's work."""
+        spec = seq.speculation
         fanout = seq.planner.schedule(after_hit=hit, budget=budget)
-        saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
-        decoder = self.decoders[seq.speculation.branch_decoder]
-        entries = build_cache(
-            seq.kv, decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen, saguaro,
-            work=proposal.work, depth=seq.speculation.k, glue=seq.speculation.glue,
-        )
-        seq.cache.replace(entries)
-        seq.in_flight, seq.in_flight_hit = proposal, hit
-        seq.in_flight_fanout = fanout_for(fanout, len(proposal.tokens))
-        sync(self.model.device)
-        seq.build_s = time.perf_counter() - started
+        saguaro = Saguaro(spec.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
+        return BuildJob(seq.kv, seq.decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen,
+                        saguaro, proposal.work, spec.k, spec.glue)
 
     def _release(self, msg: Message) -> None:
         self.sequences.pop(msg.header["seq"], None)
