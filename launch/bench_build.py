@@ -1,0 +1,51 @@
+"""SSD's cache build against the verification it hides behind, on this host.
+
+    python launch/bench_build.py                              # the configured pair, --json docs/results/build.json
+    python launch/bench_build.py --repeats 9 --json build.json
+
+Prints build/verify per glue (full: before the draft reused its own work;
+reuse; fold), b rows built at once against one, and a tree step over B
+branches against a chain step and the weights-read floor (ssd.bench.build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a fresh clone without installing
+    sys.path.insert(0, str(ROOT))
+
+from tqdm import tqdm  # noqa: E402
+
+from ssd.bench.build import format_bench, measure  # noqa: E402
+from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.engine.factory import load_pair  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes over every probe")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    pair = load_pair(config_from_args(args))
+    with tqdm(total=args.repeats, desc="build bench passes", file=sys.stderr) as bar:
+        bench = measure(pair.target, pair.draft, repeats=args.repeats, tick=_once_per_pass(bar))
+    print(format_bench(bench))
+    out = bench.to_json()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+    return out
+
+
+def _once_per_pass(bar: tqdm):
+    """round_robin ticks once per probe on its last pass: advance the bar by passes instead."""
+    return lambda: None if bar.n >= bar.total else bar.update(0)
+
+
+if __name__ == "__main__":
+    main()
