@@ -16,6 +16,8 @@ the other (correct, not batched), behind one call.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence
 
 import torch
@@ -35,6 +37,8 @@ class KVSequence:
         self.model = model
         use_fast = fast_supported(model) if fast is None else fast
         self._fast = FastForward(model) if use_fast else None
+        if self._fast is None:
+            _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
         self._clear()
 
     @property
@@ -146,7 +150,7 @@ class KVSequence:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
         else:
             logits = self.model(
-                input_ids=input_ids[None], cache=self.cache, use_cache=True,
+                input_ids=input_ids[None], **cache_kwargs(self.model, self.cache), use_cache=True,
                 position_ids=positions.to(device)[None],
                 attention_mask=None if mask is None else hf_attention_mask(mask.to(device)[None, None], self.model),
                 logits_to_keep=0 if keep is None else keep,
@@ -216,6 +220,36 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     element = model.get_input_embeddings().weight.element_size()
     return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
+# The names transformers has given the forward's cache argument: `cache` in
+# 5.24, `past_key_values` up to 5.17 at least. The forward takes **kwargs, so
+# a name it does not know is swallowed without a word and the step decodes
+# without its context: the name is read from the signature, never assumed.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+class UnsupportedModelError(RuntimeError):
+    """The installed transformers' forward takes no cache argument we know."""
+
+
+def cache_kwargs(model: torch.nn.Module, cache: object) -> dict[str, object]:
+    """`cache` as the keyword argument `model`'s forward takes it."""
+    return {_cache_name(type(model)): cache}
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    for name in CACHE_NAMES:
+        if name in params:
+            return name
+    import transformers
+
+    raise UnsupportedModelError(
+        f"{cls.__name__}.forward (transformers {transformers.__version__}) takes none of {CACHE_NAMES}: "
+        "this transformers version is not supported"
+    )
 
 
 def token_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

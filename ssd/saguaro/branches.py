@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.kv import KVSequence, hf_attention_mask, token_tensor
+from ssd.models.kv import KVSequence, cache_kwargs, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class BatchedBranchDecoder(_Base):
                 input_ids=token_tensor(tokens, device)[:, None],
                 attention_mask=self._mask[:, None, None, :width].to(device),
                 position_ids=(self._prefix + self._steps)[:, None].to(device),
-                cache=self._cache,
+                **cache_kwargs(kv.model, self._cache),
                 use_cache=True,
             )
         except BaseException:
