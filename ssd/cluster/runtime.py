@@ -58,6 +58,22 @@ def compute_device(config: Config, placement: Placement) -> str:
     return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"
 
 
+def actor_env(kind: str, device: int, compute: str) -> dict[str, str]:
+    """The environment of an actor placed on `device` of `kind` that computes on `compute`.
+
+    On a GPU, the GPU the user named (not the one Ray would pick for the
+    bundle). Computing on the CPU, no GPU at all: transformers places a
+    model (and a tensor-parallel shard) from the accelerator it finds and
+    LOCAL_RANK, not from the device we pass, so a visible GPU would take
+    every rank's weights to cuda:0. SSD_PLACED_GPU keeps the placement on
+    record (logs, tests).
+    """
+    env = {"CUDA_VISIBLE_DEVICES": str(device) if compute == "cuda" else ""}
+    if kind == "cuda":
+        env |= {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "SSD_PLACED_GPU": str(device)}
+    return env
+
+
 def refuse_unworkable(config: Config, placement: Placement) -> None:
     """Configurations that cannot run as placed, refused before any actor starts."""
     if compute_device(config, placement) != "cuda":
@@ -148,10 +164,7 @@ class Cluster:
         }
         if self.placement.kind == "cuda":
             options["num_gpus"] = resources["GPU"]
-            # The GPU the user named, not the one Ray would pick for the bundle.
-            options["runtime_env"] = {"env_vars": {
-                "CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-            }}
+        options["runtime_env"] = {"env_vars": actor_env(self.placement.kind, device, self.device)}
         return options
 
     def _check_priority(self) -> list[int]:

@@ -54,6 +54,7 @@ def whereabouts(device: str) -> dict[str, Any]:
     return {
         "pid": os.getpid(), "device": device,
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "placed_gpu": os.environ.get("SSD_PLACED_GPU"),
         "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "niceness": os.nice(0),
