@@ -54,14 +54,14 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
             "set model.quantization to null or auto"
         )
     dtype = TORCH_DTYPES[cfg.dtype]
-    if cfg.name == TINY:
+    if cfg.name == TINY:  # built on the CPU (a seeded draw), then moved: a few MB
         model = build_tiny_model(cfg.tiny, dtype=dtype)
-    else:
-        model = _from_pretrained(cfg.name, dtype)
+        return _frozen(model.to(device) if device != "cpu" else model)
+    model = _from_pretrained(cfg.name, dtype, device)
     if cfg.quantization == INT8:
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(fuse_projections(quantize_int8(model)))
-    return _frozen(model.to(device) if device != "cpu" else model)
+    return _frozen(model)
 
 
 def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
@@ -84,12 +84,14 @@ def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
     return dataclasses.replace(cfg, dtype=dtype, quantization=quantization)
 
 
-def _from_pretrained(name: str, dtype: torch.dtype) -> torch.nn.Module:
+def _from_pretrained(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """Weights read straight onto `device`: loading on the CPU and moving
+    would copy the whole model through host memory first (64 GB for a 32B
+    model in bf16, under a Ray actor's one thread)."""
     from transformers import AutoModelForCausalLM
 
-    load = functools.partial(
-        AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa"
-    )
+    placed = {} if device == "cpu" else {"device_map": device}  # the CPU path as it always was
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa", **placed)
     return load_resolved(name, load)
 
 
