@@ -18,7 +18,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, token_tensor
-from ssd.sampling import probs_from_logits, sample_ids
+from ssd.sampling import as_drawn, probs_from_logits, sample_ids
 from ssd.saguaro.branches import BranchDecoder
 from ssd.saguaro.cache import Proposal
 from ssd.saguaro.sampling import Saguaro
@@ -91,6 +91,7 @@ def build_cache(
             q = probs_from_logits(logits, sampling)
             if saguaro is not None:
                 q = saguaro.apply_rows(q, step)
+            q = as_drawn(q)
             steps.append(token_tensor(sample_ids(q, gen), q.device))
             q_steps.append(q)
     finally:
