@@ -8,7 +8,12 @@ that dies takes the service down: health listeners hear NOT_SERVING, the
 watcher starts every rank again, re-links the draft and reports SERVING. A
 request that had streamed nothing yet waits and runs again from its prompt;
 one that had streamed tokens fails with GeneratorUnavailable (the client
-retries), since a re-run need not reproduce a sampled prefix.
+retries), since a re-run need not reproduce a sampled prefix. A forward that
+fails on a tensor-parallel rank (ssd.models.tp.TPForwardError) breaks the
+group the same way, with the other ranks stuck in a collective: the watcher
+finds it (a follower's call returned, or rank 0 says so), restarts every
+rank, and the request fails at once with that error (it is not run again:
+the same prompt would likely fail the same way).
 
 Placement: one Ray placement group bundle per target rank and one for the
 speculator, packed on one node. On CPU each bundle is a core the actor pins
@@ -124,6 +129,7 @@ class Cluster:
         self._stopping = threading.Event()
         self._up = threading.Event()  # clear while the target is lost and restarting
         self._why_down: str | None = None
+        self._tp_failure: tuple[int, str] | None = None  # (target_restarts when found, why)
         self._listeners: list[HealthListener] = []
         self._listeners_lock = threading.Lock()
         self.target_restarts = 0
@@ -263,6 +269,9 @@ class Cluster:
             try:
                 if not self._up.is_set() or not self.targets_alive():
                     self.restart_targets()
+                elif (why := self.tp_broken()) is not None:
+                    self._tp_failed(why)
+                    self.restart_targets()
                 elif self.draft is not None and not self.linked():
                     self.heal()
             except Exception:  # noqa: BLE001 - the watcher must outlive a failed attempt; it retries
@@ -286,6 +295,42 @@ class Cluster:
             return True
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
+
+    def tp_broken(self) -> str | None:
+        """Why the tensor-parallel group is broken (a forward failed on some rank), or None.
+
+        A follower's run_follower call returns only when stopped, so one that
+        has returned (with TPForwardError or any other end) means a broken group.
+        """
+        if len(self.targets) < 2:
+            return None
+        done, _ = ray.wait(self._followers, num_returns=len(self._followers), timeout=0)
+        for ref in done:
+            rank = self._followers.index(ref) + 1
+            try:
+                commands = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the follower's end, as text
+                return (str(getattr(exc, "cause", None) or exc).strip().splitlines() or [f"target rank {rank} failed"])[0]
+            return f"target rank {rank} stopped mirroring after {commands} commands"
+        try:
+            return ray.get(self.targets[0].tp_failed.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None  # a lost rank: targets_alive() handles it
+
+    def look_now(self) -> None:
+        """Have the watcher check the actors now rather than at its next interval."""
+        self._watching.set()
+
+    def _tp_failed(self, why: str) -> None:
+        """Record a broken group (for the request that was running) and mark the service down."""
+        self._tp_failure = (self.target_restarts, why)
+        self._down(f"tensor-parallel forward failed ({why})")
+
+    def forward_failure(self, restarts_before: int) -> str | None:
+        """The TP forward failure found while the targets of `restarts_before` ran, if any."""
+        if self._tp_failure is not None and self._tp_failure[0] == restarts_before:
+            return self._tp_failure[1]
+        return None
 
     def _down(self, why: str) -> None:
         """Mark the service down (once) and wake the watcher to restart the target."""
@@ -385,9 +430,13 @@ class Cluster:
         while True:
             self._wait_up(request)
             streamed: list[int] = []
+            incarnation = self.target_restarts
             try:
                 result = self._run(request, streamed)
-            except ray.exceptions.RayActorError as exc:
+            except Exception as exc:
+                self._fail_on_broken_group(incarnation, exc)
+                if not isinstance(exc, ray.exceptions.RayActorError):
+                    raise
                 self._down(f"{type(exc).__name__} during request {request.request_id or '(unnamed)'}")
                 if streamed:
                     raise GeneratorUnavailable(
@@ -399,6 +448,25 @@ class Cluster:
             if mode == "ssd":
                 self._watching.set()  # the watcher checks the link now, not on the request's path
             return result
+
+    def _fail_on_broken_group(self, incarnation: int, exc: Exception) -> None:
+        """Raise GeneratorUnavailable naming the forward error if `exc` came from a broken TP group.
+
+        Rank 0's own TPForwardError arrives as the request's error; a
+        follower's leaves rank 0 waiting until the watcher kills it (a
+        RayActorError here). Either way the group restarts in the background.
+        """
+        if len(self.targets) < 2:
+            return
+        why = self.forward_failure(incarnation)
+        if why is None and not isinstance(exc, ray.exceptions.RayActorError):
+            why = self.tp_broken()
+            if why is not None:
+                self._tp_failed(why)
+        if why is not None:
+            raise GeneratorUnavailable(
+                f"{why}; the tensor-parallel target restarts, retry the request"
+            ) from exc
 
     def _run(self, request: GenerationRequest, streamed: list[int]) -> GenerationResult:
         target = self.targets[0]

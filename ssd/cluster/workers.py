@@ -108,6 +108,11 @@ class TargetWorker:
     def free_port(self) -> int:
         return free_port()
 
+    def tp_failed(self) -> str | None:
+        """Rank 0: why the tensor-parallel group is broken (a forward failed here), else None."""
+        leader = getattr(self, "leader", None)
+        return None if leader is None else leader.failed
+
     def connect_draft(self, port: int, prefix: str, timeout_s: float) -> None:
         """Become rank 0 of a new two-rank link; SSD uses it from the next request on."""
         from ssd.transport.distributed import DistributedChannel
