@@ -52,7 +52,11 @@ RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
 RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
 WATCH_INTERVAL_S = 2.0  # how often the watcher checks the actors between requests
 RECOVERY_WAIT_S = 600.0  # how long a queued request waits for a lost target to come back
-START_TIMEOUT_S = 300.0  # loading a target rank or the draft
+# Loading a target rank or the draft: this much, plus the weights' bytes at
+# LOAD_BYTES_PER_S (a slow network disk; a 70B model in bf16: ~25 more minutes),
+# unless cluster.start_timeout_s says otherwise.
+START_TIMEOUT_S = 300.0
+LOAD_BYTES_PER_S = 100e6
 
 # (serving, why not): called when the cluster goes down or comes back.
 HealthListener = Callable[[bool, str | None], None]
@@ -108,6 +112,31 @@ def start_ray(address: str | None) -> None:
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
+def start_timeout_s(config: Config, weight_bytes: int) -> float:
+    """How long an actor may take to load a model whose weights take `weight_bytes`."""
+    if config.cluster.start_timeout_s is not None:
+        return config.cluster.start_timeout_s
+    return START_TIMEOUT_S + weight_bytes / LOAD_BYTES_PER_S
+
+
+def prefetch_models(config: Config, with_draft: bool) -> dict[str, float]:
+    """Download or convert the models once, here in the driver; each role's start-up timeout.
+
+    The actors of one placement group run on one node: a driver on that
+    node fills the cache they read (another node's driver still downloads,
+    and the actors then fetch for themselves, under the same timeouts).
+    """
+    from ssd.models.loading import prefetch
+
+    roles = [("target", config.target)] + ([("draft", config.draft)] if with_draft else [])
+    timeouts = {}
+    for role, model in roles:
+        size = prefetch(model.name)
+        timeouts[role] = start_timeout_s(config, size)
+        log.info("%s %s: %.1f GB of weights, start-up timeout %.0f s", role, model.name, size / 1e9, timeouts[role])
+    return timeouts
+
+
 class Cluster:
     def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
         refuse_unworkable(config, placement)
@@ -118,6 +147,7 @@ class Cluster:
         if self._started_ray:
             start_ray(address)
         self._prefixes = (f"ssd-link-{os.getpid()}-{n}" for n in itertools.count())
+        self._start_timeouts = prefetch_models(config, bool(placement.draft))
         self._pg = self._reserve()
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
@@ -199,7 +229,8 @@ class Cluster:
             for rank, device in enumerate(self.placement.target)
         ]
         try:
-            ray.get([t.ready.remote() for t in targets], timeout=START_TIMEOUT_S)  # loading is collective under TP
+            # loading is collective under TP
+            ray.get([t.ready.remote() for t in targets], timeout=self._start_timeouts["target"])
         except Exception:
             for target in targets:  # none may linger holding a bundle
                 ray.kill(target, no_restart=True)
@@ -213,7 +244,7 @@ class Cluster:
         draft = RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
-        ray.get(draft.ready.remote(), timeout=START_TIMEOUT_S)
+        ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
         return draft
 
     # ------------------------------------------------------------------ the link
@@ -401,7 +432,7 @@ class Cluster:
         if stale:
             log.warning("restarting the speculator")
             ray.kill(self.draft, no_restart=False)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self._start_timeouts["draft"]  # Ray's restart loads the draft again
         while True:
             try:
                 ray.get(self.draft.ready.remote(), timeout=30)

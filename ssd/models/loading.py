@@ -106,6 +106,44 @@ def load_resolved(name: str, load: Callable[[str], Any]) -> Any:
         raise _not_found(name, exc) from exc
 
 
+# Files that hold a checkpoint's weights (safetensors, or PyTorch pickles).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# What a hub download skips: other frameworks' and formats' copies of the weights.
+NOT_TORCH = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.tflite", "original/*"]
+
+
+def prefetch(name: str) -> int:
+    """Make `name`'s checkpoint local now and return its weights' size in bytes (0 for tiny).
+
+    The cluster's driver calls this before any actor starts, so the actors
+    only read files: a registry name is converted once, a hub id is
+    downloaded once into the hub cache (with huggingface_hub's progress
+    bars), instead of inside every actor's constructor under its start-up
+    timeout. The size scales that timeout (ssd.cluster.runtime).
+    """
+    if name == TINY:
+        return 0
+    source = resolve_source(name)
+    if not Path(source).is_dir():
+        source = _download(name)
+    return checkpoint_bytes(Path(source))
+
+
+def _download(name: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    logger.info("downloading %s once, before the actors start", name)
+    try:
+        return snapshot_download(name, ignore_patterns=NOT_TORCH)
+    except (OSError, ValueError) as exc:  # hub HTTP errors are OSErrors; a malformed id a ValueError
+        raise _not_found(name, exc) from exc
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the weight files in `directory` (symlinks followed, as the hub cache uses them)."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
 def resolve_source(name: str) -> str:
     """A local directory for registry names and directories; `name` itself for a hub id."""
     if name in OFFLINE_MODELS:
