@@ -3,7 +3,9 @@
 On CUDA the lean forward runs each segment's attention as one SDPA call
 (ssd.models.fast.one_call_attention); on the CPU it keeps one call per row.
 Forced on the CPU, the one-call path must give the per-row path's logits up
-to floating-point summation order, for every shape the engines use.
+to floating-point summation order, for every shape the engines use. The
+static-shape forward that CUDA graphs capture (ssd.models.graphs) runs
+eagerly here and must equal the lean forward likewise.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from ssd.models.fast import FastForward, one_call_attention
+from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, use_cuda_graphs
 from ssd.models.kv import KVSequence, forward_rows
 
 TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: only the order of a softmax's sums may differ
@@ -62,3 +65,54 @@ def test_packed_rows_agree_on_both_paths(tiny_models):
         results.append(forward_rows(rows, ids))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, **TOL)
+
+
+# --- static shapes (CUDA graphs on CUDA, the same function eagerly here) ------
+
+def test_cuda_graphs_only_on_cuda(tiny_models):
+    assert use_cuda_graphs("cuda") and use_cuda_graphs(torch.device("cuda", 1))
+    assert not use_cuda_graphs("cpu")
+    fast = FastForward(tiny_models[0])
+    assert not GraphedForward(fast, fast.new_cache()).graphs
+
+
+def test_the_static_path_equals_the_lean_forward(tiny_models):
+    """Decode, verification and a tree step through the fixed-shape forward
+    (whole-capacity attention under a mask, slots as a tensor) give the lean
+    forward's logits and leave the same cache."""
+    target, _ = tiny_models
+    fast = FastForward(target)
+    eager, static = fast.new_cache(), fast.new_cache()
+    prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    for cache in (eager, static):
+        fast(cache, prompt, torch.arange(7), 0)
+    runner = GraphedForward(fast, static)
+    n, capacity = 7, static.capacity
+
+    def both(ids, positions, mask=None):
+        nonlocal n
+        ids, positions = torch.tensor(ids), torch.tensor(positions)
+        m = ids.shape[0]
+        want = fast(eager, ids, positions, n, mask)
+        full = causal_mask(n, m, capacity, "cpu") if mask is None else padded_mask(mask, capacity)
+        got = runner(ids, positions, torch.arange(n, n + m), full)
+        torch.testing.assert_close(got, want, **TOL)
+        n += m
+
+    both([8], [7])  # decode
+    both([9, 10, 11, 12, 13], [8, 9, 10, 11, 12])  # verify K = 4
+    visible = torch.ones(3, n + 3, dtype=torch.bool)
+    visible[:, n:] = torch.eye(3, dtype=torch.bool)
+    visible[2, n - 4 : n] = False  # a branch off a shorter prefix
+    both([1, 2, 3], [n, n, n - 4], visible)  # a tree step: three branches
+    for layer in range(len(eager.keys)):
+        torch.testing.assert_close(static.keys[layer][:, :n], eager.keys[layer][:, :n], **TOL)
+        torch.testing.assert_close(static.values[layer][:, :n], eager.values[layer][:, :n], **TOL)
+
+
+def test_the_static_path_refuses_a_mask_of_another_shape(tiny_models):
+    fast = FastForward(tiny_models[0])
+    runner = GraphedForward(fast, fast.new_cache())
+    with pytest.raises(ValueError, match="capacity"):
+        runner(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), torch.ones(1, 8, dtype=torch.bool))
+
