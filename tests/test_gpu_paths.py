@@ -125,3 +125,28 @@ def test_the_smoke_run_times_every_hot_path_variant(tiny_models):
     assert set(timings["target decode"]) == set(timings["target verify K=2"]) == {"per_row", "one_call", "static"}
     assert set(timings["draft tree step B=3"]) == {"lean", "static"}
     assert all(s > 0 for variants in timings.values() for s in variants.values())
+
+
+def test_sequences_on_the_static_path_decode_as_the_lean_forward(tiny_models, monkeypatch):
+    """KVSequence as on CUDA (static path; eager here, since graphs need CUDA): every cache
+    operation's logits, and greedy SD == AR through the engines, as on the lean forward."""
+    from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+    from ssd.engine import AREngine, SDEngine
+    from ssd.engine.request import GenerationRequest
+    from ssd.models import TinyTokenizer
+    from ssd.models import kv as kv_module
+    from tests.conftest import TINY
+
+    target, draft = tiny_models
+    lean = script(KVSequence(target))
+    monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
+    seq = KVSequence(target)
+    assert seq._static
+    for got, want in zip(script(seq), lean, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    assert seq._graphed is not None and not seq._graphed.graphs  # the static path ran, eagerly
+    tok, gen = TinyTokenizer.from_config(TINY), GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    request = GenerationRequest([1, 2, 3], SamplingConfig(temperature=0.0), gen)
+    static_sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request).token_ids
+    monkeypatch.undo()
+    assert static_sd == AREngine(target, tok).generate(request).token_ids

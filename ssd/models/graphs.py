@@ -19,8 +19,11 @@ tests check the static path against the lean forward. Buckets: the target's
 decode (1 row) and verification (K + 1 rows), the draft's tree steps (one
 row per branch), each at the cache's power-of-two capacity.
 
-Not yet wired into the engines (KVSequence still calls the lean forward):
-`launch/gpu_smoke.py` times eager against captured on a GPU first.
+KVSequence runs its single-sequence forwards of up to ROW_LIMIT rows
+through it on CUDA (decode, verification, tree steps; a long prefill and
+packed rows keep the lean forward). A capture that fails falls back to the
+static forward run eagerly, with a warning. `launch/gpu_smoke.py` times
+eager against captured.
 """
 
 from __future__ import annotations
@@ -121,7 +124,14 @@ class GraphedForward:
             self._captured.clear()
             self._buffers = self._buffer_ids()
         key = (ids.shape[0], self.cache.capacity)
-        captured = self._captured.get(key) or self._capture(key, ids, positions, slots, mask)
+        captured = self._captured.get(key)
+        if captured is None:
+            try:
+                captured = self._capture(key, ids, positions, slots, mask)
+            except Exception:  # noqa: BLE001 - an op that cannot be captured: the same forward, eagerly
+                log.warning("capturing a CUDA graph failed; this sequence runs eagerly", exc_info=True)
+                self.graphs = False
+                return static_forward(self.fast, self.cache, ids, positions, slots, mask)
         for buffer, value in zip(captured.inputs, (ids, positions, slots, mask)):
             buffer.copy_(value, non_blocking=True)
         captured.graph.replay()

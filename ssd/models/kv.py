@@ -24,6 +24,8 @@ import torch
 from transformers import DynamicCache
 
 from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
+from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, use_cuda_graphs
+from ssd.models.invariant import ROW_LIMIT
 
 
 class KVSequence:
@@ -39,6 +41,10 @@ class KVSequence:
         self._fast = FastForward(model) if use_fast else None
         if self._fast is None:
             _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
+        # On CUDA, decode, verification and tree steps (up to ROW_LIMIT rows)
+        # replay CUDA graphs of the static-shape forward (ssd.models.graphs).
+        self._static = self._fast is not None and use_cuda_graphs(model.device)
+        self._graphed: GraphedForward | None = None
         self._clear()
 
     @property
@@ -60,9 +66,12 @@ class KVSequence:
         self._clear()
 
     def _clear(self) -> None:
-        self.cache: StaticKV | DynamicCache = (
-            self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
-        )
+        if self._graphed is not None:  # its cache, captured graphs and all: stale entries are never attended
+            self.cache = self._graphed.cache
+        else:
+            self.cache: StaticKV | DynamicCache = (
+                self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
+            )
         self.tokens: list[int] = []  # the ids whose keys and values are cached
         self._extra = 0
 
@@ -146,7 +155,9 @@ class KVSequence:
         start = self.cached
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=device)
-        if self._fast is not None:
+        if self._static and len(ids) <= ROW_LIMIT:
+            logits = self._run_static(input_ids, positions.to(device), start, _on(mask, device), keep)
+        elif self._fast is not None:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
         else:
             logits = self.model(
@@ -156,6 +167,21 @@ class KVSequence:
                 logits_to_keep=0 if keep is None else keep,
             ).logits[0]
         return logits  # on the model's device: sampling and verification run there
+
+
+    def _run_static(
+        self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The lean forward's result through the static-shape forward (a CUDA graph replay on CUDA)."""
+        m = ids.shape[0]
+        self.cache.reserve(start + m, keep=start)
+        if self._graphed is None:
+            self._graphed = GraphedForward(self._fast, self.cache)
+        capacity, device = self.cache.capacity, ids.device
+        full = causal_mask(start, m, capacity, device) if mask is None else padded_mask(mask, capacity)
+        logits = self._graphed(ids, positions, torch.arange(start, start + m, device=device), full)
+        return logits if keep is None else logits[keep]
 
 
 def forward_rows(
