@@ -150,3 +150,35 @@ def test_sequences_on_the_static_path_decode_as_the_lean_forward(tiny_models, mo
     static_sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request).token_ids
     monkeypatch.undo()
     assert static_sd == AREngine(target, tok).generate(request).token_ids
+
+
+def test_graph_buckets_replay_with_fresh_inputs_and_drop_on_reallocation(tiny_models, monkeypatch):
+    """GraphedForward's bookkeeping, with a stand-in for the CUDA graph that
+    replays the static forward on the graph's own input buffers."""
+    from ssd.models import graphs
+
+    def capture(self, key, *inputs):
+        static = tuple(t.clone() for t in inputs)
+        logits = graphs.static_forward(self.fast, self.cache, *static)
+
+        class Replay:
+            def replay(self_):
+                logits.copy_(graphs.static_forward(self.fast, self.cache, *static))
+
+        self._captured[key] = graphs._Captured(Replay(), static, logits)
+        return self._captured[key]
+
+    monkeypatch.setattr(graphs.GraphedForward, "_capture", capture)
+    target, _ = tiny_models
+    fast = FastForward(target)
+    eager, cache = fast.new_cache(), fast.new_cache()
+    runner = GraphedForward(fast, cache, graphs=True)
+    for n in range(6):  # one bucket, replayed with each step's inputs
+        ids, positions = torch.tensor([n + 1]), torch.tensor([n])
+        want = fast(eager, ids, positions, n)
+        got = runner(ids, positions, positions, causal_mask(n, 1, cache.capacity, "cpu"))
+        torch.testing.assert_close(got, want, **TOL)
+    assert runner.buckets == [(1, 256)]
+    cache.reserve(300, keep=6)  # reallocated: the old bucket's buffers are gone
+    runner(torch.tensor([7]), torch.tensor([6]), torch.tensor([6]), causal_mask(6, 1, cache.capacity, "cpu"))
+    assert runner.buckets == [(1, 512)]

@@ -29,6 +29,7 @@ eager against captured.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,11 @@ from ssd.models.fast import FastForward, StaticKV
 from ssd.models.quant import project_qkv
 
 log = logging.getLogger(__name__)
+
+# One capture at a time in a process: a model is shared by threads (the
+# server's drafting and the speculator's builds), and a capture must not
+# record another thread's kernels.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def use_cuda_graphs(device: torch.device | str) -> bool:
@@ -115,6 +121,7 @@ class GraphedForward:
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._buffers = self._buffer_ids()
 
+    @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if mask.shape != (ids.shape[0], self.cache.capacity):
             raise ValueError(f"mask {tuple(mask.shape)}: expected [{ids.shape[0]}, {self.cache.capacity}] (rows, capacity)")
@@ -148,15 +155,17 @@ class GraphedForward:
         """Record one bucket. The warm-up runs write the very rows the replay
         that follows writes again, so the cache ends as an eager run leaves it."""
         static = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.WARMUP):
-                static_forward(self.fast, self.cache, *static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = static_forward(self.fast, self.cache, *static)
+        with _CAPTURE_LOCK:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.WARMUP):
+                    static_forward(self.fast, self.cache, *static)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' CUDA calls during the capture are theirs, not errors in it.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits = static_forward(self.fast, self.cache, *static)
         log.info("captured a CUDA graph for %d rows at capacity %d", *key)
         self._captured[key] = _Captured(graph, static, logits)
         return self._captured[key]

@@ -56,9 +56,10 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.name == TINY:  # built on the CPU (a seeded draw), then moved: a few MB
         model = build_tiny_model(cfg.tiny, dtype=dtype)
-        return _frozen(model.to(device) if device != "cpu" else model)
-    model = _from_pretrained(cfg.name, dtype, device)
-    if cfg.quantization == INT8:
+        model = model.to(device) if device != "cpu" else model
+    else:
+        model = _from_pretrained(cfg.name, dtype, device)
+    if cfg.quantization == INT8:  # CPU only (refused above elsewhere)
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(fuse_projections(quantize_int8(model)))
     return _frozen(model)
