@@ -182,3 +182,12 @@ def test_graph_buckets_replay_with_fresh_inputs_and_drop_on_reallocation(tiny_mo
     cache.reserve(300, keep=6)  # reallocated: the old bucket's buffers are gone
     runner(torch.tensor([7]), torch.tensor([6]), torch.tensor([6]), causal_mask(6, 1, cache.capacity, "cpu"))
     assert runner.buckets == [(1, 512)]
+
+
+def test_only_repeating_shapes_are_captured():
+    """Decode, verification, glue and tree steps: yes; a prompt's prefill (one graph per length): no."""
+    from ssd.models.invariant import ROW_LIMIT
+    from ssd.models.kv import _graph_shaped
+
+    assert _graph_shaped(1, last_only=True) and _graph_shaped(5, last_only=False)
+    assert not _graph_shaped(40, last_only=True) and not _graph_shaped(ROW_LIMIT + 1, last_only=False)

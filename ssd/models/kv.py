@@ -41,8 +41,8 @@ class KVSequence:
         self._fast = FastForward(model) if use_fast else None
         if self._fast is None:
             _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
-        # On CUDA, decode, verification and tree steps (up to ROW_LIMIT rows)
-        # replay CUDA graphs of the static-shape forward (ssd.models.graphs).
+        # On CUDA, decode, verification and tree steps replay CUDA graphs of
+        # the static-shape forward (ssd.models.graphs; see _graph_shaped).
         self._static = self._fast is not None and use_cuda_graphs(model.device)
         self._graphed: GraphedForward | None = None
         self._clear()
@@ -155,7 +155,7 @@ class KVSequence:
         start = self.cached
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=device)
-        if self._static and len(ids) <= ROW_LIMIT:
+        if self._static and _graph_shaped(len(ids), last_only):
             logits = self._run_static(input_ids, positions.to(device), start, _on(mask, device), keep)
         elif self._fast is not None:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
@@ -182,6 +182,17 @@ class KVSequence:
         full = causal_mask(start, m, capacity, device) if mask is None else padded_mask(mask, capacity)
         logits = self._graphed(ids, positions, torch.arange(start, start + m, device=device), full)
         return logits if keep is None else logits[keep]
+
+
+def _graph_shaped(rows: int, last_only: bool) -> bool:
+    """Whether a forward of `rows` rows goes through the static forward (CUDA graphs).
+
+    Decode (one row) and the forwards that keep every row (verification,
+    the draft's glue pass, tree steps) repeat a few shapes; a prefill
+    (last_only, many rows) has the prompt's length, and capturing one graph
+    per prompt length would cost more than it saves.
+    """
+    return rows == 1 or (not last_only and rows <= ROW_LIMIT)
 
 
 def forward_rows(
