@@ -9,6 +9,11 @@ Two carriers behind one interface: the lean forward over a preallocated cache
 (ssd.models.fast) for the Llama-layout models it supports, transformers'
 forward over a DynamicCache for every other model (and tensor-parallel shards).
 
+On CUDA the lean carrier's decode and all-rows forwards (verification, the
+draft's glue pass and tree steps) replay CUDA graphs of its static-shape
+twin (ssd.models.graphs), per (rows, capacity) bucket; a sequence keeps its
+cache, and so its graphs, across resets.
+
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
 the other (correct, not batched), behind one call.
