@@ -191,3 +191,33 @@ def test_only_repeating_shapes_are_captured():
 
     assert _graph_shaped(1, last_only=True) and _graph_shaped(5, last_only=False)
     assert not _graph_shaped(40, last_only=True) and not _graph_shaped(ROW_LIMIT + 1, last_only=False)
+
+
+def test_a_new_sequence_takes_the_cache_and_graphs_a_finished_one_gave_back(tiny_models, monkeypatch):
+    """The engines make a sequence per request: graphs are captured once per model and
+    bucket, not once per request, because caches go back to the model's pool."""
+    import gc
+
+    from ssd.models import kv as kv_module
+    from ssd.models.graphs import pool_for
+
+    target = copy_of(tiny_models[0])  # a pool of its own
+    monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
+    first = KVSequence(target)
+    first.forward([1, 2, 3])
+    cache = first.cache
+    second = KVSequence(target)  # both alive: two caches
+    assert second.cache is not cache
+    del first
+    gc.collect()
+    assert pool_for(target).free == 1
+    third = KVSequence(target)
+    assert third.cache is cache and third.length == 0  # reused, and empty to the sequence
+    torch.testing.assert_close(third.forward([4, 5]), KVSequence(tiny_models[0], fast=True).forward([4, 5]), **TOL)
+    del second, third
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -169,3 +170,50 @@ class GraphedForward:
         log.info("captured a CUDA graph for %d rows at capacity %d", *key)
         self._captured[key] = _Captured(graph, static, logits)
         return self._captured[key]
+
+
+class GraphPool:
+    """A model's GraphedForwards (each a cache and its graphs) not in use by any sequence.
+
+    The engines make a sequence per request; graphs bound to a sequence's own
+    cache would be captured again for every request. A sequence takes a
+    GraphedForward from its model's pool instead and gives it back when it is
+    collected (`attach`), so the next request replays graphs already made.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[GraphedForward] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, fast: FastForward) -> GraphedForward:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return GraphedForward(fast, fast.new_cache())
+
+    def release(self, graphed: GraphedForward) -> None:
+        with self._lock:
+            self._free.append(graphed)
+
+    def attach(self, owner: object, fast: FastForward) -> GraphedForward:
+        """A GraphedForward for `owner`'s lifetime: back in the pool once `owner` is collected."""
+        graphed = self.acquire(fast)
+        weakref.finalize(owner, self.release, graphed)
+        return graphed
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, GraphPool]" = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def pool_for(model: torch.nn.Module) -> GraphPool:
+    """The model's one GraphPool (it goes with the model)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(model)
+        if pool is None:
+            pool = _POOLS[model] = GraphPool()
+        return pool

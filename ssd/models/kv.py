@@ -11,8 +11,9 @@ forward over a DynamicCache for every other model (and tensor-parallel shards).
 
 On CUDA the lean carrier's decode and all-rows forwards (verification, the
 draft's glue pass and tree steps) replay CUDA graphs of its static-shape
-twin (ssd.models.graphs), per (rows, capacity) bucket; a sequence keeps its
-cache, and so its graphs, across resets.
+twin (ssd.models.graphs), per (rows, capacity) bucket; the cache and its
+graphs come from the model's pool and return to it with the sequence, so a
+new request's sequence replays graphs an earlier one captured.
 
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
@@ -29,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
-from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, use_cuda_graphs
+from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, pool_for, use_cuda_graphs
 from ssd.models.invariant import ROW_LIMIT
 
 
@@ -49,7 +50,8 @@ class KVSequence:
         # On CUDA, decode, verification and tree steps replay CUDA graphs of
         # the static-shape forward (ssd.models.graphs; see _graph_shaped).
         self._static = self._fast is not None and use_cuda_graphs(model.device)
-        self._graphed: GraphedForward | None = None
+        # A cache with its graphs, from the model's pool and back to it when this sequence goes.
+        self._graphed: GraphedForward | None = pool_for(model).attach(self, self._fast) if self._static else None
         self._clear()
 
     @property
@@ -181,8 +183,6 @@ class KVSequence:
         """The lean forward's result through the static-shape forward (a CUDA graph replay on CUDA)."""
         m = ids.shape[0]
         self.cache.reserve(start + m, keep=start)
-        if self._graphed is None:
-            self._graphed = GraphedForward(self._fast, self.cache)
         capacity, device = self.cache.capacity, ids.device
         full = causal_mask(start, m, capacity, device) if mask is None else padded_mask(mask, capacity)
         logits = self._graphed(ids, positions, torch.arange(start, start + m, device=device), full)
