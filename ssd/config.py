@@ -256,8 +256,13 @@ class ClusterConfig:
     # given). "cpu": GPU-placed actors compute on the CPU; for orchestration
     # tests on machines without GPUs, and for debugging.
     compute_device: str | None = None
+    # How long a target rank or the draft may take to load. None: 300 s plus
+    # one second per 100 MB of the model's weights (ssd.cluster.runtime).
+    start_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.start_timeout_s is not None and not self.start_timeout_s > 0:
+            raise ConfigError(f"cluster.start_timeout_s must be > 0 or null, got {self.start_timeout_s}")
         if not self.draft_timeout_s > 0:
             raise ConfigError(f"cluster.draft_timeout_s must be > 0, got {self.draft_timeout_s}")
         if self.link_backend != "gloo":

@@ -22,6 +22,19 @@ import torch
 from ssd.config import SamplingConfig
 
 
+# The dtype of the draft's q rows: the draft draws each token from the row
+# rounded to this dtype and ships that very row, so verification (which reads
+# q at the drafted tokens and in the residual, ssd.verify.draft_law) uses the
+# law the token came from. float32 halves the bytes that cross the link
+# (K rows of V per speculation: 4 x 128k x 8 B = 4 MB a reply in float64).
+Q_DTYPE = torch.float32
+
+
+def as_drawn(q: torch.Tensor) -> torch.Tensor:
+    """The q rows a draft draws from and ships: `q` rounded to Q_DTYPE (see above)."""
+    return q.to(Q_DTYPE)
+
+
 def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)

@@ -62,10 +62,27 @@ def verify(
     _check_shapes(drafted, q, p)
     if q.device != p.device:
         raise ValueError(f"q is on {q.device} but p is on {p.device}; move q to p's device")
+    q = draft_law(q)
     k = _first_stop(drafted, q, p, gen)
     if k == len(drafted):
         return Outcome(k, sample(p[-1], gen))
     return Outcome(k, sample(_residual_weights(p[k], q[k]), gen))
+
+
+def draft_law(q: torch.Tensor) -> torch.Tensor:
+    """The distributions the drafted tokens were drawn from, in float64.
+
+    A draft draws from its q rows as shipped (ssd.sampling.as_drawn:
+    float32), and sampling divides a row by its own sum, which for a
+    rounded row is 1 only up to float32 rounding (~1e-7 over a large
+    vocabulary). Dividing by that sum here too makes the ratio test and the
+    residual use that law itself, to float64 rounding as before. float64
+    rows (made by the caller, not shipped) are taken as they are.
+    """
+    if q.dtype == torch.float64:
+        return q
+    q = q.to(torch.float64)
+    return q / q.sum(dim=-1, keepdim=True)
 
 
 def _first_stop(drafted: Sequence[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> int:

@@ -16,6 +16,12 @@ import ssd.saguaro.speculator as speculator_module
 from ssd.config import SamplingConfig
 from ssd.saguaro.branches import BRANCH_DECODERS
 from ssd.saguaro.cache import Proposal
+from ssd.sampling import Q_DTYPE
+
+# How far a cached q' row may lie from q' recomputed in float64: fresh
+# forwards' rounding, plus the float32 the rows are drawn from and shipped in
+# (ssd.sampling.as_drawn). Plain q lies > 1e-3 away (the tests' power checks).
+QPRIME_TOL = 1e-9 + torch.finfo(Q_DTYPE).eps
 
 
 @dataclass

@@ -204,3 +204,15 @@ def test_factory():
     assert isinstance(make_branch_decoder("batched"), BatchedBranchDecoder)
     with pytest.raises(ValueError, match="tree"):
         make_branch_decoder("beam")
+
+
+def test_batched_branches_see_the_prefix_under_past_key_values(draft):
+    """The batched decoder's cache reaches a forward that calls it `past_key_values` (transformers 5.17)."""
+    from tests.test_kv import past_key_values_model
+
+    old = past_key_values_model(draft)
+    prefix, firsts = branches(6)
+    got = run_all_steps(BatchedBranchDecoder(), glued_kv(old, fast=False), prefix, firsts)
+    want = run_all_steps(BatchedBranchDecoder(), glued_kv(draft, fast=False), prefix, firsts)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)

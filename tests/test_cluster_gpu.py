@@ -15,7 +15,7 @@ import ray
 import yaml
 
 from ssd.cluster import launcher  # launch/cluster.py's main
-from ssd.cluster.runtime import Cluster, refuse_unworkable
+from ssd.cluster.runtime import Cluster, actor_env, refuse_unworkable
 from ssd.config import ConfigError, GenerationConfig, load_config
 from ssd.engine.request import GenerationRequest
 from tests.conftest import ROOT
@@ -61,8 +61,9 @@ def test_each_actor_gets_its_gpu_and_greedy_ssd_equals_ar(logical_gpus, config_p
     actors = [*cluster.targets, cluster.draft]
     try:
         seen = ray.get([a.whereabouts.remote() for a in actors])
-        assert [w["CUDA_VISIBLE_DEVICES"] for w in seen] == [str(d) for d in cluster.placement.target + (int(draft),)]
-        assert all(w["device"] == "cpu" for w in seen)  # compute_device: cpu
+        assert [w["placed_gpu"] for w in seen] == [str(d) for d in cluster.placement.target + (int(draft),)]
+        assert all(w["device"] == "cpu" for w in seen)  # compute_device: cpu ...
+        assert all(w["CUDA_VISIBLE_DEVICES"] == "" for w in seen)  # ... so no GPU is visible
         ranks = seen[:-1]
         assert [w["rank"] for w in ranks] == list(range(len(ranks)))
         if len(ranks) > 1:  # each rank sees one GPU: its local rank is 0
@@ -80,7 +81,7 @@ def test_each_actor_gets_its_gpu_and_greedy_ssd_equals_ar(logical_gpus, config_p
 def test_colocated_roles_share_one_gpu(logical_gpus, config_path):
     with start(["--target-gpus", "0", "--draft-gpu", "0", "--colocate"], config_path) as cluster:
         seen = ray.get([cluster.targets[0].whereabouts.remote(), cluster.draft.whereabouts.remote()])
-        assert [w["CUDA_VISIBLE_DEVICES"] for w in seen] == ["0", "0"]
+        assert [w["placed_gpu"] for w in seen] == ["0", "0"]
         assert cluster.placement.gpu_share(0) == 0.5
         out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
         assert out.token_ids == local_ar(cluster.config, PROMPT, 24)
@@ -129,3 +130,12 @@ def test_compute_device_and_backends_follow_the_placement_not_the_host(config_pa
     assert compute_device(config, launcher.plan_placement("0", "1", 2, "cuda")) == "cuda"
     assert config.cluster.link_backend == "gloo"
     assert tp_backend("cuda") == "cpu:gloo,cuda:nccl" and tp_backend("cpu") == "gloo"
+
+
+def test_actors_computing_on_the_cpu_see_no_gpu():
+    """--cpu on a GPU host (or compute_device: cpu): an empty CUDA_VISIBLE_DEVICES,
+    else transformers puts every tensor-parallel rank's shard on cuda:0."""
+    assert actor_env("cpu", 1, "cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    placed_on_cpu = actor_env("cuda", 3, "cpu")
+    assert placed_on_cpu["CUDA_VISIBLE_DEVICES"] == "" and placed_on_cpu["SSD_PLACED_GPU"] == "3"
+    assert actor_env("cuda", 3, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"

@@ -1,10 +1,14 @@
-"""A tensor-parallel target through the cluster: TP=2 greedy == TP=1.
+"""A tensor-parallel target through the cluster: TP=2 greedy == TP=1, and a
+forward that fails on any rank fails its request and restarts the group.
 
 A module of its own: its two target ranks take both cores, so no other
 cluster (like test_cluster's shared one) may be holding them.
 """
 
 import dataclasses
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -12,22 +16,67 @@ import ray
 from ssd.cluster.devices import plan_placement
 from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig
-from ssd.engine.request import GenerationRequest
+from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 from tests.test_cluster import CONFIG, GREEDY, PROMPTS, local_ar
 
 pytestmark = pytest.mark.cluster
 
+# fp64: TP=2 sums the ranks' partial products in another order than one
+# rank does; in fp32 that moves logits by ~1e-5 and could flip a near-tie.
+TP_CONFIG = dataclasses.replace(
+    CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"),
+    target=dataclasses.replace(CONFIG.target, dtype="fp64"),
+)
+HANG_S = 90.0  # a failed forward must end its request well before this; before the fix it never did
 
-def test_tensor_parallel_target_equals_single_rank():
-    # fp64: TP=2 sums the ranks' partial products in another order than one
-    # rank does; in fp32 that moves logits by ~1e-5 and could flip a near-tie.
-    config = dataclasses.replace(
-        CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"),
-        target=dataclasses.replace(CONFIG.target, dtype="fp64"),
-    )
-    with Cluster(config, plan_placement("0-1", None, 2, "cpu")) as tp2:
-        for prompt in PROMPTS:
-            out = tp2.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=32), config.speculation))
-            assert out.token_ids == local_ar(config, prompt, 32)
-        # Two ranks really ran: rank 1 is still mirroring rank 0 (it returns only when stopped).
-        assert len(tp2.targets) == 2 and not ray.wait(tp2._followers, timeout=0)[0]
+
+@pytest.fixture(scope="module")
+def tp2():
+    with Cluster(TP_CONFIG, plan_placement("0-1", None, 2, "cpu")) as cluster:
+        yield cluster
+
+
+def generate(cluster: Cluster, prompt: list[int], n: int = 32):
+    request = GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), TP_CONFIG.speculation)
+    pool = ThreadPoolExecutor(1)  # a hang fails the test instead of the suite
+    try:
+        return pool.submit(cluster.generate, request).result(timeout=HANG_S)
+    finally:
+        pool.shutdown(wait=False)  # never join a hung call
+
+
+def test_tensor_parallel_target_equals_single_rank(tp2):
+    for prompt in PROMPTS:
+        assert generate(tp2, prompt).token_ids == local_ar(TP_CONFIG, prompt, 32)
+    # Two ranks really ran: rank 1 is still mirroring rank 0 (it returns only when stopped).
+    assert len(tp2.targets) == 2 and not ray.wait(tp2._followers, timeout=0)[0]
+
+
+def fail_forward_at(worker, n: int) -> None:
+    """Run inside a target actor: its n-th KVSequence forward from now raises (a CUDA OOM, say)."""
+    from ssd.models import kv
+
+    original, calls = kv.KVSequence.forward, itertools.count(1)
+
+    def forward(self, ids, last_only=False):
+        if next(calls) == n:
+            raise RuntimeError("injected: CUDA out of memory")
+        return original(self, ids, last_only)
+
+    kv.KVSequence.forward = forward
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["follower", "leader"])
+def test_a_failed_forward_fails_the_request_and_restarts_the_group(tp2, rank):
+    tp2.wait_serving()
+    restarts = tp2.target_restarts
+    ray.get(tp2.targets[rank].__ray_call__.remote(fail_forward_at, 3))  # prefill, a decode, then this one
+    started = time.monotonic()
+    with pytest.raises(GeneratorUnavailable, match=rf"forward failed on target rank {rank}.*injected: CUDA out of memory"):
+        generate(tp2, PROMPTS[0])
+    assert time.monotonic() - started < HANG_S
+    deadline = time.monotonic() + HANG_S
+    while tp2.target_restarts == restarts and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tp2.target_restarts == restarts + 1  # the whole group, as for a lost rank
+    assert generate(tp2, PROMPTS[2]).token_ids == local_ar(TP_CONFIG, PROMPTS[2], 32)

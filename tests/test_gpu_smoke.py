@@ -81,6 +81,9 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert set(costs.verify_s) == set(KS) and set(costs.backup_s) == set(KS)
     assert set(costs.build_s) == {(k, b) for k in KS for b in BUDGETS}
     assert set(costs.meta["tree_step_s"]) == {str(b) for b in BUDGETS}
+    hot = report.timings["hot_path"]  # per row vs one call, static eager (graphs: CUDA only)
+    assert set(hot["target decode"]) == {"per_row", "one_call", "static"}
+    assert set(hot) == {"target decode", f"target verify K={settings.k}", *(f"draft tree step B={b}" for b in BUDGETS)}
     assert costs.meta["machine"]["cpu_model"] and costs.meta["device"] == "cpu"
     assert costs.meta["link_round_trip_ms"]["round (header only)"]["median_ms"] > 0
     saved = json.loads((tmp_path / "smoke.json").read_text())

@@ -1,12 +1,15 @@
 """KVSequence on both carriers: the lean forward over a preallocated cache and
 transformers' forward over a DynamicCache, against one full forward."""
 
+import copy
+
 import pytest
 import torch
+from transformers import Qwen2ForCausalLM
 
 from ssd.config import ModelConfig, TinyModelConfig
 from ssd.models import load_model
-from ssd.models.kv import KVSequence
+from ssd.models.kv import KVSequence, UnsupportedModelError, cache_kwargs
 from ssd.models.quant import int8_supported
 
 SEQ = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -99,3 +102,37 @@ def test_verified_rows_are_bit_identical_to_decoded_rows(fast):
     together = chunk.forward(SEQ[3:])
     alone = torch.cat([steps.forward([t]) for t in SEQ[3:]])
     assert torch.equal(together, alone)
+
+
+class PastKeyValuesLM(Qwen2ForCausalLM):
+    """transformers 5.17's interface: the cache is `past_key_values`, and an
+    unknown keyword (like 5.24's `cache=`) vanishes into **kwargs."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+
+def past_key_values_model(model):
+    old = copy.deepcopy(model)
+    old.__class__ = PastKeyValuesLM
+    return old
+
+
+def test_the_cache_reaches_a_forward_that_names_it_past_key_values(tiny_models):
+    """Decode steps on transformers' carrier see their context whatever the
+    installed version calls the cache argument (a swallowed one: no context)."""
+    old = past_key_values_model(tiny_models[0])
+    kv = KVSequence(old, fast=False)
+    rows = torch.cat([kv.forward(SEQ[:3]), kv.forward(SEQ[3:4]), kv.forward(SEQ[4:])])
+    torch.testing.assert_close(rows, full_logits(tiny_models[0], SEQ))
+
+
+def test_a_forward_without_a_known_cache_argument_is_refused(tiny_models):
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return input_ids
+
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        cache_kwargs(NoCache(), object())

@@ -301,3 +301,25 @@ def test_real_model_writes_plausible_code(name: str) -> None:
 def test_int8_is_refused_on_a_gpu_before_loading():
     with pytest.raises(ConfigError, match="model.quantization int8 runs on CPU only"):
         load_model(ModelConfig(name="tiny", quantization="int8"), device="cuda")
+
+
+def test_a_checkpoint_loads_straight_onto_its_device(tmp_path: Path, monkeypatch) -> None:
+    """On a GPU the weights are read onto it (device_map), never loaded on the host and moved."""
+    import transformers
+
+    class NoHostCopy(torch.nn.Module):
+        def to(self, *args, **kwargs):
+            raise AssertionError("the model was moved after loading: a whole host copy first")
+
+    seen = {}
+
+    def from_pretrained(source, **kwargs):
+        seen.update(kwargs)
+        return NoHostCopy()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    load_model(ModelConfig(name=str(tmp_path), dtype="bf16"), "cuda")
+    assert seen["device_map"] == "cuda" and seen["dtype"] == torch.bfloat16
+    seen.clear()
+    load_model(ModelConfig(name=str(tmp_path), dtype="fp32"), "cpu")
+    assert "device_map" not in seen  # the CPU path loads as it always did

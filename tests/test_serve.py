@@ -29,7 +29,7 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.server import SERVICE_NAME, GenerationServer
 from ssd.serve.streaming import TextStream
 from tests.conftest import ROOT
-from tests.spies import record_builds, saguaro_errors
+from tests.spies import QPRIME_TOL, record_builds, saguaro_errors
 
 PROMPT = "abcab"
 
@@ -332,7 +332,7 @@ def test_good_speculation_settings_are_honoured(client, backend, monkeypatch):
     client.generate(text=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, **settings)
     assert builds and all(b.sampling.temperature == 1.0 for b in builds)
     for build in builds[:3]:
-        assert max(saguaro_errors(backend.pair.draft, build, 0.5, [2, 2, 1, 1])) < 1e-9
+        assert max(saguaro_errors(backend.pair.draft, build, 0.5, [2, 2, 1, 1])) < QPRIME_TOL
 
 
 def test_mode_without_its_model_is_refused(backend):

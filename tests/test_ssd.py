@@ -15,7 +15,7 @@ from ssd.models import build_tiny_model
 from ssd.saguaro.builder import guessed_outcomes
 from ssd.verify import verify
 from tests.conftest import TINY
-from tests.spies import count_decoder_starts, record_builds, saguaro_errors
+from tests.spies import QPRIME_TOL, count_decoder_starts, record_builds, saguaro_errors
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
@@ -117,8 +117,8 @@ def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monke
     with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=7), GenerationConfig(max_new_tokens=12)))
     assert builds
-    for build in builds[:3]:
-        assert max(saguaro_errors(draft, build, c, fanout)) < 1e-9
+    for build in builds[:3]:  # the rows are float32, the draws' own law (ssd.sampling.as_drawn)
+        assert max(saguaro_errors(draft, build, c, fanout)) < QPRIME_TOL
     if c != 1.0:  # the check has power: plain q is far from q'
         assert min(saguaro_errors(draft, builds[0], 1.0, fanout)) > 1e-3
 

@@ -225,6 +225,19 @@ def test_outcome_law_is_the_exact_one():
     assert chi_square_pvalue(out, exact_outcomes(q, p)) > ALPHA
 
 
+def test_shipped_rows_are_verified_as_the_law_they_were_drawn_from():
+    """A draft draws from its float32 row divided by the row's own sum
+    (ssd.sampling.as_drawn, sample); verification must read q at the drafted
+    tokens and in the residual under that same law. Rows summing to 1.5
+    stand for float32 rounding, magnified so a wrong law shows."""
+    q, p = random_rows(3, 20), random_rows(4, 21)
+    shipped = (1.5 * q).to(torch.float32)
+    law = shipped.double() / shipped.double().sum(-1, keepdim=True)
+    for seed in range(300):
+        drafted = [sample(row, make_generator(10_000 + seed)) for row in shipped]
+        assert verify(drafted, shipped, p, make_generator(seed)) == verify(drafted, law, p, make_generator(seed))
+
+
 def test_outcome_law_test_has_power_against_a_skewed_acceptance():
     q, p = random_rows(3, 20), random_rows(4, 21)
 

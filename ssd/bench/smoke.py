@@ -44,6 +44,7 @@ from ssd import hardware
 from ssd.ablation import planner
 from ssd.ablation.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.bench.branch_check import branch_case, check_branches
+from ssd.bench.hot_path import time_hot_path
 from ssd.bench.draft_process import DraftProcess, exact_fp32
 from ssd.bench.link import summarize_ms
 from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
@@ -52,6 +53,7 @@ from ssd.engine.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 from ssd.saguaro.target import SSDEngine
+from ssd.models.fast import fast_supported
 from ssd.models.kv import KVSequence
 from ssd.models.offline import DRAFT_NAME, TARGET_NAME
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, rope_theta, shape_config
@@ -447,6 +449,8 @@ def run_timings(report: Report, specs: tuple[RandomModelSpec, RandomModelSpec], 
         dtype=s.timing_dtype, ar_step_s=costs.ar_step_s, verify_s=costs.verify_s, backup_s=costs.backup_s,
         build_s={f"{k},{b}": v for (k, b), v in costs.build_s.items()}, tree_step_s=tree_steps,
     )
+    if fast_supported(target) and fast_supported(draft):  # per row vs one call, eager vs captured
+        report.timings["hot_path"] = time_hot_path(target, draft, s.k, s.budgets, s.prefix, s.repeats)
     return costs
 
 
@@ -489,6 +493,8 @@ def _timing_lines(t: dict[str, Any]) -> list[str]:
         lines.append(f"  timings ({t['dtype']}): target step {t['ar_step_s'] * 1e3:.2f} ms; "
                      f"verify {ms(t['verify_s'], 'K')} ms")
         lines.append(f"    draft tree step {ms(t['tree_step_s'], 'B')} ms")
+    for name, variants in (t.get("hot_path") or {}).items():
+        lines.append(f"    {name}: " + ", ".join(f"{v} {s * 1e3:.2f}" for v, s in variants.items()) + " ms")
     for name, rtt in (t.get("link_round_trip") or {}).items():
         lines.append(f"    link {name}: median {rtt['median_ms']:.3f} ms (p90 {rtt['p90_ms']:.3f})")
     return lines

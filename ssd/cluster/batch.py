@@ -62,10 +62,14 @@ class RemoteBatchEngine(Engine):
     def _call(self, method: str, *args):
         """A call on target rank 0; a lost target marks the cluster down and raises GeneratorUnavailable."""
         self.cluster.wait_serving()
+        incarnation = self.cluster.target_restarts
         try:
-            return ray.get(getattr(self.cluster.targets[0], method).remote(*args))
+            result = ray.get(getattr(self.cluster.targets[0], method).remote(*args))
         except ray.exceptions.RayActorError as exc:
             self.cluster.target_lost(f"{type(exc).__name__} during a batched step")
-            raise GeneratorUnavailable(
-                f"the target was lost with {self.rows} batched requests running; retry the request"
-            ) from exc
+            # A follower's failed forward: rank 0 waited until the watcher restarted the group.
+            why = self.cluster.forward_failure(incarnation) or "the target was lost"
+            raise GeneratorUnavailable(f"{why} with {self.rows} batched requests running; retry the request") from exc
+        if method == "batch_step" and any(error for _, _, error in result[1]):
+            self.cluster.look_now()  # a row's error may be rank 0's failed TP forward: restart promptly
+        return result

@@ -8,7 +8,12 @@ that dies takes the service down: health listeners hear NOT_SERVING, the
 watcher starts every rank again, re-links the draft and reports SERVING. A
 request that had streamed nothing yet waits and runs again from its prompt;
 one that had streamed tokens fails with GeneratorUnavailable (the client
-retries), since a re-run need not reproduce a sampled prefix.
+retries), since a re-run need not reproduce a sampled prefix. A forward that
+fails on a tensor-parallel rank (ssd.models.tp.TPForwardError) breaks the
+group the same way, with the other ranks stuck in a collective: the watcher
+finds it (a follower's call returned, or rank 0 says so), restarts every
+rank, and the request fails at once with that error (it is not run again:
+the same prompt would likely fail the same way).
 
 Placement: one Ray placement group bundle per target rank and one for the
 speculator, packed on one node. On CPU each bundle is a core the actor pins
@@ -47,7 +52,11 @@ RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
 RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
 WATCH_INTERVAL_S = 2.0  # how often the watcher checks the actors between requests
 RECOVERY_WAIT_S = 600.0  # how long a queued request waits for a lost target to come back
-START_TIMEOUT_S = 300.0  # loading a target rank or the draft
+# Loading a target rank or the draft: this much, plus the weights' bytes at
+# LOAD_BYTES_PER_S (a slow network disk; a 70B model in bf16: ~25 more minutes),
+# unless cluster.start_timeout_s says otherwise.
+START_TIMEOUT_S = 300.0
+LOAD_BYTES_PER_S = 100e6
 
 # (serving, why not): called when the cluster goes down or comes back.
 HealthListener = Callable[[bool, str | None], None]
@@ -56,6 +65,22 @@ HealthListener = Callable[[bool, str | None], None]
 def compute_device(config: Config, placement: Placement) -> str:
     """Where the actors compute: as placed, unless the config keeps them on the CPU."""
     return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"
+
+
+def actor_env(kind: str, device: int, compute: str) -> dict[str, str]:
+    """The environment of an actor placed on `device` of `kind` that computes on `compute`.
+
+    On a GPU, the GPU the user named (not the one Ray would pick for the
+    bundle). Computing on the CPU, no GPU at all: transformers places a
+    model (and a tensor-parallel shard) from the accelerator it finds and
+    LOCAL_RANK, not from the device we pass, so a visible GPU would take
+    every rank's weights to cuda:0. SSD_PLACED_GPU keeps the placement on
+    record (logs, tests).
+    """
+    env = {"CUDA_VISIBLE_DEVICES": str(device) if compute == "cuda" else ""}
+    if kind == "cuda":
+        env |= {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "SSD_PLACED_GPU": str(device)}
+    return env
 
 
 def refuse_unworkable(config: Config, placement: Placement) -> None:
@@ -87,6 +112,31 @@ def start_ray(address: str | None) -> None:
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
+def start_timeout_s(config: Config, weight_bytes: int) -> float:
+    """How long an actor may take to load a model whose weights take `weight_bytes`."""
+    if config.cluster.start_timeout_s is not None:
+        return config.cluster.start_timeout_s
+    return START_TIMEOUT_S + weight_bytes / LOAD_BYTES_PER_S
+
+
+def prefetch_models(config: Config, with_draft: bool) -> dict[str, float]:
+    """Download or convert the models once, here in the driver; each role's start-up timeout.
+
+    The actors of one placement group run on one node: a driver on that
+    node fills the cache they read (another node's driver still downloads,
+    and the actors then fetch for themselves, under the same timeouts).
+    """
+    from ssd.models.loading import prefetch
+
+    roles = [("target", config.target)] + ([("draft", config.draft)] if with_draft else [])
+    timeouts = {}
+    for role, model in roles:
+        size = prefetch(model.name)
+        timeouts[role] = start_timeout_s(config, size)
+        log.info("%s %s: %.1f GB of weights, start-up timeout %.0f s", role, model.name, size / 1e9, timeouts[role])
+    return timeouts
+
+
 class Cluster:
     def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
         refuse_unworkable(config, placement)
@@ -97,6 +147,7 @@ class Cluster:
         if self._started_ray:
             start_ray(address)
         self._prefixes = (f"ssd-link-{os.getpid()}-{n}" for n in itertools.count())
+        self._start_timeouts = prefetch_models(config, bool(placement.draft))
         self._pg = self._reserve()
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
@@ -108,6 +159,7 @@ class Cluster:
         self._stopping = threading.Event()
         self._up = threading.Event()  # clear while the target is lost and restarting
         self._why_down: str | None = None
+        self._tp_failure: tuple[int, str] | None = None  # (target_restarts when found, why)
         self._listeners: list[HealthListener] = []
         self._listeners_lock = threading.Lock()
         self.target_restarts = 0
@@ -168,10 +220,7 @@ class Cluster:
         }
         if self.placement.kind == "cuda":
             options["num_gpus"] = resources["GPU"]
-            # The GPU the user named, not the one Ray would pick for the bundle.
-            options["runtime_env"] = {"env_vars": {
-                "CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-            }}
+        options["runtime_env"] = {"env_vars": actor_env(self.placement.kind, device, self.device)}
         return options
 
     def _check_priority(self) -> list[int]:
@@ -200,7 +249,8 @@ class Cluster:
             for rank, device in enumerate(self.placement.target)
         ]
         try:
-            ray.get([t.ready.remote() for t in targets], timeout=START_TIMEOUT_S)  # loading is collective under TP
+            # loading is collective under TP
+            ray.get([t.ready.remote() for t in targets], timeout=self._start_timeouts["target"])
         except Exception:
             for target in targets:  # none may linger holding a bundle
                 ray.kill(target, no_restart=True)
@@ -214,7 +264,7 @@ class Cluster:
         draft = RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
-        ray.get(draft.ready.remote(), timeout=START_TIMEOUT_S)
+        ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
         return draft
 
     # ------------------------------------------------------------------ the link
@@ -270,6 +320,9 @@ class Cluster:
             try:
                 if not self._up.is_set() or not self.targets_alive():
                     self.restart_targets()
+                elif (why := self.tp_broken()) is not None:
+                    self._tp_failed(why)
+                    self.restart_targets()
                 elif self.draft is not None and not self.linked():
                     self.heal()
             except Exception:  # noqa: BLE001 - the watcher must outlive a failed attempt; it retries
@@ -293,6 +346,42 @@ class Cluster:
             return True
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
+
+    def tp_broken(self) -> str | None:
+        """Why the tensor-parallel group is broken (a forward failed on some rank), or None.
+
+        A follower's run_follower call returns only when stopped, so one that
+        has returned (with TPForwardError or any other end) means a broken group.
+        """
+        if len(self.targets) < 2:
+            return None
+        done, _ = ray.wait(self._followers, num_returns=len(self._followers), timeout=0)
+        for ref in done:
+            rank = self._followers.index(ref) + 1
+            try:
+                commands = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the follower's end, as text
+                return (str(getattr(exc, "cause", None) or exc).strip().splitlines() or [f"target rank {rank} failed"])[0]
+            return f"target rank {rank} stopped mirroring after {commands} commands"
+        try:
+            return ray.get(self.targets[0].tp_failed.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None  # a lost rank: targets_alive() handles it
+
+    def look_now(self) -> None:
+        """Have the watcher check the actors now rather than at its next interval."""
+        self._watching.set()
+
+    def _tp_failed(self, why: str) -> None:
+        """Record a broken group (for the request that was running) and mark the service down."""
+        self._tp_failure = (self.target_restarts, why)
+        self._down(f"tensor-parallel forward failed ({why})")
+
+    def forward_failure(self, restarts_before: int) -> str | None:
+        """The TP forward failure found while the targets of `restarts_before` ran, if any."""
+        if self._tp_failure is not None and self._tp_failure[0] == restarts_before:
+            return self._tp_failure[1]
+        return None
 
     def _down(self, why: str) -> None:
         """Mark the service down (once) and wake the watcher to restart the target."""
@@ -363,7 +452,7 @@ class Cluster:
         if stale:
             log.warning("restarting the speculator")
             ray.kill(self.draft, no_restart=False)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self._start_timeouts["draft"]  # Ray's restart loads the draft again
         while True:
             try:
                 ray.get(self.draft.ready.remote(), timeout=30)
@@ -392,9 +481,13 @@ class Cluster:
         while True:
             self._wait_up(request)
             streamed: list[int] = []
+            incarnation = self.target_restarts
             try:
                 result = self._run(request, streamed)
-            except ray.exceptions.RayActorError as exc:
+            except Exception as exc:
+                self._fail_on_broken_group(incarnation, exc)
+                if not isinstance(exc, ray.exceptions.RayActorError):
+                    raise
                 self._down(f"{type(exc).__name__} during request {request.request_id or '(unnamed)'}")
                 if streamed:
                     raise GeneratorUnavailable(
@@ -406,6 +499,25 @@ class Cluster:
             if mode == "ssd":
                 self._watching.set()  # the watcher checks the link now, not on the request's path
             return result
+
+    def _fail_on_broken_group(self, incarnation: int, exc: Exception) -> None:
+        """Raise GeneratorUnavailable naming the forward error if `exc` came from a broken TP group.
+
+        Rank 0's own TPForwardError arrives as the request's error; a
+        follower's leaves rank 0 waiting until the watcher kills it (a
+        RayActorError here). Either way the group restarts in the background.
+        """
+        if len(self.targets) < 2:
+            return
+        why = self.forward_failure(incarnation)
+        if why is None and not isinstance(exc, ray.exceptions.RayActorError):
+            why = self.tp_broken()
+            if why is not None:
+                self._tp_failed(why)
+        if why is not None:
+            raise GeneratorUnavailable(
+                f"{why}; the tensor-parallel target restarts, retry the request"
+            ) from exc
 
     def _run(self, request: GenerationRequest, streamed: list[int]) -> GenerationResult:
         target = self.targets[0]

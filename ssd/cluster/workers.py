@@ -54,6 +54,7 @@ def whereabouts(device: str) -> dict[str, Any]:
     return {
         "pid": os.getpid(), "device": device,
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "placed_gpu": os.environ.get("SSD_PLACED_GPU"),
         "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "niceness": os.nice(0),
@@ -106,6 +107,11 @@ class TargetWorker:
 
     def free_port(self) -> int:
         return free_port()
+
+    def tp_failed(self) -> str | None:
+        """Rank 0: why the tensor-parallel group is broken (a forward failed here), else None."""
+        leader = getattr(self, "leader", None)
+        return None if leader is None else leader.failed
 
     def connect_draft(self, port: int, prefix: str, timeout_s: float) -> None:
         """Become rank 0 of a new two-rank link; SSD uses it from the next request on."""

@@ -10,7 +10,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, forward_rows
-from ssd.sampling import probs_from_logits, sample
+from ssd.sampling import as_drawn, probs_from_logits, sample
 
 if TYPE_CHECKING:  # SSD's neural backup drafts under Saguaro sampling; SD never does
     from ssd.saguaro.sampling import Saguaro
@@ -52,6 +52,7 @@ class Chain:
         q = probs_from_logits(logits, self.sampling)
         if self.saguaro is not None and not self.sampling.greedy:
             q = self.saguaro.apply(q, len(self.tokens))
+        q = as_drawn(q)
         self.tokens.append(sample(q, self.gen))
         self.q_rows.append(q)
         self.logit_rows.append(logits)

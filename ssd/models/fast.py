@@ -23,6 +23,13 @@ projections, MLP and norms run as one matmul over all rows, while attention
 runs per row over that row's own cache with the rules above: a row's
 attention is the very call it would make alone.
 
+On CUDA (`one_call_attention`) every segment's attention is instead one
+SDPA call under its mask, whatever its length: per-row calls there mean M
+launches per layer on the math kernel (enable_gqa), and the bit-identity
+they buy matters for int8 activations, which run on the CPU only. Grouped
+query heads are folded into query rows (`_attend_one_call`), so the call is
+plain multi-head attention that CUDA's fused kernels take.
+
 Supported: Qwen2, Llama and Mistral layouts without sliding windows, on one
 device; anything else (and tensor-parallel shards) keeps transformers' forward.
 """
@@ -103,7 +110,8 @@ class FastForward:
     at once, each over a cache of its own.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, one_call: bool | None = None) -> None:
+        """one_call: attention as one SDPA call per segment (None: `one_call_attention` decides)."""
         if not fast_supported(model):
             raise ValueError(f"the lean forward does not support {type(model).__name__}")
         config = model.config
@@ -114,6 +122,9 @@ class FastForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # The model's own rotary function, so Llama/Qwen2/Mistral variants agree with transformers.
         self._rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        if one_call is None:
+            one_call = one_call_attention(self.inner.embed_tokens.weight.device)
+        self._attend = _attend_one_call if one_call else _attend
 
     def new_cache(self) -> StaticKV:
         embed = self.inner.embed_tokens.weight
@@ -174,7 +185,7 @@ class FastForward:
             s.cache.keys[index][:, s.start : end] = k[0, :, rows]
             s.cache.values[index][:, s.start : end] = v[0, :, rows]
             keys, values = s.cache.keys[index][None], s.cache.values[index][None]
-            outs.append(_attend(q[:, :, rows], keys, values, s.start, end, s.mask, attn.scaling))  # [1, heads, M, D]
+            outs.append(self._attend(q[:, :, rows], keys, values, s.start, end, s.mask, attn.scaling))  # [1, heads, M, D]
             offset += s.length
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
@@ -196,6 +207,35 @@ def _attend(q, keys, values, start: int, end: int, mask: torch.Tensor | None, sc
     return F.scaled_dot_product_attention(
         q, keys[:, :, :end], values[:, :, :end], attn_mask=mask[None, None], scale=scale, enable_gqa=True
     )
+
+
+def one_call_attention(device: torch.device) -> bool:
+    """Whether attention on `device` runs as one SDPA call per segment (see the module docstring).
+
+    CUDA: yes. Elsewhere the per-row calls stay: on the CPU they make a
+    verified row bit-identical to the same row decoded alone (int8's exactness).
+    """
+    return torch.device(device).type == "cuda"
+
+
+def _attend_one_call(q, keys, values, start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`_attend`'s result from one SDPA call under the segment's mask (causal when None).
+
+    The G = heads / kv heads query heads sharing a kv head become G x M
+    query rows of that kv head ([1, kv heads, G*M, D]; the mask repeated G
+    times): no enable_gqa, no copy of the cache's keys and values.
+    """
+    _, heads, m, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    if mask is None and m > 1:
+        mask = _causal_tail(m, end, q.device)
+    grouped = q.reshape(1, kv_heads, groups * m, dim)
+    attn_mask = None if mask is None else mask.repeat(groups, 1)[None, None]
+    out = F.scaled_dot_product_attention(
+        grouped, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=scale
+    )
+    return out.reshape(1, heads, m, dim)
 
 
 def _causal_tail(m: int, end: int, device: torch.device) -> torch.Tensor:

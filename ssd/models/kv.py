@@ -9,6 +9,12 @@ Two carriers behind one interface: the lean forward over a preallocated cache
 (ssd.models.fast) for the Llama-layout models it supports, transformers'
 forward over a DynamicCache for every other model (and tensor-parallel shards).
 
+On CUDA the lean carrier's decode and all-rows forwards (verification, the
+draft's glue pass and tree steps) replay CUDA graphs of its static-shape
+twin (ssd.models.graphs), per (rows, capacity) bucket; the cache and its
+graphs come from the model's pool and return to it with the sequence, so a
+new request's sequence replays graphs an earlier one captured.
+
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
 the other (correct, not batched), behind one call.
@@ -16,6 +22,8 @@ the other (correct, not batched), behind one call.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,6 +31,8 @@ import torch
 from transformers import DynamicCache
 
 from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
+from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, pool_for, use_cuda_graphs
+from ssd.models.invariant import ROW_LIMIT
 
 
 class KVSequence:
@@ -36,6 +46,13 @@ class KVSequence:
         self.model = model
         use_fast = fast_supported(model) if fast is None else fast
         self._fast = FastForward(model) if use_fast else None
+        if self._fast is None:
+            _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
+        # On CUDA, decode, verification and tree steps replay CUDA graphs of
+        # the static-shape forward (ssd.models.graphs; see _graph_shaped).
+        self._static = self._fast is not None and use_cuda_graphs(model.device)
+        # A cache with its graphs, from the model's pool and back to it when this sequence goes.
+        self._graphed: GraphedForward | None = pool_for(model).attach(self, self._fast) if self._static else None
         self._clear()
 
     @property
@@ -57,9 +74,12 @@ class KVSequence:
         self._clear()
 
     def _clear(self) -> None:
-        self.cache: StaticKV | DynamicCache = (
-            self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
-        )
+        if self._graphed is not None:  # its cache, captured graphs and all: stale entries are never attended
+            self.cache = self._graphed.cache
+        else:
+            self.cache: StaticKV | DynamicCache = (
+                self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
+            )
         self.tokens: list[int] = []  # the ids whose keys and values are cached
         self._extra = 0
 
@@ -185,16 +205,41 @@ class KVSequence:
         start = self.cached
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=device)
-        if self._fast is not None:
+        if self._static and _graph_shaped(len(ids), last_only):
+            logits = self._run_static(input_ids, positions.to(device), start, _on(mask, device), keep)
+        elif self._fast is not None:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
         else:
             logits = self.model(
-                input_ids=input_ids[None], cache=self.cache, use_cache=True,
+                input_ids=input_ids[None], **cache_kwargs(self.model, self.cache), use_cache=True,
                 position_ids=positions.to(device)[None],
                 attention_mask=None if mask is None else hf_attention_mask(mask.to(device)[None, None], self.model),
                 logits_to_keep=0 if keep is None else keep,
             ).logits[0]
         return logits  # on the model's device: sampling and verification run there
+
+    def _run_static(
+        self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The lean forward's result through the static-shape forward (a CUDA graph replay on CUDA)."""
+        m = ids.shape[0]
+        self.cache.reserve(start + m, keep=start)
+        capacity, device = self.cache.capacity, ids.device
+        full = causal_mask(start, m, capacity, device) if mask is None else padded_mask(mask, capacity)
+        logits = self._graphed(ids, positions, torch.arange(start, start + m, device=device), full)
+        return logits if keep is None else logits[keep]
+
+
+def _graph_shaped(rows: int, last_only: bool) -> bool:
+    """Whether a forward of `rows` rows goes through the static forward (CUDA graphs).
+
+    Decode (one row) and the forwards that keep every row (verification,
+    the draft's glue pass, tree steps) repeat a few shapes; a prefill
+    (last_only, many rows) has the prompt's length, and capturing one graph
+    per prompt length would cost more than it saves.
+    """
+    return rows == 1 or (not last_only and rows <= ROW_LIMIT)
 
 
 @dataclass
@@ -289,6 +334,36 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     element = model.get_input_embeddings().weight.element_size()
     return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
+# The names transformers has given the forward's cache argument: `cache` in
+# 5.24, `past_key_values` up to 5.17 at least. The forward takes **kwargs, so
+# a name it does not know is swallowed without a word and the step decodes
+# without its context: the name is read from the signature, never assumed.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+class UnsupportedModelError(RuntimeError):
+    """The installed transformers' forward takes no cache argument we know."""
+
+
+def cache_kwargs(model: torch.nn.Module, cache: object) -> dict[str, object]:
+    """`cache` as the keyword argument `model`'s forward takes it."""
+    return {_cache_name(type(model)): cache}
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    for name in CACHE_NAMES:
+        if name in params:
+            return name
+    import transformers
+
+    raise UnsupportedModelError(
+        f"{cls.__name__}.forward (transformers {transformers.__version__}) takes none of {CACHE_NAMES}: "
+        "this transformers version is not supported"
+    )
 
 
 def token_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

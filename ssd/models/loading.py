@@ -54,14 +54,15 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
             "set model.quantization to null or auto"
         )
     dtype = TORCH_DTYPES[cfg.dtype]
-    if cfg.name == TINY:
+    if cfg.name == TINY:  # built on the CPU (a seeded draw), then moved: a few MB
         model = build_tiny_model(cfg.tiny, dtype=dtype)
+        model = model.to(device) if device != "cpu" else model
     else:
-        model = _from_pretrained(cfg.name, dtype)
-    if cfg.quantization == INT8:
+        model = _from_pretrained(cfg.name, dtype, device)
+    if cfg.quantization == INT8:  # CPU only (refused above elsewhere)
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(fuse_projections(quantize_int8(model)))
-    return _frozen(model.to(device) if device != "cpu" else model)
+    return _frozen(model)
 
 
 def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
@@ -84,12 +85,14 @@ def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
     return dataclasses.replace(cfg, dtype=dtype, quantization=quantization)
 
 
-def _from_pretrained(name: str, dtype: torch.dtype) -> torch.nn.Module:
+def _from_pretrained(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """Weights read straight onto `device`: loading on the CPU and moving
+    would copy the whole model through host memory first (64 GB for a 32B
+    model in bf16, under a Ray actor's one thread)."""
     from transformers import AutoModelForCausalLM
 
-    load = functools.partial(
-        AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa"
-    )
+    placed = {} if device == "cpu" else {"device_map": device}  # the CPU path as it always was
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, dtype=dtype, attn_implementation="sdpa", **placed)
     return load_resolved(name, load)
 
 
@@ -102,6 +105,44 @@ def load_resolved(name: str, load: Callable[[str], Any]) -> Any:
         return load(source)
     except (OSError, ValueError) as exc:  # HFValidationError is a ValueError
         raise _not_found(name, exc) from exc
+
+
+# Files that hold a checkpoint's weights (safetensors, or PyTorch pickles).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# What a hub download skips: other frameworks' and formats' copies of the weights.
+NOT_TORCH = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.tflite", "original/*"]
+
+
+def prefetch(name: str) -> int:
+    """Make `name`'s checkpoint local now and return its weights' size in bytes (0 for tiny).
+
+    The cluster's driver calls this before any actor starts, so the actors
+    only read files: a registry name is converted once, a hub id is
+    downloaded once into the hub cache (with huggingface_hub's progress
+    bars), instead of inside every actor's constructor under its start-up
+    timeout. The size scales that timeout (ssd.cluster.runtime).
+    """
+    if name == TINY:
+        return 0
+    source = resolve_source(name)
+    if not Path(source).is_dir():
+        source = _download(name)
+    return checkpoint_bytes(Path(source))
+
+
+def _download(name: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    logger.info("downloading %s once, before the actors start", name)
+    try:
+        return snapshot_download(name, ignore_patterns=NOT_TORCH)
+    except (OSError, ValueError) as exc:  # hub HTTP errors are OSErrors; a malformed id a ValueError
+        raise _not_found(name, exc) from exc
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the weight files in `directory` (symlinks followed, as the hub cache uses them)."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
 
 
 def resolve_source(name: str) -> str:

@@ -9,6 +9,14 @@ commands on the other ranks until told to stop. The followers mirror one
 sequence, so the engines hold the batch at one row on a tensor-parallel
 target (ssd.engine.batch reuses the leader's sequence for that row).
 
+A forward that raises on any rank (a CUDA OOM on a long prompt, say) breaks
+the group for good: the other ranks wait in the model's all-reduces or for
+the next command, under a timeout as long as the longest idle time (see
+IDLE_TIMEOUT). So a failed forward is never retried here: it raises
+TPForwardError on its rank (the follower's run_tp_follower returns with it;
+the leader refuses every later command), and the cluster restarts the group
+as it does a lost rank (ssd.cluster.runtime).
+
 The world built here holds only the target ranks: a draft rank in the same
 world (with TP on a sub-mesh) hung in `from_pretrained` when we tried it; the
 draft link is a separate two-rank group.
@@ -45,6 +53,10 @@ _HEADER = 3
 # requests and must be long; a dead peer is still noticed at once, as the
 # pending collective fails with "connection closed/reset by peer".
 IDLE_TIMEOUT = timedelta(days=30)
+
+
+class TPForwardError(RuntimeError):
+    """A forward failed on a tensor-parallel rank: the group must be started again."""
 
 
 def tp_backend(device: str) -> str:
@@ -196,12 +208,19 @@ class TPLeaderSequence(KVSequence):
         super().__init__(model)
         self.group = group
         self.stopped = False
+        self.failed: str | None = None  # why the group is broken, once a forward failed here
 
     def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         if not ids:
             raise ValueError("forward needs at least one token")
         self._command(OP_FORWARD, int(last_only), ids)
-        return super().forward(ids, last_only)
+        try:
+            return super().forward(ids, last_only)
+        except Exception as exc:
+            # The followers may be waiting in an all-reduce this rank never reaches.
+            self.failed = f"the forward failed on target rank 0: {type(exc).__name__}: {exc}"
+            log.error("%s; the tensor-parallel group must be restarted", self.failed)
+            raise TPForwardError(self.failed) from exc
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -229,6 +248,8 @@ class TPLeaderSequence(KVSequence):
     def _command(self, op: int, arg: int = 0, ids: Sequence[int] = ()) -> None:
         if self.stopped:
             raise RuntimeError("the TP followers were stopped")
+        if self.failed is not None:
+            raise TPForwardError(f"{self.failed}; the group awaits its restart")
         _send_command(op, arg, ids, self.group)
 
 
@@ -236,7 +257,9 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
     """Mirror the leader's commands on this rank's shard until OP_STOP.
 
     Returns the number of commands executed. If the leader dies, the pending
-    broadcast fails (or times out) and the error propagates.
+    broadcast fails (or times out) and the error propagates. A forward that
+    fails here raises TPForwardError: the leader is left waiting in an
+    all-reduce, and whoever watches this call restarts the group.
     """
     seq = KVSequence(model)
     done = 0
@@ -250,7 +273,7 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
             log.info("TP follower rank %d stopping after %d commands", dist.get_rank(group), done)
             return done
         if op == OP_FORWARD:
-            seq.forward(ids, last_only=bool(arg))
+            _follower_forward(seq, ids, bool(arg), dist.get_rank(group), done)
         elif op == OP_ROLLBACK:
             seq.rollback(arg)
         elif op == OP_RESET:
@@ -258,3 +281,12 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
         else:
             raise RuntimeError(f"unknown TP command {op}")
         done += 1
+
+
+def _follower_forward(seq: KVSequence, ids: list[int], last_only: bool, rank: int, command: int) -> None:
+    try:
+        seq.forward(ids, last_only=last_only)
+    except Exception as exc:
+        why = f"the forward failed on target rank {rank} at command {command}: {type(exc).__name__}: {exc}"
+        log.error("%s; the tensor-parallel group must be restarted", why)
+        raise TPForwardError(why) from exc

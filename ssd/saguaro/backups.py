@@ -13,6 +13,7 @@ from ssd.models.kv import KVSequence
 from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.engine.drafting import drafted_chain
 from ssd.saguaro.sampling import Saguaro
+from ssd.sampling import Q_DTYPE
 
 
 class Backup(Protocol):
@@ -62,7 +63,7 @@ class RandomBackup:
 
     def propose(self, kv, context, k, sampling, gen, saguaro):
         tokens = torch.randint(self.vocab_size, (k,), generator=gen).tolist()
-        q = None if sampling.greedy else torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float64)
+        q = None if sampling.greedy else torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=Q_DTYPE)
         return Proposal(tokens, q, self.kind)
 
 
@@ -79,7 +80,7 @@ def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:
 
 
 def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
-    rows = torch.zeros(len(tokens), vocab_size, dtype=torch.float64)
+    rows = torch.zeros(len(tokens), vocab_size, dtype=Q_DTYPE)
     return rows.scatter_(1, torch.tensor(tokens).unsqueeze(1), 1.0)
 
 

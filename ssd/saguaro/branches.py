@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from ssd.models.kv import Feed, KVSequence, feed_rows, hf_attention_mask, token_tensor
+from ssd.models.kv import Feed, KVSequence, cache_kwargs, feed_rows, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class BatchedBranchDecoder(_Base):
                 input_ids=token_tensor(tokens, device)[:, None],
                 attention_mask=self._mask[:, None, None, :width].to(device),
                 position_ids=(self._prefix + self._steps)[:, None].to(device),
-                cache=self._cache,
+                **cache_kwargs(kv.model, self._cache),
                 use_cache=True,
             )
         except BaseException:

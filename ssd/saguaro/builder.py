@@ -24,7 +24,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.kv import Feed, KVSequence, feed_rows, token_tensor
-from ssd.sampling import probs_from_logits, sample_ids
+from ssd.sampling import as_drawn, probs_from_logits, sample_ids
 from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.saguaro.fanout import fanout_for
@@ -213,6 +213,8 @@ def _step(decoder: BranchDecoder, prepare: Callable[[], Feed], run_alone: Callab
         raise
     decoder.fed()
     return logits
+
+
 class _Grower:
     """Decodes the branches of one build step by step and turns them into cache entries.
 
@@ -271,6 +273,7 @@ class _Grower:
             if q.shape[0] > early:
                 parts.append(self.saguaro.apply_rows(q[early:], step - 1))
             q = torch.cat(parts) if len(parts) > 1 else parts[0]
+        q = as_drawn(q)  # drawn from the very rows that are shipped (ssd.sampling.as_drawn)
         return token_tensor(sample_ids(q, self.gen), q.device), q
 
     def _entries(self, early, late, ids, q, rows, fed) -> Entries:
