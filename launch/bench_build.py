@@ -33,18 +33,13 @@ def main(argv: list[str] | None = None) -> dict:
     add_config_args(parser)
     args = parser.parse_args(argv)
     pair = load_pair(config_from_args(args))
-    with tqdm(total=args.repeats, desc="build bench passes", file=sys.stderr) as bar:
-        bench = measure(pair.target, pair.draft, repeats=args.repeats, tick=_once_per_pass(bar))
+    with tqdm(desc="probes through their last pass", file=sys.stderr) as bar:
+        bench = measure(pair.target, pair.draft, repeats=args.repeats, tick=bar.update)
     print(format_bench(bench))
     out = bench.to_json()
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
     return out
-
-
-def _once_per_pass(bar: tqdm):
-    """round_robin ticks once per probe on its last pass: advance the bar by passes instead."""
-    return lambda: None if bar.n >= bar.total else bar.update(0)
 
 
 if __name__ == "__main__":

@@ -141,14 +141,20 @@ def _rows_probe(draft: torch.nn.Module, prefix: list[int], b: int, k: int, budge
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a forward reads: every parameter and buffer (int8 weights, scales, norms, embeddings' one row aside)."""
+    """Bytes of weights a one-token forward reads: every parameter and buffer, plus
+    int8 layers' packed weights (one byte each, outside parameters), minus the
+    embedding table (a step reads one row of it; tied heads read it whole)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
+    for module in model.modules():
+        if hasattr(module, "_packed") and hasattr(module, "in_features"):
+            total += module.in_features * module.out_features
     embed = model.get_input_embeddings().weight
-    return total - embed.numel() * embed.element_size()  # a step reads one embedding row (untied heads)
+    tied = getattr(model.get_output_embeddings(), "weight", None) is embed
+    return total if tied else total - embed.numel() * embed.element_size()
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -163,6 +163,7 @@ class Cluster:
         self._listeners: list[HealthListener] = []
         self._listeners_lock = threading.Lock()
         self.target_restarts = 0
+        self.plan = None  # SSD's start-up plan (ssd.saguaro.plan.Plan), when one ran
         if self.draft is not None:
             self._plan()
             self.link()
@@ -188,7 +189,8 @@ class Cluster:
 
         device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
         key, meta = startup.config_key(self.config, [device, "cluster"])
-        self.config = startup.planned(self.config, startup.load_or_measure(key, measure, meta))
+        self.plan = startup.load_or_measure(key, measure, meta)
+        self.config = startup.planned(self.config, self.plan)
         ray.get(self.targets[0].set_speculation.remote(dataclasses.asdict(self.config.speculation)))
 
     def _devices(self) -> list[int]:

@@ -81,11 +81,7 @@ def target_probe(target: torch.nn.Module, prompts: Sequence[Sequence[int]], ks: 
                  repeats: int = 2) -> dict[str, Any]:
     """Verification and decode costs, and the target's greedy continuation of each prompt."""
     def run() -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(0)
-        vocab = target.config.vocab_size
-        prefix = torch.randint(vocab, (PREFIX,), generator=gen).tolist()
-        kv = KVSequence(target)
-        kv.forward(prefix, last_only=True)
+        gen, prefix, kv = _primed(target)
         probes = {k: forward_probe(kv, prefix, k + 1, gen) for k in ks}
         probes[0] = forward_probe(kv, prefix, 1, gen)
         timed = round_robin(probes, repeats, lambda: None)
@@ -102,11 +98,8 @@ def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], star
     sequences: prompt + the target's greedy continuation, which starts at `starts`.
     """
     def run() -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(0)
+        gen, prefix, kv = _primed(draft)
         vocab = draft.config.vocab_size
-        prefix = torch.randint(vocab, (PREFIX,), generator=gen).tolist()
-        kv = KVSequence(draft)
-        kv.forward(prefix, last_only=True)
         settings = CostSettings(ks=tuple(ks), budgets=tuple(budgets), repeats=repeats)
         probes = {("backup", k): backup_probe(kv, prefix, k, settings) for k in ks}
         decoder = make_branch_decoder("tree")
@@ -235,6 +228,15 @@ def report(plan: Plan) -> None:
             "--mode sd is the faster choice here", plan.best.tokens_per_s, plan.sd_tokens_per_s,
             plan.best.build_s * 1e3, plan.best.verify_s * 1e3,
         )
+
+
+def _primed(model: torch.nn.Module) -> tuple[torch.Generator, list[int], KVSequence]:
+    """A seeded generator, a random PREFIX-token context and a cache holding it."""
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(model.config.vocab_size, (PREFIX,), generator=gen).tolist()
+    kv = KVSequence(model)
+    kv.forward(prefix, last_only=True)
+    return gen, prefix, kv
 
 
 def _continue(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
