@@ -166,7 +166,9 @@ class SpeculationConfig:
     # K by batch size for batched SD: {smallest batch size: K}, K 0 = speculation
     # off (plain AR steps), e.g. {1: 4, 4: 2, 8: 0}; empty: always k. Computed
     # from measured costs by `python launch/calibrate.py`; a request that asks
-    # for its own K runs with that K.
+    # for its own K runs with that K. SSD reads only its K 0 entries: past that
+    # batch size its rows leave the draft and run plain target steps, and come
+    # back (prefilled on the draft again) when the batch shrinks.
     k_policy: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -392,3 +392,26 @@ def test_the_factory_builds_batched_ssd_with_its_own_speculator_thread(tiny_mode
     finally:
         engine.close()
     assert not engine.host.thread.is_alive()
+
+
+def test_past_the_k_policy_s_batch_size_rows_run_plain_steps_then_speculate_again(tiny_models, tiny_tokenizer):
+    """k_policy {1: 4, 3: 0}: with three rows every row runs plain target steps
+    (no rounds message, its draft state released); once one row leaves, the
+    other two are prefilled on the draft again and speculate. Output stays AR's."""
+    target, draft = tiny_models
+    policy = {1: 4, 3: 0}
+    rows = [dataclasses.replace(r, speculation=dataclasses.replace(r.speculation, k_policy=policy))
+            for r in (request([1, 2, 3], 6), request([5], 30), request([7, 7, 7, 7, 0, 1], 30))]
+    with linked(target, draft, tiny_tokenizer) as (engine, spy, serving):
+        rounds_while_three = []
+        outs = [ok(f) for f in run_batch(
+            engine, rows, after_step=lambda step: rounds_while_three.append(
+                (len(engine._rows), spy.sent[protocol_module.ROUNDS])))]
+    for r, out in zip(rows, outs):
+        assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
+        assert out.stats.spec.degraded_rounds == 0  # parked is not degraded: the link was fine
+    three = [sent for n, sent in rounds_while_three if n == 3]
+    assert len(set(three)) == 1  # no rounds message while three rows ran
+    assert spy.sent[protocol_module.PREFILL] == len(rows) + 2  # the two that stayed, prefilled again
+    assert spy.sent[protocol_module.RELEASE] == len(rows) + 2 and not serving.speculator.sequences  # parked, then left
+    assert sum(out.stats.spec.hits for out in outs[1:]) > 0  # and they hit the cache again

@@ -87,6 +87,7 @@ class RowLink:
     q: torch.Tensor | None = None
     wait_s: float = 0.0
     restart: bool = False
+    parked: bool = False  # this step runs without the draft: speculation.k_policy says K 0 here
 
     def clear(self) -> None:
         self.reply, self.drafted, self.q, self.wait_s = None, (), None, 0.0
@@ -248,6 +249,14 @@ class SSDEngine(BatchedEngine):
             if id(row) not in staying and row.link.cursor is not None:
                 self._send(protocol.release(row.link.cursor.seq))
 
+    def _park(self, row: Row) -> None:
+        """Speculation is off for this row at this batch size: free its draft state once;
+        it is prefilled again (`_draft`) when its K is above 0 again."""
+        if row.link.cursor is not None:
+            self._send(protocol.release(row.link.cursor.seq))
+            row.link.cursor = None
+        row.link.parked = True
+
     def _row_failed(self, row: Row, reply: RowError) -> None:
         """The draft failed this row alone: drop its draft state; it is prefilled again after this step."""
         log.warning("draft failed request %r (seq %d): %s; it runs a plain step, then is prefilled again",
@@ -277,10 +286,21 @@ class SSDEngine(BatchedEngine):
 
     def _draft(self, rows: list[Row]) -> None:
         """Every decoding row's speculation for this step, from one exchange; a link
-        failure leaves every row without one (plain target steps)."""
+        failure leaves every row without one (plain target steps). A row whose
+        speculation.k_policy says K 0 at this batch size runs a plain target step
+        and leaves the draft (`_park`) until speculation pays again."""
         for row in rows:
             row.link.clear()
         if self.channel is None or not rows:
+            return
+        off = [row for row in rows if row.state.speculation.k_for(len(self._rows)) == 0]
+        for row in off:
+            self._park(row)
+        rows = [row for row in rows if not row.link.parked]
+        for row in rows:
+            if row.link.cursor is None and not row.link.restart:  # back from parking: prefilled on the draft again
+                self._link_row(row)
+        if not rows:
             return
         started = time.perf_counter()
         try:
@@ -305,6 +325,10 @@ class SSDEngine(BatchedEngine):
 
     def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
         link = row.link
+        if link.parked:  # speculation off at this batch size: a plain step, not a degraded one
+            link.parked = False
+            self._plain_step(row, logits, forward_s)
+            return
         if link.reply is None:
             self._degraded_step(row, logits, forward_s)
             return
