@@ -34,3 +34,18 @@ def test_the_cluster_plans_at_start_and_runs_the_plan(tmp_path, monkeypatch):
         out = cluster.generate(GenerationRequest(prompt, CONFIG.sampling, CONFIG.generation))
         assert out.token_ids == local_ar(CONFIG, prompt, CONFIG.generation.max_new_tokens)
         assert len(out.stats.acceptance_by_position) == chosen.k  # the plan's K drafted each round
+
+
+def test_the_launcher_s_one_shot_generation_runs_the_cluster_s_planned_settings(capsys):
+    """`launch/cluster.py "prompt"` sends the cluster's speculation (the plan's), not the config file's."""
+    from types import SimpleNamespace
+
+    from ssd.cluster.launcher import run_one
+
+    planned = dataclasses.replace(CONFIG.speculation, k=2)
+    sent = []
+    result = SimpleNamespace(text="x", finish_reason="length", stats=SimpleNamespace(summary=lambda: ""))
+    cluster = SimpleNamespace(config=dataclasses.replace(CONFIG, speculation=planned), encode=lambda text, chat: [1],
+                              generate=lambda request: (sent.append(request), result)[1])
+    run_one(cluster, CONFIG, "abc", chat=False)
+    assert sent[0].speculation == planned != CONFIG.speculation

@@ -136,7 +136,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_one(cluster, config, prompt: str, chat: bool) -> None:
     ids = cluster.encode(prompt, chat)
-    result = cluster.generate(GenerationRequest(ids, config.sampling, config.generation, config.speculation))
+    # The cluster's speculation defaults: the start-up plan's, where one ran.
+    result = cluster.generate(GenerationRequest(ids, config.sampling, config.generation, cluster.config.speculation))
     print(result.text, flush=True)
     print(f"--- finish: {result.finish_reason}; {result.stats.summary()}", file=sys.stderr, flush=True)
 

@@ -88,8 +88,11 @@ def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
 
 def build_engine(config: Config) -> BatchedEngine:
     """The engine for the configured mode, loading only the models it needs."""
+    from ssd.saguaro.startup import plan_for_pair  # SSD's start-up plan, where the config asks for one
+
     mode = config.speculation.mode
     pair = load_pair(config, with_draft=mode != "ar")
+    config = plan_for_pair(config, pair)
     return make_engine(mode, pair, config.speculation, config.batching)
 
 

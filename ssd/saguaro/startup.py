@@ -205,6 +205,16 @@ def planned(config: Config, plan: Plan) -> Config:
     return dataclasses.replace(config, speculation=speculation)
 
 
+def plan_for_pair(config: Config, pair) -> Config:
+    """config with SSD's start-up plan applied, where it asks for one, both models in
+    this process (ssd.engine.factory.LoadedPair: the local engines and servers)."""
+    if pair.draft is None or not wanted(config):
+        return config
+    devices = [str(getattr(pair.target, "device", "?")), str(pair.draft.device), "in-process"]
+    key, meta = config_key(config, devices)
+    return planned(config, plan_in_process(pair.target, pair.draft, pair.tokenizer, key, meta))
+
+
 def apply_plan(speculation: SpeculationConfig, plan: Plan, fixed: Sequence[str] = ()) -> SpeculationConfig:
     """The speculation defaults with the plan's K, budget and glue, except the `fixed` ones
     ("k", "budget", "glue": set by the user), and its measured acceptance as the fan-out's prior."""

@@ -20,6 +20,7 @@ from ssd.engine.batch import Engine
 from ssd.engine.factory import LoadedPair, load_pair, make_engine
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
+from ssd.saguaro.startup import plan_for_pair
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class LocalBackend(TokenizerMixin):
     def __init__(self, config: Config, with_draft: bool = True, pair: LoadedPair | None = None) -> None:
         """pair: models already loaded (the serving bench starts several servers over one pair)."""
         self.pair = pair if pair is not None else load_pair(config, with_draft=with_draft)
-        self.config = _planned(config, self.pair)
+        self.config = plan_for_pair(config, self.pair)  # SSD's start-up plan, where the config asks for one
         self.tokenizer = self.pair.tokenizer
         self._engines = EngineByMode(self.pair, self.config)
         self._lock = threading.Lock()  # the worker serializes; this guards misuse
@@ -172,14 +173,3 @@ def _close_quietly(engine: Any) -> None:
         engine.close()
     except Exception:  # closing a broken engine must not hide the original error
         log.exception("closing an engine failed")
-
-
-def _planned(config: Config, pair: LoadedPair) -> Config:
-    """config with SSD's start-up plan applied, where it asks for one (ssd.saguaro.startup)."""
-    from ssd.saguaro import startup
-
-    if pair.draft is None or not startup.wanted(config):
-        return config
-    devices = [str(getattr(pair.target, "device", "?")), str(pair.draft.device), "in-process"]
-    key, meta = startup.config_key(config, devices)
-    return startup.planned(config, startup.plan_in_process(pair.target, pair.draft, pair.tokenizer, key, meta))
