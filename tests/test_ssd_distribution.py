@@ -305,9 +305,11 @@ class Case:
 
 # --- cache hits ---------------------------------------------------------------------------
 
-HIT_CASES = {  # T = 0.6, T = 1, top-k 2, top-p 0.8
+HIT_CASES = {  # T = 0.6, T = 1 (fold and reuse glue), top-k 2, top-p 0.8
     "t0.6": Case(spec(), CASES["t0.6"], K, cache_draws_reversed, STRONG_SAMPLES),
     "t1.0": Case(spec(), CASES["t1.0"], K, cache_draws_reversed, STRONG_SAMPLES),
+    # the glue that feeds s_K alone before branching (the default folds it into the first step)
+    "t1.0 reuse": Case(spec(glue="reuse"), CASES["t1.0"], K, cache_draws_reversed, STRONG_SAMPLES),
     "top_k": Case(spec(), CASES["top_k"], K, cache_draws_reversed),
     # top-p rows keep one or two tokens: a deep-only break is too rare to see
     "top_p": Case(spec(), CASES["top_p"], K, cache_draws_reversed_at_every_depth),
