@@ -28,7 +28,7 @@ BRANCH_DECODERS = ("tree", "batched")
 # a one-token pass first (K + 1 forwards, full-length bonus branches); "full"
 # re-feeds t* and all K drafted tokens (the build before reuse, for ablations).
 GLUES = ("fold", "reuse", "full")
-PLANNED = ("k", "budget", "glue")  # what the start-up plan chooses
+PLANNED = ("k", "budget", "glue", "k_policy", "batch_budget")  # what the start-up plan chooses
 
 
 class ConfigError(ValueError):

@@ -51,3 +51,19 @@ def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(
     assert all(not r.errors and r.tokens == r.requests * 12 for r in results)
     assert "| 3 | sd K=4 batched |" in table and "| 1 | sd one-at-a-time |" in table
     assert "k_policy = {" in table  # the calibrated policy the adaptive row ran with
+
+
+@pytest.mark.cluster
+def test_the_serving_bench_runs_ar_and_ssd_through_the_cluster_beside_in_process_rows(tmp_path, capsys):
+    from ssd.bench import cli as bench
+
+    prompts = tmp_path / "tiny.yaml"
+    prompts.write_text("- abcab\n- ponm\n")
+    results = bench.main(["--config", str(ROOT / "configs" / "tiny-cluster.yaml"), "--prompt-file", str(prompts),
+                          "--concurrency", "1", "2", "--cluster", "--modes", "ar", "sd", "--thread-counts", "1",
+                          "--max-new-tokens", "8", "--requests-per-client", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    labels = [r.label for r in results]
+    assert labels == ["ar batched cluster", "ssd batched cluster", "ar batched t=1", "sd K=4 batched t=1"] * 2
+    assert all(not r.errors and r.tokens == r.requests * 8 for r in results)
+    assert "cluster: SSD runs with K=4" in out and "| 2 | ssd batched cluster | " in out

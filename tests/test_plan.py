@@ -13,7 +13,7 @@ from ssd.ablation.costs import Costs
 from ssd.config import Config, ConfigError, RuntimeConfig, SpeculationConfig, TinyModelConfig
 from ssd.models import build_tiny_model
 from ssd.saguaro import startup
-from ssd.saguaro.plan import Agreement, choose, hit_rate, predict, tokens_per_round
+from ssd.saguaro.plan import Agreement, RowCosts, choose, hit_rate, predict, tokens_per_round
 
 GOOD_DRAFT = Agreement(0.8, ranks_rejected=[0] * 6 + [1] * 2 + [5] * 2, ranks_bonus=[0] * 8 + [1] * 2)
 
@@ -57,6 +57,58 @@ def test_fold_wins_when_its_saved_forward_matters_and_loses_to_a_near_perfect_dr
     assert fold.tokens_per_round < reuse.tokens_per_round and reuse.tokens_per_s > fold.tokens_per_s
 
 
+def rows_costs(verify_per_token: float, chain_step: float = 0.06) -> RowCosts:
+    """A target whose batched verification costs a fixed part plus `verify_per_token` for
+    each token of each row (compute grows with rows x tokens), and draft chains that grow slowly."""
+    verify = {(b, n): 0.1 + verify_per_token * b * n for b in (1, 2, 4, 8) for n in (1, 3, 5)}
+    chain = {(b, k): chain_step * k * (1 + 0.1 * b) for b in (1, 2, 4, 8) for k in (1, 3)}
+    return RowCosts(verify, chain)
+
+
+def test_row_costs_interpolate_between_and_past_the_measured_points():
+    rc = rows_costs(0.01)
+    assert rc.verify_s(2, 3) == pytest.approx(0.16)
+    assert rc.verify_s(3, 3) == pytest.approx(0.19) and rc.verify_s(16, 3) == pytest.approx(0.58)
+    assert rc.verify_s(2, 7) == pytest.approx(0.24) and rc.chain_s(8, 2) == pytest.approx(0.216)
+    assert RowCosts.from_json(rc.to_json()) == rc
+
+
+def test_speculation_stops_where_batched_verification_turns_compute_bound():
+    """Where K + 1 tokens a row cost nearly K + 1 steps and a miss stalls the batch for a
+    backup chain, AR wins at the larger batches: the plan turns speculation off there."""
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    assert [c.rows for c in plan.rows] == [1, 2, 4, 8]
+    assert plan.rows[0].speculates and not plan.rows[-1].speculates
+    off = plan.k_policy
+    assert list(off.values()) == [0] and all(c.speculates == (c.rows < min(off)) for c in plan.rows)
+    assert "2 rows: SSD" in plan.rows_summary()
+    cheap = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.0, chain_step=0.005))
+    assert cheap.k_policy == {} and all(c.speculates for c in cheap.rows)  # memory bound, cheap misses
+    assert choose({"reuse": costs(0.02)}, GOOD_DRAFT).k_policy == {}  # not measured: nothing by batch size
+
+
+def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification():
+    """Every row's branches go into one forward a step: with dear branches, a batch shares
+    a cap that leaves one row its planned budget and each of many rows fewer."""
+    plan = choose({"reuse": costs(0.03)}, GOOD_DRAFT, rows_costs=rows_costs(0.003, chain_step=0.01))
+    assert plan.batch_budget is not None and plan.batch_budget >= plan.best.budget
+    assert plan.rows[0].budget == plan.best.budget
+    budgets = [c.budget for c in plan.rows]
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] < budgets[0]
+    roomy = choose({"reuse": costs(0.001)}, GOOD_DRAFT, rows_costs=rows_costs(0.003, chain_step=0.01))
+    assert roomy.batch_budget is None  # builds nearly free: every row keeps its budget
+
+
+def test_apply_plan_sets_the_batch_rules_unless_the_config_sets_its_own():
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    base = SpeculationConfig(mode="ssd", k=7)
+    applied = startup.apply_plan(base, plan)
+    assert applied.k_policy == plan.k_policy and applied.fanout.batch_budget == plan.batch_budget
+    own = dataclasses.replace(base, k_policy={3: 0})
+    assert startup.apply_plan(own, plan).k_policy == {3: 0}
+    assert startup.apply_plan(base, plan, fixed=["k_policy", "batch_budget"]).k_policy == {}
+
+
 def test_apply_plan_keeps_what_the_user_set():
     plan = choose({"fold": costs(0.02)}, GOOD_DRAFT)
     base = SpeculationConfig(mode="ssd", k=7, glue="full")
@@ -89,8 +141,11 @@ def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkey
     assert sorted(map(int, data["target"]["verify_s"])) == list(range(1, 7))
     assert set(data["draft"]["build_s"]) == {"fold", "reuse"}
     assert len(data["draft"]["build_s"]["fold"]) == len(startup.BUILD_KS) * len(startup.BUILD_BUDGETS)
-    assert plan.agreement.positions == 2 * startup.CONTINUATION
+    assert plan.agreement.positions == len(startup.SAMPLE_PROMPTS) * startup.CONTINUATION
     assert all(s > 0 for s in data["target"]["verify_s"].values())
+    assert len(data["target"]["rows_verify_s"]) == len(plan.rows) * len(startup.ROWS_TOKENS)
+    assert len(data["draft"]["rows_chain_s"]) == len(plan.rows) * len(startup.ROWS_CHAIN)
+    assert [c.rows for c in plan.rows] == [1, 2, 4, 8]
     # A later start reads the file: nothing is timed again.
     monkeypatch.setattr(startup, "target_probe", lambda *a, **k: pytest.fail("measured again"))
     again = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
@@ -99,7 +154,7 @@ def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkey
 
 def test_agreement_of_a_draft_with_itself_is_perfect(pair):
     target, _ = pair
-    sequences = [startup._continue(target, [1, 2, 3], 10), startup._continue(target, [4, 5], 10)]
+    sequences = startup._continue_rows(target, [[1, 2, 3], [4, 5]], 10)
     agreement = startup.agreement(target, sequences, [3, 2])
     assert agreement.a == 0.99 and set(agreement.ranks_bonus) == {0} and not agreement.ranks_rejected
     other = startup.agreement(pair[1], sequences, [3, 2])

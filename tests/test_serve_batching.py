@@ -463,3 +463,28 @@ def test_local_backend_batches_every_mode_through_make_engine(monkeypatch):
         assert fake.log.admitted and sorted(fake.log.closed) == ["ar", "ssd"]
     finally:
         local.close()
+
+
+def test_the_engines_run_with_the_configured_torch_threads():
+    """Under OpenMP torch's thread count belongs to each OS thread: runtime.threads must
+    be set in the worker thread that runs the engines, not only where the models load."""
+    import torch
+
+    seen: list[int] = []
+
+    class Counting(FakeBackend):
+        def generate(self, request: GenerationRequest) -> GenerationResult:
+            seen.append(torch.get_num_threads())
+            return super().generate(request)
+
+    fake = Counting(batched=())
+    fake.info = dataclasses.replace(fake.info, defaults=dataclasses.replace(
+        fake.info.defaults, runtime=dataclasses.replace(fake.info.defaults.runtime, threads=1)))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with running(lambda: fake) as (server, client):
+            client.generate(text=PROMPT, mode="ar", max_new_tokens=2, timeout=30)
+    finally:
+        torch.set_num_threads(saved)
+    assert seen == [1]

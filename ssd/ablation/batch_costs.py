@@ -108,12 +108,12 @@ def measure_batch_costs(
     probes: dict[Any, tuple[Callable, Callable]] = {}
     for b in batch_sizes:
         contexts = [torch.randint(vocab, (prefix,), generator=gen).tolist() for _ in range(b)]
-        targets = _prefilled(target, contexts)
-        drafts = _prefilled(draft, contexts)
+        targets = prefilled_rows(target, contexts)
+        drafts = prefilled_rows(draft, contexts)
         for n in range(1, k_max + 2):
-            probes[("verify", b, n)] = _verify_probe(targets, contexts, n, vocab, gen)
+            probes[("verify", b, n)] = verify_rows_probe(targets, contexts, n, vocab, gen)
         for k in range(1, k_max + 1):
-            probes[("draft", b, k)] = _draft_probe(drafts, contexts, k, seed)
+            probes[("draft", b, k)] = chain_rows_probe(drafts, contexts, k, seed)
     timed = round_robin(probes, repeats, progress or (lambda: None))
     return BatchCosts(
         verify={(b, n): s for (kind, b, n), s in timed.items() if kind == "verify"},
@@ -122,13 +122,13 @@ def measure_batch_costs(
     )
 
 
-def _prefilled(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
+def prefilled_rows(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
     rows = [KVSequence(model) for _ in contexts]
     forward_rows(rows, contexts, last_only=True)
     return rows
 
 
-def _verify_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
+def verify_rows_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
     ids = [torch.randint(vocab, (n,), generator=gen).tolist() for _ in rows]
 
     def run() -> None:
@@ -141,7 +141,7 @@ def _verify_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, voc
     return run, reset
 
 
-def _draft_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
+def chain_rows_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
     sampling = SamplingConfig(temperature=1.0)
     gens = [make_generator(seed + i) for i in range(len(rows))]
 

@@ -32,6 +32,12 @@ inter-token latency (p50/p99); "x base" is throughput over that
 one-at-a-time row at the same concurrency:
 
     python launch/bench.py --concurrency 1 2 4 8 --modes ar sd --max-new-tokens 64
+    python launch/bench.py --concurrency 1 2 4 8 --cluster --modes ar sd --thread-counts 1 2
+
+With --cluster, AR and SSD run batched through the distributed runtime (AR
+on the target's core: the baseline; SSD with the start-up plan's settings,
+the draft on a core of its own) and the in-process modes at each
+--thread-counts (1: the paper's setting, 2: equal hardware).
 
 --background-load runs one busy process at nice 19 for the whole
 measurement (ssd.bench.background); every table says which condition it
@@ -41,7 +47,9 @@ was measured under.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -85,29 +93,28 @@ def main(argv: list[str] | None = None) -> Results:
 
 def serving(args: argparse.Namespace, config) -> list:
     """The serving benchmark (--concurrency): see the module docstring."""
-    from ssd.bench.serving import ServingPlan, Variant, format_serving_table, run_serving_bench
+    from ssd.bench.serving import ServingPlan, format_serving_table, run_serving_bench
 
-    baseline = Variant(config.speculation.mode, batched=False)
-    ks = args.ks or [config.speculation.k]
-    variants = [baseline] + [Variant(m, k if m != "ar" else None) for m in args.modes for k in (ks if m != "ar" else [None])]
+    variants, baseline = _serving_variants(args, config)
     prompts = [p.text for prompt_set in _prompt_sets(args).values() for p in prompt_set if not p.chat]
-    pair = load_pair(config, with_draft=any(v.mode != "ar" for v in variants) or args.adaptive)
+    local = [v for v in variants if not v.cluster]
+    pair = load_pair(config, with_draft=any(v.mode != "ar" for v in local) or args.adaptive) if local else None
     if args.adaptive:  # K by batch size from batched SD measured here, on these prompts
-        from ssd.ablation.calibrate import calibrate_direct
-
-        encoded = [pair.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        table, policy = calibrate_direct(pair, config, encoded, sorted(set(args.concurrency)),
-                                         sorted({0, *ks, *(k + 2 for k in ks)}), 32, not args.no_progress)
-        print(table, f"\nk_policy = {policy}", flush=True)
-        config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, k_policy=policy))
-        variants.append(Variant("sd", adaptive=True))
+        config = _adaptive(args, config, pair, prompts, variants)
     plan = ServingPlan(
         variants=list(dict.fromkeys(variants)), concurrencies=args.concurrency, prompts=prompts,
         requests_per_client=args.requests_per_client, max_new_tokens=config.generation.max_new_tokens,
         temperature=(args.temperatures or [config.sampling.temperature])[0], progress=not args.no_progress,
     )
-    with busy_background(args.background_load):
-        results = run_serving_bench(pair, config, plan)
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(_ssd_cluster(config)) if args.cluster else None
+        if cluster is not None:
+            print(f"cluster: SSD runs with K={cluster.config.speculation.k}, "
+                  f"budget={cluster.config.speculation.fanout.budget}, glue={cluster.config.speculation.glue}, "
+                  f"k_policy={cluster.config.speculation.k_policy}, "
+                  f"batch_budget={cluster.config.speculation.fanout.batch_budget}", flush=True)
+        stack.enter_context(busy_background(args.background_load))
+        results = run_serving_bench(pair, config, plan, cluster)
     print(describe_background(args.background_load))
     print(format_serving_table(results, baseline.label))
     for result in results:
@@ -120,6 +127,47 @@ def serving(args: argparse.Namespace, config) -> list:
         args.json.write_text(json.dumps({"machine": hardware_summary(), "rows": [r.row() for r in results],
                                          "settings": _settings(args, config, None)}, indent=2))
     return results
+
+
+def _serving_variants(args: argparse.Namespace, config) -> tuple[list, object]:
+    """The rows and the baseline. Without --cluster: the config's mode one request at a
+    time, then every mode batched. With it: AR and SSD batched through the cluster (AR on
+    the target's core is the baseline), then the in-process modes at each thread count."""
+    from ssd.bench.serving import Variant
+
+    ks = args.ks or [config.speculation.k]
+    threads = args.thread_counts or [None]
+    local = [Variant(m, k if m != "ar" else None, threads=t) for m in args.modes if not (args.cluster and m == "ssd")
+             for k in (ks if m != "ar" else [None]) for t in threads]
+    if args.cluster:
+        baseline = Variant("ar", cluster=True)
+        return [baseline, Variant("ssd", cluster=True), *local], baseline
+    baseline = Variant(config.speculation.mode, batched=False)
+    return [baseline, *local], baseline
+
+
+def _adaptive(args: argparse.Namespace, config, pair, prompts: list[str], variants: list):
+    from ssd.ablation.calibrate import calibrate_direct
+    from ssd.bench.serving import Variant
+
+    ks = args.ks or [config.speculation.k]
+    encoded = [pair.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    table, policy = calibrate_direct(pair, config, encoded, sorted(set(args.concurrency)),
+                                     sorted({0, *ks, *(k + 2 for k in ks)}), 32, not args.no_progress)
+    print(table, f"\nk_policy = {policy}", flush=True)
+    variants.append(Variant("sd", adaptive=True))
+    return dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, k_policy=policy))
+
+
+@contextlib.contextmanager
+def _ssd_cluster(config):
+    """The distributed runtime in SSD mode (target on core 0, draft on core 1), planned at start."""
+    from ssd.cluster.devices import default_cpu_placement
+    from ssd.cluster.runtime import Cluster
+
+    ssd_config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="ssd"))
+    with Cluster(ssd_config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)) as cluster:
+        yield cluster
 
 
 def hardware_summary() -> str:

@@ -6,6 +6,11 @@ batching.max_rows 1, and batching on) are GenerationServers over
 LocalBackends sharing the loaded pair. Every row of one concurrency sends the
 same prompts with the same settings, so rows compare like for like; the
 baseline of each concurrency is the one-at-a-time server in the config's mode.
+
+With a Cluster (the bench's --cluster), rows marked "cluster" go to a server
+over it instead: AR batched on the target's core and SSD with the draft on a
+core of its own, at the cluster's (planned) speculation defaults. In-process
+rows may name their torch thread count ("t=2": the equal-hardware row).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,13 +39,21 @@ class Variant:
     k: int | None = None  # None: the server's (speculation.k_policy by batch size, else k)
     batched: bool = True
     adaptive: bool = False  # K from the server's speculation.k_policy (the request names none)
+    cluster: bool = False  # through the distributed runtime (one core per role)
+    threads: int | None = None  # in-process rows: the server's torch threads (None: torch's default)
 
     @property
     def label(self) -> str:
         if self.adaptive:
             return f"{self.mode} adaptive"
         k = f" K={self.k}" if self.k is not None and self.mode != "ar" else ""
-        return f"{self.mode}{k} {'batched' if self.batched else 'one-at-a-time'}"
+        where = " cluster" if self.cluster else (f" t={self.threads}" if self.threads else "")
+        return f"{self.mode}{k} {'batched' if self.batched else 'one-at-a-time'}{where}"
+
+    @property
+    def server(self) -> tuple[bool, bool, int | None]:
+        """Which server runs this row: rows with the same one share it."""
+        return self.cluster, self.batched, None if self.cluster else self.threads
 
     def fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"mode": self.mode}
@@ -59,20 +73,22 @@ class ServingPlan:
     progress: bool = True
 
 
-def run_serving_bench(pair: LoadedPair, config: Config, plan: ServingPlan) -> list[LoadResult]:
+def run_serving_bench(pair: LoadedPair | None, config: Config, plan: ServingPlan, cluster=None) -> list[LoadResult]:
     """Every variant at every concurrency, grouped by concurrency, then variant.
 
-    Both servers (batching off and on) are up the whole time and the rows of
-    one concurrency run back to back, so a machine that drifts over minutes
-    (a shared host does) moves the rows that are compared together."""
+    Every server (one per batching, thread count and cluster) is up the whole
+    time and the rows of one concurrency run back to back, so a machine that
+    drifts over minutes (a shared host does) moves the rows that are compared
+    together. `cluster`: the ssd.cluster.runtime.Cluster the "cluster" rows use."""
     results = []
     rows = max(plan.concurrencies)
-    with _server(pair, config, False, rows) as alone, _server(pair, config, True, rows) as batched, \
-            tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench",
-                 disable=not plan.progress) as bar:
+    with ExitStack() as stack, tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench",
+                                    disable=not plan.progress) as bar:
+        servers = {key: stack.enter_context(_server(pair, config, key, rows, cluster))
+                   for key in dict.fromkeys(v.server for v in plan.variants)}
         for concurrency in plan.concurrencies:
             for variant in plan.variants:
-                results.append(_run(batched if variant.batched else alone, variant, concurrency, plan))
+                results.append(_run(servers[variant.server], variant, concurrency, plan))
                 log.info("%s", results[-1].row())
                 bar.update()
     return results
@@ -90,21 +106,30 @@ def _run(address: str, variant: Variant, concurrency: int, plan: ServingPlan) ->
 
 
 class _server:
-    """A GenerationServer on a free loopback port over the shared pair."""
+    """A GenerationServer on a free loopback port, over the shared pair or the cluster."""
 
-    def __init__(self, pair: LoadedPair, config: Config, batched: bool, rows: int) -> None:
+    def __init__(self, pair: LoadedPair | None, config: Config, key: tuple[bool, bool, int | None], rows: int,
+                 cluster=None) -> None:
+        on_cluster, batched, threads = key
+        if on_cluster and cluster is None:
+            raise ValueError("cluster rows need a Cluster")
         batching = dataclasses.replace(config.batching, max_rows=rows if batched else 1)
-        self.config = dataclasses.replace(config, batching=batching)
-        self.pair = pair
-        self.rows = rows
+        runtime = dataclasses.replace(config.runtime, threads=threads or config.runtime.threads)
+        self.config = dataclasses.replace(config, batching=batching, runtime=runtime)
+        self.pair, self.rows, self.cluster = pair, rows, cluster if on_cluster else None
 
     def __enter__(self) -> str:
         from ssd.serve.backend import LocalBackend
+        from ssd.serve.cluster_backend import ClusterBackend
         from ssd.serve.options import ServeOptions
         from ssd.serve.server import GenerationServer
 
         options = ServeOptions(port=0, max_queue=max(64, 4 * self.rows))
-        self.server = GenerationServer(options, lambda: LocalBackend(self.config, pair=self.pair))
+        if self.cluster is not None:
+            backend = lambda: ClusterBackend(self.cluster)  # noqa: E731
+        else:
+            backend = lambda: LocalBackend(self.config, pair=self.pair)  # noqa: E731
+        self.server = GenerationServer(options, backend)
         self.server.start()
         if not self.server.wait_ready(600):
             raise RuntimeError(f"the bench server did not start: {self.server.load_error}")

@@ -14,6 +14,16 @@ cached: P(k) times the chance that t* ranks within the draft's top F_k, read
 off the measured ranks (`Agreement.hit`) rather than a fitted law. The
 folded glue saves a draft forward but its bonus branches draft K - 1 tokens,
 so a round after a bonus-branch hit yields E(K - 1): the plan weighs both.
+
+At b rows a round verifies every row in one packed forward and builds every
+row's cache in the same lockstep steps, so its build costs what one row's
+build over b x F branches costs; a row that misses stalls the batch for a
+backup chain (ssd.saguaro.batch_policy):
+
+  SSD(b) = b E / [max(T_verify(b), T_build(K, b F)) + (1 - p^b) T_backup(b)],  AR(b) = b / T_step(b)
+
+`plan_rows` gives each batch size its per-row budget and says where
+speculation stops paying (the speculation.k_policy entry that turns it off).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from ssd.saguaro.fanout import acceptance_lengths_pmf, geometric_fanout
 
 DEFAULT_KS = tuple(range(1, 7))
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+DEFAULT_ROWS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,46 @@ class Prediction:
         return self.build_s / self.verify_s
 
 
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds of a batched round at b rows, as measured at a few points:
+    verify[(b, n)] one packed target forward of n tokens a row, chain[(b, k)]
+    a backup chain of k draft tokens a row. The rest is interpolated, linear
+    in n (or k) and then in b, and extrapolated from the last two points."""
+
+    verify: dict[tuple[int, int], float]
+    chain: dict[tuple[int, int], float]
+
+    def verify_s(self, rows: int, tokens: int) -> float:
+        return _bilinear(self.verify, rows, tokens)
+
+    def chain_s(self, rows: int, k: int) -> float:
+        return _bilinear(self.chain, rows, k)
+
+    def to_json(self) -> dict:
+        return {"verify": [[b, n, s] for (b, n), s in sorted(self.verify.items())],
+                "chain": [[b, k, s] for (b, k), s in sorted(self.chain.items())]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RowCosts":
+        return cls({(int(b), int(n)): float(s) for b, n, s in data["verify"]},
+                   {(int(b), int(k)): float(s) for b, k, s in data["chain"]})
+
+
+@dataclass(frozen=True)
+class RowsChoice:
+    """The plan at one batch size: each row's branch budget and the modelled speeds."""
+
+    rows: int
+    budget: int
+    ssd_tokens_per_s: float
+    ar_tokens_per_s: float
+
+    @property
+    def speculates(self) -> bool:
+        return self.ssd_tokens_per_s > self.ar_tokens_per_s
+
+
 @dataclass
 class Plan:
     best: Prediction
@@ -93,10 +144,25 @@ class Plan:
     ar_tokens_per_s: float
     agreement: Agreement
     meta: dict = field(default_factory=dict)
+    rows: list[RowsChoice] = field(default_factory=list)  # by batch size; empty when not measured
+    batch_budget: int | None = None  # fanout.batch_budget: the branches a batch shares (None: no cap)
 
     @property
     def beats_sd(self) -> bool:
         return self.best.tokens_per_s > self.sd_tokens_per_s
+
+    @property
+    def k_policy(self) -> dict[int, int]:
+        """speculation.k_policy: speculation off (K 0) from the first batch size past one row
+        where AR is faster. One row keeps the mode asked for (the start-up report warns)."""
+        off = next((c.rows for c in self.rows if c.rows > 1 and not c.speculates), None)
+        return {} if off is None else {off: 0}
+
+    def rows_summary(self) -> str:
+        cells = [f"{c.rows} rows: SSD {c.ssd_tokens_per_s:.2f} (budget {c.budget}) vs AR {c.ar_tokens_per_s:.2f}"
+                 for c in self.rows]
+        cap = "no cap" if self.batch_budget is None else f"{self.batch_budget} branches a batch"
+        return f"SSD plan by batch size ({cap}; tok/s): " + "; ".join(cells)
 
     def summary(self) -> str:
         b = self.best
@@ -123,21 +189,75 @@ def hit_rate(agreement: Agreement, fanout: Sequence[int]) -> float:
 
 def predict(costs: Costs, agreement: Agreement, k: int, budget: int, glue: str, r: float = 1.0) -> Prediction:
     """Modelled SSD speed at (K, budget, glue) with the geometric schedule the speculator starts from."""
-    a = agreement.a
-    fanout = geometric_fanout(a, r, k, budget)
-    p = hit_rate(agreement, fanout)
-    e = tokens_per_round(a, k)
-    if glue == "fold" and k >= 2:  # a round after a bonus-branch hit verifies K - 1 drafts
-        after_bonus = a**k * agreement.hit(fanout[-1], bonus=True)
-        e = (1 - after_bonus) * e + after_bonus * tokens_per_round(a, k - 1)
+    p, e = _hits_and_tokens(agreement, k, budget, glue, r)
     verify_s, build_s, backup_s = costs.verify(k), costs.build(k, budget), costs.backup(k)
     speed = ssd_speed_from(p, e, e, verify_s, backup_s, build_s, costs.ar_step_s)
     return Prediction(k, budget, glue, speed.tokens_per_s, p, e, verify_s, build_s, backup_s)
 
 
+def _hits_and_tokens(agreement: Agreement, k: int, budget: int, glue: str, r: float) -> tuple[float, float]:
+    """(hit rate, tokens a round) for the geometric schedule the speculator starts from."""
+    a = agreement.a
+    fanout = geometric_fanout(a, r, k, budget)
+    e = tokens_per_round(a, k)
+    if glue == "fold" and k >= 2:  # a round after a bonus-branch hit verifies K - 1 drafts
+        after_bonus = a**k * agreement.hit(fanout[-1], bonus=True)
+        e = (1 - after_bonus) * e + after_bonus * tokens_per_round(a, k - 1)
+    return hit_rate(agreement, fanout), e
+
+
+def predict_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, k: int, budget: int, glue: str,
+                 rows: int, r: float = 1.0) -> float:
+    """Modelled SSD tokens/s of `rows` rows at (K, per-row budget, glue): the module's SSD(b)."""
+    p, e = _hits_and_tokens(agreement, k, budget, glue, r)
+    build = costs.build(k, rows * budget)  # a lockstep step packs every row's branches into one forward
+    round_s = max(rows_costs.verify_s(rows, k + 1), build) + (1 - p**rows) * rows_costs.chain_s(rows, k)
+    return rows * e / round_s
+
+
+def plan_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, best: Prediction,
+              sizes: Sequence[int] = DEFAULT_ROWS, r: float = 1.0) -> tuple[list[RowsChoice], int | None]:
+    """The branches a batch shares (fanout.batch_budget: None, or a cap that leaves each of b
+    rows about cap / b) that serves every batch size best, and each size's speed under it.
+
+    One cap for all sizes, as the speculator applies it: the one whose speeds, each over
+    the best that size could reach with any per-row budget, sum highest (ties: no cap)."""
+    budgets = [b for b in DEFAULT_BUDGETS if b < best.budget] + [best.budget]
+    speed = {(rows, b): predict_rows(costs, rows_costs, agreement, best.k, b, best.glue, rows, r)
+             for rows in sizes for b in budgets}
+    top = {rows: max(speed[(rows, b)] for b in budgets) for rows in sizes}
+
+    def under(cap: int | None, rows: int) -> int:
+        return best.budget if cap is None else min(best.budget, max(1, cap // rows))
+
+    # a cap below the single-row budget would undo the single-row plan
+    caps = [None] + sorted({rows * b for rows in sizes for b in budgets if best.budget <= rows * b < rows * best.budget})
+    cap = max(caps, key=lambda c: sum(speed[(rows, under(c, rows))] / top[rows] for rows in sizes))
+    return [RowsChoice(rows, under(cap, rows), speed[(rows, under(cap, rows))], rows / rows_costs.verify_s(rows, 1))
+            for rows in sizes], cap
+
+
+def _lerp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points, extrapolated from the end pairs."""
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0]  # one point: proportional
+    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _bilinear(table: dict[tuple[int, int], float], rows: int, n: int) -> float:
+    if (rows, n) in table:
+        return table[(rows, n)]
+    sizes = sorted({b for b, _ in table})
+    at_n = [(b, _lerp(sorted((m, s) for (bb, m), s in table.items() if bb == b), n)) for b in sizes]
+    return max(_lerp(at_n, rows), min(table.values()) / 2)
+
+
 def choose(
     costs_by_glue: dict[str, Costs], agreement: Agreement, ks: Sequence[int] = DEFAULT_KS,
-    budgets: Sequence[int] = DEFAULT_BUDGETS, r: float = 1.0,
+    budgets: Sequence[int] = DEFAULT_BUDGETS, r: float = 1.0, rows_costs: RowCosts | None = None,
+    sizes: Sequence[int] = DEFAULT_ROWS,
 ) -> Plan:
     """Every (K, budget, glue) ranked by modelled tokens/s, against SD at its best K and AR."""
     if not costs_by_glue:
@@ -149,4 +269,7 @@ def choose(
     costs = next(iter(costs_by_glue.values()))
     sd = {k: tokens_per_round(agreement.a, k) / (costs.verify(k) + costs.backup(k)) for k in ks}
     sd_k = max(sd, key=sd.get)
-    return Plan(ranked[0], ranked, sd_k, sd[sd_k], 1.0 / costs.ar_step_s, agreement)
+    best = ranked[0]
+    rows, cap = ([], None) if rows_costs is None else plan_rows(
+        costs_by_glue[best.glue], rows_costs, agreement, best, sizes, r)
+    return Plan(best, ranked, sd_k, sd[sd_k], 1.0 / costs.ar_step_s, agreement, rows=rows, batch_budget=cap)

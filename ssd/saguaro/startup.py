@@ -28,23 +28,28 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ssd import hardware
+from ssd.ablation.batch_costs import chain_rows_probe, prefilled_rows, verify_rows_probe
 from ssd.ablation.costs import CostSettings, Costs, backup_probe, build_probe, forward_probe, round_robin
 from ssd.config import Config, SpeculationConfig
-from ssd.models.kv import KVSequence
+from ssd.models.kv import KVSequence, forward_rows
 from ssd.saguaro.branches import make_branch_decoder
-from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, choose
+from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ssd-startup-plan/1"
+FORMAT = "ssd-startup-plan/2"  # 2: batched rounds (rows_verify_s, rows_chain_s)
 PLAN_GLUES = ("fold", "reuse")
 BUILD_KS = (1, 2, 4, 6)  # measured; the others fitted (bilinear in K and budget)
 BUILD_BUDGETS = (2, 8, 16)
-CONTINUATION = 24  # target tokens per prompt the draft is scored against
+CONTINUATION = 32  # target tokens per prompt the draft is scored against
 PREFIX = 200
+ROWS_PREFIX = 64  # batched probes: b rows of this context each (a shorter prefill)
+ROWS_TOKENS = (1, 3)  # tokens a row in the batched verification probes (the rest interpolated)
+ROWS_CHAIN = (1, 3)  # draft tokens a row in the batched backup-chain probes
 SAMPLE_PROMPTS = (  # code and chat, as users send
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
     "Explain in two sentences why the sky is blue.",
+    "class LRUCache:\n    \"\"\"A least-recently-used cache with a fixed capacity.\"\"\"\n\n    def __init__(self, capacity):\n",
 )
 
 
@@ -65,7 +70,7 @@ def sample_prompt_ids(tokenizer) -> list[list[int]]:
         return [tokenizer.encode(p, add_special_tokens=False) for p in SAMPLE_PROMPTS]
     except ValueError as exc:
         log.info("SSD plan: sample prompts not encodable (%s); fixed token ids instead", exc)
-        return [list(range(1, 9)), list(range(3, 13))]
+        return [list(range(1, 9)), list(range(3, 13)), list(range(2, 8))]
 
 
 def _single_thread(fn: Callable[[], Any]) -> Any:
@@ -84,9 +89,14 @@ def target_probe(target: torch.nn.Module, prompts: Sequence[Sequence[int]], ks: 
         gen, prefix, kv = _primed(target)
         probes = {k: forward_probe(kv, prefix, k + 1, gen) for k in ks}
         probes[0] = forward_probe(kv, prefix, 1, gen)
+        for rows, contexts in _row_contexts(target, gen).items():
+            primed = prefilled_rows(target, contexts)
+            for n in ROWS_TOKENS:
+                probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, target.config.vocab_size, gen)
         timed = round_robin(probes, repeats, lambda: None)
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
-                "sequences": [_continue(target, list(p), CONTINUATION) for p in prompts]}
+                "rows_verify_s": [[b, n, timed[("rows", b, n)]] for b in DEFAULT_ROWS for n in ROWS_TOKENS],
+                "sequences": _continue_rows(target, prompts, CONTINUATION)}
     return _single_thread(run)
 
 
@@ -102,6 +112,10 @@ def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], star
         vocab = draft.config.vocab_size
         settings = CostSettings(ks=tuple(ks), budgets=tuple(budgets), repeats=repeats)
         probes = {("backup", k): backup_probe(kv, prefix, k, settings) for k in ks}
+        for rows, contexts in _row_contexts(draft, gen).items():
+            primed = prefilled_rows(draft, contexts)
+            for k in ROWS_CHAIN:
+                probes[("rows", rows, k)] = chain_rows_probe(primed, contexts, k, seed=0)
         decoder = make_branch_decoder("tree")
         for glue in glues:
             glued = dataclasses.replace(settings, glue=glue)
@@ -114,6 +128,7 @@ def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], star
             if key[0] in builds:
                 builds[key[0]].append([key[1], key[2], seconds])
         return {"backup_s": {k: timed[("backup", k)] for k in ks}, "build_s": builds,
+                "rows_chain_s": [[b, k, timed[("rows", b, k)]] for b in DEFAULT_ROWS for k in ROWS_CHAIN],
                 "agreement": agreement(draft, sequences, starts).to_json()}
     return _single_thread(run)
 
@@ -142,7 +157,9 @@ def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], me
         glue: Costs(target_part["ar_step_s"], verify, backup, {(k, b): s for k, b, s in rows}, meta)
         for glue, rows in draft_part["build_s"].items()
     }
-    plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=sorted(verify), budgets=DEFAULT_BUDGETS)
+    rows = RowCosts.from_json({"verify": target_part["rows_verify_s"], "chain": draft_part["rows_chain_s"]})
+    plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=sorted(verify), budgets=DEFAULT_BUDGETS,
+                  rows_costs=rows)
     plan.meta = meta
     return plan
 
@@ -201,7 +218,8 @@ def planned(config: Config, plan: Plan) -> Config:
     speculation = apply_plan(config.speculation, plan, config.runtime.plan_keeps)
     if config.runtime.plan_keeps:
         log.info("SSD plan: kept as configured: %s", ", ".join(config.runtime.plan_keeps))
-    log.info("SSD runs with K=%d, budget=%d, glue=%s", speculation.k, speculation.fanout.budget, speculation.glue)
+    log.info("SSD runs with K=%d, budget=%d, glue=%s, k_policy=%s, batch_budget=%s", speculation.k,
+             speculation.fanout.budget, speculation.glue, speculation.k_policy, speculation.fanout.batch_budget)
     return dataclasses.replace(config, speculation=speculation)
 
 
@@ -216,21 +234,32 @@ def plan_for_pair(config: Config, pair) -> Config:
 
 
 def apply_plan(speculation: SpeculationConfig, plan: Plan, fixed: Sequence[str] = ()) -> SpeculationConfig:
-    """The speculation defaults with the plan's K, budget and glue, except the `fixed` ones
-    ("k", "budget", "glue": set by the user), and its measured acceptance as the fan-out's prior."""
+    """The speculation defaults with the plan's K, budget and glue, and by batch size its
+    k_policy (speculation off where AR is faster) and batch_budget, except the `fixed` ones
+    (set by the user; a k_policy or batch_budget the config sets counts as set), and its
+    measured acceptance as the fan-out's prior."""
     best = plan.best
     fanout = speculation.fanout
+    keep_budget_cap = "batch_budget" in fixed or fanout.batch_budget is not None
     fanout = dataclasses.replace(
-        fanout, budget=fanout.budget if "budget" in fixed else best.budget, initial_a=plan.agreement.a
+        fanout, budget=fanout.budget if "budget" in fixed else best.budget, initial_a=plan.agreement.a,
+        batch_budget=fanout.batch_budget if keep_budget_cap else plan.batch_budget,
     )
+    keep_policy = "k_policy" in fixed or bool(speculation.k_policy)
     return dataclasses.replace(
         speculation, fanout=fanout, k=speculation.k if "k" in fixed else best.k,
         glue=speculation.glue if "glue" in fixed else best.glue,
+        k_policy=speculation.k_policy if keep_policy else plan.k_policy,
     )
 
 
 def report(plan: Plan) -> None:
     log.info("%s", plan.summary())
+    if plan.rows:
+        log.info("%s", plan.rows_summary())
+    if plan.rows and not plan.rows[0].speculates:
+        log.warning("SSD plan: AR is predicted faster than SSD even at one row on this host (%.2f vs %.2f tok/s)",
+                    plan.rows[0].ar_tokens_per_s, plan.rows[0].ssd_tokens_per_s)
     if not plan.beats_sd:
         log.warning(
             "SSD plan: no SSD setting is predicted to beat SD on this host (best SSD %.2f tok/s, SD %.2f): "
@@ -249,12 +278,20 @@ def _primed(model: torch.nn.Module) -> tuple[torch.Generator, list[int], KVSeque
     return gen, prefix, kv
 
 
-def _continue(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """prompt + the model's greedy continuation of n tokens."""
-    kv = KVSequence(model)
-    logits = kv.forward(prompt, last_only=True)[-1]
-    out = list(prompt)
+def _row_contexts(model: torch.nn.Module, gen: torch.Generator) -> dict[int, list[list[int]]]:
+    """Random ROWS_PREFIX-token contexts for each batch size the plan covers."""
+    vocab = model.config.vocab_size
+    return {rows: [torch.randint(vocab, (ROWS_PREFIX,), generator=gen).tolist() for _ in range(rows)]
+            for rows in DEFAULT_ROWS}
+
+
+def _continue_rows(model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """Each prompt + the model's greedy continuation of n tokens, the prompts decoding together."""
+    rows = [KVSequence(model) for _ in prompts]
+    outs = [list(p) for p in prompts]
+    logits = forward_rows(rows, outs, last_only=True)
     for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = kv.forward(out[-1:])[-1]
-    return out
+        for out, row_logits in zip(outs, logits):
+            out.append(int(row_logits[-1].argmax()))
+        logits = forward_rows(rows, [out[-1:] for out in outs])
+    return outs

@@ -38,6 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable, TokenLogprob
 from ssd.serve.backend import Backend
@@ -207,6 +209,9 @@ class GenerationWorker:
     # --- the worker thread ----------------------------------------------------
 
     def _loop(self) -> None:
+        threads = _configured_threads(self.backend)
+        if threads:  # under OpenMP torch's thread count is per OS thread: set it where the engines run
+            torch.set_num_threads(threads)
         try:
             while self._wait_for_work():
                 alone = self._admit_queued()
@@ -396,3 +401,9 @@ def _log_finished(job: Job, done: Done) -> None:
         reason += " (deadline)" if expired else " (cancelled)"
     log.info("request %s finished: %s, %d tokens in %.3f s", job.request_id, reason, tokens,
              time.monotonic() - job.arrived)
+
+
+def _configured_threads(backend: Backend) -> int | None:
+    """runtime.threads of the backend's defaults (None: torch's default)."""
+    info = getattr(backend, "info", None)
+    return info.defaults.runtime.threads if info is not None else None
