@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.engine.drafting import draft_chain
+from ssd.engine.drafting import drafted_chain
 from ssd.models.kv import KVSequence
 from ssd.saguaro import protocol
 from ssd.saguaro.backups import make_backup
@@ -26,7 +26,8 @@ CONTEXT = [1, 2, 3, 4, 5]
 def test_every_q_source_makes_float32_rows(tiny_models):
     draft = tiny_models[1]  # fp64: the rows are rounded even where the model is not
     vocab = draft.config.vocab_size
-    tokens, rows = draft_chain(KVSequence(draft), CONTEXT, 3, SAMPLED, make_generator(0))
+    chain = drafted_chain(KVSequence(draft), CONTEXT, 3, SAMPLED, make_generator(0))
+    tokens, rows = chain.tokens, chain.q_rows
     assert {row.dtype for row in rows} == {Q_DTYPE}
     entries = build_cache(KVSequence(draft), TreeBranchDecoder(), CONTEXT, tokens, [2, 1, 1, 1], SAMPLED,
                           make_generator(1))

@@ -22,7 +22,7 @@ from ssd.models.loading import resolve_precision
 from ssd.models.quant import Int8Linear, int8_supported, precision_of, quantize_int8
 from ssd.saguaro.branches import TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
-from ssd.engine.drafting import draft_chain
+from ssd.engine.drafting import drafted_chain
 from tests.conftest import TINY
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import SMALL, exact_joint, sd_samples
@@ -148,12 +148,12 @@ def test_ssd_greedy_equals_ar_on_the_int8_pair(int8_pair, int8_references, backu
 def tree_vs_chain_mismatches(draft: nn.Module, committed: list[int], k: int = 4, budget: int = 12) -> int:
     """Greedy branches built together in one tree vs each drafted alone as a chain: tokens that differ."""
     kv = KVSequence(draft)
-    drafted, _ = draft_chain(kv, committed, k, GREEDY, torch.Generator())
+    drafted = drafted_chain(kv, committed, k, GREEDY, torch.Generator()).tokens
     fanout = [budget // (k + 1)] * (k + 1)
     entries = build_cache(kv, TreeBranchDecoder(), committed, drafted, fanout, GREEDY, torch.Generator())
     mismatches = 0
     for (kb, token), speculation in entries.items():
-        chain, _ = draft_chain(KVSequence(draft), committed + drafted[:kb] + [token], k, GREEDY, torch.Generator())
+        chain = drafted_chain(KVSequence(draft), committed + drafted[:kb] + [token], k, GREEDY, torch.Generator()).tokens
         mismatches += sum(a != b for a, b in zip(chain, speculation.tokens))
     return mismatches
 

@@ -47,7 +47,7 @@ from ssd.sampling import make_generator
 from ssd.saguaro.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
 from ssd.saguaro.cache import DraftWork
-from ssd.engine.drafting import draft_chain
+from ssd.engine.drafting import drafted_chain
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def forward_probe(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generato
 def backup_probe(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
     """draft_chain after a miss: the cache lacks only t* (the last prefix token)."""
     gen = make_generator(s.seed)
-    return lambda: draft_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1)
+    return lambda: drafted_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1)
 
 
 def build_probe(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,

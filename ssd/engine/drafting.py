@@ -76,19 +76,6 @@ def draft_chains(chains: Sequence[Chain]) -> None:
                 chain.error = error
 
 
-def draft_chain(
-    kv: KVSequence,
-    sequence: Sequence[int],
-    k: int,
-    sampling: SamplingConfig,
-    gen: torch.Generator,
-    saguaro: Saguaro | None = None,
-) -> tuple[list[int], list[torch.Tensor]]:
-    """Draft k tokens after `sequence`; return them and the exact q rows they were drawn from."""
-    chain = drafted_chain(kv, sequence, k, sampling, gen, saguaro)
-    return chain.tokens, chain.q_rows
-
-
 def drafted_chain(
     kv: KVSequence,
     sequence: Sequence[int],
