@@ -193,7 +193,7 @@ def test_a_replicas_target_killed_under_load_loses_no_request(stack):
     replicas, _, client, health = stack
     wait_until(lambda: replicas.serving and all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
     victim = replicas.clusters[1]
-    pid, restarts = ray.get(victim.targets[0].ready.remote()), victim.target_restarts
+    pid, restarts, moved = ray.get(victim.targets[0].ready.remote()), victim.target_restarts, replicas.counts[1].moved
     killed: list[float] = []
     lock = threading.Lock()
 
@@ -207,6 +207,8 @@ def test_a_replicas_target_killed_under_load_loses_no_request(stack):
         runs = list(pool.map(lambda t: run_with_retry(client, t, 80, "ssd", kill_once), TEXTS))
     for text, (tokens, _) in zip(TEXTS, runs):
         assert tokens == expected_ar(replicas, text, 80)
+    hit = sum(failed for _, failed in runs) + replicas.counts[1].moved - moved
+    assert hit > 0, "the kill met no request: replica 1 ran none"  # retried after streaming, or moved unstreamed
     wait_until(lambda: victim.target_restarts == restarts + 1 and victim.serving, RECOVERY_S,
                "replica 1 did not come back")
     time.sleep(0.3)

@@ -22,6 +22,9 @@ resources also takes one CPU) and each actor sees exactly the GPU the user
 named (CUDA_VISIBLE_DEVICES, set by us, not by Ray). Colocated roles share
 one GPU with fractional bundles. `cluster.compute_device: cpu` keeps the
 placement but computes on the CPU (orchestration tests without GPUs).
+`cluster.draft_node` takes the speculator out of the group onto a named node
+(Ray's node affinity); the link then meets at the target node's address.
+Several clusters behind one endpoint: ssd.cluster.replicas.
 """
 
 from __future__ import annotations
