@@ -132,7 +132,7 @@ class TargetWorker:
         leader = getattr(self, "leader", None)
         return None if leader is None else leader.failed
 
-    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = "127.0.0.1") -> None:
+    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
         """Become rank 0 of a new two-rank link at `host`:`port` (see link_address);
         SSD uses it from the next request on."""
         from ssd.transport.distributed import DistributedChannel
@@ -297,7 +297,7 @@ class DraftWorker:
 
         return draft_probe(self.model, sequences, starts)
 
-    def serve(self, port: int, prefix: str, timeout_s: float, host: str = "127.0.0.1") -> None:
+    def serve(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
         """Join the link to the target at `host`:`port` as rank 1 and answer rounds until shutdown (blocks)."""
         pin_to_cores(self.cores)
         from ssd.saguaro.host import serve_link
