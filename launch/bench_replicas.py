@@ -27,24 +27,25 @@ PROMPTS = ["abcab", "ponm", "aaaabbbb", "mnop", "cab", "bbbb", "onm", "abc"]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="replica counts to compare")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], dest="replica_counts",
+                        help="replica counts to compare")
     parser.add_argument("--clients", type=int, default=8, help="concurrent closed-loop clients")
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--address", help="a running Ray cluster (default: simulated nodes on this machine)")
     add_config_args(parser)
     parser.set_defaults(config=ROOT / "configs" / "tiny-cluster.yaml", mode="ssd")
     args = parser.parse_args(argv)
-    if min(args.replicas) < 1:
-        sys.exit(f"error: --replicas must be >= 1, got {args.replicas}")
+    if min(args.replica_counts) < 1:
+        sys.exit(f"error: --replicas must be >= 1, got {args.replica_counts}")
     config = config_from_args(args)
     placement = default_cpu_placement(2, with_draft=config.speculation.mode == "ssd")
     fields = {"max_new_tokens": config.generation.max_new_tokens, "mode": config.speculation.mode}
     run = lambda address: bench_replicas(  # noqa: E731
-        config, placement, args.replicas, args.clients, PROMPTS, args.requests, fields, address)
+        config, placement, args.replica_counts, args.clients, PROMPTS, args.requests, fields, address)
     if args.address:
         results = run(args.address)
     else:
-        with simulated_nodes(max(args.replicas), cpus=len(placement.target) + len(placement.draft)) as address:
+        with simulated_nodes(max(args.replica_counts), cpus=len(placement.target) + len(placement.draft)) as address:
             results = run(address)
     print(format_load_table(results))
 
