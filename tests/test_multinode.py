@@ -87,6 +87,14 @@ def test_a_draft_node_that_does_not_exist_is_refused_naming_the_field(nodes):
         Cluster(config, PLACEMENT)
 
 
+def test_more_replicas_than_the_nodes_hold_are_refused_naming_the_field(nodes):
+    from ssd.cluster.replicas import Replicas
+
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=3))
+    with pytest.raises(ConfigError, match=r"cluster.replicas \(--replicas\) 3 needs \{'CPU': 6\}"):
+        Replicas(config, PLACEMENT)
+
+
 @pytest.fixture(scope="module")
 def stack(nodes):
     """Two replicas behind one gRPC server, polled for health throughout."""

@@ -32,6 +32,7 @@ from ssd.cluster.devices import (
     default_cpu_placement,
     plan_placement,
 )
+from ssd.config import ConfigError
 from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger("cluster")
@@ -102,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     from ssd.cluster.replicas import start_cluster
 
     log.info("placement: %s (x%d replicas)", placement, config.cluster.replicas)
-    with start_cluster(config, placement, args.address) as cluster:
+    try:
+        cluster = start_cluster(config, placement, args.address)
+    except ConfigError as exc:  # e.g. more replicas than the Ray cluster holds, a --draft-node that is not there
+        sys.exit(f"error: {exc}")
+    with cluster:
         # ray.init installs a SIGTERM handler of its own (it exits the driver
         # at once, aborting it mid-shutdown): take the signal back.
         signal.signal(signal.SIGTERM, _interrupt)

@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.devices import Placement
 from ssd.cluster.runtime import RECOVERY_WAIT_S, Cluster, HealthListener, TargetLost, start_ray
-from ssd.config import Config
+from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 
@@ -50,6 +50,18 @@ def start_cluster(config: Config, placement: Placement, address: str | None = No
     if config.cluster.replicas > 1:
         return Replicas(config, placement, address)
     return Cluster(config, placement, address)
+
+
+def check_room(replicas: int, placement: Placement) -> None:
+    """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving)."""
+    devices = placement.target + placement.draft
+    need = {"CPU": replicas * len(devices)}  # a bundle per role, each with one CPU
+    if placement.kind == "cuda":
+        need["GPU"] = replicas * len(set(devices))  # colocated roles share a GPU
+    have = ray.cluster_resources()
+    if any(have.get(name, 0) < amount for name, amount in need.items()):
+        held = {name: have.get(name, 0) for name in need}
+        raise ConfigError(f"cluster.replicas (--replicas) {replicas} needs {need} in all; the Ray cluster has {held}")
 
 
 def spread_nodes(replicas: int, kind: str) -> list[str]:
@@ -81,6 +93,7 @@ class Replicas:
             start_ray(address)
         self.clusters: list[Cluster] = []
         try:
+            check_room(n, placement)
             for i, node in enumerate(spread_nodes(n, placement.kind)):
                 self.clusters.append(Cluster(config, placement, node=node, name=f"replica {i}"))
         except BaseException:
