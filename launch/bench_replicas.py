@@ -4,12 +4,15 @@
     python launch/bench_replicas.py --address auto --config configs/<pair>.yaml --replicas 1 2 4
 
 Without --address, each replica gets a simulated node of its own on this
-machine (ray.cluster_utils.Cluster), with the CPUs of one target + draft group.
+machine (ray.cluster_utils.Cluster), with the CPUs of one target + draft group;
+the replicas' roles take this machine's cores in turn (replica 0 cores 0-1,
+replica 1 cores 2-3, ... round the cores), as each real node has its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,13 +43,14 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from_args(args)
     placement = default_cpu_placement(2, with_draft=config.speculation.mode == "ssd")
     fields = {"max_new_tokens": config.generation.max_new_tokens, "mode": config.speculation.mode}
-    run = lambda address: bench_replicas(  # noqa: E731
-        config, placement, args.replica_counts, args.clients, PROMPTS, args.requests, fields, address)
+    run = lambda address, cores=None: bench_replicas(  # noqa: E731
+        config, placement, args.replica_counts, args.clients, PROMPTS, args.requests, fields, address, cores)
     if args.address:
         results = run(args.address)
-    else:
+    else:  # the simulated nodes share this machine's cores: give each replica others, round the cores
+
         with simulated_nodes(max(args.replica_counts), cpus=len(placement.target) + len(placement.draft)) as address:
-            results = run(address)
+            results = run(address, os.cpu_count())
     print(format_load_table(results))
 
 

@@ -44,15 +44,29 @@ class simulated_nodes:
         self.cluster.shutdown()
 
 
+def spread_cores(placement: Placement, replicas: int, cores: int) -> list[Placement]:
+    """CPU placements that give each replica other cores of this machine, round the cores
+    (simulated nodes share the machine's cores; real nodes each have their own)."""
+    roles = len(placement.target) + len(placement.draft)
+    out = []
+    for i in range(replicas):
+        ids = [(i * roles + j) % cores for j in range(roles)]
+        target, draft = ids[: len(placement.target)], ids[len(placement.target):]
+        out.append(dataclasses.replace(placement, target=tuple(target), draft=tuple(draft)))
+    return out
+
+
 def bench_replicas(
     config: Config, placement: Placement, counts: Sequence[int], concurrency: int, prompts: Sequence[str],
-    requests_per_client: int, fields: dict, address: str | None = None,
+    requests_per_client: int, fields: dict, address: str | None = None, cores: int | None = None,
 ) -> list[LoadResult]:
-    """One load run per replica count in `counts`, each against its own server."""
-    return list(_runs(config, placement, counts, concurrency, prompts, requests_per_client, fields, address))
+    """One load run per replica count in `counts`, each against its own server; `cores`
+    (simulated nodes): spread the replicas' roles over this machine's cores."""
+    return list(_runs(config, placement, counts, concurrency, prompts, requests_per_client, fields, address, cores))
 
 
-def _runs(config, placement, counts, concurrency, prompts, requests_per_client, fields, address) -> Iterator[LoadResult]:
+def _runs(config, placement, counts, concurrency, prompts, requests_per_client, fields, address,
+          cores) -> Iterator[LoadResult]:
     from ssd.serve.cluster_backend import ClusterBackend
     from ssd.serve.options import ServeOptions
     from ssd.serve.server import GenerationServer
@@ -62,7 +76,8 @@ def _runs(config, placement, counts, concurrency, prompts, requests_per_client, 
         for n in counts:
             replicas = config if n == config.cluster.replicas else dataclasses.replace(
                 config, cluster=dataclasses.replace(config.cluster, replicas=n))
-            with start_cluster(replicas, placement) as cluster:
+            placed = spread_cores(placement, n, cores) if cores and n > 1 else placement
+            with start_cluster(replicas, placed) as cluster:
                 server = GenerationServer(ServeOptions(port=0, max_queue=4 * concurrency),
                                           lambda: ClusterBackend(cluster))
                 server.start()

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,20 +45,22 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.2  # how long a step with only moving rows waits for a replica to take them
 
 
-def start_cluster(config: Config, placement: Placement, address: str | None = None) -> "Cluster | Replicas":
+def start_cluster(
+    config: Config, placement: Placement | Sequence[Placement], address: str | None = None,
+) -> "Cluster | Replicas":
     """One Cluster, or Replicas when config.cluster.replicas asks for more than one."""
     if config.cluster.replicas > 1:
         return Replicas(config, placement, address)
     return Cluster(config, placement, address)
 
 
-def check_room(replicas: int, placement: Placement) -> None:
+def check_room(placements: Sequence[Placement]) -> None:
     """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving)."""
-    devices = placement.target + placement.draft
-    need = {"CPU": replicas * len(devices)}  # a bundle per role, each with one CPU
-    if placement.kind == "cuda":
-        need["GPU"] = replicas * len(set(devices))  # colocated roles share a GPU
+    need = {"CPU": sum(len(p.target + p.draft) for p in placements)}  # a bundle per role, each with one CPU
+    if placements[0].kind == "cuda":
+        need["GPU"] = sum(len(set(p.target + p.draft)) for p in placements)  # colocated roles share a GPU
     have = ray.cluster_resources()
+    replicas = len(placements)
     if any(have.get(name, 0) < amount for name, amount in need.items()):
         held = {name: have.get(name, 0) for name in need}
         raise ConfigError(f"cluster.replicas (--replicas) {replicas} needs {need} in all; the Ray cluster has {held}")
@@ -85,17 +87,24 @@ class ReplicaCounts:
 class Replicas:
     """The serving backend's view of N Clusters: the same calls as one Cluster."""
 
-    def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
+    def __init__(
+        self, config: Config, placement: Placement | Sequence[Placement], address: str | None = None,
+    ) -> None:
+        """`placement`: every replica's devices on its node, or one Placement per replica
+        (e.g. other cores for each of several simulated nodes on one machine)."""
         n = config.cluster.replicas
-        self.placement = placement
+        placements = [placement] * n if isinstance(placement, Placement) else list(placement)
+        if len(placements) != n:
+            raise ConfigError(f"cluster.replicas (--replicas) is {n} but {len(placements)} placements were given")
+        self.placement = placements[0]  # the backend reads the kind and the TP size, the same for every replica
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             start_ray(address)
         self.clusters: list[Cluster] = []
         try:
-            check_room(n, placement)
-            for i, node in enumerate(spread_nodes(n, placement.kind)):
-                self.clusters.append(Cluster(config, placement, node=node, name=f"replica {i}"))
+            check_room(placements)
+            for i, node in enumerate(spread_nodes(n, self.placement.kind)):
+                self.clusters.append(Cluster(config, placements[i], node=node, name=f"replica {i}"))
         except BaseException:
             self.shutdown()
             raise
