@@ -72,6 +72,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("sampling", "top_p", args.top_p),
         ("sampling", "seed", args.seed),
         ("runtime", "threads", args.threads),
+        # launch/cluster.py's placement flags (other scripts do not take them)
+        ("cluster", "replicas", getattr(args, "replicas", None)),
+        ("cluster", "draft_node", getattr(args, "draft_node", None)),
     ]:
         if value is not None:
             overrides.setdefault(section, {})[key] = value

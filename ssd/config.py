@@ -261,8 +261,19 @@ class ClusterConfig:
     # How long a target rank or the draft may take to load. None: 300 s plus
     # one second per 100 MB of the model's weights (ssd.cluster.runtime).
     start_timeout_s: float | None = None
+    # Independent target + draft groups behind one endpoint (ssd.cluster.replicas),
+    # each packed on a node of its own where the Ray cluster has room.
+    replicas: int = 1
+    # The node the speculator runs on, apart from the target (its Ray node ID
+    # in hex, or its IP address); the link then runs over TCP between the hosts.
+    # None: beside the target, in its placement group.
+    draft_node: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"cluster.replicas (--replicas) must be an integer >= 1, got {self.replicas!r}")
+        if self.draft_node is not None and not str(self.draft_node).strip():
+            raise ConfigError("cluster.draft_node must name a node (Ray node ID or IP address) or be null")
         if self.start_timeout_s is not None and not self.start_timeout_s > 0:
             raise ConfigError(f"cluster.start_timeout_s must be > 0 or null, got {self.start_timeout_s}")
         if not self.draft_timeout_s > 0:

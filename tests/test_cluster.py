@@ -224,6 +224,8 @@ def test_openai_http_api_over_the_cluster(cluster):
         (["--cpu", "--target-cores", "3-1"], "backwards"),
         (["--cpu", "--draft-core", "x"], "not a device list"),
         (["--target-gpus", "0", "--draft-gpu", "1"], "need GPUs"),
+        (["--cpu", "--replicas", "0"], "cluster.replicas (--replicas) must be an integer >= 1, got 0"),
+        (["--cpu", "--draft-node", " "], "cluster.draft_node must name a node"),
     ],
 )
 def test_launcher_argument_errors(args, message):

@@ -5,22 +5,25 @@ The serving worker (ssd.serve.worker) schedules exactly as for local engines:
 it admits between steps and completes the rows that leave. Here each call
 goes to the target actor; the tokens every row admitted in a step come back
 with it and are handed to that row's callback. A step that finds the target
-gone fails every row with GeneratorUnavailable (the client retries; the
-cluster restarts the target in the background).
+gone fails every row with TargetLost, a GeneratorUnavailable that says how
+many tokens the row had streamed (the client retries, or ssd.cluster.replicas
+moves a row that streamed nothing to another replica; the cluster restarts the
+target in the background).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
+from typing import Union
 
 import ray
 
+from ssd.cluster.runtime import Cluster, TargetLost
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
-if TYPE_CHECKING:
-    from ssd.cluster.runtime import Cluster
+# A step on its way: (the call, the target's incarnation it went to), or why it could not be sent.
+StepCall = Union[tuple[ray.ObjectRef, int], GeneratorUnavailable]
 
 
 class RowError(RuntimeError):
@@ -28,10 +31,14 @@ class RowError(RuntimeError):
 
 
 class RemoteBatchEngine(Engine):
-    def __init__(self, cluster: "Cluster", mode: str) -> None:
+    def __init__(self, cluster: Cluster, mode: str, wait_for_target: bool = True) -> None:
+        """wait_for_target False: a call while the target restarts fails at once
+        (GeneratorUnavailable) rather than waiting, for a caller with somewhere else to go."""
         self.cluster = cluster
         self.mode = mode
+        self.wait_for_target = wait_for_target
         self._requests: dict[str, GenerationRequest] = {}
+        self._streamed: dict[str, int] = {}  # tokens each row has streamed so far
 
     @property
     def rows(self) -> int:
@@ -44,27 +51,54 @@ class RemoteBatchEngine(Engine):
         key = uuid.uuid4().hex
         self._call("batch_admit", self.mode, key, request.portable())
         self._requests[key] = request
+        self._streamed[key] = 0
 
     def step(self) -> list[Finished]:
+        return self.finish_step(self.start_step())
+
+    def start_step(self) -> StepCall:
+        """Send one step without waiting for it (replicas step side by side); finish_step collects it."""
         cancelled = [key for key, request in self._requests.items() if request.is_cancelled()]
         try:
-            emitted, ended = self._call("batch_step", self.mode, cancelled)
+            return self._send("batch_step", self.mode, cancelled)
         except GeneratorUnavailable as exc:
-            lost, self._requests = list(self._requests.values()), {}
-            return [Finished(request, None, exc) for request in lost]
+            return exc
+
+    def finish_step(self, call: StepCall) -> list[Finished]:
+        try:
+            if isinstance(call, GeneratorUnavailable):
+                raise call
+            emitted, ended = self._receive("batch_step", call)
+        except GeneratorUnavailable as exc:
+            return self.drop_rows(str(exc))
         for key, tokens in emitted.items():
             self._requests[key].emit(tokens)
-        return [
-            Finished(self._requests.pop(key), result, RowError(error) if error is not None else None)
-            for key, result, error in ended
-        ]
+            self._streamed[key] += len(tokens)
+        finished = []
+        for key, result, error in ended:
+            self._streamed.pop(key, None)
+            finished.append(Finished(self._requests.pop(key), result, RowError(error) if error is not None else None))
+        return finished
+
+    def drop_rows(self, why: str) -> list[Finished]:
+        """End every row, the target being lost: each fails with TargetLost saying what it had streamed."""
+        lost, self._requests = self._requests, {}
+        return [Finished(request, None, TargetLost(why, self._streamed.pop(key, 0))) for key, request in lost.items()]
 
     def _call(self, method: str, *args):
         """A call on target rank 0; a lost target marks the cluster down and raises GeneratorUnavailable."""
+        return self._receive(method, self._send(method, *args))
+
+    def _send(self, method: str, *args) -> tuple[ray.ObjectRef, int]:
+        if not self.wait_for_target and not self.cluster.serving:
+            raise GeneratorUnavailable(f"{self.cluster.name}: the target is restarting")
         self.cluster.wait_serving()
-        incarnation = self.cluster.target_restarts
+        return getattr(self.cluster.targets[0], method).remote(*args), self.cluster.target_restarts
+
+    def _receive(self, method: str, call: tuple[ray.ObjectRef, int]):
+        ref, incarnation = call
         try:
-            result = ray.get(getattr(self.cluster.targets[0], method).remote(*args))
+            result = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             self.cluster.target_lost(f"{type(exc).__name__} during a batched step")
             # A follower's failed forward: rank 0 waited until the watcher restarted the group.

@@ -7,6 +7,8 @@ on separate devices, linked by torch.distributed, behind the gRPC frontend.
     python launch/cluster.py --cpu "def add(a, b):"         # one generation, then exit
     python launch/cluster.py --cpu --interactive            # one prompt per line on stdin
     python launch/cluster.py --cpu --http-port 8000         # + the OpenAI-compatible API at :8000/v1
+    python launch/cluster.py --address auto --replicas 2 --target-gpus 0 --draft-gpu 1   # two nodes, one endpoint
+    python launch/cluster.py --address auto --target-gpus 0 --draft-node 10.0.0.7        # the draft on another host
 
 With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
 (override with --target-cores / --draft-core). With no prompt it serves
@@ -30,6 +32,7 @@ from ssd.cluster.devices import (
     default_cpu_placement,
     plan_placement,
 )
+from ssd.config import ConfigError
 from ssd.engine.request import GenerationRequest
 
 log = logging.getLogger("cluster")
@@ -46,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target-cores", help="CPU mode: cores for the target ranks, one rank per core")
     parser.add_argument("--draft-core", help="CPU mode: the draft's core")
     parser.add_argument("--address", help="join an existing Ray cluster (default: start one locally)")
+    parser.add_argument("--replicas", type=int,
+                        help="independent target + draft groups behind one endpoint, spread over the Ray "
+                             "cluster's nodes (override cluster.replicas; default 1)")
+    parser.add_argument("--draft-node",
+                        help="run the draft on this Ray node (node ID or IP address), apart from the target; "
+                             "the link runs over TCP between the hosts (override cluster.draft_node)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
     parser.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     add_serve_args(parser)
@@ -91,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: {exc}")
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM takes the same clean path as Ctrl-C
 
-    from ssd.cluster.runtime import Cluster
+    from ssd.cluster.replicas import start_cluster
 
-    log.info("placement: %s", placement)
-    with Cluster(config, placement, args.address) as cluster:
+    log.info("placement: %s (x%d replicas)", placement, config.cluster.replicas)
+    try:
+        cluster = start_cluster(config, placement, args.address)
+    except ConfigError as exc:  # e.g. more replicas than the Ray cluster holds, a --draft-node that is not there
+        sys.exit(f"error: {exc}")
+    with cluster:
         # ray.init installs a SIGTERM handler of its own (it exits the driver
         # at once, aborting it mid-shutdown): take the signal back.
         signal.signal(signal.SIGTERM, _interrupt)

@@ -22,6 +22,9 @@ resources also takes one CPU) and each actor sees exactly the GPU the user
 named (CUDA_VISIBLE_DEVICES, set by us, not by Ray). Colocated roles share
 one GPU with fractional bundles. `cluster.compute_device: cpu` keeps the
 placement but computes on the CPU (orchestration tests without GPUs).
+`cluster.draft_node` takes the speculator out of the group onto a named node
+(Ray's node affinity); the link then meets at the target node's address.
+Several clusters behind one endpoint: ssd.cluster.replicas.
 """
 
 from __future__ import annotations
@@ -32,17 +35,20 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
 from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config, ConfigError
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 from ssd.transport.distributed import free_port
+
+if TYPE_CHECKING:
+    from ssd.cluster.batch import RemoteBatchEngine
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,27 @@ LOAD_BYTES_PER_S = 100e6
 
 # (serving, why not): called when the cluster goes down or comes back.
 HealthListener = Callable[[bool, str | None], None]
+
+
+class TargetLost(GeneratorUnavailable):
+    """The target was lost under a request after it had streamed `streamed` tokens.
+
+    With none streamed the request may run again from its prompt, here once
+    the target is back or at once on another replica (ssd.cluster.replicas)."""
+
+    def __init__(self, message: str, streamed: int) -> None:
+        super().__init__(message)
+        self.streamed = streamed
+
+
+def resolve_node(name: str) -> str:
+    """The ID (hex) of the alive Ray node `name` names, by its node ID or its IP address."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    for node in alive:
+        if name in (node["NodeID"], node["NodeManagerAddress"]):
+            return node["NodeID"]
+    known = ", ".join(f"{n['NodeID']} ({n['NodeManagerAddress']})" for n in alive)
+    raise ConfigError(f"cluster.draft_node (--draft-node) {name!r} names no alive Ray node; the nodes: {known}")
 
 
 def compute_device(config: Config, placement: Placement) -> str:
@@ -138,17 +165,31 @@ def prefetch_models(config: Config, with_draft: bool) -> dict[str, float]:
 
 
 class Cluster:
-    def __init__(self, config: Config, placement: Placement, address: str | None = None) -> None:
+    """One target (its TP ranks) and its speculator, and what keeps them serving.
+
+    `node`: the Ray node (hex ID) to pack the group on where it has room (the
+    replicas spread over nodes this way); `name` tells replicas apart in logs.
+    """
+
+    def __init__(
+        self, config: Config, placement: Placement, address: str | None = None, node: str | None = None,
+        name: str = "cluster",
+    ) -> None:
         refuse_unworkable(config, placement)
         self.config = config
         self.placement = placement
+        self.name = name
         self.device = compute_device(config, placement)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             start_ray(address)
+        self._stopping = threading.Event()  # set: shut down; also ends a start-up that waits for room
         self._prefixes = (f"ssd-link-{os.getpid()}-{n}" for n in itertools.count())
+        # The speculator on a node of its own (outside the group): the link then runs between hosts.
+        wanted = config.cluster.draft_node if placement.draft else None
+        self.draft_node = resolve_node(wanted) if wanted else None
         self._start_timeouts = prefetch_models(config, bool(placement.draft))
-        self._pg = self._reserve()
+        self._pg = self._reserve(node)
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
         self.actor_niceness = self._check_priority()
@@ -156,13 +197,13 @@ class Cluster:
         self._draft_pid: int | None = None  # the speculator process last asked to link
         self._linked_pid: int | None = None  # ... and the one the target holds a link to
         self._watching = threading.Event()  # set: the watcher should look now
-        self._stopping = threading.Event()
         self._up = threading.Event()  # clear while the target is lost and restarting
         self._why_down: str | None = None
         self._tp_failure: tuple[int, str] | None = None  # (target_restarts when found, why)
         self._listeners: list[HealthListener] = []
         self._listeners_lock = threading.Lock()
         self.target_restarts = 0
+        self.link_address: tuple[str, int] | None = None  # where the draft last met the target
         self.plan = None  # SSD's start-up plan (ssd.saguaro.plan.Plan), when one ran
         if self.draft is not None:
             self._plan()
@@ -194,32 +235,36 @@ class Cluster:
         ray.get(self.targets[0].set_speculation.remote(dataclasses.asdict(self.config.speculation)))
 
     def _devices(self) -> list[int]:
-        """The device of each bundle: target ranks first, then the draft."""
-        return list(self.placement.target + self.placement.draft)
+        """The device of each bundle: target ranks first, then the draft (unless it has a node of its own)."""
+        return list(self.placement.target + (self.placement.draft if self.draft_node is None else ()))
 
     def _bundle(self, device: int) -> dict[str, float]:
         if self.placement.kind == "cuda":
             return {"GPU": self.placement.gpu_share(device), "CPU": 1}
         return {"CPU": 1}
 
-    def _reserve(self):
-        pg = placement_group([self._bundle(d) for d in self._devices()], strategy="STRICT_PACK")
+    def _reserve(self, node: str | None):
+        """One bundle per device, all on one node: `node` if it has room (Ray's soft
+        target, which needs STRICT_PACK), else any node that has."""
+        bundles = [self._bundle(d) for d in self._devices()]
+        pg = placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=node)
         try:
             ray.get(pg.ready(), timeout=60)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise RuntimeError(
-                f"Ray could not reserve {[self._bundle(d) for d in self._devices()]} on one node "
-                f"within 60 s; its resources: {ray.available_resources()}"
+                f"Ray could not reserve {bundles} on one node within 60 s; its resources: {ray.available_resources()}"
             ) from None
         return pg
 
-    def _options(self, bundle: int, device: int) -> dict[str, Any]:
+    def _options(self, bundle: int | None, device: int) -> dict[str, Any]:
+        """An actor's placement: bundle `bundle` of the group, or (None) the draft's own node."""
         resources = self._bundle(device)
-        options: dict[str, Any] = {
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle),
-            "num_cpus": resources["CPU"],
-        }
+        if bundle is None:
+            where = NodeAffinitySchedulingStrategy(self.draft_node, soft=False)
+        else:
+            where = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle)
+        options: dict[str, Any] = {"scheduling_strategy": where, "num_cpus": resources["CPU"]}
         if self.placement.kind == "cuda":
             options["num_gpus"] = resources["GPU"]
         options["runtime_env"] = {"env_vars": actor_env(self.placement.kind, device, self.device)}
@@ -252,7 +297,7 @@ class Cluster:
         ]
         try:
             # loading is collective under TP
-            ray.get([t.ready.remote() for t in targets], timeout=self._start_timeouts["target"])
+            self._await([t.ready.remote() for t in targets], self._start_timeouts["target"])
         except Exception:
             for target in targets:  # none may linger holding a bundle
                 ray.kill(target, no_restart=True)
@@ -262,12 +307,25 @@ class Cluster:
 
     def _start_draft(self):
         device = self.placement.draft[0]
-        bundle = len(self.placement.target)
+        bundle = len(self.placement.target) if self.draft_node is None else None
         draft = RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
         ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
         return draft
+
+    def _await(self, refs: list, timeout: float) -> list:
+        """ray.get(refs) within `timeout`, given up at once on shutdown (an actor
+        may wait long for room, e.g. after its node left the cluster)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if len(done) == len(refs):
+                return ray.get(refs)
+            if self._stopping.is_set():
+                raise RuntimeError(f"{self.name}: shutting down while actors started")
+            if time.monotonic() > deadline:
+                raise ray.exceptions.GetTimeoutError(f"{self.name}: actors not ready within {timeout:.0f} s")
 
     # ------------------------------------------------------------------ the link
 
@@ -278,14 +336,16 @@ class Cluster:
         middle of a request."""
         timeout = self.config.cluster.draft_timeout_s
         self._draft_pid = ray.get(self.draft.ready.remote(), timeout=60)  # heal: a failed link makes it stale
-        port = ray.get(self.targets[0].free_port.remote())
+        # A speculator on a node of its own reaches the target at its node's address (TCP between hosts).
+        host, port = ray.get(self.targets[0].link_address.remote(self.draft_node is not None))
         prefix = next(self._prefixes)
-        self._serving = self.draft.serve.remote(port, prefix, timeout)
-        ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout))
+        self._serving = self.draft.serve.remote(port, prefix, timeout, host)
+        ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout, host))
         # Only now: until the target holds the new link, `linked()` must not
         # take the old one (dead, but not yet found so by an idle engine) for it.
         self._linked_pid = self._draft_pid
-        log.info("draft linked (%s)", prefix)
+        self.link_address = (host, port)
+        log.info("%s: draft linked (%s at %s:%d)", self.name, prefix, host, port)
 
     @property
     def draft_pid(self) -> int | None:
@@ -390,7 +450,7 @@ class Cluster:
         if self._up.is_set():
             self._why_down = why
             self._up.clear()
-            log.error("target lost (%s): not serving until it is restarted", why)
+            log.error("%s: target lost (%s): not serving until it is restarted", self.name, why)
             self._tell(False, why)
         self._watching.set()
 
@@ -416,7 +476,7 @@ class Cluster:
         self.target_restarts += 1
         self._why_down = None
         self._up.set()
-        log.info("target restarted in %.1f s; serving", time.monotonic() - started)
+        log.info("%s: target restarted in %.1f s; serving", self.name, time.monotonic() - started)
         self._tell(True, None)
 
     def _relink_after_target_loss(self) -> None:
@@ -470,17 +530,21 @@ class Cluster:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         return ray.get(self.targets[0].encode.remote(text, chat))
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest, wait_for_target: bool = True) -> GenerationResult:
         """One request on target rank 0; each round's tokens stream back as they land.
 
         `request.cancelled` is polled as each round arrives; True stops the
         request before its next round (finish reason "aborted"). While the
-        target is lost the request waits for it; see the module docstring.
+        target is lost the request waits for it (see the module docstring);
+        with `wait_for_target` False it raises TargetLost (0 tokens streamed)
+        instead, for the caller to run it elsewhere.
         """
         mode = request.settings(self.config.speculation).mode
         if mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
         while True:
+            if not wait_for_target and not self.serving:
+                raise TargetLost(f"{self.name}: the target is restarting ({self._why_down})", streamed=0)
             self._wait_up(request)
             streamed: list[int] = []
             incarnation = self.target_restarts
@@ -492,9 +556,11 @@ class Cluster:
                     raise
                 self._down(f"{type(exc).__name__} during request {request.request_id or '(unnamed)'}")
                 if streamed:
-                    raise GeneratorUnavailable(
-                        f"the target was lost after {len(streamed)} streamed tokens; retry the request"
+                    raise TargetLost(
+                        f"the target was lost after {len(streamed)} streamed tokens; retry the request", len(streamed)
                     ) from exc
+                if not wait_for_target:
+                    raise TargetLost(f"{self.name}: the target was lost before the request streamed anything", 0) from exc
                 log.warning("target lost before request %s streamed anything: it runs again once the target is back",
                             request.request_id or "(unnamed)")
                 continue
@@ -556,6 +622,12 @@ class Cluster:
 
     def describe(self) -> dict[str, Any]:
         return ray.get(self.targets[0].describe.remote())
+
+    def batch_engine(self, mode: str) -> "RemoteBatchEngine":
+        """A continuous batch of `mode` on target rank 0 (the serving worker drives it)."""
+        from ssd.cluster.batch import RemoteBatchEngine
+
+        return RemoteBatchEngine(self, mode)
 
     # --------------------------------------------------------------- shutdown
 

@@ -30,6 +30,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "ssd")  # the modes the cluster serves
+LOOPBACK = "127.0.0.1"
+
+
+def node_address() -> str:
+    """This Ray node's IP address, the one other nodes reach it at."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def pin_to_cores(cores: list[int] | None) -> None:
@@ -58,7 +66,15 @@ def whereabouts(device: str) -> dict[str, Any]:
         "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "niceness": os.nice(0),
+        "node_id": _node_id(),
     }
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (hex), or None outside Ray."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class TargetWorker:
@@ -105,20 +121,25 @@ class TargetWorker:
         pin_to_cores(self.cores)
         return run_tp_follower(self.model)
 
-    def free_port(self) -> int:
-        return free_port()
+    def link_address(self, across_hosts: bool) -> tuple[str, int]:
+        """Where the draft meets this rank for a new link: loopback when it runs on
+        this node, else this node's address (the rendezvous listens on every interface)."""
+        host = node_address() if across_hosts else LOOPBACK
+        return host, free_port(host)
 
     def tp_failed(self) -> str | None:
         """Rank 0: why the tensor-parallel group is broken (a forward failed here), else None."""
         leader = getattr(self, "leader", None)
         return None if leader is None else leader.failed
 
-    def connect_draft(self, port: int, prefix: str, timeout_s: float) -> None:
-        """Become rank 0 of a new two-rank link; SSD uses it from the next request on."""
+    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
+        """Become rank 0 of a new two-rank link at `host`:`port` (see link_address);
+        SSD uses it from the next request on."""
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(
-            "127.0.0.1", port, rank=0, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix
+            host, port, rank=0, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix,
+            local_host=None if host == LOOPBACK else host,
         )
         self._engine("ssd").attach(channel)
 
@@ -276,9 +297,11 @@ class DraftWorker:
 
         return draft_probe(self.model, sequences, starts)
 
-    def serve(self, port: int, prefix: str, timeout_s: float) -> None:
-        """Join the link as rank 1 and answer rounds until shutdown (blocks)."""
+    def serve(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
+        """Join the link to the target at `host`:`port` as rank 1 and answer rounds until shutdown (blocks)."""
         pin_to_cores(self.cores)
         from ssd.saguaro.host import serve_link
 
-        serve_link(self.model, port, prefix, timeout_s, backend=self.config.cluster.link_backend)
+        local = None if host == LOOPBACK else node_address()  # across hosts: gloo listens where the target can reach
+        serve_link(self.model, port, prefix, timeout_s, backend=self.config.cluster.link_backend, host=host,
+                   local_host=local)

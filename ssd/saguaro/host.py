@@ -39,9 +39,14 @@ def serve(model: torch.nn.Module, channel: Channel) -> None:
 
 def serve_link(
     model: torch.nn.Module, port: int, prefix: str, timeout_s: float, backend: str = "gloo", host: str = LOOPBACK,
+    local_host: str | None = None,
 ) -> None:
-    """Join the link under `prefix` as rank 1 (the target is rank 0) and `serve` on it (blocks)."""
-    serve(model, DistributedChannel.connect(host, port, rank=1, backend=backend, timeout_s=timeout_s, prefix=prefix))
+    """Join the link under `prefix` as rank 1 (the target is rank 0, at `host`) and `serve` on it (blocks).
+    `local_host`: this end's address the target can reach, for a link between hosts."""
+    channel = DistributedChannel.connect(
+        host, port, rank=1, backend=backend, timeout_s=timeout_s, prefix=prefix, local_host=local_host
+    )
+    serve(model, channel)
 
 
 class DraftThread:

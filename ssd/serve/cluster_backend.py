@@ -1,11 +1,15 @@
 """The server's backend over the distributed runtime. AR and SSD rows batch on
 target rank 0 (one Ray call per step, ssd.cluster.batch); a tensor-parallel
 target holds its batch at one row, so there each request goes to rank 0 alone
-as one streaming Ray call, its rounds streaming back as they land."""
+as one streaming Ray call, its rounds streaming back as they land. Over
+replicas (ssd.cluster.replicas) the same calls route to the replica with
+the most room; /metrics then carries per-replica series."""
 
 from __future__ import annotations
 
-from ssd.cluster.batch import RemoteBatchEngine
+from prometheus_client.registry import Collector
+
+from ssd.cluster.replicas import Replicas
 from ssd.cluster.runtime import Cluster
 from ssd.cluster.workers import MODES
 from ssd.engine.batch import Engine
@@ -15,7 +19,7 @@ from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
 
 
 class ClusterBackend(TokenizerMixin):
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster | Replicas) -> None:
         self.cluster = cluster
         self.config = cluster.config
         self.tokenizer = load_tokenizer(self.config.target)  # tokenizing stays in the frontend
@@ -34,7 +38,12 @@ class ClusterBackend(TokenizerMixin):
         so does every mode when batching.max_rows is 1."""
         if mode not in self.info.modes or self.cluster.placement.tp_size > 1 or self.config.batching.max_rows == 1:
             return None
-        return RemoteBatchEngine(self.cluster, mode)
+        return self.cluster.batch_engine(mode)
+
+    def metrics_collector(self) -> Collector | None:
+        """Series of the backend's own for the server's /metrics: one per replica, when there are several."""
+        make = getattr(self.cluster, "metrics_collector", None)
+        return make() if make is not None else None
 
     def close(self) -> None:
         """The cluster belongs to whoever started it; nothing to free here."""

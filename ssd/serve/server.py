@@ -394,6 +394,9 @@ class GenerationServer:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             if hasattr(backend, "watch_health"):
                 backend.watch_health(self._backend_health)
+            collector = backend.metrics_collector() if hasattr(backend, "metrics_collector") else None
+            if collector is not None:  # e.g. per-replica series (ssd.cluster.replicas)
+                self.registry.register(collector)
         log.info("model loaded: %s; serving", backend.info.target_model)
         self._ready.set()
 

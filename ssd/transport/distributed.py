@@ -204,6 +204,7 @@ class DistributedChannel(Channel):
         prefix: str = "ssd-link",
         store: dist.Store | None = None,
         receiver_thread: bool = True,
+        local_host: str | None = None,
     ) -> DistributedChannel:
         """Rendezvous with the peer and build the two-rank group.
 
@@ -216,6 +217,9 @@ class DistributedChannel(Channel):
         ChannelTimeout after about `timeout_s`. `timeout_s` also bounds each
         send and each part of a message after its first. `receiver_thread`
         (default) keeps a receive posted at all times (see the module docstring).
+        `local_host`: the address this end's gloo pair listens on, one the peer
+        can reach (a link between two hosts); None: gloo's default, the address
+        this host's name resolves to (often loopback).
         """
         if rank not in _PEER:
             raise ValueError(f"rank must be 0 or 1, got {rank}")
@@ -223,7 +227,7 @@ class DistributedChannel(Channel):
         try:
             if store is None:
                 store = _store(host, port, rank, prefix, timeout)
-            pg, device = _make_group(dist.PrefixStore(prefix, store), rank, backend, timeout)
+            pg, device = _make_group(dist.PrefixStore(prefix, store), rank, backend, timeout, local_host)
         except RuntimeError as exc:  # DistStoreError, DistNetworkError, gloo errors
             if _is_timeout(exc):
                 raise ChannelTimeout(f"no peer at {host}:{port} ({prefix}) within {timeout_s} s") from exc
@@ -357,8 +361,17 @@ def _store(host: str, port: int, rank: int, prefix: str, timeout: timedelta) -> 
         return store
 
 
-def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta) -> tuple[Any, torch.device]:
+def _make_group(
+    store: dist.Store, rank: int, backend: str, timeout: timedelta, local_host: str | None = None,
+) -> tuple[Any, torch.device]:
     """The backend object itself, not a ProcessGroup wrapper: no default group needed."""
-    if backend == "gloo":
+    if backend == "gloo" and local_host is None:
         return dist.ProcessGroupGloo(store, rank, 2, timeout), torch.device("cpu")
+    if backend == "gloo":
+        # As torch.distributed builds a gloo group on a named host (its
+        # GLOO_SOCKET_IFNAME path): one device bound to that address.
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+        return dist.ProcessGroupGloo(store, rank, 2, options), torch.device("cpu")
     raise ValueError(f"the link runs over gloo only, got backend {backend!r} (see the module docstring)")

@@ -1,0 +1,254 @@
+"""Past one machine, on a simulated multi-node Ray cluster: replicas spread over
+nodes behind one gRPC endpoint, a replica's target killed under load, the
+draft on another node than its target, a node removed mid-run.
+
+`ray.cluster_utils.Cluster` starts one raylet per node on this machine, each
+with its own resources (two CPUs: one replica's target and draft). Tiny
+pair, CPU, real Ray actors, gloo links, gRPC on loopback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from ssd.cluster.devices import plan_placement
+from ssd.cluster.runtime import Cluster
+from ssd.config import ConfigError, GenerationConfig, SamplingConfig, load_config
+from ssd.engine.request import GenerationRequest
+from tests.conftest import ROOT
+from tests.test_cluster import local_ar
+from tests.test_faults import FINISH_REASON_ERROR, HealthLog, wait_until
+
+pytestmark = pytest.mark.cluster
+
+CONFIG = load_config(ROOT / "configs" / "tiny-cluster.yaml")
+PLACEMENT = plan_placement("0", "1", 2, "cpu")  # per replica: the target on core 0, the draft on core 1
+NODE_CPUS = 2  # one replica per node
+GREEDY = SamplingConfig(temperature=0.0)
+TEXTS = ["abcab", "ponm", "aaaabbbb", "mnop", "cab", "bbbb", "onm", "abc"]
+RECOVERY_S = 120.0
+# A node whose raylet is gone is declared dead within ~1.5 s (Ray's defaults: ~30 s).
+FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                     "health_check_failure_threshold": 3}
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """A head node without CPUs (no actor lands there) and two worker nodes."""
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    os.environ.setdefault("RAY_worker_niceness", str(os.nice(0)))  # as ssd.cluster.runtime.start_ray does
+    ray_cluster = RayCluster(initialize_head=True,
+                             head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_FAILURE})
+    try:
+        workers = [ray_cluster.add_node(num_cpus=NODE_CPUS) for _ in range(2)]
+        ray.init(address=ray_cluster.address, include_dashboard=False, logging_level=logging.WARNING)
+        ray_cluster.wait_for_nodes()
+        yield ray_cluster, workers
+    finally:
+        ray.shutdown()
+        ray_cluster.shutdown()
+
+
+def greedy(prompt: list[int], n: int, mode: str = "ssd") -> GenerationRequest:
+    spec = dataclasses.replace(CONFIG.speculation, mode=mode)
+    return GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), spec)
+
+
+def test_the_draft_on_another_node_links_over_tcp_and_greedy_equals_ar(nodes):
+    import ray
+
+    _, (a, b) = nodes
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node=b.node_id))
+    with Cluster(config, PLACEMENT, node=a.node_id) as cluster:
+        target, draft = ray.get([cluster.targets[0].whereabouts.remote(), cluster.draft.whereabouts.remote()])
+        assert (target["node_id"], draft["node_id"]) == (a.node_id, b.node_id)
+        assert cluster.link_address[0] == b.node_ip_address != "127.0.0.1"  # the node's address, not loopback
+        for text in TEXTS[:3]:
+            prompt = cluster.encode(text)
+            out = cluster.generate(greedy(prompt, 40))
+            assert out.token_ids == local_ar(CONFIG, prompt, 40)
+            assert out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0, out.stats.summary()
+
+
+def test_a_draft_node_that_does_not_exist_is_refused_naming_the_field(nodes):
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node="10.9.9.9"))
+    with pytest.raises(ConfigError, match=r"cluster.draft_node \(--draft-node\) '10.9.9.9' names no alive Ray node"):
+        Cluster(config, PLACEMENT)
+
+
+def test_more_replicas_than_the_nodes_hold_are_refused_naming_the_field(nodes):
+    from ssd.cluster.replicas import Replicas
+
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=3))
+    with pytest.raises(ConfigError, match=r"cluster.replicas \(--replicas\) 3 needs \{'CPU': 6\}"):
+        Replicas(config, PLACEMENT)
+
+
+@pytest.fixture(scope="module")
+def stack(nodes):
+    """Two replicas behind one gRPC server, polled for health throughout."""
+    from ssd.cluster.replicas import Replicas
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=2))
+    replicas = Replicas(config, PLACEMENT)
+    server = GenerationServer(ServeOptions(port=0, grace_s=2.0), lambda: ClusterBackend(replicas))
+    server.start()
+    client = GenerationClient(f"127.0.0.1:{server.port}")
+    try:
+        assert server.wait_ready(60)
+        health = HealthLog(client)
+        yield replicas, server, client, health
+        health.stop()
+    finally:
+        client.close()
+        server.stop()
+        replicas.shutdown()
+
+
+def expected_ar(replicas, text: str, n: int) -> list[int]:
+    return local_ar(CONFIG, replicas.encode(text), n)
+
+
+def run_with_retry(client, text: str, n: int, mode: str, on_first_tokens=None) -> tuple[list[int], int]:
+    """Stream one request to its end, retrying on UNAVAILABLE (a request lost after it
+    streamed tokens); its output and how many attempts failed."""
+    for failed in range(5):
+        tokens: list[int] = []
+        try:
+            for message in client.stream(text=text, max_new_tokens=n, mode=mode, timeout=RECOVERY_S):
+                tokens.extend(message.token_ids)
+                if tokens and on_first_tokens is not None:
+                    on_first_tokens()
+                if message.HasField("finished") and message.finished.reason != FINISH_REASON_ERROR:
+                    return list(message.finished.output_token_ids), failed  # (an error: the status follows)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+    raise AssertionError(f"{text!r} failed 5 times")
+
+
+def test_two_replicas_on_two_nodes_share_the_requests(stack, nodes):
+    from ssd.serve.metrics import prometheus_text
+
+    replicas, server, client, health = stack
+    _, workers = nodes
+    assert {replicas.node_of(0), replicas.node_of(1)} == {w.node_id for w in workers}  # a node each
+    modes = ["ssd", "ar"] * (len(TEXTS) // 2)
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        outs = list(pool.map(lambda tm: client.generate(text=tm[0], max_new_tokens=40, mode=tm[1], timeout=RECOVERY_S),
+                             zip(TEXTS, modes)))
+    for text, out in zip(TEXTS, outs):
+        assert out.token_ids == expected_ar(replicas, text, 40) and out.finish_reason == "length"
+    routed = [c.routed for c in replicas.counts]
+    assert sum(routed) == len(TEXTS) and min(routed) >= 2, routed  # spread over both
+    metrics = prometheus_text(server.registry)
+    for index in (0, 1):
+        assert f'ssd:replica_requests_routed_total{{replica="{index}"}} {float(routed[index])}' in metrics
+        assert f'ssd:replica_serving{{replica="{index}"}} 1.0' in metrics
+
+
+def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
+    """Rows admitted on replica 0 that have streamed nothing when its target dies
+    run on replica 1 instead; every row ends with its own right output."""
+    import ray
+
+    replicas, _, _, health = stack
+    engine = replicas.batch_engine("ar")
+    try:
+        prompts = [replicas.encode(t) for t in TEXTS[:4]]
+        requests = [greedy(p, 30, "ar") for p in prompts]
+        for request in requests:
+            assert engine.can_admit(request)
+            engine.admit(request)
+        assert [e.rows for e in engine.engines] == [2, 2]  # the most room first: alternately
+        killed = time.monotonic()
+        ray.kill(replicas.clusters[0].targets[0], no_restart=True)
+        results = {}
+        while engine.rows:
+            for row in engine.step():
+                assert row.error is None, row.error
+                results[id(row.request)] = row.result.token_ids
+    finally:
+        engine.close()
+    assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
+    assert replicas.counts[0].moved == 2
+    wait_until(lambda: replicas.clusters[0].target_restarts == 1 and replicas.clusters[0].serving, RECOVERY_S,
+               "replica 0 did not come back")
+    time.sleep(0.3)
+    assert set(health.since(killed)) == {"SERVING"}  # the other replica served throughout
+
+
+def test_a_replicas_target_killed_under_load_loses_no_request(stack):
+    """Eight clients streaming; replica 1's target SIGKILLed once they stream. A
+    request that had streamed tokens fails UNAVAILABLE and its retry succeeds;
+    the rest finish; health stays SERVING; replica 1 restarts."""
+    import ray
+
+    replicas, _, client, health = stack
+    wait_until(lambda: replicas.serving and all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
+    victim = replicas.clusters[1]
+    pid, restarts, moved = ray.get(victim.targets[0].ready.remote()), victim.target_restarts, replicas.counts[1].moved
+    killed: list[float] = []
+    lock = threading.Lock()
+
+    def kill_once() -> None:
+        with lock:
+            if not killed:
+                killed.append(time.monotonic())
+                os.kill(pid, signal.SIGKILL)
+
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        runs = list(pool.map(lambda t: run_with_retry(client, t, 80, "ssd", kill_once), TEXTS))
+    for text, (tokens, _) in zip(TEXTS, runs):
+        assert tokens == expected_ar(replicas, text, 80)
+    hit = sum(failed for _, failed in runs) + replicas.counts[1].moved - moved
+    assert hit > 0, "the kill met no request: replica 1 ran none"  # retried after streaming, or moved unstreamed
+    wait_until(lambda: victim.target_restarts == restarts + 1 and victim.serving, RECOVERY_S,
+               "replica 1 did not come back")
+    time.sleep(0.3)
+    assert set(health.since(killed[0])) == {"SERVING"}
+
+
+def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_node(stack, nodes):
+    """The node of replica 1 leaves the Ray cluster while eight clients stream: its
+    replica is handled as a lost target, replica 0 serves meanwhile; once a new
+    node joins, replica 1 restarts there."""
+    replicas, _, client, health = stack
+    ray_cluster, workers = nodes
+    wait_until(lambda: all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
+    gone = next(w for w in workers if w.node_id == replicas.node_of(1))
+    removed: list[float] = []
+    lock = threading.Lock()
+
+    def remove_once() -> None:
+        with lock:
+            if not removed:
+                removed.append(time.monotonic())
+                ray_cluster.remove_node(gone, allow_graceful=False)
+
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        runs = list(pool.map(lambda t: run_with_retry(client, t, 60, "ssd", remove_once), TEXTS))
+    for text, (tokens, _) in zip(TEXTS, runs):
+        assert tokens == expected_ar(replicas, text, 60)
+    time.sleep(0.3)
+    assert set(health.since(removed[0])) == {"SERVING"}
+    new = ray_cluster.add_node(num_cpus=NODE_CPUS)  # room again: Ray places the lost group's bundles there
+    wait_until(lambda: replicas.clusters[1].serving and replicas.clusters[1].linked(), RECOVERY_S,
+               "replica 1 did not come back on the new node")
+    assert replicas.node_of(1) == new.node_id
+    out = replicas.clusters[1].generate(greedy(replicas.encode(TEXTS[0]), 30))
+    assert out.token_ids == expected_ar(replicas, TEXTS[0], 30) and out.stats.spec.hits > 0
