@@ -84,34 +84,40 @@ class Int8Linear(nn.Module):
         self.register_buffer("_anchor", anchor, persistent=False)
 
     @classmethod
+    def from_int8(cls, ints: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+        """The layer whose weights are `ints` (int8, [out, in]) times `scales` (fp64, one per output
+        channel): what `int8_weight` returns, so a layer can be stored and rebuilt bit for bit."""
+        with _quiet():
+            qweight = torch._make_per_channel_quantized_tensor(
+                ints.contiguous(), scales.contiguous(), torch.zeros(scales.shape, dtype=torch.long), 0
+            )
+        layer = cls.__new__(cls)
+        layer._setup(qweight, bias)
+        return layer
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weights and their per-output-channel fp64 scales, as plain tensors
+        (the packed fbgemm weight is an opaque object no file format holds)."""
+        weight = torch.ops.quantized.linear_unpack(self._packed)[0]
+        return weight.int_repr(), weight.q_per_channel_scales()
+
+    @classmethod
     def concat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
         """One layer computing every part's outputs side by side (bit for bit the same:
         weights are quantized per output channel, activations per row)."""
-        weights = [torch.ops.quantized.linear_unpack(p._packed)[0] for p in parts]
-        ints = torch.cat([w.int_repr() for w in weights])
-        scales = torch.cat([w.q_per_channel_scales() for w in weights])
-        with _quiet():
-            qweight = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros_like(scales, dtype=torch.long), 0)
+        ints, scales = zip(*(p.int8_weight() for p in parts))
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
         bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
-        fused = cls.__new__(cls)
-        fused._setup(qweight, bias)
-        return fused
+        return cls.from_int8(torch.cat(ints), torch.cat(scales), bias)
 
     def split(self, sizes: list[int]) -> list["Int8Linear"]:
         """The inverse of `concat`: one layer per block of `sizes` output channels."""
-        weight = torch.ops.quantized.linear_unpack(self._packed)[0]
-        ints, scales = weight.int_repr(), weight.q_per_channel_scales()
+        ints, scales = self.int8_weight()
         layers, start = [], 0
         for size in sizes:
             rows = slice(start, start + size)
-            with _quiet():
-                qweight = torch._make_per_channel_quantized_tensor(
-                    ints[rows].contiguous(), scales[rows].contiguous(), torch.zeros(size, dtype=torch.long), 0
-                )
-            layer = Int8Linear.__new__(Int8Linear)
-            layer._setup(qweight, None if self.bias is None else self.bias[rows].clone())
-            layers.append(layer)
+            bias = None if self.bias is None else self.bias[rows].clone()
+            layers.append(Int8Linear.from_int8(ints[rows], scales[rows], bias))
             start += size
         return layers
 
