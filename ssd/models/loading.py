@@ -23,7 +23,7 @@ from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
 from ssd.models import qcache
 from ssd.models.invariant import use_row_attention
-from ssd.models.quant import INT8, fuse_projections, int8_supported, quantize_int8
+from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
         model = _from_pretrained(cfg.name, dtype, device)
     if cfg.quantization == INT8:  # CPU only (refused above elsewhere)
         # Both halves of batch invariance: verified positions score as decoded ones.
-        model = use_row_attention(fuse_projections(model))
+        model = use_row_attention(pack_int8(fuse_projections(model)))
     return _frozen(model)
 
 
