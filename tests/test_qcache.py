@@ -168,3 +168,17 @@ def test_layers_round_trip_through_plain_tensors():
     again = Int8Linear.from_int8(ints.clone(), scales.clone(), layer.bias.clone())
     x = torch.randn(5, 64)
     assert torch.equal(again(x), layer(x))
+
+
+def test_no_quant_cache_flag_turns_it_off_for_both_models():
+    import argparse
+
+    from ssd.cli import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    on = config_from_args(parser.parse_args(["--target-precision", "int8"]))
+    off = config_from_args(parser.parse_args(["--no-quant-cache", "--target-precision", "int8"]))
+    assert on.target.cache_quantized and on.draft.cache_quantized
+    assert not off.target.cache_quantized and not off.draft.cache_quantized
+    assert off.target.quantization == "int8"  # the precision override kept beside it
