@@ -122,8 +122,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     print(f"{hardware.summary()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     cached = {"cache_quantized": not args.no_quant_cache}
-    # No start-up plan: it times the host (minutes with the real pair) and does not change what is measured.
-    config = load_config(args.config, {"target": cached, "draft": cached, "runtime": {"plan": False}})
+    # SSD, as the cluster serves it; no start-up plan: it times the host (minutes with the
+    # real pair) and does not change what is measured.
+    config = load_config(args.config, {"target": cached, "draft": cached, "runtime": {"plan": False},
+                                       "speculation": {"mode": "ssd"}})
     started = time.monotonic()
     with Cluster(config, plan_placement("0", "1", 2, "cpu")) as cluster:
         print(f"started in {time.monotonic() - started:.1f} s", flush=True)
