@@ -182,3 +182,13 @@ def test_no_quant_cache_flag_turns_it_off_for_both_models():
     assert on.target.cache_quantized and on.draft.cache_quantized
     assert not off.target.cache_quantized and not off.draft.cache_quantized
     assert off.target.quantization == "int8"  # the precision override kept beside it
+
+
+def test_unwritable_cache_folder_only_costs_the_cache(checkpoint, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SSD_CACHE_DIR", str(blocker))  # <file>/quantized cannot be created
+    with caplog.at_level(logging.WARNING, logger="ssd.models.qcache"):
+        model = int8(checkpoint)
+    assert "unusable" in caplog.text
+    assert torch.equal(logits(model), logits(int8(checkpoint, cache_quantized=False)))

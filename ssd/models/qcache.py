@@ -33,6 +33,7 @@ SSD_QUANT_CACHE=0 turns the cache off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -88,8 +89,13 @@ def cached_int8(source: Path, quantize: Callable[[], nn.Module], root: Path | No
     model = _load_or_none(path, source)
     if model is not None:
         return model
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent / f".{path.name}.lock"):
+    with contextlib.ExitStack() as stack:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_locked(path.parent / f".{path.name}.lock"))
+        except OSError as exc:  # a read-only cache folder costs the cache, not the start
+            logger.warning("int8 cache folder %s unusable (%s); quantizing without it", path.parent, exc)
+            return quantize()
         model = _load_or_none(path, source)  # written by another process while we waited
         if model is not None:
             return model
@@ -126,7 +132,7 @@ def _store(model: nn.Module, path: Path, source: Path) -> None:
         save_file(int8_tensors(model), tmp, metadata={"format": FORMAT, "torch": torch.__version__,
                                                       "source": str(source), "key": path.name})
         os.replace(tmp, path)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - disk full (an OSError, or safetensors' own error): the cache is optional
         logger.warning("could not write the int8 cache %s (%s); the next start quantizes again", path, exc)
         Path(tmp).unlink(missing_ok=True)
         return
