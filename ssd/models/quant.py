@@ -41,9 +41,12 @@ from ssd import hardware
 
 INT8 = "int8"
 _TINY = torch.finfo(torch.float32).tiny
-# Most output channels per fbgemm packed block (Int8Linear.pack): past ~20k rows
-# packing slows down per weight; the fused gate/up of a 1.5B model (17920) stays whole.
-PACK_ROWS = 20480
+# Most output channels per fbgemm packed block (Int8Linear.pack). Fewer rows pack
+# faster and cost more per call: the 1.5B model's 151936-row LM head packs in
+# 7.4 s whole, 3.7 s in 4 blocks, 1.7 s in 8, and a 6-row call costs 21.3 ms
+# whole, 21.9 ms in 4 blocks, 22.4 ms in 8 (one AVX2 core). 4 blocks: most of
+# the start-up gain for +2.5% on that one layer. Every other layer stays whole.
+PACK_ROWS = 40000
 _PACKING = threading.Lock()  # held while a layer packs its weights or hands out its unpacked ones
 
 
@@ -100,8 +103,7 @@ class Int8Linear(nn.Module):
         """The packed weights, built now if not yet (once, whichever thread asks first).
 
         In blocks of at most PACK_ROWS output channels: fbgemm's packing slows
-        down per weight as a layer gets taller (a 151936-row LM head packs at
-        ~70 ns a weight, an 8960-row MLP at ~15 on one AVX2 core), and each output channel is
+        down per weight as a layer gets taller, and each output channel is
         computed on its own, so the blocks' outputs side by side are the
         whole layer's bit for bit.
         """
