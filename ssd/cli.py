@@ -49,6 +49,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for role in ("target", "draft"):
         parser.add_argument(f"--{role}-precision", choices=sorted(PRECISIONS),
                             help=f"override {role}.dtype and {role}.quantization (auto: fastest on this host)")
+    parser.add_argument("--no-quant-cache", action="store_true",
+                        help="int8: quantize from the checkpoint at every start (no int8 weights on disk)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -87,7 +89,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         precision = getattr(args, f"{role}_precision")
         if precision:
             dtype, quantization = PRECISIONS[precision]
-            overrides[role] = {"dtype": dtype, "quantization": quantization}
+            overrides.setdefault(role, {}).update(dtype=dtype, quantization=quantization)
+        if args.no_quant_cache:
+            overrides.setdefault(role, {})["cache_quantized"] = False
     try:
         return load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:

@@ -71,6 +71,9 @@ class ModelConfig:
     # "auto" (either field): the fastest precision this host runs exactly;
     # see ssd.models.loading.resolve_precision.
     quantization: str | None = None
+    # int8: keep the quantized weights on disk (ssd.models.qcache) so later
+    # starts skip the fp32 read and the quantization; SSD_QUANT_CACHE=0 also turns it off.
+    cache_quantized: bool = True
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:

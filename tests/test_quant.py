@@ -255,3 +255,31 @@ def test_fused_layers_call_four_int8_matmuls_instead_of_seven():
     layers = tcfg.num_hidden_layers
     assert calls[0] - calls[1] == 3 * layers and calls[1] >= 4 * layers, calls
     assert torch.equal(logits[0], logits[1])
+
+
+@needs_int8
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_layer_packed_in_blocks_computes_the_whole_layer_bit_for_bit(bias, monkeypatch):
+    """Tall layers (the LM head) are packed in blocks of output channels: the same outputs."""
+    import ssd.models.quant as quant
+
+    x = uneven_rows()
+    whole = Int8Linear(linear(bias))
+    assert len(whole.pack()) == 1
+    monkeypatch.setattr(quant, "PACK_ROWS", 20)
+    blocks = Int8Linear(linear(bias))
+    assert len(blocks.pack()) == 3  # 48 rows: 16 + 16 + 16
+    assert torch.equal(blocks(x), whole(x))
+    ints, scales = blocks.int8_weight()  # unpacked from the blocks: the same weights
+    assert torch.equal(ints, whole.int8_weight()[0]) and torch.equal(scales, whole.int8_weight()[1])
+
+
+@needs_int8
+def test_layers_are_packed_once_by_load_model_and_fused_before_packing():
+    from ssd.models.quant import FusedInt8Linear
+
+    model = load_model(ModelConfig(name="tiny", quantization="int8"))
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m._packed is not None and m._int8 is None for m in layers)
+    fused = next(m for m in model.modules() if isinstance(m, FusedInt8Linear))
+    assert fused._split is None  # the parts were concatenated as plain int8, never packed

@@ -21,8 +21,9 @@ import torch
 
 from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
+from ssd.models import qcache
 from ssd.models.invariant import use_row_attention
-from ssd.models.quant import INT8, fuse_projections, int8_supported, quantize_int8
+from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     With `quantization="int8"` every Linear gets int8 weights and per-row
     int8 activations (ssd.models.quant, CPU only); the weights are loaded in
     fp32 and the rest of the model computes in fp32, so `dtype` must then be
-    "fp32". "auto" in either field is resolved for `device` first.
+    "fp32". The int8 weights of a checkpoint are cached on disk after the
+    first load (ssd.models.qcache; `cache_quantized`). "auto" in either field
+    is resolved for `device` first.
     """
     cfg = resolve_precision(cfg, device)
     if cfg.quantization == INT8 and cfg.dtype != "fp32":
@@ -57,12 +60,38 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     if cfg.name == TINY:  # built on the CPU (a seeded draw), then moved: a few MB
         model = build_tiny_model(cfg.tiny, dtype=dtype)
         model = model.to(device) if device != "cpu" else model
+        model = quantize_int8(model) if cfg.quantization == INT8 else model
+    elif cfg.quantization == INT8:
+        model = _int8_from_pretrained(cfg)
     else:
         model = _from_pretrained(cfg.name, dtype, device)
     if cfg.quantization == INT8:  # CPU only (refused above elsewhere)
         # Both halves of batch invariance: verified positions score as decoded ones.
-        model = use_row_attention(fuse_projections(quantize_int8(model)))
+        model = use_row_attention(pack_int8(fuse_projections(model)))
     return _frozen(model)
+
+
+def _int8_from_pretrained(cfg: ModelConfig) -> torch.nn.Module:
+    """The checkpoint's Linears in int8 (unfused): from the int8 cache when it has them (seconds),
+    else read in fp32 and quantized (tens of seconds for 1.5B), then cached (ssd.models.qcache)."""
+    def quantize() -> torch.nn.Module:
+        return quantize_int8(_from_pretrained(cfg.name, torch.float32))
+
+    source = _local_checkpoint(cfg.name) if qcache.enabled(cfg.cache_quantized) else None
+    return quantize() if source is None else qcache.cached_int8(source, quantize)
+
+
+def _local_checkpoint(name: str) -> Path | None:
+    """The local directory holding `name`'s checkpoint, or None (a hub id not downloaded yet)."""
+    source = Path(resolve_source(name))
+    if source.is_dir():
+        return source
+    try:  # a hub id: its snapshot in the hub cache, if `prefetch` (or an earlier run) put it there
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, ignore_patterns=NOT_TORCH, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a valid id: load as usual, uncached
+        return None
 
 
 def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
@@ -142,7 +171,12 @@ def _download(name: str) -> str:
 
 def checkpoint_bytes(directory: Path) -> int:
     """Bytes of the weight files in `directory` (symlinks followed, as the hub cache uses them)."""
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+    return sum(f.stat().st_size for f in weight_files(directory))
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files under `directory`, sorted."""
+    return sorted(f for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
 
 
 def resolve_source(name: str) -> str:

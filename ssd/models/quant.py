@@ -30,6 +30,7 @@ at five.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -40,6 +41,13 @@ from ssd import hardware
 
 INT8 = "int8"
 _TINY = torch.finfo(torch.float32).tiny
+# Most output channels per fbgemm packed block (Int8Linear.pack). Fewer rows pack
+# faster and cost more per call: the 1.5B model's 151936-row LM head packs in
+# 7.4 s whole, 3.7 s in 4 blocks, 1.7 s in 8, and a 6-row call costs 21.3 ms
+# whole, 21.9 ms in 4 blocks, 22.4 ms in 8 (one AVX2 core). 4 blocks: most of
+# the start-up gain for +2.5% on that one layer. Every other layer stays whole.
+PACK_ROWS = 40000
+_PACKING = threading.Lock()  # held while a layer packs its weights or hands out its unpacked ones
 
 
 @contextlib.contextmanager
@@ -57,7 +65,14 @@ def int8_supported() -> bool:
 
 
 class Int8Linear(nn.Module):
-    """A frozen nn.Linear with int8 per-channel weights and per-row int8 activations (CPU)."""
+    """A frozen nn.Linear with int8 per-channel weights and per-row int8 activations (CPU).
+
+    The weights are packed for fbgemm on first use, or by `pack` (load_model
+    packs every layer before it returns, so no request pays it). Packing costs
+    more than the quantization itself (~10-40 ns per weight on one core), and a
+    layer fused with others before it is packed (fuse_projections) is packed
+    once, as the fused layer, instead of twice with an unpack in between.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         weight = linear.weight.detach().to(torch.float32)
@@ -67,64 +82,110 @@ class Int8Linear(nn.Module):
                 weight, scale.double(), torch.zeros(scale.shape, dtype=torch.long), 0, torch.qint8
             )
         bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
-        self._setup(qweight, bias)
+        self._setup(qweight.int_repr(), qweight.q_per_channel_scales(), bias)
 
-    def _setup(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _setup(self, ints: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         # 8-bit activations where the CPU has VNNI; elsewhere 7, as torch.ao
         # uses on x86: u8 x s8 products summed in pairs can saturate int16
         # without VNNI, one bit less cannot. On the held-out code text the
         # eighth bit cut the perplexity gap to bf16 from +0.050 to +0.019.
         self.reduce_range = not hardware.int8_dot_product()
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = (ints.contiguous(), scales.contiguous())
+        self._packed = None  # fbgemm's packed weights; replaces _int8 once built
         self.register_buffer("bias", bias)
-        self.out_features, self.in_features = qweight.shape
+        self.out_features, self.in_features = ints.shape
         anchor = torch.zeros(1, self.in_features)
         anchor[0, 0], anchor[0, -1] = 1.0, -1.0
         self.register_buffer("_anchor", anchor, persistent=False)
+
+    def pack(self) -> tuple[torch.ScriptObject, ...]:
+        """The packed weights, built now if not yet (once, whichever thread asks first).
+
+        In blocks of at most PACK_ROWS output channels: fbgemm's packing slows
+        down per weight as a layer gets taller, and each output channel is
+        computed on its own, so the blocks' outputs side by side are the
+        whole layer's bit for bit.
+        """
+        with _PACKING:
+            if self._packed is None:
+                ints, scales = self._int8
+                rows = -(-self.out_features // -(-self.out_features // PACK_ROWS))  # even blocks
+                self._packed = tuple(
+                    _prepack(ints[start : start + rows], scales[start : start + rows])
+                    for start in range(0, self.out_features, rows)
+                )
+                self._int8 = None
+            return self._packed
+
+    @classmethod
+    def from_int8(cls, ints: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+        """The layer whose weights are `ints` (int8, [out, in]) times `scales` (fp64, one per output
+        channel): what `int8_weight` returns, so a layer can be stored and rebuilt bit for bit."""
+        layer = cls.__new__(cls)
+        layer._setup(ints, scales, bias)
+        return layer
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weights and their per-output-channel fp64 scales, as plain tensors
+        (the packed fbgemm weight is an opaque object no file format holds)."""
+        with _PACKING:
+            if self._int8 is not None:
+                return self._int8
+        weights = [torch.ops.quantized.linear_unpack(block)[0] for block in self._packed]
+        return torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights])
 
     @classmethod
     def concat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
         """One layer computing every part's outputs side by side (bit for bit the same:
         weights are quantized per output channel, activations per row)."""
-        weights = [torch.ops.quantized.linear_unpack(p._packed)[0] for p in parts]
-        ints = torch.cat([w.int_repr() for w in weights])
-        scales = torch.cat([w.q_per_channel_scales() for w in weights])
-        with _quiet():
-            qweight = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros_like(scales, dtype=torch.long), 0)
+        ints, scales = zip(*(p.int8_weight() for p in parts))
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
         bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
-        fused = cls.__new__(cls)
-        fused._setup(qweight, bias)
-        return fused
+        return cls.from_int8(torch.cat(ints), torch.cat(scales), bias)
 
     def split(self, sizes: list[int]) -> list["Int8Linear"]:
         """The inverse of `concat`: one layer per block of `sizes` output channels."""
-        weight = torch.ops.quantized.linear_unpack(self._packed)[0]
-        ints, scales = weight.int_repr(), weight.q_per_channel_scales()
+        ints, scales = self.int8_weight()
         layers, start = [], 0
         for size in sizes:
             rows = slice(start, start + size)
-            with _quiet():
-                qweight = torch._make_per_channel_quantized_tensor(
-                    ints[rows].contiguous(), scales[rows].contiguous(), torch.zeros(size, dtype=torch.long), 0
-                )
-            layer = Int8Linear.__new__(Int8Linear)
-            layer._setup(qweight, None if self.bias is None else self.bias[rows].clone())
-            layers.append(layer)
+            bias = None if self.bias is None else self.bias[rows].clone()
+            layers.append(Int8Linear.from_int8(ints[rows], scales[rows], bias))
             start += size
         return layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few, in-place ops: this wrapper runs ~170 times per draft forward.
+        packed = self._packed if self._packed is not None else self.pack()
         scaled = torch.cat((x.reshape(-1, self.in_features), self._anchor))
         peak = torch.linalg.vector_norm(scaled, float("inf"), dim=1, keepdim=True).clamp_min_(_TINY)
-        out = torch.ops.quantized.linear_dynamic(scaled.div_(peak), self._packed, self.reduce_range)[:-1]
+        scaled = scaled.div_(peak)
+        if len(packed) == 1:
+            out = torch.ops.quantized.linear_dynamic(scaled, packed[0], self.reduce_range)[:-1]
+        else:  # a tall layer (the LM head): its blocks side by side
+            out = torch.cat([torch.ops.quantized.linear_dynamic(scaled, b, self.reduce_range) for b in packed], 1)[:-1]
         out = out.mul_(peak[:-1]) if self.bias is None else torch.addcmul(self.bias, out, peak[:-1])
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row activations"
+
+
+def _prepack(ints: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:
+    with _quiet():
+        qweight = torch._make_per_channel_quantized_tensor(
+            ints.contiguous(), scales.contiguous(), torch.zeros(scales.shape, dtype=torch.long), 0
+        )
+    return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def pack_int8(model: nn.Module) -> nn.Module:
+    """Pack every Int8Linear's weights now, so that no forward packs and none writes to a module."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.pack()
+    return model
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
