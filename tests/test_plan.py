@@ -165,7 +165,7 @@ def test_the_plan_reaches_a_local_server_s_engines(pair, tiny_tokenizer, tmp_pat
     from ssd.engine.factory import LoadedPair
     from ssd.serve.backend import LocalBackend
 
-    monkeypatch.setenv("SSD_CACHE", str(tmp_path))
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
     target, draft = pair
     config = Config(speculation=SpeculationConfig(mode="ssd", k=7), runtime=RuntimeConfig(plan=True, plan_keeps=["glue"]))
     backend = LocalBackend(config, pair=LoadedPair(target, draft, tiny_tokenizer))

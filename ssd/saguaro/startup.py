@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,6 +30,7 @@ from ssd import hardware
 from ssd.ablation.batch_costs import chain_rows_probe, prefilled_rows, verify_rows_probe
 from ssd.ablation.costs import CostSettings, Costs, backup_probe, build_probe, forward_probe, round_robin
 from ssd.config import Config, SpeculationConfig
+from ssd.models import offline
 from ssd.models.kv import KVSequence, forward_rows
 from ssd.saguaro.branches import make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
@@ -54,7 +54,7 @@ SAMPLE_PROMPTS = (  # code and chat, as users send
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SSD_CACHE", Path.home() / ".cache" / "ssd")) / "plans"
+    return offline.cache_dir() / "plans"  # beside the models and int8 weights ($SSD_CACHE_DIR)
 
 
 def plan_key(target_name: str, draft_name: str, precisions: Sequence[str], devices: Sequence[str]) -> str:
