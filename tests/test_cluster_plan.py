@@ -30,6 +30,7 @@ def test_the_cluster_plans_at_start_and_runs_the_plan(tmp_path, monkeypatch):
         assert chosen.glue == CONFIG.speculation.glue  # kept, as asked
         worker = ray.get(cluster.targets[0].__ray_call__.remote(lambda self: self.config.speculation))
         assert worker == chosen
+        assert 0 < cluster.link_round_trip_s < 1 and cluster.plan.best.link_s == cluster.link_round_trip_s
         prompt = cluster.encode(CONFIG.prompt)
         out = cluster.generate(GenerationRequest(prompt, CONFIG.sampling, CONFIG.generation))
         assert out.token_ids == local_ar(CONFIG, prompt, CONFIG.generation.max_new_tokens)

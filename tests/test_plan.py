@@ -99,6 +99,18 @@ def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification(
     assert roomy.batch_budget is None  # builds nearly free: every row keeps its budget
 
 
+def test_the_link_s_round_trip_is_added_to_every_round():
+    plain = predict(costs(0.02), GOOD_DRAFT, 2, 4, "reuse")
+    linked = predict(costs(0.02), GOOD_DRAFT, 2, 4, "reuse", link_s=0.05)
+    round_s = plain.tokens_per_round / plain.tokens_per_s
+    assert linked.tokens_per_s == pytest.approx(plain.tokens_per_round / (round_s + 0.05))
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01), link_s=0.05)
+    assert plan.best.link_s == 0.05 and "link round trip 50.00 ms" in plan.summary()
+    slow = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01), link_s=0.5)
+    assert slow.rows[1].ssd_tokens_per_s < plan.rows[1].ssd_tokens_per_s  # batched rounds pay it too
+    assert slow.best.tokens_per_s < plan.best.tokens_per_s
+
+
 def test_apply_plan_sets_the_batch_rules_unless_the_config_sets_its_own():
     plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
     base = SpeculationConfig(mode="ssd", k=7)

@@ -299,3 +299,22 @@ def test_guessed_outcomes_take_one_topk_for_all_rows_with_the_same_result(seed):
     drafted = torch.randint(vocab, (k,), generator=g).tolist()
     fanout = torch.randint(0, vocab + 2, (k + 1,), generator=g).tolist()
     assert guessed_outcomes(logits, drafted, fanout) == per_row_guesses(logits, drafted, fanout)
+
+
+def test_the_link_s_round_trip_is_timed_by_ping_pong_and_the_link_still_serves(tiny_models, tiny_tokenizer, references):
+    """The cluster times its link at every (re)link before SSD uses it (the plan adds it to
+    every round): the speculator answers pings, and a request after them runs as usual."""
+    import threading
+
+    from ssd.saguaro import protocol
+    from ssd.saguaro.speculator import Speculator
+    from ssd.transport import inprocess_pair
+
+    target, draft = tiny_models
+    target_end, draft_end = inprocess_pair()
+    threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True).start()
+    seconds = protocol.round_trip_s(target_end, times=5)
+    assert 0 < seconds < 1
+    with SSDEngine(target, tiny_tokenizer, ssd_spec(), channel=target_end) as ssd:
+        out = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20)))
+    assert out.token_ids == references[tuple(PROMPTS[0])][: len(out.token_ids)] and out.stats.spec.hits > 0

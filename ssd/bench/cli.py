@@ -112,7 +112,8 @@ def serving(args: argparse.Namespace, config) -> list:
             print(f"cluster: SSD runs with K={cluster.config.speculation.k}, "
                   f"budget={cluster.config.speculation.fanout.budget}, glue={cluster.config.speculation.glue}, "
                   f"k_policy={cluster.config.speculation.k_policy}, "
-                  f"batch_budget={cluster.config.speculation.fanout.batch_budget}", flush=True)
+                  f"batch_budget={cluster.config.speculation.fanout.batch_budget}; "
+                  f"link round trip {cluster.link_round_trip_s * 1e3:.2f} ms", flush=True)
         stack.enter_context(busy_background(args.background_load))
         results = run_serving_bench(pair, config, plan, cluster)
     print(describe_background(args.background_load))

@@ -205,22 +205,25 @@ class Cluster:
         self.target_restarts = 0
         self.link_address: tuple[str, int] | None = None  # where the draft last met the target
         self.plan = None  # SSD's start-up plan (ssd.saguaro.plan.Plan), when one ran
+        self.link_round_trip_s: float | None = None  # the link's, measured at each (re)link
         if self.draft is not None:
-            self._plan()
+            probes = self._probe()  # before the link: the draft actor then runs its serve loop
             self.link()
+            if probes is not None:
+                self._plan(*probes)
         self._up.set()
         self._watcher = threading.Thread(target=self._watch, name="ssd-cluster-watcher", daemon=True)
         self._watcher.start()
 
     # ----------------------------------------------------------------- start-up
 
-    def _plan(self) -> None:
-        """SSD's start-up plan (ssd.saguaro.startup), each half timed on its own actor,
-        before the link starts; the speculation defaults of the driver and the target change."""
+    def _probe(self) -> tuple[dict, dict, dict] | None:
+        """SSD's start-up probes (ssd.saguaro.startup), each half timed on its own actor
+        (or read from the cache), where a plan is wanted: (target part, draft part, meta)."""
         from ssd.saguaro import startup
 
         if not startup.wanted(self.config, world=len(self.targets)):
-            return
+            return None
 
         def measure() -> tuple[dict, dict]:
             target_part = ray.get(self.targets[0].plan_probe.remote())
@@ -230,7 +233,14 @@ class Cluster:
 
         device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
         key, meta = startup.config_key(self.config, [device, "cluster"])
-        self.plan = startup.load_or_measure(key, measure, meta)
+        return (*startup.cached_probes(key, measure, meta), meta)
+
+    def _plan(self, target_part: dict, draft_part: dict, meta: dict) -> None:
+        """The plan, with the link's round trip on every round; the speculation defaults of
+        the driver and the target change (before the first request)."""
+        from ssd.saguaro import startup
+
+        self.plan = startup.plan_from_probes(target_part, draft_part, meta, link_s=self.link_round_trip_s or 0.0)
         self.config = startup.planned(self.config, self.plan)
         ray.get(self.targets[0].set_speculation.remote(dataclasses.asdict(self.config.speculation)))
 
@@ -340,12 +350,13 @@ class Cluster:
         host, port = ray.get(self.targets[0].link_address.remote(self.draft_node is not None))
         prefix = next(self._prefixes)
         self._serving = self.draft.serve.remote(port, prefix, timeout, host)
-        ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout, host))
+        self.link_round_trip_s = ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout, host))
         # Only now: until the target holds the new link, `linked()` must not
         # take the old one (dead, but not yet found so by an idle engine) for it.
         self._linked_pid = self._draft_pid
         self.link_address = (host, port)
-        log.info("%s: draft linked (%s at %s:%d)", self.name, prefix, host, port)
+        log.info("%s: draft linked (%s at %s:%d, round trip %.2f ms)", self.name, prefix, host, port,
+                 self.link_round_trip_s * 1e3)
 
     @property
     def draft_pid(self) -> int | None:

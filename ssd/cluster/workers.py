@@ -107,6 +107,7 @@ class TargetWorker:
             self._emitted: dict[str, list[int]] = {}  # row -> tokens admitted since the last step
             self._row_keys: dict[int, str] = {}  # id(request) -> row
             self._cancelled_rows: set[str] = set()
+            self._served = False  # a request came: the speculation defaults are fixed from here on
 
     def ready(self) -> int:
         return os.getpid()
@@ -132,16 +133,23 @@ class TargetWorker:
         leader = getattr(self, "leader", None)
         return None if leader is None else leader.failed
 
-    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
+    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> float:
         """Become rank 0 of a new two-rank link at `host`:`port` (see link_address);
-        SSD uses it from the next request on."""
+        SSD uses it from the next request on. Returns the link's round trip (seconds)."""
+        from ssd.saguaro.protocol import round_trip_s
         from ssd.transport.distributed import DistributedChannel
 
         channel = DistributedChannel.connect(
             host, port, rank=0, backend=self.config.cluster.link_backend, timeout_s=timeout_s, prefix=prefix,
             local_host=None if host == LOOPBACK else host,
         )
+        try:
+            seconds = round_trip_s(channel)
+        except Exception:
+            channel.close()
+            raise
         self._engine("ssd").attach(channel)
+        return seconds
 
     def link_up(self) -> bool:
         return "ssd" in self._engines and self._engines["ssd"].link_up
@@ -152,6 +160,7 @@ class TargetWorker:
         The engine runs in a thread of its own so this generator can hand
         chunks to Ray as they come, and `abort` (another actor thread) can stop it.
         """
+        self._served = True
         engine = self._engine(request.settings(self.config.speculation).mode)
         self._cancel = threading.Event()
         chunks: queue.Queue = queue.Queue()
@@ -185,6 +194,7 @@ class TargetWorker:
         return self._engine(mode).can_admit(request)
 
     def batch_admit(self, mode: str, key: str, request: GenerationRequest) -> None:
+        self._served = True
         self._emitted[key] = []
         request = dataclasses.replace(
             request, on_tokens=self._emitted[key].extend, cancelled=lambda: key in self._cancelled_rows
@@ -221,10 +231,13 @@ class TargetWorker:
         return target_probe(self.model, ids) | {"starts": [len(i) for i in ids]}
 
     def set_speculation(self, speculation: dict[str, Any]) -> None:
-        """New speculation defaults (the start-up plan's), before any engine exists."""
-        if self._engines:
+        """New speculation defaults (the start-up plan's), before the first request."""
+        if self._served:
             raise RuntimeError("the speculation defaults are set before the first request")
         self.config = dataclasses.replace(self.config, speculation=from_dict(SpeculationConfig, speculation))
+        engine = self._engines.get(self.config.speculation.mode)  # SSD's, made when the draft linked
+        if engine is not None:
+            engine.speculation = self.config.speculation
 
     def describe(self) -> dict[str, Any]:
         from ssd.models.tokenizer import eos_token_ids

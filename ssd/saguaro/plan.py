@@ -89,6 +89,7 @@ class Prediction:
     verify_s: float
     build_s: float
     backup_s: float
+    link_s: float = 0.0  # the target-draft link's round trip, on every round
 
     @property
     def build_over_verify(self) -> float:
@@ -158,6 +159,13 @@ class Plan:
         off = next((c.rows for c in self.rows if c.rows > 1 and not c.speculates), None)
         return {} if off is None else {off: 0}
 
+    def _link(self) -> str:
+        b = self.best
+        if not b.link_s:
+            return ""
+        share = b.link_s / (b.tokens_per_round / b.tokens_per_s)
+        return f", link round trip {b.link_s * 1e3:.2f} ms: {100 * share:.1f}% of a round"
+
     def rows_summary(self) -> str:
         cells = [f"{c.rows} rows: SSD {c.ssd_tokens_per_s:.2f} (budget {c.budget}) vs AR {c.ar_tokens_per_s:.2f}"
                  for c in self.rows]
@@ -169,7 +177,7 @@ class Plan:
         return (
             f"SSD plan: K={b.k}, budget={b.budget}, glue={b.glue}: predicted {b.tokens_per_s:.2f} tok/s "
             f"(hit rate {b.hit_rate:.2f}, {b.tokens_per_round:.2f} tokens a round, build/verify "
-            f"{b.build_s * 1e3:.0f}/{b.verify_s * 1e3:.0f} ms); SD at its best K={self.sd_k}: "
+            f"{b.build_s * 1e3:.0f}/{b.verify_s * 1e3:.0f} ms{self._link()}); SD at its best K={self.sd_k}: "
             f"{self.sd_tokens_per_s:.2f} tok/s, AR {self.ar_tokens_per_s:.2f} tok/s; acceptance a={self.agreement.a:.2f} "
             f"over {self.agreement.positions} positions"
         )
@@ -187,12 +195,14 @@ def hit_rate(agreement: Agreement, fanout: Sequence[int]) -> float:
     return sum(p * agreement.hit(f, bonus=i == k) for i, (p, f) in enumerate(zip(pmf, fanout)))
 
 
-def predict(costs: Costs, agreement: Agreement, k: int, budget: int, glue: str, r: float = 1.0) -> Prediction:
-    """Modelled SSD speed at (K, budget, glue) with the geometric schedule the speculator starts from."""
+def predict(costs: Costs, agreement: Agreement, k: int, budget: int, glue: str, r: float = 1.0,
+            link_s: float = 0.0) -> Prediction:
+    """Modelled SSD speed at (K, budget, glue) with the geometric schedule the speculator starts from;
+    `link_s`: the link's round trip, which every round adds (the outcome out, the next proposal back)."""
     p, e = _hits_and_tokens(agreement, k, budget, glue, r)
     verify_s, build_s, backup_s = costs.verify(k), costs.build(k, budget), costs.backup(k)
     speed = ssd_speed_from(p, e, e, verify_s, backup_s, build_s, costs.ar_step_s)
-    return Prediction(k, budget, glue, speed.tokens_per_s, p, e, verify_s, build_s, backup_s)
+    return Prediction(k, budget, glue, e / (speed.round_s + link_s), p, e, verify_s, build_s, backup_s, link_s)
 
 
 def _hits_and_tokens(agreement: Agreement, k: int, budget: int, glue: str, r: float) -> tuple[float, float]:
@@ -207,11 +217,11 @@ def _hits_and_tokens(agreement: Agreement, k: int, budget: int, glue: str, r: fl
 
 
 def predict_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, k: int, budget: int, glue: str,
-                 rows: int, r: float = 1.0) -> float:
+                 rows: int, r: float = 1.0, link_s: float = 0.0) -> float:
     """Modelled SSD tokens/s of `rows` rows at (K, per-row budget, glue): the module's SSD(b)."""
     p, e = _hits_and_tokens(agreement, k, budget, glue, r)
     build = costs.build(k, rows * budget)  # a lockstep step packs every row's branches into one forward
-    round_s = max(rows_costs.verify_s(rows, k + 1), build) + (1 - p**rows) * rows_costs.chain_s(rows, k)
+    round_s = max(rows_costs.verify_s(rows, k + 1), build) + (1 - p**rows) * rows_costs.chain_s(rows, k) + link_s
     return rows * e / round_s
 
 
@@ -223,7 +233,7 @@ def plan_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, best: Pr
     One cap for all sizes, as the speculator applies it: the one whose speeds, each over
     the best that size could reach with any per-row budget, sum highest (ties: no cap)."""
     budgets = [b for b in DEFAULT_BUDGETS if b < best.budget] + [best.budget]
-    speed = {(rows, b): predict_rows(costs, rows_costs, agreement, best.k, b, best.glue, rows, r)
+    speed = {(rows, b): predict_rows(costs, rows_costs, agreement, best.k, b, best.glue, rows, r, best.link_s)
              for rows in sizes for b in budgets}
     top = {rows: max(speed[(rows, b)] for b in budgets) for rows in sizes}
 
@@ -257,13 +267,13 @@ def _bilinear(table: dict[tuple[int, int], float], rows: int, n: int) -> float:
 def choose(
     costs_by_glue: dict[str, Costs], agreement: Agreement, ks: Sequence[int] = DEFAULT_KS,
     budgets: Sequence[int] = DEFAULT_BUDGETS, r: float = 1.0, rows_costs: RowCosts | None = None,
-    sizes: Sequence[int] = DEFAULT_ROWS,
+    sizes: Sequence[int] = DEFAULT_ROWS, link_s: float = 0.0,
 ) -> Plan:
     """Every (K, budget, glue) ranked by modelled tokens/s, against SD at its best K and AR."""
     if not costs_by_glue:
         raise ValueError("need the build costs of at least one glue kind")
     ranked = sorted(
-        (predict(costs, agreement, k, b, glue, r) for glue, costs in costs_by_glue.items() for k in ks for b in budgets),
+        (predict(costs, agreement, k, b, glue, r, link_s) for glue, costs in costs_by_glue.items() for k in ks for b in budgets),
         key=lambda p: -p.tokens_per_s,
     )
     costs = next(iter(costs_by_glue.values()))

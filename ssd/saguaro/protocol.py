@@ -23,6 +23,8 @@ without the draft (and may prefill it again under a new seq id).
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,10 +32,10 @@ import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig, from_dict
 from ssd.saguaro.cache import Proposal
-from ssd.transport.channel import Message
+from ssd.transport.channel import Channel, Message
 
-PREFILL, ROUNDS, RELEASE, SHUTDOWN = "prefill", "rounds", "release", "shutdown"
-PROPOSALS, ERROR = "proposals", "error"
+PREFILL, ROUNDS, RELEASE, SHUTDOWN, PING = "prefill", "rounds", "release", "shutdown", "ping"
+PROPOSALS, ERROR, PONG = "proposals", "error", "pong"
 
 
 class DraftError(RuntimeError):
@@ -85,6 +87,24 @@ def release(seq: int) -> Message:
 
 def shutdown() -> Message:
     return Message(SHUTDOWN)
+
+
+def ping() -> Message:
+    """Answered at once with a pong: times the link's round trip."""
+    return Message(PING)
+
+
+def round_trip_s(channel: Channel, times: int = 20) -> float:
+    """The median seconds of `times` ping-pongs over a link no engine uses yet."""
+    seconds = []
+    for _ in range(times):
+        started = time.perf_counter()
+        channel.send(ping())
+        reply = channel.recv()
+        if reply.op != PONG:
+            raise DraftError(f"expected a pong, got {reply.op!r}")
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Speculator:
         the target gets an error message instead of waiting forever."""
         handlers = {
             protocol.PREFILL: self._prefill, protocol.ROUNDS: self._rounds, protocol.RELEASE: self._release,
+            protocol.PING: lambda msg: self.channel.send(Message(protocol.PONG)),
         }
         while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
             try:

@@ -150,7 +150,9 @@ def agreement(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], starts
     return Agreement(min(matches / max(positions, 1), 0.99), rejected, bonus, positions)
 
 
-def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], meta: dict[str, Any]) -> Plan:
+def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], meta: dict[str, Any],
+                     link_s: float = 0.0) -> Plan:
+    """The plan from both probes; `link_s`: the target-draft link's round trip (the cluster's)."""
     verify = {int(k): v for k, v in target_part["verify_s"].items()}
     backup = {int(k): v for k, v in draft_part["backup_s"].items()}
     costs = {
@@ -159,28 +161,38 @@ def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], me
     }
     rows = RowCosts.from_json({"verify": target_part["rows_verify_s"], "chain": draft_part["rows_chain_s"]})
     plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=sorted(verify), budgets=DEFAULT_BUDGETS,
-                  rows_costs=rows)
+                  rows_costs=rows, link_s=link_s)
     plan.meta = meta
     return plan
 
 
-def load_or_measure(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict[str, Any],
-                    directory: Path | None = None) -> Plan:
-    """The plan for `key` from the cache, else from `measure()` (then cached)."""
+def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict[str, Any],
+                  directory: Path | None = None) -> tuple[dict, dict]:
+    """The probes for `key` from the cache, else from `measure()` (then cached)."""
     path = (directory or cache_dir()) / f"{key}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())
             if data.get("format") == FORMAT:
                 log.info("SSD plan: probes cached at %s", path)
-                return plan_from_probes(data["target"], data["draft"], data["meta"])
+                plan_from_probes(data["target"], data["draft"], data["meta"])  # readable as a whole
+                return data["target"], data["draft"]
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
     log.info("SSD plan: timing verification and cache builds on this host (once; cached at %s)", path)
     target_part, draft_part = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "meta": meta, "target": target_part, "draft": draft_part}))
-    return plan_from_probes(target_part, draft_part, meta)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": FORMAT, "meta": meta, "target": target_part, "draft": draft_part}))
+    except OSError as exc:  # an unwritable cache costs the next start the probes, not this one
+        log.warning("SSD plan: could not cache the probes at %s (%s)", path, exc)
+    return target_part, draft_part
+
+
+def load_or_measure(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict[str, Any],
+                    directory: Path | None = None) -> Plan:
+    """The plan for `key` from cached probes, else from `measure()` (then cached)."""
+    return plan_from_probes(*cached_probes(key, measure, meta, directory), meta)
 
 
 def plan_in_process(target: torch.nn.Module, draft: torch.nn.Module, tokenizer, key: str, meta: dict[str, Any],
