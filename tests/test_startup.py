@@ -56,7 +56,7 @@ def test_the_driver_fetches_before_any_actor_starts(monkeypatch):
 
     calls = []
 
-    def reserve(self):
+    def reserve(self, *args):
         calls.append("reserve")
         raise Stop
 
