@@ -227,6 +227,8 @@ class TargetWorker:
         """SSD's start-up plan, the target's half (ssd.saguaro.startup.target_probe), with the prompts' lengths."""
         from ssd.saguaro.startup import sample_prompt_ids, target_probe
 
+        pin_to_cores(self.cores)
+
         ids = sample_prompt_ids(self.tokenizer)
         return target_probe(self.model, ids) | {"starts": [len(i) for i in ids]}
 
@@ -307,6 +309,8 @@ class DraftWorker:
     def plan_probe(self, sequences: list[list[int]], starts: list[int]) -> dict[str, Any]:
         """SSD's start-up plan, the draft's half (ssd.saguaro.startup.draft_probe)."""
         from ssd.saguaro.startup import draft_probe
+
+        pin_to_cores(self.cores)
 
         return draft_probe(self.model, sequences, starts)
 
