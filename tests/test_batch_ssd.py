@@ -75,6 +75,14 @@ class SpyChannel(Channel):
         return self.inner.recv(timeout)
 
 
+def epochs_by_head(spy: SpyChannel) -> dict[int, list[int]]:
+    """The epoch of each prefill the engine sent, by the first token of the row's prompt."""
+    epochs: dict[int, list[int]] = {}
+    for header in spy.prefills:
+        epochs.setdefault(header["prompt"][0], []).append(header["epoch"])
+    return epochs
+
+
 @contextlib.contextmanager
 def linked(
     target, draft, tokenizer, batching: BatchingConfig | None = None, timeout_s: float | None = None
@@ -301,6 +309,7 @@ def test_a_row_the_draft_fails_runs_one_plain_step_then_speculates_again(tiny_mo
     # Prefilled again under a new seq id, the row hit the cache again.
     assert spy.sent[protocol_module.PREFILL] == len(rows) + 1
     assert any(seq > seen["failed_seq"] and head == 5 and hit for seq, head, hit in seen["answers"])
+    assert epochs_by_head(spy) == {1: [0], 5: [0, 1], 7: [0]}  # its second prefill starts a new draft stream
 
 
 @pytest.mark.parametrize("how", ["closed", "speculator gone"])
@@ -413,5 +422,6 @@ def test_past_the_k_policy_s_batch_size_rows_run_plain_steps_then_speculate_agai
     three = [sent for n, sent in rounds_while_three if n == 3]
     assert len(set(three)) == 1  # no rounds message while three rows ran
     assert spy.sent[protocol_module.PREFILL] == len(rows) + 2  # the two that stayed, prefilled again
+    assert epochs_by_head(spy) == {1: [0], 5: [0, 1], 7: [0, 1]}  # each on a new draft stream
     assert spy.sent[protocol_module.RELEASE] == len(rows) + 2 and not serving.speculator.sequences  # parked, then left
     assert sum(out.stats.spec.hits for out in outs[1:]) > 0  # and they hit the cache again

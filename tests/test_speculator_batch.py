@@ -269,3 +269,19 @@ def test_proposals_round_trip_through_the_wire_header():
         protocol.parse_proposals(protocol.error(-1, "boom"))
     with pytest.raises(RuntimeError, match="expected 'proposals'"):
         protocol.parse_proposals(protocol.rounds(sent))
+
+
+def test_each_prefill_epoch_of_a_row_draws_its_own_stream(tiny_models):
+    """The same row prefilled at epoch 0 twice drafts the same tokens (a seed
+    reproduces); at epoch 1 it starts another stream, never the first again."""
+    seed = SAMPLINGS[0].seed
+    assert len({speculator_module.draft_seed(seed, epoch) % 2**32 for epoch in range(1000)}) == 1000
+    assert speculator_module.draft_seed(seed, 0) == speculator_module.draft_seed(seed)
+    drafted = {}
+    for name, epoch in (("first", 0), ("again", 0), ("next", 1)):
+        draft = Draft(tiny_models[1])
+        draft.exchange(protocol.prefill(0, PROMPTS[0], SAMPLINGS[0], spec(backup="random"), epoch))
+        assert draft.speculator.sequences[0].gen.initial_seed() == speculator_module.draft_seed(seed, epoch)
+        (reply,) = draft.rounds([RoundRow(0, 0, 4)])
+        drafted[name] = reply.proposal.tokens
+    assert drafted["first"] == drafted["again"] != drafted["next"]

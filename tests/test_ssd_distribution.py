@@ -27,6 +27,14 @@ Paths, each isolated by construction:
   from rounds after the first (asserted). T = 1. c = 0.5 and 0.1 reach slots
   0..3; at c = 0 the drafts avoid the draft's own top token, are rarely
   accepted, and slots 0..1 are reached.
+- a running row prefilled on the draft again, draft = target (every draft
+  accepted, so drafted tokens are the draft's own draws): parked by
+  k_policy {2: 0} for one step while a second request joins, or moved to a
+  new link (a healed draft's new Speculator) after its first round. Tested:
+  round 1's first draft with the first draft after the second prefill.
+  T = 1; power: `replays_the_first_stream` (the draft's stream keyed by the
+  seed alone, as before the prefill epoch: every prefill replays the same
+  uniforms).
 - a link adopted mid-request (a healed draft): each request runs its first
   round without a link; the link arrives after token 1 and the next round
   prefills the speculator with the sequence so far. Tested: tokens 6-8 of 9,
@@ -476,3 +484,119 @@ def test_the_adoption_test_rejects_accept_all_after_adoption(small_pair):
     draws = adoption_draws(small_pair, T1, broken=True, samples=STRONG_SAMPLES)
     p = pvalue(small_pair, draws, T1, ADOPTED, ("adopted link", "t1.0", "accept_all_after_adoption"))
     assert p < ALPHA, f"accept-all after adoption went undetected: p = {p:.2e}"
+
+
+# --- a running row prefilled on the draft again ---------------------------------------------
+#
+# draft = target (the same fp64 weights), so every draft is accepted and every
+# drafted token is the draft's own draw: what its random stream does shows
+# straight in the output. Tested: the first drafted token of the row's first
+# round (token 1) with the first drafted token of the first round after the
+# row was prefilled again; the old draft keyed its stream by the seed alone,
+# so a second prefill replayed the first one's uniforms and the two tokens
+# agree far more often than the target's law says (`replays_the_first_stream`).
+
+REPREFILL_SAMPLES = 300  # the replayed stream gives p < 1e-40 at 800 seeds, p < 1e-15 at STRONG_SAMPLES
+
+
+def replays_the_first_stream(monkeypatch) -> None:
+    """The old draft: each prefill of a row restarts the stream its first prefill had."""
+    real = speculator_module.draft_seed
+    monkeypatch.setattr(speculator_module, "draft_seed", lambda seed, epoch=0: real(seed))
+
+
+def run_rounds(engine, request, rounds: list[list[int]], between: Callable[[], None]) -> object:
+    """Step `engine` until `request` finishes; between(): after every step."""
+    engine.admit(request)
+    while True:
+        for finished in engine.step():
+            if finished.request is request:
+                assert finished.error is None, finished.error
+                return finished.result
+        between()
+
+
+def parked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
+    """k_policy {2: 0}: once the row has run one speculative round, a second
+    request joins for one step (the row is parked: released on the draft, a
+    plain target step), leaves, and the row is prefilled on the draft again.
+    Rounds: the prefill's token, K + 1 (all accepted), 1 (parked), K + 1, ..."""
+    target, _ = pair
+    window = Window(2 * K + 4, (1, K + 3))  # round 1's first draft; the first draft after the re-prefill
+    draws = Draws([], 0, 0, 0, Counter())
+    settings = spec(k_policy={2: 0})
+    with SSDEngine.in_process(target, target, TinyTokenizer(V), settings) as engine:
+        for seed in range(samples):
+            rounds: list[list[int]] = []
+            request = GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed),
+                                        GenerationConfig(max_new_tokens=window.n_tokens), on_tokens=rounds.append)
+            joined = []
+
+            def join_after_round_1() -> None:
+                if len(rounds) == 2 and not joined:  # one request of one token: it leaves in the step it joins
+                    joined.append(GenerationRequest([3, 2], SamplingConfig(), GenerationConfig(max_new_tokens=1)))
+                    engine.admit(joined[0])
+
+            out = run_rounds(engine, request, rounds, join_after_round_1)
+            assert [len(r) for r in rounds[:4]] == [1, K + 1, 1, K + 1], rounds  # parked once, re-prefilled
+            draws.add(out, rounds, window.positions, last_early_round=-1)
+    return draws, window
+
+
+def relinked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
+    """After the row's first round a new link arrives (a healed draft: a new
+    Speculator) and is adopted at the next step, which prefills the row on it.
+    Rounds: the prefill's token, K + 1 on the first draft, K + 1 on the second."""
+    from ssd.saguaro.speculator import Speculator
+    from ssd.transport import inprocess_pair
+
+    target, _ = pair
+    window = Window(2 * K + 3, (1, K + 2))
+    draws = Draws([], 0, 0, 0, Counter())
+    engine = SSDEngine(target, TinyTokenizer(V), spec())
+    threads = []
+
+    def new_link():
+        target_end, draft_end = inprocess_pair()
+        threads.append(threading.Thread(target=Speculator(target, draft_end).serve, daemon=True))
+        threads[-1].start()
+        return target_end
+
+    for seed in range(samples):
+        engine.attach(new_link())
+        rounds: list[list[int]] = []
+        request = GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed),
+                                    GenerationConfig(max_new_tokens=window.n_tokens), on_tokens=rounds.append)
+        relinked = []
+
+        def relink_after_round_1() -> None:
+            if len(rounds) == 2 and not relinked:
+                relinked.append(True)
+                engine.stop_draft()  # the old speculator stops; the new link is adopted at the next step
+                engine.attach(new_link())
+
+        out = run_rounds(engine, request, rounds, relink_after_round_1)
+        engine.stop_draft()
+        assert [len(r) for r in rounds[:3]] == [1, K + 1, K + 1] and out.stats.spec.degraded_rounds == 0, rounds
+        draws.add(out, rounds, window.positions, last_early_round=-1)
+    for thread in threads:
+        thread.join(timeout=10)
+    return draws, window
+
+
+REPREFILLS = {"parked": parked_draws, "re-linked": relinked_draws}
+
+
+@pytest.mark.parametrize("path", REPREFILLS)
+def test_a_row_prefilled_again_keeps_the_target_law(small_pair, path):
+    draws, window = REPREFILLS[path](small_pair, T1)
+    p = pvalue(small_pair, draws, T1, window, (f"{path} row, prefilled again", "t1.0", "exact"))
+    assert p > ALPHA, f"a {path} row prefilled again: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("path", REPREFILLS)
+def test_the_reprefill_test_rejects_a_replayed_draft_stream(small_pair, monkeypatch, path):
+    replays_the_first_stream(monkeypatch)
+    draws, window = REPREFILLS[path](small_pair, T1, STRONG_SAMPLES)
+    p = pvalue(small_pair, draws, T1, window, (f"{path} row, prefilled again", "t1.0", "replays_the_first_stream"))
+    assert p < ALPHA, f"a replayed draft stream went undetected ({path}): p = {p:.2e}"

@@ -1,6 +1,6 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
-Ops target -> draft: prefill(seq, prompt, settings), rounds([(seq, k, t*),
+Ops target -> draft: prefill(seq, prompt, settings, epoch), rounds([(seq, k, t*),
 ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
 rounds message with one row per round row, in order; error(seq, text) is a
 whole message failing. Headers hold only plain data (msgpack-able); q rows
@@ -42,17 +42,36 @@ class DraftError(RuntimeError):
     """The draft side failed while handling a message; the text is its error."""
 
 
-def prefill(seq: int, prompt: list[int], sampling: SamplingConfig, speculation: SpeculationConfig) -> Message:
+@dataclass(frozen=True)
+class Prefill:
+    """A sequence to hold on the draft: its prompt (or the sequence so far) and settings.
+
+    `epoch` counts the times this request was prefilled on a draft before
+    (0 at admission; a parked, failed or re-linked row comes back with the
+    next one): the draft keys the row's random stream by (seed, epoch), so a
+    row prefilled again never replays draws it used before.
+    """
+
+    seq: int
+    prompt: list[int]
+    sampling: SamplingConfig
+    speculation: SpeculationConfig
+    epoch: int = 0
+
+
+def prefill(
+    seq: int, prompt: list[int], sampling: SamplingConfig, speculation: SpeculationConfig, epoch: int = 0
+) -> Message:
     return Message(PREFILL, {
-        "seq": seq, "prompt": list(prompt),
+        "seq": seq, "prompt": list(prompt), "epoch": epoch,
         "sampling": dataclasses.asdict(sampling), "speculation": dataclasses.asdict(speculation),
     })
 
 
-def parse_prefill(msg: Message) -> tuple[int, list[int], SamplingConfig, SpeculationConfig]:
+def parse_prefill(msg: Message) -> Prefill:
     h = msg.header
     speculation = from_dict(SpeculationConfig, h["speculation"])
-    return h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), speculation
+    return Prefill(h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), speculation, h["epoch"])
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def draft_seed(seed: int) -> int:
-    """The draft's own random stream, derived from the request seed: the two
-    sides run concurrently, so sharing one generator would make draws depend
-    on timing."""
-    return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)
+EPOCH_STRIDE = 0x9E3779B97F4A7C15  # odd: epochs differ in the low 32 bits, all that mt19937 reads
+
+
+def draft_seed(seed: int, epoch: int = 0) -> int:
+    """The draft's own random stream for a request's `epoch`-th prefill on a draft.
+
+    Derived from the request seed, not shared with the target: the two sides
+    run concurrently, so one generator would make draws depend on timing.
+    Keyed by the epoch too, which the target moves forward every time it
+    prefills a running row again (parked, failed on the draft, re-linked):
+    restarting the epoch's stream would replay uniforms the row's earlier
+    drafts used, and correlated drafts are no longer the target's law.
+    torch's CPU generator seeds mt19937 from the seed's low 32 bits, so the
+    stride keeps those distinct for 2^32 epochs.
+    """
+    return (seed * 6364136223846793005 + 1442695040888963407 + epoch * EPOCH_STRIDE) % (1 << 63)
 
 
 @dataclass
@@ -91,14 +102,16 @@ class Speculator:
                 self.channel.send(protocol.error(msg.header.get("seq", -1), _describe(exc)))
 
     def _prefill(self, msg: Message) -> None:
-        seq_id, prompt, sampling, speculation = protocol.parse_prefill(msg)
+        row = protocol.parse_prefill(msg)
         kv = KVSequence(self.model)
-        if len(prompt) > 1:
-            kv.forward(prompt[:-1], last_only=True)  # overlaps the target's own prefill
-        planner = make_planner(speculation, self.vocab_size)
-        gen = make_generator(draft_seed(sampling.seed))
-        decoder = make_branch_decoder(speculation.branch_decoder)
-        self.sequences[seq_id] = DraftSequence(kv, list(prompt), sampling, speculation, gen, planner, decoder=decoder)
+        if len(row.prompt) > 1:
+            kv.forward(row.prompt[:-1], last_only=True)  # overlaps the target's own prefill
+        planner = make_planner(row.speculation, self.vocab_size)
+        gen = make_generator(draft_seed(row.sampling.seed, row.epoch))
+        decoder = make_branch_decoder(row.speculation.branch_decoder)
+        self.sequences[row.seq] = DraftSequence(
+            kv, list(row.prompt), row.sampling, row.speculation, gen, planner, decoder=decoder
+        )
 
     def _rounds(self, msg: Message) -> None:
         """A round of every row sent (one, alone): answer them in one reply, then build every row's cache."""

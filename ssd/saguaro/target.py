@@ -88,6 +88,7 @@ class RowLink:
     wait_s: float = 0.0
     restart: bool = False
     parked: bool = False  # this step runs without the draft: speculation.k_policy says K 0 here
+    prefills: int = 0  # times the row was prefilled on a draft: the next prefill's epoch
 
     def clear(self) -> None:
         self.reply, self.drafted, self.q, self.wait_s = None, (), None, 0.0
@@ -234,11 +235,14 @@ class SSDEngine(BatchedEngine):
 
     def _link_row(self, row: Row) -> None:
         """Start the row on the speculator under a new seq id: its prompt while it
-        prefills, else the sequence so far, whose last token the next round reports."""
-        state = row.state
+        prefills, else the sequence so far, whose last token the next round reports.
+        Each prefill of the row carries the next epoch, so the draft never
+        restarts a random stream the row drew from before."""
+        state, link = row.state, row.link
         prefix = state.sequence if not row.decoding else state.sequence[:-1]
-        row.link.cursor = DraftCursor(next(self._seq_ids))
-        self._send(protocol.prefill(row.link.cursor.seq, prefix, state.sampling, state.speculation))
+        link.cursor = DraftCursor(next(self._seq_ids))
+        self._send(protocol.prefill(link.cursor.seq, prefix, state.sampling, state.speculation, link.prefills))
+        link.prefills += 1
         if row.decoding:
             row.link.cursor.restart(state.sequence[-1])
 
