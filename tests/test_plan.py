@@ -162,6 +162,11 @@ def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkey
     monkeypatch.setattr(startup, "target_probe", lambda *a, **k: pytest.fail("measured again"))
     again = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
     assert again.best == plan.best
+    # A file that lacks a part is measured again.
+    del data["draft"]["rows_chain_s"]
+    (tmp_path / "k1.json").write_text(json.dumps(data))
+    with pytest.raises(pytest.fail.Exception, match="measured again"):
+        startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
 
 
 def test_agreement_of_a_draft_with_itself_is_perfect(pair):

@@ -46,6 +46,8 @@ PREFIX = 200
 ROWS_PREFIX = 64  # batched probes: b rows of this context each (a shorter prefill)
 ROWS_TOKENS = (1, 3)  # tokens a row in the batched verification probes (the rest interpolated)
 ROWS_CHAIN = (1, 3)  # draft tokens a row in the batched backup-chain probes
+TARGET_PART = {"verify_s", "ar_step_s", "rows_verify_s", "sequences"}  # what each probe returns
+DRAFT_PART = {"backup_s", "build_s", "rows_chain_s", "agreement"}
 SAMPLE_PROMPTS = (  # code and chat, as users send
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
     "Explain in two sentences why the sky is blue.",
@@ -173,9 +175,9 @@ def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-            if data.get("format") == FORMAT:
+            complete = TARGET_PART <= set(data["target"]) and DRAFT_PART <= set(data["draft"])
+            if data.get("format") == FORMAT and complete:
                 log.info("SSD plan: probes cached at %s", path)
-                plan_from_probes(data["target"], data["draft"], data["meta"])  # readable as a whole
                 return data["target"], data["draft"]
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)

@@ -209,7 +209,7 @@ class GenerationWorker:
     # --- the worker thread ----------------------------------------------------
 
     def _loop(self) -> None:
-        threads = _configured_threads(self.backend)
+        threads = self.backend.info.defaults.runtime.threads
         if threads:  # under OpenMP torch's thread count is per OS thread: set it where the engines run
             torch.set_num_threads(threads)
         try:
@@ -402,8 +402,3 @@ def _log_finished(job: Job, done: Done) -> None:
     log.info("request %s finished: %s, %d tokens in %.3f s", job.request_id, reason, tokens,
              time.monotonic() - job.arrived)
 
-
-def _configured_threads(backend: Backend) -> int | None:
-    """runtime.threads of the backend's defaults (None: torch's default)."""
-    info = getattr(backend, "info", None)
-    return info.defaults.runtime.threads if info is not None else None
