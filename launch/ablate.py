@@ -2,17 +2,14 @@
 
     python launch/ablate.py --help
 
-The commands live in ssd/ablation/cli.py.
+The commands live in ssd/tools/ablation/cli.py.
 """
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-from ssd.ablation.cli import main  # noqa: E402
+from ssd.tools.ablation.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

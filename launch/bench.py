@@ -2,17 +2,14 @@
 
     python launch/bench.py --help
 
-The benchmark lives in ssd/bench/cli.py.
+The benchmark lives in ssd/tools/bench/cli.py.
 """
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-from ssd.bench.cli import main  # noqa: E402
+from ssd.tools.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -25,9 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402

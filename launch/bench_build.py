@@ -5,7 +5,7 @@
 
 Prints build/verify per glue (full: before the draft reused its own work;
 reuse; fold), b rows built at once against one, and a tree step over B
-branches against a chain step and the weights-read floor (ssd.bench.build).
+branches against a chain step and the weights-read floor (ssd.tools.bench.build).
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 from tqdm import tqdm  # noqa: E402
 
-from ssd.bench.build import format_bench, measure  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
-from ssd.engine.factory import load_pair  # noqa: E402
+from ssd.tools.bench.build import format_bench, measure  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.factory import load_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

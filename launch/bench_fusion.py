@@ -6,7 +6,7 @@
 Each model is loaded once in fp32, quantized to int8 (separate projections)
 and copied with them fused; the two variants run interleaved on the lean
 forward: a 1-token step and a (K+1)-token verification after 200 cached
-tokens (ssd.bench.fusion).
+tokens (ssd.tools.bench.fusion).
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 
 from ssd import hardware  # noqa: E402
-from ssd.bench.fusion import compare, format_rows, unfused_and_fused  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.tools.bench.fusion import compare, format_rows, unfused_and_fused  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.models import load_model  # noqa: E402
 from ssd.models.invariant import use_row_attention  # noqa: E402
 from ssd.models.quant import quantize_int8  # noqa: E402

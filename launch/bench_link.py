@@ -8,15 +8,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 
-from ssd.bench.link import bench_link  # noqa: E402
+from ssd.tools.bench.link import bench_link  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@
     python launch/bench_plan.py --prompts 2 --max-new-tokens 48 --background-load --json plan_check.json
 
 The cluster starts in SSD mode and plans (runtime.plan; the probes are cached
-per host); AR and SD run in process on 1 and 2 threads (ssd.bench.plan_check).
+per host); AR and SD run in process on 1 and 2 threads (ssd.tools.bench.plan_check).
 """
 
 from __future__ import annotations
@@ -16,20 +16,18 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 from tqdm import tqdm  # noqa: E402
 
-from ssd.bench.background import busy_background  # noqa: E402
-from ssd.bench.plan_check import format_table, rows_for, run  # noqa: E402
-from ssd.bench.prompts import load_prompt_set  # noqa: E402
-from ssd.bench.report import machine_info  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.tools.bench.background import busy_background  # noqa: E402
+from ssd.tools.bench.plan_check import format_table, rows_for, run  # noqa: E402
+from ssd.tools.prompts import load_prompt_set  # noqa: E402
+from ssd.tools.bench.report import machine_info  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.cluster.devices import default_cpu_placement  # noqa: E402
 from ssd.cluster.runtime import Cluster  # noqa: E402
-from ssd.engine.factory import load_pair  # noqa: E402
+from ssd.factory import load_pair  # noqa: E402
 
 GRID = [(2, 2), (2, 4), (3, 4), (3, 8), (4, 4), (4, 8)]
 

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
-from ssd.bench.load import format_load_table  # noqa: E402
-from ssd.bench.replicas import bench_replicas, simulated_nodes  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.tools.bench.load import format_load_table  # noqa: E402
+from ssd.tools.bench.replicas import bench_replicas, simulated_nodes  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.cluster.devices import default_cpu_placement  # noqa: E402
 
 PROMPTS = ["abcab", "ponm", "aaaabbbb", "mnop", "cab", "bbbb", "onm", "abc"]

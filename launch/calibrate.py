@@ -23,15 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a fresh clone runs without installing
+import _bootstrap  # noqa: F401,E402 - first: the repository root on sys.path
 
 import yaml  # noqa: E402
 
 from ssd import hardware  # noqa: E402
-from ssd.ablation.calibrate import calibrate, calibrate_direct  # noqa: E402
-from ssd.bench.prompts import load_prompt_set  # noqa: E402
-from ssd.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
-from ssd.engine.factory import load_pair  # noqa: E402
+from ssd.tools.ablation.calibrate import calibrate, calibrate_direct  # noqa: E402
+from ssd.tools.prompts import load_prompt_set  # noqa: E402
+from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
+from ssd.factory import load_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[int, int]:

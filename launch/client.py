@@ -17,9 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402

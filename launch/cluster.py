@@ -2,17 +2,14 @@
 
     python launch/cluster.py --help
 
-The launcher lives in ssd/cluster/launcher.py.
+The launcher lives in ssd/app/launcher.py.
 """
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-from ssd.cluster.launcher import main  # noqa: E402
+from ssd.app.launcher import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

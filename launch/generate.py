@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
-from ssd.engine.factory import build_engine  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.factory import build_engine  # noqa: E402
 from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models.tokenizer import encode_prompt  # noqa: E402
 

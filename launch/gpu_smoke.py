@@ -28,14 +28,12 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 
-from ssd.ablation.costs import DEFAULT_BUDGETS, DEFAULT_KS  # noqa: E402
-from ssd.bench.smoke import SmokeSettings, run_smoke, summary_text  # noqa: E402
+from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS  # noqa: E402
+from ssd.tools.bench.smoke import SmokeSettings, run_smoke, summary_text  # noqa: E402
 
 # Per --shapes: enough tokens to cross many rounds, little enough to stay in minutes.
 DEFAULTS = {

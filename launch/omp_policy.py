@@ -3,7 +3,7 @@
     python launch/omp_policy.py                          # 1 and 2 threads, default / passive / spin 10k
     python launch/omp_policy.py --threads 2 --rounds 4 --json omp.json
 
-Each policy runs in a fresh process (ssd.bench.omp_policy); rows are medians
+Each policy runs in a fresh process (ssd.tools.bench.omp_policy); rows are medians
 over --rounds interleaved rounds. Record the machine line with the figures:
 the answer differs from host to host.
 """
@@ -16,12 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 from ssd import hardware  # noqa: E402
-from ssd.bench.omp_policy import POLICIES, format_rows, measure  # noqa: E402
+from ssd.tools.bench.omp_policy import POLICIES, format_rows, measure  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list:

@@ -24,15 +24,13 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 
 from ssd import hardware  # noqa: E402
-from ssd.bench.precision import HELD_OUT_FILES, compare, format_rows, held_out_text  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.tools.bench.precision import HELD_OUT_FILES, compare, format_rows, held_out_text  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.models import load_model, load_tokenizer  # noqa: E402
 
 PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None)}

@@ -26,9 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 import ray  # noqa: E402
 

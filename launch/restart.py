@@ -26,14 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 import torch  # noqa: E402
 
 from ssd import hardware  # noqa: E402
-from ssd.cli import add_config_args, config_from_args  # noqa: E402
+from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.config import ModelConfig  # noqa: E402
 from ssd.models import load_model, qcache  # noqa: E402
 from ssd.models.loading import _local_checkpoint, resolve_precision  # noqa: E402

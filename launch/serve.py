@@ -20,13 +20,10 @@ import logging
 import signal
 import sys
 import threading
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-from ssd.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
+from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
 from ssd.config import ConfigError  # noqa: E402
 from ssd.serve.server import GenerationServer, serve_config  # noqa: E402
 

@@ -12,24 +12,24 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import ssd.ablation.costs as costs_module
-from ssd.ablation.costs import (
+import ssd.saguaro.costs as costs_module
+from ssd.saguaro.costs import (
     Costs,
     CostSettings,
     load_costs,
     measure_costs,
     save_costs,
 )
-from ssd.ablation.planner import candidates, recommend
-from ssd.ablation.plots import write_all
-from ssd.ablation.replay import (
+from ssd.tools.ablation.planner import candidates, recommend
+from ssd.tools.ablation.plots import write_all
+from ssd.tools.ablation.replay import (
     ReplayData,
     fit_power_law,
     miss_vs_fanout,
     replay,
     ssd_spec,
 )
-from ssd.ablation.trace import (
+from ssd.tools.ablation.trace import (
     POSITION_FIELDS,
     RecordSettings,
     Trace,
@@ -353,7 +353,7 @@ def test_plots_are_written(sampled_trace, tmp_path):
 @pytest.fixture(scope="module")
 def cli():
     """launch/ablate.py's commands (the script only calls this module's main)."""
-    from ssd.ablation import cli
+    from ssd.tools.ablation import cli
 
     return cli
 

@@ -4,7 +4,7 @@ import time
 
 import psutil
 
-from ssd.bench.background import BACKGROUND_NICENESS, busy_background, describe
+from ssd.tools.bench.background import BACKGROUND_NICENESS, busy_background, describe
 
 
 def test_busy_background_spins_at_nice_19_and_is_gone_after():
@@ -26,7 +26,7 @@ def test_disabled_background_starts_nothing():
 
 
 def test_omp_policy_rows_cover_each_policy_quiet_and_beside_a_busy_process(monkeypatch):
-    import ssd.bench.omp_policy as omp
+    import ssd.tools.bench.omp_policy as omp
 
     assert omp.probe("passive", 1, repeats=1) > 0  # one real probe: a fresh process under the policy
     asked = []

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from ssd.ablation.backup_crossover import CrossoverPoint, format_crossover, measure_crossover, predict
-from ssd.ablation.plots import plot_backup_crossover
+from ssd.tools.ablation.backup_crossover import CrossoverPoint, format_crossover, measure_crossover, predict
+from ssd.tools.ablation.plots import plot_backup_crossover
 from ssd.config import SamplingConfig, load_config
-from ssd.engine.factory import LoadedPair
+from ssd.factory import LoadedPair
 from ssd.engine.metrics import GenerationStats, SpecStats
 from tests.conftest import ROOT
 

@@ -18,7 +18,7 @@ import torch
 import ssd.engine.batch as batch_module
 from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, Engine, SDEngine
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token

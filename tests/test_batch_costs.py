@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import ssd.ablation.batch_costs as batch_costs_module
-import ssd.ablation.costs as costs_module
-from ssd.ablation.batch_costs import BatchCosts, acceptance_rate, measure_batch_costs
+import ssd.tools.ablation.batch_costs as batch_costs_module
+import ssd.saguaro.costs as costs_module
+from ssd.tools.ablation.batch_costs import BatchCosts, acceptance_rate, measure_batch_costs
 from ssd.engine.metrics import GenerationStats
 from tests.spies import WorkClock
 
@@ -46,7 +46,7 @@ def test_measured_on_a_tiny_pair(tiny_models, monkeypatch):
 
 
 def test_the_policy_from_measured_throughput_takes_the_fastest_k():
-    from ssd.ablation.batch_costs import best_k_policy
+    from ssd.tools.ablation.batch_costs import best_k_policy
 
     rates = {(1, 0): 5.0, (1, 4): 9.0, (2, 0): 9.0, (2, 4): 12.0, (8, 0): 22.0, (8, 4): 18.0, (16, 0): 30.0, (16, 4): 30.0}
     assert best_k_policy(rates) == {1: 4, 8: 0}  # a tie goes to the smaller K
@@ -57,9 +57,9 @@ def test_k_throughput_is_measured_on_the_batched_engine(tiny_models, tiny_tokeni
     counted (rate x forwards = b rows x 8 tokens), the b rows run together
     (at K = 0 two rows take the forwards one row takes), and K reaches the
     engine (K = 0 drafts nothing; K = 3 drafts and needs fewer target forwards)."""
-    from ssd.ablation.batch_costs import measure_k_throughput
+    from ssd.tools.ablation.batch_costs import measure_k_throughput
     from ssd.config import BatchingConfig, SamplingConfig
-    from ssd.engine.factory import LoadedPair
+    from ssd.factory import LoadedPair
 
     target, draft = tiny_models
     pair = LoadedPair(target, draft, tiny_tokenizer)

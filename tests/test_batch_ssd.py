@@ -22,7 +22,7 @@ import ssd.saguaro.protocol as protocol_module
 import ssd.saguaro.speculator as speculator_module
 from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.saguaro.host import DraftThread
 from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from ssd.bench import cli as bench_cli
-from ssd.ablation import contention
-from ssd.bench.hf_assisted import HFAssistedEngine, _dense_input, hf_generation_config
-from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
-from ssd.bench.prompts import Prompt, load_prompt_set
-from ssd.bench.report import (
+from ssd.tools.bench import cli as bench_cli
+from ssd.tools.ablation import contention
+from ssd.tools.bench.hf_assisted import HFAssistedEngine, _dense_input, hf_generation_config
+from ssd.tools.bench.llamacpp import LlamaCppEngine, gguf_for
+from ssd.tools.prompts import Prompt, load_prompt_set
+from ssd.tools.bench.report import (
     format_tables,
     physical_limit,
     plot_throughput,
@@ -22,7 +22,7 @@ from ssd.bench.report import (
     write_csv,
     write_json,
 )
-from ssd.bench.runner import RunKey, Sample
+from ssd.tools.bench.runner import RunKey, Sample
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.ar import AREngine
 from ssd.engine.metrics import GenerationStats
@@ -280,7 +280,7 @@ def test_contention_cli_refuses_a_shared_core(monkeypatch, capsys):
 
 
 def test_precision_rows_compare_speed_and_quality_on_the_same_positions():
-    from ssd.bench.precision import compare, format_rows
+    from ssd.tools.bench.precision import compare, format_rows
     from ssd.config import ModelConfig, TinyModelConfig
     from ssd.models import load_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd.bench.load import LoadResult, Timeline, format_load_table, run_load
+from ssd.tools.bench.load import LoadResult, Timeline, format_load_table, run_load
 from ssd.config import load_config
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import serve_config
@@ -38,7 +38,7 @@ def test_concurrent_clients_against_a_real_server():
 
 
 def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(tmp_path, capsys):
-    from ssd.bench import cli as bench
+    from ssd.tools.bench import cli as bench
 
     prompts = tmp_path / "tiny.yaml"
     prompts.write_text("- abcab\n- ponm\n- aaaabbbb\n")
@@ -55,7 +55,7 @@ def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(
 
 @pytest.mark.cluster
 def test_the_serving_bench_runs_ar_and_ssd_through_the_cluster_beside_in_process_rows(tmp_path, capsys):
-    from ssd.bench import cli as bench
+    from ssd.tools.bench import cli as bench
 
     prompts = tmp_path / "tiny.yaml"
     prompts.write_text("- abcab\n- ponm\n")

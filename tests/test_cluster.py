@@ -231,7 +231,7 @@ def test_openai_http_api_over_the_cluster(cluster):
 def test_launcher_argument_errors(args, message):
     """Refused before Ray starts, with a message naming the problem (in-process:
     the SIGTERM test below runs launch/cluster.py itself)."""
-    from ssd.cluster.launcher import main
+    from ssd.app.launcher import main
 
     with pytest.raises(SystemExit) as exit_:
         main(args)
@@ -239,7 +239,7 @@ def test_launcher_argument_errors(args, message):
 
 
 def test_launcher_rejects_unknown_config_keys(tmp_path):
-    from ssd.cluster.launcher import main
+    from ssd.app.launcher import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("speculation: {fan_out: 3}\n")

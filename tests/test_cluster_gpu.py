@@ -14,7 +14,7 @@ import pytest
 import ray
 import yaml
 
-from ssd.cluster import launcher  # launch/cluster.py's main
+from ssd.app import launcher  # launch/cluster.py's main
 from ssd.cluster.runtime import Cluster, actor_env, refuse_unworkable
 from ssd.config import ConfigError, GenerationConfig, load_config
 from ssd.engine.request import GenerationRequest

@@ -41,7 +41,7 @@ def test_the_launcher_s_one_shot_generation_runs_the_cluster_s_planned_settings(
     """`launch/cluster.py "prompt"` sends the cluster's speculation (the plan's), not the config file's."""
     from types import SimpleNamespace
 
-    from ssd.cluster.launcher import run_one
+    from ssd.app.launcher import run_one
 
     planned = dataclasses.replace(CONFIG.speculation, k=2)
     sent = []

@@ -119,7 +119,7 @@ def test_the_static_path_refuses_a_mask_of_another_shape(tiny_models):
 
 def test_the_smoke_run_times_every_hot_path_variant(tiny_models):
     """launch/gpu_smoke.py's timings of the above (the graph variant exists on CUDA only)."""
-    from ssd.bench.hot_path import time_hot_path
+    from ssd.tools.bench.hot_path import time_hot_path
 
     timings = time_hot_path(*tiny_models, k=2, budgets=(3,), prefix=8, repeats=1)
     assert set(timings["target decode"]) == set(timings["target verify K=2"]) == {"per_row", "one_call", "static"}

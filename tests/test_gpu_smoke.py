@@ -1,6 +1,6 @@
 """launch/gpu_smoke.py at small shapes on the CPU, so the GPU smoke run cannot rot.
 
-One in-process run (ssd.bench.smoke.run_smoke) and one run of the CLI in a
+One in-process run (ssd.tools.bench.smoke.run_smoke) and one run of the CLI in a
 subprocess with Ray unimportable (the GPU box has none), its second process
 included. Both start a spawned draft process, whose imports take most of the
 time; the CLI is started first so the two overlap.
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.ablation.costs import load_costs
-from ssd.ablation.trace import RecordSettings, record_trace, save_trace
-from ssd.bench.branch_check import branch_case, compare, sequential, tree
-from ssd.bench.smoke import SmokeSettings, model_specs, run_smoke, summary_text
+from ssd.saguaro.costs import load_costs
+from ssd.tools.ablation.trace import RecordSettings, record_trace, save_trace
+from ssd.tools.bench.branch_check import branch_case, compare, sequential, tree
+from ssd.tools.bench.smoke import SmokeSettings, model_specs, run_smoke, summary_text
 from ssd.config import GenerationConfig, SamplingConfig
 from ssd.models.shapes import build_random_model, fingerprint, shape_config
 from tests.conftest import ROOT
@@ -98,7 +98,7 @@ def test_cli_without_ray_and_plan_reads_its_costs(cli_run, trace_file, capsys):
     assert "gpu smoke: PASSED" in stdout and "plan: AR" in stdout
     report = json.loads((out / "smoke.json").read_text())
     assert report["passed"] and report["plan"]["sd"]["k"] in KS
-    from ssd.ablation import cli as ablate
+    from ssd.tools.ablation import cli as ablate
 
     ablate.main(["plan", "--trace", str(trace_file), "--costs", str(out / "costs.json"),
                  "--ks", *map(str, KS), "--budgets", *map(str, BUDGETS), "--log-level", "WARNING"])

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
-from ssd.engine.factory import make_engine
+from ssd.factory import make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.serve.backend import LocalBackend, UnsupportedRequest
 from ssd.serve.client import GenerationClient
@@ -577,7 +577,7 @@ def test_unknown_path_and_method_keep_the_error_shape(server):
 def test_http_port_flag():
     import argparse
 
-    from ssd.cli import add_serve_args, serve_options_from_args
+    from ssd.app.cli import add_serve_args, serve_options_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from ssd.ablation.costs import Costs
+from ssd.saguaro.costs import Costs
 from ssd.config import Config, ConfigError, RuntimeConfig, SpeculationConfig, TinyModelConfig
 from ssd.models import build_tiny_model
 from ssd.saguaro import startup
@@ -179,7 +179,7 @@ def test_agreement_of_a_draft_with_itself_is_perfect(pair):
 
 
 def test_the_plan_reaches_a_local_server_s_engines(pair, tiny_tokenizer, tmp_path, monkeypatch):
-    from ssd.engine.factory import LoadedPair
+    from ssd.factory import LoadedPair
     from ssd.serve.backend import LocalBackend
 
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))

@@ -173,7 +173,7 @@ def test_layers_round_trip_through_plain_tensors():
 def test_no_quant_cache_flag_turns_it_off_for_both_models():
     import argparse
 
-    from ssd.cli import add_config_args, config_from_args
+    from ssd.app.cli import add_config_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_args(parser)

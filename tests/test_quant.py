@@ -236,7 +236,7 @@ def test_fused_projections_compute_exactly_what_the_separate_layers_do():
 def test_fused_layers_call_four_int8_matmuls_instead_of_seven():
     """What the fusion is for: per decoder layer qkv, o, gate+up and down (the
     one-matmul saving, timed by launch/bench_fusion.py), with the same logits."""
-    from ssd.bench.fusion import unfused_and_fused
+    from ssd.tools.bench.fusion import unfused_and_fused
     from ssd.models.fast import FastForward
     from ssd.models.invariant import use_row_attention
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
-from ssd.engine.factory import make_engine
+from ssd.factory import make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.serve import protos
 from ssd.serve.backend import LocalBackend

@@ -424,7 +424,7 @@ def test_two_servers_have_their_own_registries_and_metrics_are_off_by_default():
 def test_metrics_port_option():
     import argparse
 
-    from ssd.cli import add_serve_args, serve_options_from_args
+    from ssd.app.cli import add_serve_args, serve_options_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

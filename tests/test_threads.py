@@ -30,7 +30,7 @@ from ssd.config import (
     BatchingConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig, load_config,
 )
 from ssd.engine.batch import Finished
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, load_model
 from ssd.models.fast import FastForward

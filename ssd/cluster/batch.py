@@ -14,11 +14,10 @@ target in the background).
 from __future__ import annotations
 
 import uuid
-from typing import Union
+from typing import Any, Protocol, Union
 
 import ray
 
-from ssd.cluster.runtime import Cluster, TargetLost
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
@@ -26,12 +25,37 @@ from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 StepCall = Union[tuple[ray.ObjectRef, int], GeneratorUnavailable]
 
 
+class TargetLost(GeneratorUnavailable):
+    """The target was lost under a request after it had streamed `streamed` tokens.
+
+    With none streamed the request may run again from its prompt, here once
+    the target is back or at once on another replica (ssd.cluster.replicas)."""
+
+    def __init__(self, message: str, streamed: int) -> None:
+        super().__init__(message)
+        self.streamed = streamed
+
+
+class TargetHost(Protocol):
+    """What a batch engine needs of the cluster that holds its target (ssd.cluster.runtime.Cluster)."""
+
+    name: str
+    serving: bool
+    targets: list[Any]  # the target ranks' actor handles; rank 0 runs the batch
+    target_restarts: int  # the target's incarnation
+
+    def wait_serving(self) -> None: ...
+    def target_lost(self, why: str) -> None: ...
+    def forward_failure(self, incarnation: int) -> str | None: ...
+    def look_now(self) -> None: ...
+
+
 class RowError(RuntimeError):
     """A row failed on the target; the text is the target's error."""
 
 
 class RemoteBatchEngine(Engine):
-    def __init__(self, cluster: Cluster, mode: str, wait_for_target: bool = True) -> None:
+    def __init__(self, cluster: TargetHost, mode: str, wait_for_target: bool = True) -> None:
         """wait_for_target False: a call while the target restarts fails at once
         (GeneratorUnavailable) rather than waiting, for a caller with somewhere else to go."""
         self.cluster = cluster

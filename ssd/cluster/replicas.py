@@ -35,7 +35,8 @@ from prometheus_client.registry import Collector
 
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.devices import Placement
-from ssd.cluster.runtime import RECOVERY_WAIT_S, Cluster, HealthListener, TargetLost, start_ray
+from ssd.cluster.batch import TargetLost
+from ssd.cluster.runtime import RECOVERY_WAIT_S, Cluster, HealthListener, start_ray
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable

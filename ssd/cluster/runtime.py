@@ -35,20 +35,18 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
+from ssd.cluster.batch import RemoteBatchEngine, TargetLost
 from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config, ConfigError
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 from ssd.transport.distributed import free_port
-
-if TYPE_CHECKING:
-    from ssd.cluster.batch import RemoteBatchEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +64,6 @@ LOAD_BYTES_PER_S = 100e6
 
 # (serving, why not): called when the cluster goes down or comes back.
 HealthListener = Callable[[bool, str | None], None]
-
-
-class TargetLost(GeneratorUnavailable):
-    """The target was lost under a request after it had streamed `streamed` tokens.
-
-    With none streamed the request may run again from its prompt, here once
-    the target is back or at once on another replica (ssd.cluster.replicas)."""
-
-    def __init__(self, message: str, streamed: int) -> None:
-        super().__init__(message)
-        self.streamed = streamed
 
 
 def resolve_node(name: str) -> str:
@@ -634,10 +621,8 @@ class Cluster:
     def describe(self) -> dict[str, Any]:
         return ray.get(self.targets[0].describe.remote())
 
-    def batch_engine(self, mode: str) -> "RemoteBatchEngine":
+    def batch_engine(self, mode: str) -> RemoteBatchEngine:
         """A continuous batch of `mode` on target rank 0 (the serving worker drives it)."""
-        from ssd.cluster.batch import RemoteBatchEngine
-
         return RemoteBatchEngine(self, mode)
 
     # --------------------------------------------------------------- shutdown

@@ -3,7 +3,7 @@
 Ray carries only setup and control calls (load, connect, one call per
 request or per batched step); every SSD round travels over the
 torch.distributed link between target rank 0 and the speculator. Target rank
-0 runs the same engines as one process (ssd.engine.factory.make_engine, one
+0 runs the same engines as one process (ssd.factory.make_engine, one
 per mode); the speculator runs the one draft-side host (ssd.saguaro.host).
 A tensor-parallel target hands its engines the leader's one sequence, so
 there the batch is held at one row (ssd.engine.batch).
@@ -266,7 +266,7 @@ class TargetWorker:
         """The mode's one engine (made on first use): requests alone (generate_stream)
         and batched steps share it. SSD's owns the draft link."""
         if mode not in self._engines:
-            from ssd.engine.factory import LoadedPair, make_engine
+            from ssd.factory import LoadedPair, make_engine
             from ssd.models.loading import resolve_precision
 
             if mode not in MODES:

@@ -1,7 +1,7 @@
 """Decoding engines: one batched engine per mode on one round loop (batch.py).
 
 AR (ar.py) and SD (sd.py) live here; SSD's engine lives with the rest of its
-algorithm (ssd.saguaro.target). `ssd.engine.factory.make_engine` makes any of them.
+algorithm (ssd.saguaro.target). `ssd.factory.make_engine` makes any of them.
 """
 
 from ssd.engine.ar import AREngine

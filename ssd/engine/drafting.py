@@ -4,7 +4,7 @@ SSD's neural backup, written once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -12,8 +12,14 @@ from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence, forward_rows
 from ssd.sampling import as_drawn, probs_from_logits, sample
 
-if TYPE_CHECKING:  # SSD's neural backup drafts under Saguaro sampling; SD never does
-    from ssd.saguaro.sampling import Saguaro
+
+
+class Reshape(Protocol):
+    """What a chain may draw its tokens from instead of q: SSD's neural backup
+    drafts under Saguaro sampling (ssd.saguaro.sampling.Saguaro); SD never does."""
+
+    def apply(self, q: torch.Tensor, position: int) -> torch.Tensor:
+        """The law [V] the token at `position` (0: the first drafted) is drawn from."""
 
 
 @dataclass
@@ -29,7 +35,7 @@ class Chain:
     k: int
     sampling: SamplingConfig
     gen: torch.Generator
-    saguaro: Saguaro | None = None
+    saguaro: Reshape | None = None
     tokens: list[int] = field(default_factory=list)
     q_rows: list[torch.Tensor] = field(default_factory=list)
     logit_rows: list[torch.Tensor] = field(default_factory=list)  # what each token was drawn from, before sampling
@@ -82,7 +88,7 @@ def drafted_chain(
     k: int,
     sampling: SamplingConfig,
     gen: torch.Generator,
-    saguaro: Saguaro | None = None,
+    saguaro: Reshape | None = None,
 ) -> Chain:
     """The finished Chain of k tokens drafted after `sequence` (its error raised).
 

@@ -86,7 +86,7 @@ class SpecStats:
 
 class RoundRatios:
     """Ratios over the counts every run keeps, live (GenerationStats) or
-    replayed from a trace (ssd.ablation.replay.ReplayResult): written once."""
+    replayed from a trace (ssd.tools.ablation.replay.ReplayResult): written once."""
 
     drafted: int
     accepted: int

@@ -22,6 +22,7 @@ import torch
 from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
 from ssd.models import qcache
+from ssd.models.qcache import weight_files
 from ssd.models.invariant import use_row_attention
 from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
@@ -136,8 +137,6 @@ def load_resolved(name: str, load: Callable[[str], Any]) -> Any:
         raise _not_found(name, exc) from exc
 
 
-# Files that hold a checkpoint's weights (safetensors, or PyTorch pickles).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # What a hub download skips: other frameworks' and formats' copies of the weights.
 NOT_TORCH = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.tflite", "original/*"]
 
@@ -172,11 +171,6 @@ def _download(name: str) -> str:
 def checkpoint_bytes(directory: Path) -> int:
     """Bytes of the weight files in `directory` (symlinks followed, as the hub cache uses them)."""
     return sum(f.stat().st_size for f in weight_files(directory))
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The weight files under `directory`, sorted."""
-    return sorted(f for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
 
 
 def resolve_source(name: str) -> str:

@@ -63,6 +63,15 @@ def quantized_dir(root: Path | None = None) -> Path:
     return (root if root is not None else cache_dir()) / "quantized"
 
 
+# Files that hold a checkpoint's weights (safetensors, or PyTorch pickles).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files under `directory`, sorted."""
+    return sorted(f for f in directory.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
 def entry_path(source: Path, root: Path | None = None) -> Path:
     """Where the int8 form of the checkpoint in `source` is cached (whether or not it exists)."""
     digest = hashlib.sha256(f"{FORMAT}|torch {torch.__version__}|{fingerprint(source)}".encode())
@@ -71,8 +80,6 @@ def entry_path(source: Path, root: Path | None = None) -> Path:
 
 def fingerprint(source: Path) -> str:
     """config.json's bytes and each weight file's name, size and mtime: cheap, and changed by any rewrite."""
-    from ssd.models.loading import weight_files  # loading imports this module
-
     digest = hashlib.sha256((source / "config.json").read_bytes())
     for path in weight_files(source):
         stat = path.stat()  # follows symlinks (the hub cache links to blobs)

@@ -481,7 +481,7 @@ def share_budget(budgets: Sequence[int], cap: int | None) -> list[int]:
 
 def make_planner(speculation: SpeculationConfig, vocab_size: int) -> FanoutPlanner:
     """The fan-out planner of one sequence, shared by the speculator and the
-    trace replay (ssd.ablation), which must plan exactly as the speculator does.
+    trace replay (ssd.tools.ablation), which must plan exactly as the speculator does.
 
     Caps: at most V-1 guesses where the drafted token is excluded, V at k = K.
     """

@@ -7,7 +7,7 @@ where the process comes from and what carries the link:
   one process: the server's engines, launch/generate.py, the tests);
 - `serve_link`: rank 1 of a two-rank gloo link, in a Ray actor
   (ssd.cluster.workers.DraftWorker) or in a spawned second process
-  (ssd.bench.draft_process, the GPU smoke run).
+  (ssd.tools.bench.draft_process, the GPU smoke run).
 """
 
 from __future__ import annotations

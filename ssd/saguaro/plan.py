@@ -1,10 +1,10 @@
 """The start-up plan: the K, fan-out budget and glue that make SSD fastest here.
 
 Pure math over measured numbers (no model, no I/O): what one round costs on
-this host (ssd.ablation.costs.Costs, one per glue kind) and how the draft
+this host (ssd.saguaro.costs.Costs, one per glue kind) and how the draft
 agrees with the target (`Agreement`). The speed model is the paper's
 (Kumar, Dao, May: Speculative Speculative Decoding, arXiv 2603.03251) in
-seconds, as ssd.ablation.speed writes it:
+seconds, as ssd.saguaro.speed writes it:
 
   SSD tokens/s = E / [p T_hit + (1 - p)(T_backup + T_hit)],  T_hit = max(T_verify, T_build)
 
@@ -32,8 +32,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ssd.ablation.costs import Costs
-from ssd.ablation.speed import ssd_speed_from
+from ssd.saguaro.costs import Costs
+from ssd.saguaro.speed import ssd_speed_from
 from ssd.saguaro.fanout import acceptance_lengths_pmf, geometric_fanout
 
 DEFAULT_KS = tuple(range(1, 7))

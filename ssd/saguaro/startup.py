@@ -7,7 +7,7 @@ process, or inside the cluster's target and draft actors):
   continuation of a few prompts, which the draft is then scored against;
 - `draft_probe`: the draft's backup chain per K and its cache build per
   (K, budget) for each glue kind, on a small grid (the rest is fitted:
-  ssd.ablation.costs.Costs); and where the target's tokens rank among the
+  ssd.saguaro.costs.Costs); and where the target's tokens rank among the
   draft's (ssd.saguaro.plan.Agreement).
 Both time with one intra-op thread per role, as SSD runs them, in a few
 seconds each. `plan_from_probes` turns them into ssd.saguaro.plan.Plan; the
@@ -27,8 +27,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ssd import hardware
-from ssd.ablation.batch_costs import chain_rows_probe, prefilled_rows, verify_rows_probe
-from ssd.ablation.costs import CostSettings, Costs, backup_probe, build_probe, forward_probe, round_robin
+from ssd.saguaro.costs import (
+    CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, round_robin,
+    verify_rows_probe,
+)
 from ssd.config import Config, SpeculationConfig
 from ssd.models import offline
 from ssd.models.kv import KVSequence, forward_rows
@@ -239,7 +241,7 @@ def planned(config: Config, plan: Plan) -> Config:
 
 def plan_for_pair(config: Config, pair) -> Config:
     """config with SSD's start-up plan applied, where it asks for one, both models in
-    this process (ssd.engine.factory.LoadedPair: the local engines and servers)."""
+    this process (ssd.factory.LoadedPair: the local engines and servers)."""
     if pair.draft is None or not wanted(config):
         return config
     devices = [str(getattr(pair.target, "device", "?")), str(pair.draft.device), "in-process"]

@@ -5,7 +5,7 @@ The servicer sees only this protocol, so the tests can wrap the real backend
 A backend may also offer `batch_engine(mode)` (ssd.serve.worker.BatchingBackend):
 the worker then runs that mode's requests together (continuous batching).
 The local backend's engines, for the worker and for `generate`, all come from
-ssd.engine.factory.make_engine.
+ssd.factory.make_engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from ssd.config import MODES, Config
 from ssd.engine.batch import Engine
-from ssd.engine.factory import LoadedPair, load_pair, make_engine
+from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 from ssd.saguaro.startup import plan_for_pair

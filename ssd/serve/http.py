@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.engine.request import GeneratorUnavailable, TokenLogprob
 from ssd.serve import http_schema as schema
 from ssd.serve.backend import Backend
-from ssd.serve.server import NotServing
+from ssd.serve.service import NotServing
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import InvalidArgument, validate
 from ssd.serve.worker import Done, DuplicateRequestId, GenerationWorker, Job, QueueFull, Round, WorkerClosed

@@ -29,6 +29,7 @@ from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics, prometheus_text, server_registry
 from ssd.serve.options import ServeOptions
+from ssd.serve.service import NotServing
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import InvalidArgument, validate
 from ssd.serve.worker import (
@@ -46,10 +47,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "ssd.v1.GenerationService"
 EVENT_POLL_S = 0.1  # how often a waiting stream checks that its client is still there
 NO_DEADLINE_S = 1e9
-
-
-class NotServing(RuntimeError):
-    """The model is loading, restarting or shutting down; str() says which."""
 
 
 class GenerationServicer:

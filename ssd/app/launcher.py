@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from ssd.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args
+from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args
 from ssd.cluster.devices import (
     DeviceError,
     Placement,

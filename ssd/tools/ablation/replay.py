@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ssd.ablation.trace import Trace, TraceSequence
+from ssd.tools.ablation.trace import Trace, TraceSequence
 from ssd.config import SpeculationConfig
 from ssd.engine.metrics import RoundRatios, SpecStats
 from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner

@@ -1,10 +1,10 @@
 """Choose K, budget B, Saguaro C and fan-out kind for a trace and a machine.
 
-Every candidate is replayed on the trace (ssd.ablation.replay) and priced with
-the measured costs (ssd.ablation.speed); candidates are ranked by modelled
+Every candidate is replayed on the trace (ssd.tools.ablation.replay) and priced with
+the measured costs (ssd.tools.ablation.speed); candidates are ranked by modelled
 tokens/s. C only changes anything at T > 0, so a greedy trace is searched at
 C = 1 only. Build costs at unmeasured (K, B) come from the costs' fit (see
-ssd.ablation.costs). The SD baseline is plain speculative decoding at its
+ssd.saguaro.costs). The SD baseline is plain speculative decoding at its
 own best K over the same K grid, its tokens per round replayed at C = 1.
 """
 
@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ssd.ablation.costs import Costs
-from ssd.ablation.replay import ReplayData, ReplayResult, replay, ssd_spec
-from ssd.ablation.speed import Speed, ar_speed, sd_speed, ssd_speed
-from ssd.ablation.trace import load_trace
+from ssd.saguaro.costs import Costs
+from ssd.tools.ablation.replay import ReplayData, ReplayResult, replay, ssd_spec
+from ssd.saguaro.speed import Speed, ar_speed, sd_speed
+from ssd.tools.ablation.speed import ssd_speed
+from ssd.tools.ablation.trace import load_trace
 from ssd.config import SpeculationConfig
 
 DEFAULT_KS = tuple(range(1, 9))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ssd.bench.background import busy_background
+from ssd.tools.bench.background import busy_background
 
 # Environment of each policy; "default" leaves libgomp's own choice.
 POLICIES: dict[str, dict[str, str]] = {

@@ -10,7 +10,7 @@ swings touch every row alike):
 - "ssd K=k B=b": the grid, through the same cluster, per-request settings.
 Decode tokens/s summed over the prompts (tokens after the first / decode
 time). `background`: one nice-19 busy process for the whole run
-(ssd.bench.background).
+(ssd.tools.bench.background).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ssd.config import Config, SamplingConfig, SpeculationConfig
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest, Generator
 
 log = logging.getLogger(__name__)

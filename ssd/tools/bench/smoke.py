@@ -6,14 +6,14 @@ them (`shapes="small"`, for CPU and CI). What it does, in order:
 
 1. generation: fp32 greedy AR, SD and SSD give the same tokens, with SSD's
    draft side (ssd.saguaro.speculator) in a second process over the host
-   link (ssd.bench.draft_process). Twice: on the real pair (unrelated random
+   link (ssd.tools.bench.draft_process). Twice: on the real pair (unrelated random
    weights: drafts are almost always rejected) and on a pair whose draft is
    a noisy copy of its target (drafts are accepted, so acceptance and cache
    hits are exercised too).
 2. branches: tree-masked branch decoding agrees with sequential decoding
-   under each SDPA backend this device runs (ssd.bench.branch_check).
+   under each SDPA backend this device runs (ssd.tools.bench.branch_check).
 3. link: round trips of the protocol's messages over the host link.
-4. timings: the planner's costs (ssd.ablation.costs.measure_costs: target
+4. timings: the planner's costs (ssd.saguaro.costs.measure_costs: target
    step, verify(K) for K + 1 tokens, backup, build) plus one draft tree step
    per budget, written as an "ssd-ablation-costs/1" file that
    `launch/ablate.py plan --trace T --costs F` reads; given a trace, the plan
@@ -41,15 +41,15 @@ import torch
 from tqdm import tqdm
 
 from ssd import hardware
-from ssd.ablation import planner
-from ssd.ablation.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
-from ssd.bench.branch_check import branch_case, check_branches
-from ssd.bench.hot_path import time_hot_path
-from ssd.bench.draft_process import DraftProcess, exact_fp32
-from ssd.bench.link import summarize_ms
+from ssd.tools.ablation import planner
+from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
+from ssd.tools.bench.branch_check import branch_case, check_branches
+from ssd.tools.bench.hot_path import time_hot_path
+from ssd.tools.bench.draft_process import DraftProcess, exact_fp32
+from ssd.tools.bench.link import summarize_ms
 from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import Engine
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 from ssd.saguaro.target import SSDEngine

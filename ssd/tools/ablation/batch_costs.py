@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ssd import hardware
-from ssd.ablation.costs import round_robin
+from ssd.saguaro.costs import chain_rows_probe, prefilled_rows, round_robin, verify_rows_probe
 from ssd.saguaro.batch_policy import k_by_batch
 from ssd.config import SamplingConfig
 from ssd.engine.metrics import GenerationStats
@@ -122,40 +122,6 @@ def measure_batch_costs(
     )
 
 
-def prefilled_rows(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
-    rows = [KVSequence(model) for _ in contexts]
-    forward_rows(rows, contexts, last_only=True)
-    return rows
-
-
-def verify_rows_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
-    ids = [torch.randint(vocab, (n,), generator=gen).tolist() for _ in rows]
-
-    def run() -> None:
-        hardware.sync(forward_rows(rows, ids, last_only=False)[0])
-
-    def reset() -> None:
-        for row, context in zip(rows, contexts):
-            row.rollback(len(context))
-
-    return run, reset
-
-
-def chain_rows_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
-    sampling = SamplingConfig(temperature=1.0)
-    gens = [make_generator(seed + i) for i in range(len(rows))]
-
-    def run() -> None:
-        draft_chains([Chain(row, context, k, sampling, g) for row, context, g in zip(rows, contexts, gens)])
-        hardware.sync(rows[0].model.device)
-
-    def reset() -> None:  # after a round the draft lacks only the last token
-        for row, context in zip(rows, contexts):
-            row.rollback(len(context) - 1)
-
-    return run, reset
-
-
 def measure_k_throughput(
     pair, prompts: list[list[int]], batch_sizes: list[int], ks: list[int], tokens: int,
     sampling: SamplingConfig, batching, tick: Callable[[], None] = lambda: None,
@@ -168,7 +134,7 @@ def measure_k_throughput(
     leaves out. The K values of one batch size run back to back (a drifting
     host moves the values compared together)."""
     from ssd.config import GenerationConfig, SpeculationConfig
-    from ssd.engine.factory import make_engine
+    from ssd.factory import make_engine
     from ssd.engine.request import GenerationRequest
 
     generation = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)

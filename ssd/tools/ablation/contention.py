@@ -8,7 +8,7 @@ prefix, one thread, pinned to --target-core) alone, then while the draft
 decodes --branches tokens per forward in a loop on --draft-core, then alone
 again. On CPUs both roles stream weights from the same memory, so SSD's
 verification is slower than the same forward measured alone (the cost model
-in ssd.ablation uses the alone figure).
+in ssd.tools.ablation uses the alone figure).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 import statistics
 import time
 
-from ssd.ablation.neighbour import arbitrary_ids, busy_neighbour, pin, prefilled
-from ssd.cli import add_config_args, config_from_args
+from ssd.tools.ablation.neighbour import arbitrary_ids, busy_neighbour, pin, prefilled
+from ssd.app.cli import add_config_args, config_from_args
 from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 

@@ -13,7 +13,7 @@ fan-out schedules, K, budget and Saguaro C without them.
 The base configuration (K, budget, fan-out kind, Saguaro C, planner priors,
 branch decoder, models) comes from --config and its override flags. Replays
 are exact under greedy decoding and a Monte Carlo given the trajectories at
-T > 0 (see ssd/ablation/replay.py); --samples sets the passes per trajectory.
+T > 0 (see ssd/tools/ablation/replay.py); --samples sets the passes per trajectory.
 At T > 0 record several trajectories per prompt (--samples-per-prompt; prompt
 i, sample s uses seed sampling.seed + i * samples + s). For a dynamically
 int8-quantized draft, `record --chunk 5` scores in live-like 5-token calls
@@ -34,17 +34,17 @@ from typing import Callable
 import yaml
 from tqdm import tqdm
 
-from ssd.ablation import costs as costs_mod
-from ssd.ablation import planner, report
-from ssd.ablation.compare import compare
-from ssd.ablation.neighbour import busy_neighbour, pin
-from ssd.ablation.plots import plot_miss_vs_fanout, write_all
-from ssd.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout
-from ssd.ablation.sweep import SweepGrid, sweep_tables
-from ssd.ablation.trace import RecordSettings, Trace, load_trace, record_trace, save_trace
-from ssd.cli import PROMPT_DIR, add_config_args, config_from_args
+from ssd.saguaro import costs as costs_mod
+from ssd.tools.ablation import planner, report
+from ssd.tools.ablation.compare import compare
+from ssd.tools.ablation.neighbour import busy_neighbour, pin
+from ssd.tools.ablation.plots import plot_miss_vs_fanout, write_all
+from ssd.tools.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout
+from ssd.tools.ablation.sweep import SweepGrid, sweep_tables
+from ssd.tools.ablation.trace import RecordSettings, Trace, load_trace, record_trace, save_trace
+from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args
 from ssd.config import Config, SpeculationConfig
-from ssd.engine.factory import load_pair
+from ssd.factory import load_pair
 from ssd.models.tokenizer import encode_prompt
 
 log = logging.getLogger("ablate")
@@ -321,11 +321,11 @@ def cmd_compare(args: argparse.Namespace, config: Config) -> None:
 
 
 def cmd_backups(args: argparse.Namespace, config: Config) -> None:
-    """Fig. 6 (left) of the SSD paper on this machine: see ssd.ablation.backup_crossover."""
+    """Fig. 6 (left) of the SSD paper on this machine: see ssd.tools.ablation.backup_crossover."""
     from ssd import hardware
-    from ssd.ablation.backup_crossover import format_crossover, measure_crossover, predict
-    from ssd.ablation.plots import plot_backup_crossover
-    from ssd.bench.prompts import load_prompt_set
+    from ssd.tools.ablation.backup_crossover import format_crossover, measure_crossover, predict
+    from ssd.tools.ablation.plots import plot_backup_crossover
+    from ssd.tools.prompts import load_prompt_set
 
     pair = load_pair(config)
     prompts = [p.encode(pair.tokenizer) for p in load_prompt_set(args.prompt_file)]

@@ -1,7 +1,7 @@
 """Traces: what the target and the draft predicted along target trajectories.
 
 A trace is recorded once with the models and replayed many times without
-them (ssd.ablation.replay). For each prompt the target generates a trajectory
+them (ssd.tools.ablation.replay). For each prompt the target generates a trajectory
 (the AR engine: greedy at T = 0, seeded sampling at T > 0); then one
 teacher-forced forward of each model over prompt + trajectory gives its
 logits at every generated position. Per position we keep what replay needs:

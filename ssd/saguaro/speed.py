@@ -1,4 +1,5 @@
-"""Modelled decoding speed from replayed round statistics and measured costs.
+"""Modelled decoding speed from round statistics and measured costs: the start-up
+plan (ssd.saguaro.plan) and the ablations (ssd.tools.ablation) both use it.
 
 The paper (Kumar, Dao, May: Speculative Speculative Decoding, arXiv 2603.03251),
 in units of one verification:
@@ -22,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ssd.ablation.costs import Costs
-from ssd.ablation.replay import ReplayResult
+from ssd.saguaro.costs import Costs
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,6 @@ def sd_speed(tokens_per_round: float, k: int, costs: Costs) -> Speed:
     round_s = costs.verify(k) + costs.backup(k)
     tps = tokens_per_round / round_s
     return Speed(tps, tps * costs.ar_step_s, round_s)
-
-
-def ssd_speed(result: ReplayResult, costs: Costs) -> Speed:
-    """SSD's modelled speed for the schedule `result` replayed."""
-    return ssd_speed_from(
-        result.hit_rate, result.tokens_per_round_after_hit, result.tokens_per_round_after_miss,
-        costs.verify(result.k), costs.backup(result.k), costs.build(result.k, result.budget), costs.ar_step_s,
-    )
 
 
 def ssd_speed_from(

@@ -40,7 +40,7 @@ the draft on a core of its own) and the in-process modes at each
 --thread-counts (1: the paper's setting, 2: equal hardware).
 
 --background-load runs one busy process at nice 19 for the whole
-measurement (ssd.bench.background); every table says which condition it
+measurement (ssd.tools.bench.background); every table says which condition it
 was measured under.
 """
 
@@ -53,13 +53,13 @@ import os
 import sys
 from pathlib import Path
 
-from ssd.bench.background import busy_background
-from ssd.bench.background import describe as describe_background
-from ssd.bench.prompts import load_prompt_set
-from ssd.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
-from ssd.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_bench
-from ssd.cli import PROMPT_DIR, add_config_args, config_from_args
-from ssd.engine.factory import load_pair
+from ssd.tools.bench.background import busy_background
+from ssd.tools.bench.background import describe as describe_background
+from ssd.tools.prompts import load_prompt_set
+from ssd.tools.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
+from ssd.tools.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_bench
+from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args
+from ssd.factory import load_pair
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> Results:
 
 def serving(args: argparse.Namespace, config) -> list:
     """The serving benchmark (--concurrency): see the module docstring."""
-    from ssd.bench.serving import ServingPlan, format_serving_table, run_serving_bench
+    from ssd.tools.bench.serving import ServingPlan, format_serving_table, run_serving_bench
 
     variants, baseline = _serving_variants(args, config)
     prompts = [p.text for prompt_set in _prompt_sets(args).values() for p in prompt_set if not p.chat]
@@ -134,7 +134,7 @@ def _serving_variants(args: argparse.Namespace, config) -> tuple[list, object]:
     """The rows and the baseline. Without --cluster: the config's mode one request at a
     time, then every mode batched. With it: AR and SSD batched through the cluster (AR on
     the target's core is the baseline), then the in-process modes at each thread count."""
-    from ssd.bench.serving import Variant
+    from ssd.tools.bench.serving import Variant
 
     ks = args.ks or [config.speculation.k]
     threads = args.thread_counts or [None]
@@ -148,8 +148,8 @@ def _serving_variants(args: argparse.Namespace, config) -> tuple[list, object]:
 
 
 def _adaptive(args: argparse.Namespace, config, pair, prompts: list[str], variants: list):
-    from ssd.ablation.calibrate import calibrate_direct
-    from ssd.bench.serving import Variant
+    from ssd.tools.ablation.calibrate import calibrate_direct
+    from ssd.tools.bench.serving import Variant
 
     ks = args.ks or [config.speculation.k]
     encoded = [pair.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

@@ -13,10 +13,10 @@ import dataclasses
 import logging
 from typing import Callable
 
-from ssd.ablation.replay import ReplayData, ReplayResult, replay
-from ssd.ablation.trace import Trace
+from ssd.tools.ablation.replay import ReplayData, ReplayResult, replay
+from ssd.tools.ablation.trace import Trace
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 

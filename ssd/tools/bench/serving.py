@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from ssd.bench.load import LoadResult, run_load
+from ssd.tools.bench.load import LoadResult, run_load
 from ssd.config import Config
-from ssd.engine.factory import LoadedPair
+from ssd.factory import LoadedPair
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Three tables, each varying one thing and holding the rest at `spec`:
 fan-out kind x budget, K, and Saguaro C (T > 0 traces only). With costs,
-every row also gets its modelled tokens/s and speedups (ssd.ablation.speed).
+every row also gets its modelled tokens/s and speedups (ssd.tools.ablation.speed).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ssd.ablation.costs import Costs
-from ssd.ablation.planner import sd_baseline
-from ssd.ablation.replay import ReplayData, replay, ssd_spec
-from ssd.ablation.speed import ssd_speed
+from ssd.saguaro.costs import Costs
+from ssd.tools.ablation.planner import sd_baseline
+from ssd.tools.ablation.replay import ReplayData, replay, ssd_spec
+from ssd.tools.ablation.speed import ssd_speed
 from ssd.config import SpeculationConfig
 
 

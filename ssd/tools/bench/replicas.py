@@ -3,7 +3,7 @@
 Without `address`, a simulated multi-node Ray cluster on this machine
 (ray.cluster_utils.Cluster: a head without CPUs and one raylet per replica,
 each with the CPUs of one target + draft group), so each replica has a node
-of its own. Every run sends the same closed-loop load (ssd.bench.load) to a
+of its own. Every run sends the same closed-loop load (ssd.tools.bench.load) to a
 fresh server over a fresh set of replicas.
 """
 
@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import ray
 
-from ssd.bench.load import LoadResult, run_load
+from ssd.tools.bench.load import LoadResult, run_load
 from ssd.cluster.devices import Placement
 from ssd.cluster.replicas import start_cluster
 from ssd.config import Config

@@ -3,7 +3,7 @@
 All on the loaded pair, one intra-op thread per role (as each role runs in
 SSD), after a 200-token context, every probe timed round-robin (each pass
 times every probe once; medians), so a host that speeds up or slows down
-touches all of them alike (ssd.ablation.costs.round_robin):
+touches all of them alike (ssd.saguaro.costs.round_robin):
 - verify(K): the target's forward of K + 1 tokens;
 - build(K, B) per glue (ssd.config.GLUES): "full" is the build before the
   draft reused its own work (a glue pass over t* and K drafts, then K tree
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ssd import hardware
-from ssd.ablation.costs import CostSettings, build_probe, forward_probe, round_robin
+from ssd.saguaro.costs import CostSettings, build_probe, forward_probe, round_robin
 from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
 from ssd.saguaro.branches import TreeBranchDecoder

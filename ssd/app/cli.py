@@ -18,7 +18,7 @@ from ssd.config import GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
 PROMPT_DIR = ROOT / "configs" / "prompts"
 # --target-precision / --draft-precision: one name for a (dtype, quantization) pair.

@@ -3,7 +3,7 @@
 Measured on the loaded pair, one role at a time (each with `threads` intra-op
 threads, one by default, as each role gets its own core in SSD), alone or,
 with `ablate.py costs --under-load`, while the other role keeps decoding on
-the other core (ssd.ablation.neighbour), as it does in SSD:
+the other core (ssd.tools.ablation.neighbour), as it does in SSD:
 - ar_step: one target forward of 1 token after a `prefix`-token context;
 - verify(K): one target forward of K + 1 tokens after the prefix;
 - backup(K): the draft's chain of K tokens after a miss (its cache lacks only
@@ -42,12 +42,12 @@ import torch
 from ssd import hardware
 from ssd.config import GLUES, SamplingConfig
 from ssd.saguaro.fanout import uniform_fanout
-from ssd.models.kv import KVSequence
+from ssd.models.kv import KVSequence, forward_rows
 from ssd.sampling import make_generator
 from ssd.saguaro.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
 from ssd.saguaro.cache import DraftWork
-from ssd.engine.drafting import drafted_chain
+from ssd.engine.drafting import Chain, draft_chains, drafted_chain
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def measure_costs(
 
     The target's costs are measured inside `beside_draft()` and the draft's
     inside `beside_target()`: contexts in which the other role keeps busy
-    (ssd.ablation.neighbour), as in SSD. The defaults measure each role alone.
+    (ssd.tools.ablation.neighbour), as in SSD. The defaults measure each role alone.
     """
     tick = progress or (lambda: None)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
@@ -283,3 +283,39 @@ def build_probe(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: in
 
 def _decoder(name: str) -> BranchDecoder:
     return TreeBranchDecoder() if name == "tree" else BatchedBranchDecoder()
+
+
+# --- batched probes: b rows at once (the plan by batch size) ---------------------------------
+
+def prefilled_rows(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
+    rows = [KVSequence(model) for _ in contexts]
+    forward_rows(rows, contexts, last_only=True)
+    return rows
+
+
+def verify_rows_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
+    ids = [torch.randint(vocab, (n,), generator=gen).tolist() for _ in rows]
+
+    def run() -> None:
+        hardware.sync(forward_rows(rows, ids, last_only=False)[0])
+
+    def reset() -> None:
+        for row, context in zip(rows, contexts):
+            row.rollback(len(context))
+
+    return run, reset
+
+
+def chain_rows_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
+    sampling = SamplingConfig(temperature=1.0)
+    gens = [make_generator(seed + i) for i in range(len(rows))]
+
+    def run() -> None:
+        draft_chains([Chain(row, context, k, sampling, g) for row, context, g in zip(rows, contexts, gens)])
+        hardware.sync(rows[0].model.device)
+
+    def reset() -> None:  # after a round the draft lacks only the last token
+        for row, context in zip(rows, contexts):
+            row.rollback(len(context) - 1)
+
+    return run, reset

@@ -30,7 +30,7 @@ import numpy as np
 
 from ssd.saguaro.batch_policy import BackupProfile, SSDProfile, critical_batch_size, speedup_at
 from ssd.config import Config, GenerationConfig
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 

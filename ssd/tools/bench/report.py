@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ssd import hardware
-from ssd.bench.runner import MODES, Results, RunKey, Sample
+from ssd.tools.bench.runner import MODES, Results, RunKey, Sample
 from ssd.engine.metrics import total
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 (a) hit rate against acceptance as Saguaro C varies (a T > 0 trace);
 (b) miss rate against fan-out on log-log axes, with the fitted power law;
 (c) geometric against uniform hit rate across budgets.
-Each `plot_*` takes rows the studies in ssd.ablation.replay return, so the
+Each `plot_*` takes rows the studies in ssd.tools.ablation.replay return, so the
 numbers in a figure are the numbers in the tables. Figures are drawn on
 their own Agg canvas, never through pyplot: no global backend or figure state.
 """
@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-from ssd.ablation.replay import (
+from ssd.tools.ablation.replay import (
     MissPoint, PowerLawFit, ReplayData, c_tradeoff, compare_kinds, fit_power_law, miss_vs_fanout,
 )
 from ssd.config import SpeculationConfig

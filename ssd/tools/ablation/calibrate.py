@@ -2,7 +2,7 @@
 
 direct: batched SD runs at each batch size and K, each batch size taking its
 fastest K (nothing modelled). model: batched forwards timed on random
-contexts, K chosen by the cost model of ssd.ablation.batch_costs with an
+contexts, K chosen by the cost model of ssd.tools.ablation.batch_costs with an
 acceptance rate measured by a short SD run.
 """
 
@@ -12,11 +12,11 @@ import dataclasses
 
 from tqdm import tqdm
 
-from ssd.ablation.batch_costs import (
+from ssd.tools.ablation.batch_costs import (
     BatchCosts, acceptance_rate, best_k_policy, format_k_throughput, measure_batch_costs, measure_k_throughput,
 )
 from ssd.config import Config
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 
 

@@ -5,7 +5,7 @@ Saguaro C on the trace without them (replay.py), price the rounds with
 measured costs (costs.py), search the grid (planner.py) and plot (plots.py).
 """
 
-from ssd.ablation.replay import ReplayData, ReplayResult, replay
-from ssd.ablation.trace import Trace, load_trace, record_trace, save_trace
+from ssd.tools.ablation.replay import ReplayData, ReplayResult, replay
+from ssd.tools.ablation.trace import Trace, load_trace, record_trace, save_trace
 
 __all__ = ["ReplayData", "ReplayResult", "Trace", "load_trace", "record_trace", "replay", "save_trace"]

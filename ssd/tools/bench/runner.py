@@ -21,13 +21,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from ssd.bench.hf_assisted import HFAssistedEngine
-from ssd.bench.llamacpp import MODE as LLAMA_CPP
-from ssd.bench.llamacpp import LlamaCppEngine, gguf_for
-from ssd.bench.prompts import Prompt
+from ssd.tools.bench.hf_assisted import HFAssistedEngine
+from ssd.tools.bench.llamacpp import MODE as LLAMA_CPP
+from ssd.tools.bench.llamacpp import LlamaCppEngine, gguf_for
+from ssd.tools.prompts import Prompt
 from ssd.config import MODES as ENGINE_MODES
 from ssd.config import Config, SamplingConfig, SpeculationConfig
-from ssd.engine.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, Generator
 

@@ -1,0 +1,1 @@
+"""Tooling: benchmarks (bench) and research ablations (ablation). The runtime never imports it."""
