@@ -248,7 +248,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{variant}: plain 1-token forward {plain:.1f} ms (median over the B rows)")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=["int8", "bf16"], choices=sorted(VARIANTS))
     parser.add_argument("--impls", nargs="+", default=["tree", "batched"], choices=sorted(IMPLS))
@@ -260,7 +260,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-wait", type=float, default=900, help="seconds to wait for a quiet machine")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)

@@ -24,12 +24,16 @@ from ssd.app.cli import add_config_args, config_from_args  # noqa: E402
 from ssd.factory import load_pair  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="timed passes over every probe")
     parser.add_argument("--json", type=Path, help="write the figures here")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     pair = load_pair(config_from_args(args))
     with tqdm(desc="probes through their last pass", file=sys.stderr) as bar:
         bench = measure(pair.target, pair.draft, repeats=args.repeats, tick=bar.update)

@@ -29,13 +29,17 @@ from ssd.models.invariant import use_row_attention  # noqa: E402
 from ssd.models.quant import quantize_int8  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--roles", nargs="+", default=["draft", "target"], choices=["draft", "target"])
     parser.add_argument("--repeats", type=int, default=30, help="timed forwards per variant and length")
     parser.add_argument("--json", type=Path, help="write the rows here")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     torch.set_num_threads(config.runtime.threads or 1)
     out = {"machine": hardware.describe(), "threads": torch.get_num_threads(), "k": config.speculation.k}

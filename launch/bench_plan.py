@@ -32,7 +32,7 @@ from ssd.factory import load_pair  # noqa: E402
 GRID = [(2, 2), (2, 4), (3, 4), (3, 8), (4, 4), (4, 8)]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-sets", nargs="+", default=["code", "chat"])
     parser.add_argument("--prompts", type=int, default=2, help="prompts per set")
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--background-load", action="store_true", help="one nice-19 busy process throughout")
     parser.add_argument("--json", type=Path)
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="ssd"))
     pair = load_pair(config)

@@ -25,7 +25,7 @@ from ssd.cluster.devices import default_cpu_placement  # noqa: E402
 PROMPTS = ["abcab", "ponm", "aaaabbbb", "mnop", "cab", "bbbb", "onm", "abc"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], dest="replica_counts",
                         help="replica counts to compare")
@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", help="a running Ray cluster (default: simulated nodes on this machine)")
     add_config_args(parser)
     parser.set_defaults(config=ROOT / "configs" / "tiny-cluster.yaml", mode="ssd")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if min(args.replica_counts) < 1:
         sys.exit(f"error: --replicas must be >= 1, got {args.replica_counts}")
     config = config_from_args(args)

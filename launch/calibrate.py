@@ -34,7 +34,7 @@ from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E
 from ssd.factory import load_pair  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict[int, int]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--method", choices=["direct", "model"], default="direct")
@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> dict[int, int]:
     parser.add_argument("--yaml", help="write {speculation: {k_policy: ...}} here")
     parser.add_argument("--no-progress", action="store_true")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[int, int]:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     pair = load_pair(config)
     if args.method == "direct":

@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not (args.prompt or args.info or args.stats):
+        p.error("a prompt, --info or --stats is required")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="prompt text")
     p.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
@@ -67,10 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--info", action="store_true", help="print ModelInfo and exit")
     p.add_argument("--stats", action="store_true", help="print the Prometheus text of Stats and exit")
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    if not (args.prompt or args.info or args.stats):
-        p.error("a prompt, --info or --stats is required")
-    return args
+    return p
 
 
 def run(client: GenerationClient, args: argparse.Namespace) -> int:

@@ -18,13 +18,17 @@ from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models.tokenizer import encode_prompt  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="prompt text (default: the config's prompt)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     parser.add_argument("--stream", action="store_true", help="print tokens as each round lands")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
 
     engine = build_engine(config)

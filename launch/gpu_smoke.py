@@ -42,7 +42,7 @@ DEFAULTS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -87,7 +87,7 @@ def settings_from_args(args: argparse.Namespace) -> SmokeSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device: CUDA is not available here; use --device cpu")

@@ -22,14 +22,18 @@ from ssd import hardware  # noqa: E402
 from ssd.tools.bench.omp_policy import POLICIES, format_rows, measure  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> list:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="torch thread counts")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (quiet, then busy)")
     parser.add_argument("--repeats", type=int, default=25, help="timed steps per process")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list:
+    args = build_parser().parse_args(argv)
     rows = measure(args.threads, args.policies, args.rounds, args.repeats)
     print(f"machine: {hardware.summary()}")
     print(format_rows(rows))

@@ -36,7 +36,7 @@ from ssd.models import load_model, load_tokenizer  # noqa: E402
 PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None)}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
                         help="target precisions to score; the first is the perplexity reference")
@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--files", nargs="+", default=list(HELD_OUT_FILES), help="stdlib files to score")
     parser.add_argument("--json", type=Path, help="write the rows here")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     torch.set_num_threads(config.runtime.threads or 1)
     ids = []

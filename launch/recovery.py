@@ -108,7 +108,7 @@ def serving_again(cluster: Cluster, marks: list[tuple[float, bool]], since: floa
     return down - since, up - since
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-cluster.yaml")
@@ -116,7 +116,11 @@ def main() -> None:
                         help="whose kills to time")
     parser.add_argument("--no-quant-cache", action="store_true",
                         help="int8 models quantize from the checkpoint at every (re)start")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     print(f"{hardware.summary()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     cached = {"cache_quantized": not args.no_quant_cache}

@@ -68,12 +68,16 @@ def measure(role: str, cfg: ModelConfig) -> dict:
     return row
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--roles", nargs="+", default=["target", "draft"], choices=["target", "draft"])
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
     add_config_args(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     config = config_from_args(args)
     torch.set_num_threads(config.runtime.threads or 1)
     if not qcache.enabled():

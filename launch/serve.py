@@ -30,11 +30,15 @@ from ssd.serve.server import GenerationServer, serve_config  # noqa: E402
 log = logging.getLogger("ssd.serve")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(parser)
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     try:
         options = serve_options_from_args(args)

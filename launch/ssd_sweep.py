@@ -31,7 +31,7 @@ from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models.tokenizer import encode_prompt  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml")
     parser.add_argument("--prompts", type=int, default=3)
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cs", nargs="+", type=float, default=[1.0, 0.5])
     parser.add_argument("--json", type=Path, help="write the rows here")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
 
     pair = load_pair(config)

@@ -39,6 +39,10 @@ log = logging.getLogger("cluster")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="prompt text (default: the config's prompt)")
     parser.add_argument("--target-gpus", help="GPUs for the target ranks, e.g. 0-3 (tensor parallel)")
@@ -60,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_serve_args(parser)
     add_config_args(parser)
     parser.set_defaults(mode="ssd")
-    return parser.parse_args(argv)
+    return parser
 
 
 def placement_from_args(args: argparse.Namespace, with_draft: bool, gpus: int | None = None) -> Placement:

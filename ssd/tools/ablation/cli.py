@@ -82,7 +82,7 @@ def _unit_float(text: str) -> float:
 POSITIVE = _int_at_least(1)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _record_args(sub.add_parser("record", help="generate trajectories and record both models' logits"))
@@ -388,7 +388,7 @@ COMMANDS = {"record": cmd_record, "costs": cmd_costs, "sweep": cmd_sweep, "fit":
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     COMMANDS[args.command](args, config)
 

@@ -24,13 +24,18 @@ from ssd.hardware import sync
 from ssd.models.kv import KVSequence
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target-core", type=int, default=0)
     parser.add_argument("--draft-core", type=int, default=1)
     parser.add_argument("--branches", type=int, default=8, help="tokens per draft forward (a branch step)")
     parser.add_argument("--repeats", type=int, default=8, help="timed verifications per phase (median)")
     add_config_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(args)
     cores = os.sched_getaffinity(0)

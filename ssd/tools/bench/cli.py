@@ -63,7 +63,7 @@ from ssd.factory import load_pair
 
 
 def main(argv: list[str] | None = None) -> Results:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     config = config_from_args(args)
     if args.concurrency:
         return serving(args, config)
@@ -177,7 +177,7 @@ def hardware_summary() -> str:
     return hardware.summary()
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-sets", dest="prompt_sets", nargs="+", default=["code"],
                         help="prompt sets: names in configs/prompts/ or YAML paths (default: code)")
