@@ -484,6 +484,7 @@ def test_an_asked_for_k_overrides_the_configured_k_policy(backend):
     """The policy applies to requests that leave K to the server."""
     from types import SimpleNamespace
 
+    from ssd.serve.convert import from_proto
     from ssd.serve.options import ServeOptions
     from ssd.serve.validation import validate
 
@@ -492,7 +493,7 @@ def test_an_asked_for_k_overrides_the_configured_k_policy(backend):
     stub = SimpleNamespace(info=dataclasses.replace(backend.info, defaults=defaults), encode=backend.encode,
                            apply_chat=backend.apply_chat)
     pb, _ = protos.load()
-    chosen = validate(build_request(pb, text=PROMPT, mode="sd"), stub, ServeOptions()).speculation
-    asked = validate(build_request(pb, text=PROMPT, mode="sd", k=2), stub, ServeOptions()).speculation
+    chosen = validate(from_proto(build_request(pb, text=PROMPT, mode="sd")), stub, ServeOptions()).speculation
+    asked = validate(from_proto(build_request(pb, text=PROMPT, mode="sd", k=2)), stub, ServeOptions()).speculation
     assert chosen.k_policy == {1: 3, 4: 0} and chosen.k_for(4) == 0
     assert asked.k_policy == {} and asked.k_for(4) == 2

@@ -3,9 +3,11 @@
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
     GET  /v1/models             GET  /health                GET /metrics
 
-Both front ends share one admission path (GenerationServicer.serving /
-submit), one validation (ssd.serve.validation, through http_schema.to_proto)
-and one worker, so HTTP and gRPC requests run in the same batch. FastAPI
+This is a thin adapter over the GenerationService (ssd.serve.service) the
+gRPC front end shares: JSON -> the neutral Request (http_schema.to_request),
+the service's answers -> OpenAI objects, its errors -> HTTP statuses. One
+admission path, one validation and one worker, so HTTP and gRPC requests
+run in the same batch. No protobuf here. FastAPI
 parses and routes, uvicorn serves (in a thread with its own event loop) and
 FastAPI's SSE encoder frames the stream; handlers wait on a job's events in a
 small thread pool so the event loop never blocks.
@@ -17,7 +19,7 @@ restarting, shutting down). /health and /metrics stay open without the token
 (as grpc.health.v1 and the metrics port do); /v1 needs `Authorization: Bearer`.
 
 Speculation statistics ride in `speculation_stats` (the gRPC RequestStats as
-JSON) on each response and on the stream's last chunk. `logprobs` are the
+JSON, the same fields) on each response and on the stream's last chunk. `logprobs` are the
 target's, from the logits verification already scored (ssd.sampling.token_logprobs).
 
 What `seed` guarantees: in AR and SD the same request (prompt, settings,
@@ -33,7 +35,7 @@ import dataclasses
 import hmac
 import json
 import logging
-import queue
+import math
 import socket
 import threading
 import time
@@ -45,17 +47,24 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
-from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ssd.engine.request import GeneratorUnavailable, TokenLogprob
+from ssd.engine.request import TokenLogprob
 from ssd.serve import http_schema as schema
-from ssd.serve.backend import Backend
-from ssd.serve.service import NotServing
-from ssd.serve.streaming import TextStream
-from ssd.serve.validation import InvalidArgument, validate
-from ssd.serve.worker import Done, DuplicateRequestId, GenerationWorker, Job, QueueFull, Round, WorkerClosed
+from ssd.serve.service import (
+    Chunk,
+    DuplicateRequestId,
+    Final,
+    Generation,
+    GenerationService,
+    InvalidArgument,
+    ModelInfo,
+    NotServing,
+    QueueFull,
+    RequestStats,
+    WorkerClosed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +95,10 @@ def invalid(exc: InvalidArgument, param: str | None = None) -> ApiError:
 
 
 class OpenAIFrontend:
-    """The routes, over the gRPC server's servicer (its backend, worker, metrics and registry)."""
+    """The routes, over the GenerationService the gRPC front end shares."""
 
-    def __init__(self, servicer: Any, options: Any) -> None:
-        self.servicer = servicer
+    def __init__(self, service: GenerationService, options: Any) -> None:
+        self.service = service
         self.options = options
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
@@ -109,20 +118,18 @@ class OpenAIFrontend:
         return app
 
     async def health(self) -> JSONResponse:
-        """200 only while SERVING: the same truth as grpc.health.v1 (both follow servicer.unavailable)."""
-        try:
-            self.servicer.serving()
-        except NotServing as exc:
-            return JSONResponse({"status": "NOT_SERVING", "reason": str(exc)}, status_code=503)
+        """200 only while SERVING: the same truth as grpc.health.v1 (both follow the service)."""
+        health = self.service.health()
+        if not health.serving:
+            return JSONResponse({"status": "NOT_SERVING", "reason": health.reason}, status_code=503)
         return JSONResponse({"status": "SERVING"})
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.servicer.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.service.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        backend, _ = self._serving()
-        info = backend.info
+        info = self._model_info()
         card = {"id": info.target_model, "object": "model", "created": self.created, "owned_by": "ssd",
                 "draft_model": info.draft_model, "modes": list(info.modes)}
         return JSONResponse({"object": "list", "data": [card]})
@@ -141,19 +148,18 @@ class OpenAIFrontend:
     async def _generate(self, request: Request, body_cls: type, chat: bool) -> Response:
         self._authorize(request)
         body = await self._body(request, body_cls)
-        backend, worker = self._serving()
-        if body.model != backend.info.target_model:
+        served = self._model_info().target_model
+        if body.model != served:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                           f"{backend.info.target_model!r}", param="model", code="model_not_found")
-        job = self._job(body, backend)
-        self._submit(worker, job)
-        call = Call(self, body, backend, job, chat)
+                           f"{served!r}", param="model", code="model_not_found")
+        gen = self._submit(body)
+        call = Call(self, body, gen, chat)
         if body.stream:
-            return JobStream(call.events(), on_close=lambda: worker.cancel(job))
+            return JobStream(call.events(), on_close=gen.cancel)
         try:
             return await call.complete(request)
         finally:
-            worker.cancel(job)  # a no-op once it finished; frees the row if the client left
+            gen.cancel()  # a no-op once it finished; frees the row if the client left
 
     async def _body(self, request: Request, body_cls: type) -> Any:
         raw = await self._read(request)
@@ -191,29 +197,21 @@ class OpenAIFrontend:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _job(self, body: Any, backend: Backend) -> Job:
-        """The shared validation (the gRPC API's), then the job."""
+    def _model_info(self) -> ModelInfo:
         try:
-            valid = validate(schema.to_proto(self.servicer.pb, body), backend, self.options)
-        except InvalidArgument as exc:
-            raise invalid(exc, schema.body_param(exc.field, body)) from None
-        logprobs = schema.top_logprobs(body)
-        if logprobs is not None:
-            valid = dataclasses.replace(valid, logprobs=logprobs)
-        return Job(valid)
-
-    def _serving(self) -> tuple[Backend, GenerationWorker]:
-        try:
-            return self.servicer.serving()
+            return self.service.model_info()
         except NotServing as exc:
             raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
 
-    def _submit(self, worker: GenerationWorker, job: Job) -> None:
+    def _submit(self, body: Any) -> Generation:
+        """The shared validation and admission (the gRPC API's), through the service."""
         try:
-            self.servicer.submit(worker, job)
+            return self.service.submit(schema.to_request(body), stream_text=bool(body.stream))
+        except InvalidArgument as exc:
+            raise invalid(exc, schema.body_param(exc.field, body)) from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
-        except (WorkerClosed, DuplicateRequestId) as exc:
+        except (NotServing, WorkerClosed, DuplicateRequestId) as exc:
             raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
 
     def _authorize(self, request: Request) -> None:
@@ -226,23 +224,22 @@ class OpenAIFrontend:
             raise ApiError(401, "authorization: expected 'Bearer <token>'", type_="authentication_error",
                            param=None, code="invalid_api_key")
 
-    async def next_event(self, job: Job) -> Round | Done | None:
-        """The job's next event, or None after EVENT_POLL_S (the caller checks its client)."""
+    async def next_event(self, gen: Generation) -> Chunk | Final | None:
+        """The request's next event, or None after EVENT_POLL_S (the caller checks its client)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, _poll, job.events)
+        return await loop.run_in_executor(self.pool, gen.next, EVENT_POLL_S)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Call:
-    """One request's response: the OpenAI objects built from its job's events."""
+    """One request's response: the OpenAI objects built from its generation's events."""
 
-    def __init__(self, front: OpenAIFrontend, body: Any, backend: Backend, job: Job, chat: bool) -> None:
-        self.front, self.body, self.backend, self.job, self.chat = front, body, backend, job, chat
+    def __init__(self, front: OpenAIFrontend, body: Any, gen: Generation, chat: bool) -> None:
+        self.front, self.body, self.gen, self.chat = front, body, gen, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text = TextStream(backend.decode, job.request.generation.stop)
         self.logprobs_sent = 0
         self.text_offset = 0  # completions' text_offset: where the next token's text starts
 
@@ -250,14 +247,14 @@ class Call:
         """Wait for the end (the rounds only feed the text); abort if the client leaves."""
         checked = time.monotonic()
         while True:
-            event = await self.front.next_event(self.job)
-            if isinstance(event, Done):
+            event = await self.front.next_event(self.gen)
+            if isinstance(event, Final):
                 return self._response(event)
             if time.monotonic() - checked >= EVENT_POLL_S:
                 checked = time.monotonic()
                 if await request.is_disconnected():
-                    log.info("client of %s disconnected; aborting", self.job.request_id)
-                    self.job.cancel()
+                    log.info("client of %s disconnected; aborting", self.gen.request_id)
+                    self.gen.cancel()
                     return JSONResponse({}, status_code=499)
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -265,10 +262,10 @@ class Call:
         if self.chat:
             yield self._sse(self._chunk({"role": "assistant", "content": ""}))
         while True:
-            event = await self.front.next_event(self.job)
+            event = await self.front.next_event(self.gen)
             if event is None:
                 continue
-            if isinstance(event, Round):
+            if isinstance(event, Chunk):
                 chunk = self._round_chunk(event)
                 if chunk is not None:
                     yield self._sse(chunk)
@@ -280,9 +277,9 @@ class Call:
 
     # --- building the objects ------------------------------------------------------
 
-    def _response(self, done: Done) -> JSONResponse:
-        result = self._result(done)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[done.reason],
+    def _response(self, final: Final) -> JSONResponse:
+        result = self._result(final)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[final.reason],
                                   "logprobs": self._logprobs(result.logprobs)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
@@ -291,38 +288,38 @@ class Call:
         return JSONResponse({
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.body.model, "choices": [choice],
-            "usage": self._usage(result), "speculation_stats": self._stats(result),
+            "usage": self._usage(result), "speculation_stats": _stats_json(final.stats),
         })
 
-    def _result(self, done: Done) -> Any:
-        if done.error is not None:
-            status = 503 if isinstance(done.error, GeneratorUnavailable) else 500
-            raise ApiError(status, f"generation failed: {type(done.error).__name__}: {done.error}",
+    def _result(self, final: Final) -> Any:
+        if final.error is not None:
+            status = 503 if final.unavailable else 500
+            raise ApiError(status, f"generation failed: {type(final.error).__name__}: {final.error}",
                            type_="server_error", code="generation_failed")
-        if done.result is None:
+        if final.result is None:
             raise ApiError(503, "the request was aborted (the server is shutting down)",
                            type_="server_error", code="aborted")
-        return done.result
+        return final.result
 
-    def _round_chunk(self, event: Round) -> dict[str, Any] | None:
-        delta = self.text.push(event.ids)
+    def _round_chunk(self, event: Chunk) -> dict[str, Any] | None:
+        delta = event.text
         logprobs = self._stream_logprobs(event.logprobs)
         if not delta and logprobs is None:
             return None
         return self._chunk({"content": delta} if self.chat else delta, logprobs=logprobs)
 
-    def _final_chunks(self, done: Done) -> list[dict[str, Any]]:
-        if done.error is not None or done.result is None:
+    def _final_chunks(self, final: Final) -> list[dict[str, Any]]:
+        if final.error is not None or final.result is None:
             try:
-                self._result(done)
+                self._result(final)
             except ApiError as exc:
                 return [exc.body()]
-        result = done.result
-        delta = self.text.finish(result.text)
+        result = final.result
+        delta = final.text
         rest = (result.logprobs or [])[self.logprobs_sent:]  # a remote engine sends them with the result
-        last = self._chunk({"content": delta} if self.chat else delta, FINISH[done.reason],
+        last = self._chunk({"content": delta} if self.chat else delta, FINISH[final.reason],
                            self._stream_logprobs(rest))
-        last["speculation_stats"] = self._stats(result)
+        last["speculation_stats"] = _stats_json(final.stats)
         chunks = [last]
         options = self.body.stream_options
         if options is not None and options.include_usage:
@@ -366,18 +363,11 @@ class Call:
         return one(entry.token, entry.logprob) | {"top_logprobs": [one(i, v) for i, v in entry.top]}
 
     def _token(self, token: int) -> str:
-        return self.backend.decode([token])
+        return self.gen.decode([token])
 
     def _usage(self, result: Any) -> dict[str, int]:
-        prompt, completion = len(self.job.request.prompt_ids), len(result.token_ids)
+        prompt, completion = self.gen.prompt_tokens, len(result.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def _stats(self, result: Any) -> dict[str, Any]:
-        message = self.front.servicer.request_stats(self.job, result.stats)
-        stats = json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                          always_print_fields_with_no_presence=True)
-        stats["mode"] = result.stats.mode
-        return stats
 
     @staticmethod
     def _sse(data: dict[str, Any]) -> bytes:
@@ -439,11 +429,20 @@ class HttpServer:
         self.front.close()
 
 
-def _poll(events: "queue.Queue[Round | Done]") -> Round | Done | None:
-    try:
-        return events.get(timeout=EVENT_POLL_S)
-    except queue.Empty:
-        return None
+def _stats_json(stats: RequestStats) -> dict[str, Any]:
+    """The request's stats as the gRPC API's RequestStats reads in JSON (proto field names; map
+    keys as strings; a non-finite number as "NaN"/"Infinity"), the mode by name."""
+    return _json_value(dataclasses.asdict(stats))
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_value(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
 
 
 def _first_surrogate(value: Any, path: str = "") -> str | None:

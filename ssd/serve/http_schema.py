@@ -1,10 +1,10 @@
-"""OpenAI request bodies (pydantic) -> the ssd.v1 GenerateRequest the gRPC API validates.
+"""OpenAI request bodies (pydantic) -> the neutral Request both front ends' requests become.
 
 The HTTP API has no validation of its own beyond types: a body is parsed
 here (types, unknown fields, OpenAI settings we cannot honour), turned into
-a GenerateRequest message, and checked by ssd.serve.validation.validate,
-the very function the gRPC Generate call runs. Its field names (the proto's)
-are mapped back to the body's (`max_new_tokens` -> `max_tokens`, `chat` ->
+a ssd.serve.request.Request, and checked by ssd.serve.validation.validate
+(through the GenerationService), the very function gRPC requests go
+through. Its field names (the gRPC API's) are mapped back to the body's (`max_new_tokens` -> `max_tokens`, `chat` ->
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
@@ -19,11 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ssd.serve.protos import enum_values
+from ssd.serve.request import ChatMessage, Request, Speculation as SpeculationFields
 from ssd.serve.validation import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
-_RANGES = {"seed": "0..2**64-1", "ids": "0..2**32-1"}  # the GenerateRequest fields' ranges (else int32)
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
 
 
@@ -159,37 +158,30 @@ def max_tokens_field(body: _Common) -> str:
     return "max_tokens"
 
 
-def to_proto(pb: Any, body: _Common) -> Any:
-    """The GenerateRequest this body asks for (validated afterwards by ssd.serve.validation)."""
-    request = pb.GenerateRequest()
-    _prompt(request, body)
-    max_tokens = getattr(body, max_tokens_field(body))
+def to_request(body: _Common) -> Request:
+    """The neutral Request this body asks for (validated afterwards by ssd.serve.validation)."""
     if isinstance(body, ChatBody) and body.max_completion_tokens is not None and body.max_tokens is not None:
         raise InvalidArgument("max_tokens", "give max_tokens or max_completion_tokens, not both")
-    _set(request, "max_new_tokens", max_tokens, max_tokens_field(body))
-    for name in ("temperature", "top_p", "top_k"):
-        _set(request, name, getattr(body, name), name)
-    _set(request, "seed", body.seed, "seed")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    request.stop.extend(stops)
-    request.ignore_eos = body.ignore_eos
-    if body.speculation is not None:
-        _speculation(request, body.speculation)
-    return request
-
-
-def _prompt(request: Any, body: _Common) -> None:
+    request = Request(
+        max_new_tokens=getattr(body, max_tokens_field(body)),
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        ignore_eos=body.ignore_eos, logprobs=top_logprobs(body),
+    )
     if isinstance(body, ChatBody):
-        request.chat.SetInParent()  # an empty list is still a chat (and refused as one)
-        for i, message in enumerate(body.messages):
-            request.chat.messages.add(role=message.role, content=_content(message, i))
+        request.chat = [ChatMessage(m.role, _content(m, i)) for i, m in enumerate(body.messages)]
     elif isinstance(body.prompt, str):
         request.text = body.prompt
     else:
-        if any(token < 0 for token in body.prompt):
-            raise InvalidArgument("prompt", "token ids must be >= 0")
-        request.token_ids.SetInParent()
-        _set(request.token_ids, "ids", body.prompt, "prompt")
+        request.token_ids = list(body.prompt)
+    given = body.speculation
+    if given is not None:
+        request.mode = given.mode
+        request.speculation = SpeculationFields(
+            k=given.k, fanout_budget=given.fanout_budget, fanout_kind=given.fanout_kind or "",
+            saguaro_c=given.saguaro_c, backup=given.backup or "",
+        )
+    return request
 
 
 def _content(message: Message, i: int) -> str:
@@ -198,28 +190,6 @@ def _content(message: Message, i: int) -> str:
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)
-
-
-def _speculation(request: Any, given: Speculation) -> None:
-    if given.mode is not None:
-        request.mode = enum_values("Mode")[given.mode]
-    request.speculation.SetInParent()
-    for name in ("k", "fanout_budget", "saguaro_c", "fanout_kind", "backup"):
-        _set(request.speculation, name, getattr(given, name), f"speculation.{name}")
-
-
-def _set(message: Any, name: str, value: Any, param: str) -> None:
-    """Set a field; a value the field cannot hold (an int beyond int32/uint64) names `param`."""
-    if value is None:
-        return
-    try:
-        if isinstance(value, list):
-            getattr(message, name).extend(value)
-        else:
-            setattr(message, name, value)
-    except (ValueError, TypeError, OverflowError):
-        shown = "a larger id" if isinstance(value, list) else value
-        raise InvalidArgument(param, f"out of range for the field ({_RANGES.get(name, 'int32')}), got {shown}") from None
 
 
 def body_param(field: str, body: _Common) -> str:

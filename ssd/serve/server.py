@@ -11,7 +11,6 @@ server's own registry, which also writes the Stats RPC's text.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,24 +22,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from ssd.engine.request import GeneratorUnavailable
 from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
-from ssd.serve.metrics import ServerMetrics, prometheus_text, server_registry
+from ssd.serve.metrics import ServerMetrics, server_registry
 from ssd.serve.options import ServeOptions
-from ssd.serve.service import NotServing
-from ssd.serve.streaming import TextStream
-from ssd.serve.validation import InvalidArgument, validate
-from ssd.serve.worker import (
-    Done,
+from ssd.serve.service import (
+    Chunk,
     DuplicateRequestId,
-    GenerationWorker,
-    Job,
+    Final,
+    Generation,
+    GenerationService,
+    InvalidArgument,
+    NotServing,
     QueueFull,
-    Round,
     WorkerClosed,
 )
+from ssd.serve.worker import GenerationWorker
 
 log = logging.getLogger(__name__)
 
@@ -50,155 +48,96 @@ NO_DEADLINE_S = 1e9
 
 
 class GenerationServicer:
-    """The four ssd.v1 RPCs; serves once `attach` gives it a backend.
+    """The four ssd.v1 RPCs: a thin adapter over the GenerationService the HTTP
+    front end (ssd.serve.http) shares. Protobuf in -> the neutral request
+    (ssd.serve.convert), the service's answers -> protobuf, its errors -> status
+    codes: INVALID_ARGUMENT naming the field, UNAVAILABLE, RESOURCE_EXHAUSTED,
+    ALREADY_EXISTS."""
 
-    `serving`, `submit` and `request_stats` are the admission path the HTTP
-    front end (ssd.serve.http) shares, so both front ends refuse, count and
-    describe requests alike.
-    """
-
-    def __init__(self, pb: Any, options: ServeOptions, metrics: ServerMetrics,
-                 registry: CollectorRegistry) -> None:
+    def __init__(self, pb: Any, service: GenerationService) -> None:
         self.pb = pb
-        self.options = options
-        self.metrics = metrics
-        self.registry = registry
-        self.backend: Backend | None = None
-        self.worker: GenerationWorker | None = None
-        self.unavailable = "the model is loading"  # why Generate is refused; None: serving
+        self.service = service
 
-    def attach(self, backend: Backend, worker: GenerationWorker) -> None:
-        self.backend, self.worker = backend, worker
-        self.unavailable = None
-
-    def refuse(self, why: str) -> None:
-        self.unavailable = why
+    @property
+    def unavailable(self) -> str | None:
+        """Why requests are refused; None: serving."""
+        return self.service.unavailable
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        backend, worker = self._serving(context)
-        try:
-            valid = validate(request, backend, self.options)
-        except InvalidArgument as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        job = Job(valid, request_id=valid.request_id, deadline=_deadline(context))
-        ahead = self._submit(worker, job, context)
+        gen = self._submit(request, context)
         # Runs on client cancel, deadline and normal end alike (a no-op then).
-        if not context.add_callback(lambda: worker.cancel(job)):
-            worker.cancel(job)
+        if not context.add_callback(gen.cancel):
+            gen.cancel()
         yield self.pb.GenerateResponse(
-            request_id=job.request_id,
-            accepted=self.pb.Accepted(prompt_tokens=len(valid.prompt_ids), queued_ahead=ahead),
+            request_id=gen.request_id,
+            accepted=self.pb.Accepted(prompt_tokens=gen.prompt_tokens, queued_ahead=gen.queued_ahead),
         )
-        yield from self._stream(job, backend, context)
+        yield from self._stream(gen, context)
 
     def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self.worker is not None and self.worker.abort(request.request_id)
-        if found:
-            log.info("abort requested for %s", request.request_id)
-        return self.pb.AbortResponse(found=found)
-
-    def serving(self) -> tuple[Backend, GenerationWorker]:
-        """The backend and worker, or NotServing saying why not."""
-        backend, worker, why = self.backend, self.worker, self.unavailable
-        if why is not None or backend is None or worker is None:
-            raise NotServing(why or "not serving")
-        return backend, worker
-
-    def submit(self, worker: GenerationWorker, job: Job) -> int:
-        """Queue a job, counted as admitted or rejected; the jobs ahead of it.
-        QueueFull, DuplicateRequestId and WorkerClosed pass through."""
-        try:
-            ahead = worker.submit(job)
-        except QueueFull:
-            self.metrics.rejected()
-            raise
-        self.metrics.admitted()
-        return ahead
-
-    def request_stats(self, job: Job, stats: Any) -> Any:
-        """The finished request's RequestStats message (the HTTP API sends it as JSON)."""
-        started = job.started if job.started is not None else job.arrived
-        first = job.first_token if job.first_token is not None else started
-        total = time.monotonic() - job.arrived
-        return convert.request_stats(self.pb, stats, started - job.arrived, first - job.arrived, total)
+        return self.pb.AbortResponse(found=self.service.abort(request.request_id))
 
     def ModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
-        backend, _ = self._serving(context)
-        return convert.model_info(self.pb, backend.info, self.options)
-
-    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
-        running, waiting = self.worker.counts if self.worker is not None else (0, 0)
-        counters = self.metrics.snapshot()
-        text = prometheus_text(self.registry)
-        return convert.stats_response(self.pb, counters, running, waiting, self.metrics.uptime_s(), text)
-
-    def _serving(self, context: grpc.ServicerContext) -> tuple[Backend, GenerationWorker]:
         try:
-            return self.serving()
+            return convert.model_info(self.pb, self.service.model_info())
         except NotServing as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    def _submit(self, worker: GenerationWorker, job: Job, context: grpc.ServicerContext) -> int:
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return convert.stats_response(self.pb, self.service.stats())
+
+    def _submit(self, request: Any, context: grpc.ServicerContext) -> Generation:
         try:
-            return self.submit(worker, job)
+            self.service.serving()  # loading or stopping: UNAVAILABLE before any field is looked at
+            return self.service.submit(convert.from_proto(request), deadline=_deadline(context))
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except DuplicateRequestId as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except WorkerClosed as exc:
+        except (NotServing, WorkerClosed) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    def _stream(self, job: Job, backend: Backend, context: grpc.ServicerContext) -> Iterator[Any]:
+    def _stream(self, gen: Generation, context: grpc.ServicerContext) -> Iterator[Any]:
         """Round messages as the engine produces them, then the final one."""
-        text = TextStream(backend.decode, job.request.generation.stop)
         while True:
-            event = _next_event(job, context)
+            event = gen.next(EVENT_POLL_S)
             if event is None:
-                job.cancel()  # the client is gone (its callback has normally done this already)
-                return
-            if isinstance(event, Round):
-                yield self.pb.GenerateResponse(
-                    request_id=job.request_id, token_ids=event.ids, text=text.push(event.ids)
-                )
+                if not context.is_active():
+                    gen.cancel()  # the client is gone (its callback has normally done this already)
+                    return
                 continue
-            yield self._final(job, event, text)
-            self._set_status(job, event, context)
+            if isinstance(event, Chunk):
+                yield self.pb.GenerateResponse(request_id=gen.request_id, token_ids=event.token_ids,
+                                               text=event.text)
+                continue
+            yield self._final(gen, event)
+            self._set_status(event, context)
             return
 
-    def _final(self, job: Job, done: Done, text: TextStream) -> Any:
-        pb, result = self.pb, done.result
-        finished = pb.Finished(reason=protos.enum_values("FinishReason")[done.reason])
-        delta = ""
+    def _final(self, gen: Generation, final: Final) -> Any:
+        pb, result = self.pb, final.result
+        finished = pb.Finished(reason=protos.enum_values("FinishReason")[final.reason])
         if result is not None:
-            delta = text.finish(result.text)
             finished.output_token_ids.extend(result.token_ids)
             finished.output_text = result.text
-            finished.stats.CopyFrom(self.request_stats(job, result.stats))
-        if done.error is not None:
-            finished.error = f"{type(done.error).__name__}: {done.error}"
-        return pb.GenerateResponse(request_id=job.request_id, text=delta, finished=finished)
+            finished.stats.CopyFrom(convert.request_stats(pb, final.stats))
+        if final.error is not None:
+            finished.error = f"{type(final.error).__name__}: {final.error}"
+        return pb.GenerateResponse(request_id=gen.request_id, text=final.text, finished=finished)
 
     @staticmethod
-    def _set_status(job: Job, done: Done, context: grpc.ServicerContext) -> None:
-        if isinstance(done.error, GeneratorUnavailable):
+    def _set_status(final: Final, context: grpc.ServicerContext) -> None:
+        if final.unavailable:
             context.set_code(grpc.StatusCode.UNAVAILABLE)
-            context.set_details(f"{done.error}")
-        elif done.error is not None:
+            context.set_details(f"{final.error}")
+        elif final.error is not None:
             context.set_code(grpc.StatusCode.INTERNAL)
-            context.set_details(f"generation failed: {type(done.error).__name__}: {done.error}")
-        elif done.reason == "aborted" and job.deadline is not None and time.monotonic() >= job.deadline:
+            context.set_details(f"generation failed: {type(final.error).__name__}: {final.error}")
+        elif final.deadline_exceeded:
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details("deadline exceeded; generation stopped")
-
-
-def _next_event(job: Job, context: grpc.ServicerContext) -> Round | Done | None:
-    """The job's next event, or None once the client has gone away."""
-    while True:
-        try:
-            return job.events.get(timeout=EVENT_POLL_S)
-        except queue.Empty:
-            if not context.is_active():
-                return None
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -235,7 +174,8 @@ class GenerationServer:
         self.pb, self.pb_grpc = protos.load()
         self.metrics = ServerMetrics()
         self.registry = server_registry(self.metrics, self._counts)
-        self.servicer = GenerationServicer(self.pb, options, self.metrics, self.registry)
+        self.service = GenerationService(options, self.metrics, self.registry)
+        self.servicer = GenerationServicer(self.pb, self.service)
         self.health = health.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None  # the /metrics HTTP port, once started
@@ -278,7 +218,7 @@ class GenerationServer:
             self._stopping.set()
         log.info("stopping: NOT_SERVING, finishing running requests (grace %.1f s)", grace)
         self.health.enter_graceful_shutdown()
-        self.servicer.refuse("the server is shutting down")
+        self.service.refuse("the server is shutting down")
         if self._worker is not None:
             self._worker.close(grace)
         if self._server is not None:
@@ -312,10 +252,10 @@ class GenerationServer:
         log.info("metrics at %s://%s:%d/metrics", "https" if opts.tls else "http", host, self.metrics_port)
 
     def _start_openai_http(self) -> None:
-        """The OpenAI-compatible API over this server's servicer: one worker, one batch."""
+        """The OpenAI-compatible API over this server's service: one worker, one batch."""
         from ssd.serve.http import HttpServer, OpenAIFrontend  # FastAPI loads only when asked for
 
-        self._http = HttpServer(OpenAIFrontend(self.servicer, self.options), self.options)
+        self._http = HttpServer(OpenAIFrontend(self.service, self.options), self.options)
         try:
             self.http_port = self._http.start()
         except OSError:
@@ -377,7 +317,7 @@ class GenerationServer:
         except BaseException as exc:  # reported through health and wait_ready
             log.exception("loading the model failed")
             self.load_error = exc
-            self.servicer.refuse(f"the model failed to load: {exc}")
+            self.service.refuse(f"the model failed to load: {exc}")
             self._ready.set()
             return
         with self._lock:
@@ -387,7 +327,7 @@ class GenerationServer:
                 return
             self._backend = backend
             self._worker = GenerationWorker(backend, self.metrics, self.options.max_queue)
-            self.servicer.attach(backend, self._worker)
+            self.service.attach(backend, self._worker)
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             if hasattr(backend, "watch_health"):
                 backend.watch_health(self._backend_health)
@@ -405,11 +345,11 @@ class GenerationServer:
             if self._stopping.is_set():
                 return
             if serving:
-                self.servicer.unavailable = None
+                self.service.resume()
                 self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 log.info("backend recovered: SERVING")
             else:
-                self.servicer.refuse(f"the model is restarting: {why}")
+                self.service.refuse(f"the model is restarting: {why}")
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
                 log.warning("backend lost (%s): NOT_SERVING", why)
 

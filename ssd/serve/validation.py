@@ -1,9 +1,12 @@
-"""GenerateRequest -> what the engine runs, or an error that names the field.
+"""The neutral request (ssd.serve.request) -> what the engine runs, or an error that names the field.
 
-Everything a client sends is checked here, before it is queued: a request
+One validation for both front ends: gRPC and HTTP each turn what they
+received into a `Request`, and everything a client sends is checked here, before it is queued: a request
 that reaches the engine can only fail by an engine fault. A setting the
 server could not honour exactly (a mode without its model, speculation
-settings the mode ignores) is refused rather than silently changed.
+settings the mode ignores) is refused rather than silently changed. Errors
+name the gRPC API's fields (`max_new_tokens`, `chat.messages[0].role`); the
+HTTP front end maps them to the body's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from ssd.config import (
     BACKUPS,
     FANOUT_KINDS,
+    MODES,
     ConfigError,
     GenerationConfig,
     SamplingConfig,
@@ -23,10 +27,12 @@ from ssd.config import (
 from ssd.engine.request import GenerationRequest
 from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
 from ssd.serve.options import ServeOptions
-from ssd.serve.protos import enum_names
+from ssd.serve.request import ChatMessage, Request, Speculation
 
 MAX_REQUEST_ID_CHARS = 128
 SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**64 - 1
 
 
 class InvalidArgument(ValueError):
@@ -37,8 +43,8 @@ class InvalidArgument(ValueError):
         self.field = field
 
 
-def validate(request: Any, backend: Backend, options: ServeOptions) -> GenerationRequest:
-    """Check a GenerateRequest against the server's limits and the model; the
+def validate(request: Request, backend: Backend, options: ServeOptions) -> GenerationRequest:
+    """Check a request against the server's limits and the model; the
     engine's request (without callbacks) when it passes."""
     info = backend.info
     request_id = _request_id(request)
@@ -48,14 +54,15 @@ def validate(request: Any, backend: Backend, options: ServeOptions) -> Generatio
     speculation = _speculation(request, info, options, mode)
     prompt_ids = _prompt(request, backend, options)
     _check_context(request, len(prompt_ids), generation.max_new_tokens, info)
-    return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id)
+    return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
+                             logprobs=request.logprobs)
 
 
 def max_new_tokens_limit(info: BackendInfo, options: ServeOptions) -> int:
     return max(1, min(options.max_new_tokens, info.max_context_tokens - 1))
 
 
-def _request_id(request: Any) -> str:
+def _request_id(request: Request) -> str:
     rid = request.request_id
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
@@ -64,13 +71,10 @@ def _request_id(request: Any) -> str:
     return rid
 
 
-def _mode(request: Any, info: BackendInfo) -> str:
-    if request.mode == 0:
-        mode = info.defaults.speculation.mode
-    elif request.mode in enum_names("Mode"):
-        mode = enum_names("Mode")[request.mode]
-    else:
-        raise InvalidArgument("mode", f"unknown value {request.mode}; known: AR, SD, SSD")
+def _mode(request: Request, info: BackendInfo) -> str:
+    mode = request.mode or info.defaults.speculation.mode
+    if mode not in MODES:
+        raise InvalidArgument("mode", f"unknown value {mode!r}; known: {', '.join(MODES)}")
     if mode not in info.modes:
         raise InvalidArgument(
             "mode", f"{mode} needs a draft model; this server serves {', '.join(info.modes)}"
@@ -78,25 +82,27 @@ def _mode(request: Any, info: BackendInfo) -> str:
     return mode
 
 
-def _sampling(request: Any, info: BackendInfo) -> SamplingConfig:
+def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     default = info.defaults.sampling
-    temperature = request.temperature if request.HasField("temperature") else default.temperature
+    temperature = _given(request.temperature, default.temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
-    top_k = request.top_k if request.HasField("top_k") else default.top_k
-    if top_k < 0:
-        raise InvalidArgument("top_k", f"must be >= 0 (0: off), got {top_k}")
-    top_p = request.top_p if request.HasField("top_p") else default.top_p
+    top_k = _given(request.top_k, default.top_k)
+    if not 0 <= top_k <= MAX_INT32:
+        raise InvalidArgument("top_k", f"must be in 0..{MAX_INT32} (0: off), got {top_k}")
+    top_p = _given(request.top_p, default.top_p)
     if not 0 < top_p <= 1:  # also refuses NaN
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
-    seed = request.seed if request.HasField("seed") else default.seed
+    seed = _given(request.seed, default.seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-def _generation(request: Any, info: BackendInfo, options: ServeOptions) -> GenerationConfig:
+def _generation(request: Request, info: BackendInfo, options: ServeOptions) -> GenerationConfig:
     limit = max_new_tokens_limit(info, options)
     default = min(info.defaults.generation.max_new_tokens, limit)
-    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else default
+    max_new = _given(request.max_new_tokens, default)
     if not 1 <= max_new <= limit:
         raise InvalidArgument("max_new_tokens", f"must be in 1..{limit}, got {max_new}")
     stop = list(request.stop)
@@ -110,22 +116,22 @@ def _generation(request: Any, info: BackendInfo, options: ServeOptions) -> Gener
     return GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos)
 
 
-def _speculation(request: Any, info: BackendInfo, options: ServeOptions, mode: str) -> SpeculationConfig:
+def _speculation(request: Request, info: BackendInfo, options: ServeOptions, mode: str) -> SpeculationConfig:
     default = dataclasses.replace(info.defaults.speculation, mode=mode)
-    if not request.HasField("speculation"):
+    if request.speculation is None:
         return default
     given = request.speculation
     _refuse_ignored(given, mode)
     k = _in_range(given, "k", 1, options.max_k, default.k)
     budget = _in_range(given, "fanout_budget", 1, options.max_budget, default.fanout.budget)
-    saguaro_c = given.saguaro_c if given.HasField("saguaro_c") else default.saguaro_c
-    if not 0 <= saguaro_c <= 1:
+    saguaro_c = _given(given.saguaro_c, default.saguaro_c)
+    if not 0 <= saguaro_c <= 1:  # also refuses NaN
         raise InvalidArgument("speculation.saguaro_c", f"must be in [0, 1], got {saguaro_c}")
     kind = _one_of(given.fanout_kind, "speculation.fanout_kind", FANOUT_KINDS) or default.fanout.kind
     backup = _one_of(given.backup, "speculation.backup", BACKUPS)
     fanout = dataclasses.replace(default.fanout, budget=budget, kind=kind)
     spec = dataclasses.replace(default, k=k, fanout=fanout, saguaro_c=saguaro_c)
-    if given.HasField("k"):  # the asked-for K, not the configured batch-size policy
+    if given.k is not None:  # the asked-for K, not the configured batch-size policy
         spec = dataclasses.replace(spec, k_policy={})
     if backup:
         # A configured batch-size policy would override the asked-for backup.
@@ -136,18 +142,18 @@ def _speculation(request: Any, info: BackendInfo, options: ServeOptions, mode: s
         raise InvalidArgument("speculation", str(exc)) from None
 
 
-def _refuse_ignored(given: Any, mode: str) -> None:
+def _refuse_ignored(given: Speculation, mode: str) -> None:
     ignored = {"ar": ("k", *SSD_ONLY), "sd": SSD_ONLY, "ssd": ()}[mode]
     for name in ignored:
-        is_set = given.HasField(name) if name in ("k", "fanout_budget", "saguaro_c") else bool(getattr(given, name))
-        if is_set:
+        value = getattr(given, name)
+        if value is not None and value != "":
             raise InvalidArgument(f"speculation.{name}", f"mode {mode} does not use it; leave it unset")
 
 
-def _in_range(given: Any, name: str, low: int, high: int, default: int) -> int:
-    if not given.HasField(name):
-        return default
+def _in_range(given: Speculation, name: str, low: int, high: int, default: int) -> int:
     value = getattr(given, name)
+    if value is None:
+        return default
     if not low <= value <= high:
         raise InvalidArgument(f"speculation.{name}", f"must be in {low}..{high}, got {value}")
     return value
@@ -159,15 +165,15 @@ def _one_of(value: str, field: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def _prompt(request: Any, backend: Backend, options: ServeOptions) -> list[int]:
-    which = request.WhichOneof("prompt")
+def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[int]:
+    which = request.prompt_field()
     if which is None:
         raise InvalidArgument("prompt", "set exactly one of text, token_ids, chat")
     if which == "text":
         return _text_prompt(request.text, backend)
     if which == "token_ids":
-        return _id_prompt(list(request.token_ids.ids), backend.info.vocab_size)
-    return _chat_prompt(request.chat.messages, backend, options)
+        return _id_prompt(list(request.token_ids), backend.info.vocab_size)
+    return _chat_prompt(request.chat, backend, options)
 
 
 def _text_prompt(text: str, backend: Backend) -> list[int]:
@@ -186,6 +192,8 @@ def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     if not ids:
         raise InvalidArgument("token_ids", "must not be empty")
     for position, token in enumerate(ids):
+        if token < 0:
+            raise InvalidArgument("token_ids", f"id {token} at position {position} is negative")
         if token >= vocab_size:
             raise InvalidArgument(
                 "token_ids", f"id {token} at position {position} is outside the vocabulary 0..{vocab_size - 1}"
@@ -193,7 +201,7 @@ def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def _chat_prompt(messages: Any, backend: Backend, options: ServeOptions) -> list[int]:
+def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOptions) -> list[int]:
     if not messages:
         raise InvalidArgument("chat", "must hold at least one message")
     if len(messages) > options.max_chat_messages:
@@ -212,10 +220,14 @@ def _chat_prompt(messages: Any, backend: Backend, options: ServeOptions) -> list
     return ids
 
 
-def _check_context(request: Any, prompt_tokens: int, max_new: int, info: BackendInfo) -> None:
+def _check_context(request: Request, prompt_tokens: int, max_new: int, info: BackendInfo) -> None:
     if prompt_tokens + max_new > info.max_context_tokens:
         raise InvalidArgument(
-            request.WhichOneof("prompt"),
+            request.prompt_field(),
             f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new} exceeds the "
             f"model's context of {info.max_context_tokens} tokens",
         )
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
