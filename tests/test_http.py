@@ -583,3 +583,34 @@ def test_http_port_flag():
     add_serve_args(parser)
     assert serve_options_from_args(parser.parse_args(["--http-port", "8000"])).http_port == 8000
     assert serve_options_from_args(parser.parse_args([])).http_port is None
+
+
+# --- one service under both front ends -----------------------------------------------
+
+
+def test_the_http_front_end_imports_no_protobuf_and_no_grpc_front_end():
+    """http.py and http_schema.py sit on the neutral GenerationService, not on the gRPC servicer."""
+    import sys
+
+    code = ("import sys; import ssd.serve.http, ssd.serve.http_schema; "
+            "loaded = [m for m in ('google.protobuf', 'grpc', 'ssd.serve.server', 'ssd.serve._proto', "
+            "'ssd.serve.convert') if m in sys.modules]; print(loaded); sys.exit(1 if loaded else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_both_front_ends_make_the_same_neutral_request():
+    from ssd.serve import http_schema as schema
+    from ssd.serve import protos
+    from ssd.serve.client import build_request
+    from ssd.serve.convert import from_proto
+
+    pb, _ = protos.load()
+    grpc_side = from_proto(build_request(
+        pb, messages=[{"role": "user", "content": "ab"}], mode="ssd", stop=["x"], max_new_tokens=8,
+        temperature=0.5, top_k=3, top_p=0.9, seed=7, k=2, fanout_budget=4, saguaro_c=0.5))
+    http_side = schema.to_request(schema.parse(schema.ChatBody, {
+        "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}],
+        "stop": "x", "max_completion_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 7,
+        "speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4, "saguaro_c": 0.5}}))
+    assert grpc_side == http_side
