@@ -3,14 +3,17 @@
 protos.py     compiles the .proto into _proto/ on first use (generated, not committed)
 options.py    ServeOptions: bind address, token, TLS, request limits
 backend.py    the Backend protocol and LocalBackend (load_pair + one engine per spec)
-validation.py GenerateRequest -> GenerationRequest, or INVALID_ARGUMENT naming the field
+request.py    Request: the front-end-neutral request (plain dataclasses) both front ends build
+validation.py Request -> GenerationRequest, or InvalidArgument naming the field (one check for both)
+service.py    GenerationService: backend + worker, health, validate and submit, rounds and result,
+              abort, model info, stats, all as plain data; both front ends adapt it
 worker.py     continuous batching (or one at a time): FIFO admission, cancel/abort
 streaming.py  text deltas that stay consistent with the final text
 metrics.py    server-wide counters; a prometheus_client registry per server (/metrics, Stats)
 auth.py       bearer-token interceptor (health and reflection stay open)
-convert.py    engine values -> ssd.v1 messages
-server.py     GenerationServicer and GenerationServer (health, reflection, TLS, lifecycle)
+convert.py    ssd.v1 GenerateRequest -> Request; the service's answers -> ssd.v1 messages
+server.py     GenerationServicer (the gRPC adapter) and GenerationServer (health, reflection, TLS, lifecycle)
 client.py     GenerationClient, used by launch/client.py and the tests
-http.py       the OpenAI-compatible HTTP API (FastAPI + uvicorn) over the same servicer and worker
-http_schema.py OpenAI request bodies (pydantic) -> GenerateRequest, validated by validation.py
+http.py       the OpenAI-compatible HTTP API (FastAPI + uvicorn) over the same service (no protobuf)
+http_schema.py OpenAI request bodies (pydantic) -> Request, validated by validation.py
 """
