@@ -20,7 +20,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import start_http_server
 
 from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor

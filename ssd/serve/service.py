@@ -17,12 +17,10 @@ and the exceptions below into their status codes:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -374,8 +372,3 @@ def request_stats(stats: GenerationStats, queue_s: float, ttft_s: float, total_s
         acceptance_by_position=list(stats.acceptance_by_position),
         accepted_length_histogram=accepted_length_histogram(stats), spec=spec,
     )
-
-
-def as_dict(value: Any) -> dict[str, Any]:
-    """A dataclass answer as plain dicts and lists (for JSON)."""
-    return dataclasses.asdict(value)
