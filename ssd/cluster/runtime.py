@@ -5,15 +5,17 @@ down.
 Faults: the speculator restarts under Ray (max_restarts=-1) and the watcher
 re-links it in the background while requests run degraded. A target rank
 that dies takes the service down: health listeners hear NOT_SERVING, the
-watcher starts every rank again, re-links the draft and reports SERVING. A
-request that had streamed nothing yet waits and runs again from its prompt;
-one that had streamed tokens fails with GeneratorUnavailable (the client
-retries), since a re-run need not reproduce a sampled prefix. A forward that
-fails on a tensor-parallel rank (ssd.models.tp.TPForwardError) breaks the
-group the same way, with the other ranks stuck in a collective: the watcher
-finds it (a follower's call returned, or rank 0 says so), restarts every
-rank, and the request fails at once with that error (it is not run again:
-the same prompt would likely fail the same way).
+watcher starts every rank again, re-links the draft and reports SERVING.
+Requests run on one path, a batch on target rank 0 (ssd.cluster.batch, also
+for a tensor-parallel target, held at one row): a row that had streamed
+nothing yet waits and runs again from its prompt; one that had streamed
+tokens fails with GeneratorUnavailable (the client retries), since a re-run
+need not reproduce a sampled prefix. A forward that fails on a
+tensor-parallel rank (ssd.models.tp.TPForwardError) breaks the group the
+same way, with the other ranks stuck in a collective: the watcher finds it
+(a follower's call returned, or rank 0 says so), restarts every rank, and
+the request fails at once with that error (it is not run again: the same
+prompt would likely fail the same way).
 
 Placement: one Ray placement group bundle per target rank and one for the
 speculator, packed on one node. On CPU each bundle is a core the actor pins
@@ -42,7 +44,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
-from ssd.cluster.batch import RemoteBatchEngine, TargetLost
+from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config, ConfigError
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
@@ -528,95 +530,30 @@ class Cluster:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         return ray.get(self.targets[0].encode.remote(text, chat))
 
-    def generate(self, request: GenerationRequest, wait_for_target: bool = True) -> GenerationResult:
-        """One request on target rank 0; each round's tokens stream back as they land.
-
-        `request.cancelled` is polled as each round arrives; True stops the
-        request before its next round (finish reason "aborted"). While the
-        target is lost the request waits for it (see the module docstring);
-        with `wait_for_target` False it raises TargetLost (0 tokens streamed)
-        instead, for the caller to run it elsewhere.
-        """
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One request as a batch of one on target rank 0 (the one request path,
+        ssd.cluster.batch: its faults, streaming and cancellation). For a caller
+        without a serving worker; not alongside one over the same cluster."""
         mode = request.settings(self.config.speculation).mode
         if mode == "ssd" and self.draft is None:
             raise ValueError("mode ssd needs a draft device")
-        while True:
-            if not wait_for_target and not self.serving:
-                raise TargetLost(f"{self.name}: the target is restarting ({self._why_down})", streamed=0)
-            self._wait_up(request)
-            streamed: list[int] = []
-            incarnation = self.target_restarts
-            try:
-                result = self._run(request, streamed)
-            except Exception as exc:
-                self._fail_on_broken_group(incarnation, exc)
-                if not isinstance(exc, ray.exceptions.RayActorError):
-                    raise
-                self._down(f"{type(exc).__name__} during request {request.request_id or '(unnamed)'}")
-                if streamed:
-                    raise TargetLost(
-                        f"the target was lost after {len(streamed)} streamed tokens; retry the request", len(streamed)
-                    ) from exc
-                if not wait_for_target:
-                    raise TargetLost(f"{self.name}: the target was lost before the request streamed anything", 0) from exc
-                log.warning("target lost before request %s streamed anything: it runs again once the target is back",
-                            request.request_id or "(unnamed)")
-                continue
-            if mode == "ssd":
-                self._watching.set()  # the watcher checks the link now, not on the request's path
-            return result
-
-    def _fail_on_broken_group(self, incarnation: int, exc: Exception) -> None:
-        """Raise GeneratorUnavailable naming the forward error if `exc` came from a broken TP group.
-
-        Rank 0's own TPForwardError arrives as the request's error; a
-        follower's leaves rank 0 waiting until the watcher kills it (a
-        RayActorError here). Either way the group restarts in the background.
-        """
-        if len(self.targets) < 2:
-            return
-        why = self.forward_failure(incarnation)
-        if why is None and not isinstance(exc, ray.exceptions.RayActorError):
-            why = self.tp_broken()
-            if why is not None:
-                self._tp_failed(why)
-        if why is not None:
-            raise GeneratorUnavailable(
-                f"{why}; the tensor-parallel target restarts, retry the request"
-            ) from exc
-
-    def _run(self, request: GenerationRequest, streamed: list[int]) -> GenerationResult:
-        target = self.targets[0]
-        stream = target.generate_stream.options(num_returns="streaming").remote(request.portable())
-        result, aborting = None, False
-        for ref in stream:
-            item = ray.get(ref)
-            if isinstance(item, GenerationResult):
-                result = item
-            else:
-                streamed.extend(item)
-                request.emit(item)
-            if not aborting and request.is_cancelled():
-                aborting = True
-                target.abort.remote()
-        return result
+        with self.batch_engine(mode) as engine:
+            return engine.generate(request)
 
     def wait_serving(self) -> None:
         """Block while the target restarts (GeneratorUnavailable past RECOVERY_WAIT_S)."""
-        self._wait_up(None)
+        self._wait_up()
 
     def target_lost(self, why: str) -> None:
         """A caller found the target gone: not serving until the watcher restarts it."""
         self._down(why)
 
-    def _wait_up(self, request: GenerationRequest | None) -> None:
-        """Block while the target restarts; a cancelled request stops waiting."""
+    def _wait_up(self) -> None:
+        """Block while the target restarts."""
         deadline = time.monotonic() + RECOVERY_WAIT_S
         while not self._up.wait(0.2):
             if self._stopping.is_set() or time.monotonic() > deadline:
                 raise GeneratorUnavailable(f"the target is not back ({self._why_down})")
-            if request is not None and request.is_cancelled():
-                raise GeneratorUnavailable("cancelled while the target was restarting")
 
     def describe(self) -> dict[str, Any]:
         return ray.get(self.targets[0].describe.remote())
