@@ -35,7 +35,9 @@ from prometheus_client.registry import Collector
 
 from ssd.cluster.batch import RemoteBatchEngine, TargetLost
 from ssd.cluster.devices import Placement
-from ssd.cluster.runtime import RECOVERY_WAIT_S, Cluster, HealthListener, start_ray
+from ssd.cluster.healing import RECOVERY_WAIT_S, HealthListener
+from ssd.cluster.placing import start_ray
+from ssd.cluster.runtime import Cluster
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
