@@ -213,6 +213,7 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     and runs from its prompt, invisible to the caller but for the delay."""
     import ray
 
+    from ssd.cluster.batch import RemoteBatchEngine
     from ssd.config import GenerationConfig, SamplingConfig
     from ssd.engine.request import GenerationRequest
 
@@ -221,18 +222,20 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     pids |= actor_pids(cluster)
     prompt = cluster.encode(CONFIG.prompt)
     killed = ray.get(cluster.targets[0].ready.remote())
-    restarts, run = cluster.target_restarts, cluster._run
-    runs: list[int] = []  # the target restarts seen by each attempt
+    restarts, send = cluster.target_restarts, RemoteBatchEngine._send
+    runs: list[int] = []  # the target restarts seen by each attempt to admit the request
 
-    def run_after_a_kill(request, streamed):
-        # The kill lands just before the first attempt, so that attempt always
+    def send_after_a_kill(engine, method, *args):
+        # The kill lands just before the first admission, so that attempt always
         # meets the dead target (the watcher cannot have restarted it yet).
-        if not runs:
-            os.kill(killed, signal.SIGKILL)
-        runs.append(cluster.target_restarts - restarts)
-        return run(request, streamed)
+        if method == "batch_admit":
+            cluster.wait_serving()  # as the send does: the attempts after the kill wait for the restart
+            if not runs:
+                os.kill(killed, signal.SIGKILL)
+            runs.append(cluster.target_restarts - restarts)
+        return send(engine, method, *args)
 
-    monkeypatch.setattr(cluster, "_run", run_after_a_kill)
+    monkeypatch.setattr(RemoteBatchEngine, "_send", send_after_a_kill)
     out = cluster.generate(GenerationRequest(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=40)))
     assert out.token_ids == local_ar(CONFIG, prompt, 40)
     assert runs == [0, 1], "the request must run once more, after the restart, and only then"

@@ -46,20 +46,8 @@ class ControlledBackend:
         self.gate = gate
         self.info = inner.info if modes is None else dataclasses.replace(inner.info, modes=modes)
 
-    def generate(self, request: GenerationRequest):
-        if self.gate is not None:
-            assert self.gate.wait(30), "test gate never opened"
-        rounds = 0
-
-        def on_round(ids: list[int]) -> None:
-            nonlocal rounds
-            rounds += 1
-            if self.fail_after_rounds is not None and rounds > self.fail_after_rounds:
-                raise RuntimeError("injected engine fault")
-            request.emit(ids)
-            time.sleep(self.round_delay_s)
-
-        return self.inner.generate(dataclasses.replace(request, on_tokens=on_round))
+    def batch_engine(self, mode: str) -> "ControlledEngine":
+        return ControlledEngine(self.inner.batch_engine(mode), self)
 
     def encode(self, text):
         return self.inner.encode(text)
@@ -72,6 +60,35 @@ class ControlledBackend:
 
     def close(self) -> None:
         """The module's LocalBackend outlives each server."""
+
+
+class ControlledEngine:
+    """The real batch engine, its steps gated and slowed, its rows made to fail after some rounds."""
+
+    def __init__(self, inner: Any, control: ControlledBackend) -> None:
+        self.inner, self.control = inner, control
+
+    def admit(self, request: GenerationRequest) -> None:
+        rounds = 0
+
+        def on_round(ids: list[int]) -> None:
+            nonlocal rounds
+            rounds += 1
+            if self.control.fail_after_rounds is not None and rounds > self.control.fail_after_rounds:
+                raise RuntimeError("injected engine fault")
+            request.emit(ids)
+
+        self.inner.admit(dataclasses.replace(request, on_tokens=on_round))
+
+    def step(self):
+        if self.control.gate is not None:
+            assert self.control.gate.wait(30), "test gate never opened"
+        finished = self.inner.step()
+        time.sleep(self.control.round_delay_s)  # after the round, as its tokens have streamed
+        return finished
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @contextmanager

@@ -45,7 +45,6 @@ class EngineLog:
     steps: list[tuple[str, int, bool]] = field(default_factory=list)  # (mode, rows, held by the gate)
     admitted: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
-    alone: list[str] = field(default_factory=list)  # run through generate()
     closed: list[str] = field(default_factory=list)
 
     def max_rows(self, mode: str) -> int:
@@ -73,7 +72,7 @@ class FakeBatchEngine(Engine):
         return len(self._rows)
 
     def can_admit(self, request: GenerationRequest) -> bool:
-        return len(self._rows) < self.backend.max_rows
+        return len(self._rows) < (1 if self.mode in self.backend.one_row else self.backend.max_rows)
 
     def admit(self, request: GenerationRequest) -> None:
         self.log.admitted.append(request.request_id)
@@ -116,26 +115,19 @@ class FakeBatchEngine(Engine):
 
 
 class FakeBackend(TokenizerMixin):
-    """The tiny tokenizer and info; fake batch engines for `batched` modes, the rest alone."""
+    """The tiny tokenizer and info; a fake batch engine per mode, those in `one_row` held at one row."""
 
     def __init__(self, max_rows: int = 8, step_delay_s: float = 0.0, gate: threading.Event | None = None,
-                 batched: tuple[str, ...] = ("ar", "sd")) -> None:
+                 one_row: tuple[str, ...] = ()) -> None:
         config = load_config(ROOT / "configs" / "tiny.yaml")
         self.tokenizer = load_tokenizer(config.target)
         self.info = backend_info(config, self.tokenizer, modes=("ar", "sd", "ssd"), max_context_tokens=512,
                                  eos_token_ids=())
-        self.max_rows, self.step_delay_s, self.gate, self.batched = max_rows, step_delay_s, gate, batched
+        self.max_rows, self.step_delay_s, self.gate, self.one_row = max_rows, step_delay_s, gate, one_row
         self.log = EngineLog()
 
-    def batch_engine(self, mode: str) -> FakeBatchEngine | None:
-        return FakeBatchEngine(mode, self) if mode in self.batched else None
-
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        self.log.alone.append(request.request_id)
-        tokens = expected(request.sampling.seed, request.generation.max_new_tokens)
-        for token in tokens:
-            request.emit([token])
-        return self.result(request, tokens, "length", request.speculation.mode)
+    def batch_engine(self, mode: str) -> FakeBatchEngine:
+        return FakeBatchEngine(mode, self)
 
     def result(self, request: GenerationRequest, tokens: list[int], reason: str, mode: str) -> GenerationResult:
         stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids), new_tokens=len(tokens),
@@ -189,7 +181,7 @@ def test_eight_streams_run_together_each_gets_its_own_tokens():
         for seed, out in results.items():
             assert_own_tokens(out, seed, 12)
     assert fake.log.max_rows("ar") == 8
-    assert fake.log.alone == [] and fake.log.closed == ["ar"]  # the worker closes what it made
+    assert fake.log.closed == ["ar"]  # the worker closes what it made
 
 
 def test_rows_limit_admits_in_arrival_order():
@@ -346,25 +338,30 @@ def test_shutdown_with_grace_drains_running_rows():
     assert sorted(results) == list(range(4)) and fake.log.aborted == [] and fake.log.closed == ["ar"]
 
 
-def test_modes_take_turns_and_an_unbatched_request_runs_alone_between_rounds():
-    fake = FakeBackend(gate=threading.Event())
-    with running(lambda: fake) as (_, client):
+def test_modes_take_turns_and_a_one_row_mode_runs_its_requests_one_at_a_time():
+    """A mode held at one row (batching.max_rows 1, a tensor-parallel cluster target)
+    takes the one path too: its requests queue for the row, and it steps in turn."""
+    fake = FakeBackend(gate=threading.Event(), one_row=("ssd",))
+    with running(lambda: fake) as (server, client):
         calls = {name: client.stream(text=PROMPT, mode=name[:2], seed=seed, max_new_tokens=8, request_id=name)
                  for seed, name in enumerate(("ar-0", "sd-1", "ar-2", "sd-3"))}
         for call in calls.values():
             next(call)
-        assert wait_until(lambda: counts(client) == (4, 0))
-        # SSD has no batch engine: it runs through generate() while the rows wait.
-        assert_own_tokens(client.generate(text=PROMPT, mode="ssd", seed=4, max_new_tokens=8), 4, 8)
-        assert counts(client) == (4, 0)
+        results: dict[int, Any] = {}
+        threads = [stream_all(server, results, seed, mode="ssd", seed=seed, max_new_tokens=8) for seed in (4, 5)]
+        assert wait_until(lambda: counts(client) == (5, 1)), counts(client)  # one ssd row runs, the other waits
         fake.gate.set()
         for seed, (name, call) in enumerate(calls.items()):
             messages = list(call)
             assert [m.token_ids[0] for m in messages if m.token_ids] == expected(seed, 8), name
+        for thread in threads:
+            thread.join(60)
+        for seed, out in results.items():
+            assert_own_tokens(out, seed, 8)
     stepped = [mode for mode, rows, held in fake.log.steps if rows and not held]
-    assert stepped.count("ar") == stepped.count("sd") == 8
-    assert all(a != b for a, b in itertools.pairwise(stepped))  # in turn while both have rows
-    assert fake.log.alone == [fake.log.alone[0]] and len(fake.log.admitted) == 4
+    assert stepped.count("ar") == stepped.count("sd") == 8 and stepped.count("ssd") == 16
+    assert all(a != b for a, b in itertools.pairwise(stepped[:24]))  # in turn while all three have rows
+    assert fake.log.max_rows("ssd") == 1 and len(fake.log.admitted) == 6
 
 
 # --- /metrics -------------------------------------------------------------------
@@ -472,12 +469,13 @@ def test_the_engines_run_with_the_configured_torch_threads():
 
     seen: list[int] = []
 
-    class Counting(FakeBackend):
-        def generate(self, request: GenerationRequest) -> GenerationResult:
+    class Counting(FakeBatchEngine):
+        def step(self):
             seen.append(torch.get_num_threads())
-            return super().generate(request)
+            return super().step()
 
-    fake = Counting(batched=())
+    fake = FakeBackend()
+    fake.batch_engine = lambda mode: Counting(mode, fake)
     fake.info = dataclasses.replace(fake.info, defaults=dataclasses.replace(
         fake.info.defaults, runtime=dataclasses.replace(fake.info.defaults.runtime, threads=1)))
     saved = torch.get_num_threads()
@@ -487,4 +485,4 @@ def test_the_engines_run_with_the_configured_torch_threads():
             client.generate(text=PROMPT, mode="ar", max_new_tokens=2, timeout=30)
     finally:
         torch.set_num_threads(saved)
-    assert seen == [1]
+    assert seen and set(seen) == {1}

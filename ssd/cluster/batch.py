@@ -4,15 +4,24 @@ engine on target rank 0, one Ray call per step.
 The serving worker (ssd.serve.worker) schedules exactly as for local engines:
 it admits between steps and completes the rows that leave. Here each call
 goes to the target actor; the tokens every row admitted in a step come back
-with it and are handed to that row's callback. A step that finds the target
-gone fails every row with TargetLost, a GeneratorUnavailable that says how
-many tokens the row had streamed (the client retries, or ssd.cluster.replicas
-moves a row that streamed nothing to another replica; the cluster restarts the
-target in the background).
+with it and are handed to that row's callback. This is the one request path:
+a tensor-parallel target (or batching.max_rows 1) holds its batch at one row,
+and `Engine.generate` runs one request as a batch of one.
+
+Faults. A call that finds the target gone marks the cluster down (its
+watcher restarts the target in the background). A row that had streamed
+nothing runs again from its prompt once the target is back (or, with
+`wait_for_target` False, leaves with TargetLost(streamed=0), and
+ssd.cluster.replicas moves it to another replica); a row that had streamed
+tokens fails with TargetLost, a GeneratorUnavailable (the client retries),
+since a re-run need not reproduce a sampled prefix. A forward that failed on
+a tensor-parallel rank fails its rows at once with GeneratorUnavailable
+naming that error (a re-run would likely fail the same way).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any, Protocol, Union
 
@@ -20,6 +29,8 @@ import ray
 
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
+
+log = logging.getLogger(__name__)
 
 # A step on its way: (the call, the target's incarnation it went to), or why it could not be sent.
 StepCall = Union[tuple[ray.ObjectRef, int], GeneratorUnavailable]
@@ -54,6 +65,24 @@ class RowError(RuntimeError):
     """A row failed on the target; the text is the target's error."""
 
 
+class Lost(GeneratorUnavailable):
+    """A call found the target gone; `rerun`: its rows that streamed nothing may run again
+    (not after a failed tensor-parallel forward)."""
+
+    def __init__(self, message: str, rerun: bool) -> None:
+        super().__init__(message)
+        self.rerun = rerun
+
+
+def row_error(text: str) -> Exception:
+    """A row's error from its text: a failed tensor-parallel forward is GeneratorUnavailable
+    (the group restarts; the client retries), anything else a RowError."""
+    if text.startswith("TPForwardError: "):
+        why = text.removeprefix("TPForwardError: ")
+        return GeneratorUnavailable(f"{why}; the tensor-parallel target restarts, retry the request")
+    return RowError(text)
+
+
 class RemoteBatchEngine(Engine):
     def __init__(self, cluster: TargetHost, mode: str, wait_for_target: bool = True) -> None:
         """wait_for_target False: a call while the target restarts fails at once
@@ -63,22 +92,39 @@ class RemoteBatchEngine(Engine):
         self.wait_for_target = wait_for_target
         self._requests: dict[str, GenerationRequest] = {}
         self._streamed: dict[str, int] = {}  # tokens each row has streamed so far
+        self._again: list[GenerationRequest] = []  # lost before they streamed anything: to run again
 
     @property
     def rows(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._again)
 
     def can_admit(self, request: GenerationRequest) -> bool:
-        return self._call("batch_can_admit", self.mode, request.portable())
+        if self._again:
+            return False  # the rows to run again come first
+        try:
+            return self._call("batch_can_admit", self.mode, request.portable())
+        except Lost as exc:
+            if not (exc.rerun and self.wait_for_target):
+                raise
+            return True  # admit() holds it until the target is back
 
     def admit(self, request: GenerationRequest) -> None:
         key = uuid.uuid4().hex
-        self._call("batch_admit", self.mode, key, request.portable())
+        try:
+            self._call("batch_admit", self.mode, key, request.portable())
+        except Lost as exc:
+            if not (exc.rerun and self.wait_for_target):
+                raise
+            self._again.append(request)  # runs once the target is back
+            return
         self._requests[key] = request
         self._streamed[key] = 0
 
     def step(self) -> list[Finished]:
-        return self.finish_step(self.start_step())
+        finished = self._admit_again()
+        if not self._requests:
+            return finished
+        return finished + self.finish_step(self.start_step())
 
     def start_step(self) -> StepCall:
         """Send one step without waiting for it (replicas step side by side); finish_step collects it."""
@@ -94,20 +140,40 @@ class RemoteBatchEngine(Engine):
                 raise call
             emitted, ended = self._receive("batch_step", call)
         except GeneratorUnavailable as exc:
-            return self.drop_rows(str(exc))
+            return self.drop_rows(str(exc), rerun=isinstance(exc, Lost) and exc.rerun and self.wait_for_target)
         for key, tokens in emitted.items():
             self._requests[key].emit(tokens)
             self._streamed[key] += len(tokens)
         finished = []
         for key, result, error in ended:
             self._streamed.pop(key, None)
-            finished.append(Finished(self._requests.pop(key), result, RowError(error) if error is not None else None))
+            finished.append(Finished(self._requests.pop(key), result, row_error(error) if error is not None else None))
         return finished
 
-    def drop_rows(self, why: str) -> list[Finished]:
-        """End every row, the target being lost: each fails with TargetLost saying what it had streamed."""
+    def drop_rows(self, why: str, rerun: bool = False) -> list[Finished]:
+        """End every row, the target being lost: each fails with TargetLost saying what it had
+        streamed, but with `rerun` a row that streamed nothing waits to run again."""
         lost, self._requests = self._requests, {}
-        return [Finished(request, None, TargetLost(why, self._streamed.pop(key, 0))) for key, request in lost.items()]
+        finished = []
+        for key, request in lost.items():
+            streamed = self._streamed.pop(key, 0)
+            if rerun and not streamed and not request.is_cancelled():
+                log.warning("%s: request %s streamed nothing before the target was lost: it runs again once "
+                            "the target is back", self.cluster.name, request.request_id or "(unnamed)")
+                self._again.append(request)
+            else:
+                finished.append(Finished(request, None, TargetLost(why, streamed)))
+        return finished
+
+    def _admit_again(self) -> list[Finished]:
+        """Admit the rows to run again (waiting for the target); the cancelled ones leave, aborted."""
+        again, self._again, ended = self._again, [], []
+        for request in again:
+            if request.is_cancelled():
+                ended.append(Finished(request, None))
+            else:
+                self.admit(request)  # lost again: back in self._again
+        return ended
 
     def _call(self, method: str, *args):
         """A call on target rank 0; a lost target marks the cluster down and raises GeneratorUnavailable."""
@@ -126,8 +192,9 @@ class RemoteBatchEngine(Engine):
         except ray.exceptions.RayActorError as exc:
             self.cluster.target_lost(f"{type(exc).__name__} during a batched step")
             # A follower's failed forward: rank 0 waited until the watcher restarted the group.
-            why = self.cluster.forward_failure(incarnation) or "the target was lost"
-            raise GeneratorUnavailable(f"{why} with {self.rows} batched requests running; retry the request") from exc
+            failure = self.cluster.forward_failure(incarnation)
+            why = failure or "the target was lost"
+            raise Lost(f"{why} with {self.rows} batched requests running; retry the request", failure is None) from exc
         if method == "batch_step" and any(error for _, _, error in result[1]):
             self.cluster.look_now()  # a row's error may be rank 0's failed TP forward: restart promptly
         return result

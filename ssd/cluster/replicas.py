@@ -33,10 +33,11 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ssd.cluster.batch import RemoteBatchEngine
+from ssd.cluster.batch import RemoteBatchEngine, TargetLost
 from ssd.cluster.devices import Placement
-from ssd.cluster.batch import TargetLost
-from ssd.cluster.runtime import RECOVERY_WAIT_S, Cluster, HealthListener, start_ray
+from ssd.cluster.healing import RECOVERY_WAIT_S, HealthListener
+from ssd.cluster.placing import start_ray
+from ssd.cluster.runtime import Cluster
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
@@ -81,7 +82,6 @@ class ReplicaCounts:
 
     routed: int = 0  # requests sent to it (a moved request counts again where it lands)
     moved: int = 0  # requests that left it unstreamed when its target was lost
-    alone: int = 0  # requests running through generate now (not in a batch)
     tokens: int = 0  # tokens of the requests that finished on it
 
 
@@ -181,35 +181,18 @@ class Replicas:
         return self._first_serving().describe()
 
     def running(self, index: int) -> int:
-        """Requests replica `index` runs now: its rows in every batch, and any alone."""
-        return self.counts[index].alone + sum(engine.engines[index].rows for engine in list(self._engines))
+        """Requests replica `index` runs now: its rows in every batch."""
+        return sum(engine.engines[index].rows for engine in list(self._engines))
 
     def by_room(self) -> list[int]:
         """The serving replicas, the most free capacity (fewest requests running) first."""
         return sorted((i for i, c in enumerate(self.clusters) if c.serving), key=self.running)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        """One request alone on the roomiest serving replica; one lost before it
-        streamed anything runs again on another (or the same, once back)."""
-        while True:
-            self.wait_any_serving(request)
-            serving = self.by_room()
-            if not serving:
-                continue
-            index = serving[0]
-            self.count(index, routed=1, alone=1)
-            try:
-                result = self.clusters[index].generate(request, wait_for_target=False)
-            except TargetLost as exc:
-                if exc.streamed:
-                    raise
-                self.count(index, moved=1)
-                log.warning("request %s moves off replica %d: %s", request.request_id or "(unnamed)", index, exc)
-                continue
-            finally:
-                self.count(index, alone=-1)
-            self.count(index, tokens=len(result.token_ids))
-            return result
+        """One request as a batch of one (ReplicaBatchEngine: routed to the roomiest
+        serving replica, moved to another if lost before it streamed anything)."""
+        with self.batch_engine(request.settings(self.config.speculation).mode) as engine:
+            return engine.generate(request)
 
     def count(self, index: int, **deltas: int) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """The two kinds of Ray actor: a target rank (verifier) and the speculator.
 
 Ray carries only setup and control calls (load, connect, one call per
-request or per batched step); every SSD round travels over the
+batched step); every SSD round travels over the
 torch.distributed link between target rank 0 and the speculator. Target rank
 0 runs the same engines as one process (ssd.factory.make_engine, one
 per mode); the speculator runs the one draft-side host (ssd.saguaro.host).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +102,6 @@ class TargetWorker:
             # The followers mirror the leader's one sequence: the engines hold the batch at one row there.
             self.leader = TPLeaderSequence(self.model) if world > 1 else None
             self._engines: dict[str, Engine] = {}
-            self._cancel = threading.Event()
             self._emitted: dict[str, list[int]] = {}  # row -> tokens admitted since the last step
             self._row_keys: dict[int, str] = {}  # id(request) -> row
             self._cancelled_rows: set[str] = set()
@@ -154,41 +152,10 @@ class TargetWorker:
     def link_up(self) -> bool:
         return "ssd" in self._engines and self._engines["ssd"].link_up
 
-    def generate_stream(self, request: GenerationRequest):
-        """Yield each round's tokens as the engine admits them, then the GenerationResult.
-
-        The engine runs in a thread of its own so this generator can hand
-        chunks to Ray as they come, and `abort` (another actor thread) can stop it.
-        """
-        self._served = True
-        engine = self._engine(request.settings(self.config.speculation).mode)
-        self._cancel = threading.Event()
-        chunks: queue.Queue = queue.Queue()
-        request = dataclasses.replace(request, on_tokens=chunks.put, cancelled=self._cancel.is_set)
-
-        def run() -> None:
-            pin_to_cores(self.cores)
-            try:
-                chunks.put(engine.generate(request))
-            except BaseException as exc:  # re-raised below, in the caller's stream
-                chunks.put(exc)
-
-        threading.Thread(target=run, name="ssd-generate", daemon=True).start()
-        while True:
-            item = chunks.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if not isinstance(item, list):
-                return
-
-    def abort(self) -> None:
-        """Stop the running generation before its next round."""
-        self._cancel.set()
-
-    # Continuous batching: the driver's scheduler (ssd.serve.worker) drives the
-    # mode's engine here through ssd.cluster.batch.RemoteBatchEngine, one call
-    # per step; each row's tokens and its end travel back with the step.
+    # The one request path: the driver (ssd.serve.worker, or Cluster.generate for
+    # a batch of one) drives the mode's engine here through
+    # ssd.cluster.batch.RemoteBatchEngine, one call per step; each row's tokens
+    # and its end travel back with the step.
 
     def batch_can_admit(self, mode: str, request: GenerationRequest) -> bool:
         return self._engine(mode).can_admit(request)
@@ -263,8 +230,7 @@ class TargetWorker:
             self.leader.stop()
 
     def _engine(self, mode: str) -> Engine:
-        """The mode's one engine (made on first use): requests alone (generate_stream)
-        and batched steps share it. SSD's owns the draft link."""
+        """The mode's one engine (made on first use); SSD's owns the draft link."""
         if mode not in self._engines:
             from ssd.factory import LoadedPair, make_engine
             from ssd.models.loading import resolve_precision
@@ -272,7 +238,7 @@ class TargetWorker:
             if mode not in MODES:
                 raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
             # The draft is another actor. A tensor-parallel target's engines share the leader's one
-            # sequence: the server runs them one request at a time (ssd.serve.cluster_backend).
+            # sequence: there the batch is held at one row (ssd.engine.batch).
             pair = LoadedPair(self.leader or self.model, None, self.tokenizer)
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,

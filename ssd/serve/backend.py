@@ -2,23 +2,20 @@
 
 The servicer sees only this protocol, so the tests can wrap the real backend
 (slow it down, make it fail) and the cluster backend (cluster_backend.py) slots in.
-A backend may also offer `batch_engine(mode)` (ssd.serve.worker.BatchingBackend):
-the worker then runs that mode's requests together (continuous batching).
-The local backend's engines, for the worker and for `generate`, all come from
-ssd.factory.make_engine.
+A backend gives a batch engine per mode (`batch_engine(mode)`); the worker
+(ssd.serve.worker) runs every request on one, one row included. The local
+backend's engines come from ssd.factory.make_engine, the one per-mode map.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence
 
 from ssd.config import MODES, Config
 from ssd.engine.batch import Engine
 from ssd.factory import LoadedPair, load_pair, make_engine
-from ssd.engine.request import GenerationRequest, GenerationResult, Generator
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 from ssd.saguaro.startup import plan_for_pair
 
@@ -40,10 +37,13 @@ class BackendInfo:
     defaults: Config  # sampling, generation.max_new_tokens and speculation defaults
 
 
-class Backend(Generator, Protocol):
-    """A Generator that also tokenizes and describes itself to clients."""
+class Backend(Protocol):
+    """Batch engines per mode, and the tokenizer; it describes itself to clients."""
 
     info: BackendInfo
+
+    def batch_engine(self, mode: str) -> Engine:
+        """A new engine for `mode`, owned (and closed) by the caller (ssd.serve.worker)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -52,34 +52,6 @@ class Backend(Generator, Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def close(self) -> None: ...
-
-
-class EngineByMode:
-    """One engine per mode (make_engine), made on first use; the request carries every other setting.
-
-    Engines share the loaded weights; each holds its own KV caches and (SSD) a
-    speculator thread. Not thread-safe: the server runs one generation at a time.
-    """
-
-    def __init__(self, pair: LoadedPair, defaults: Config) -> None:
-        self.pair = pair
-        self.defaults = defaults
-        self._engines: dict[str, Engine] = {}
-
-    def get(self, mode: str) -> Engine:
-        if mode not in self._engines:
-            self._engines[mode] = make_engine(mode, self.pair, self.defaults.speculation, self.defaults.batching)
-        return self._engines[mode]
-
-    def discard(self, mode: str) -> None:
-        """Drop an engine whose generation failed: its state is not to be trusted."""
-        engine = self._engines.pop(mode, None)
-        if engine is not None:
-            _close_quietly(engine)
-
-    def close(self) -> None:
-        while self._engines:
-            _close_quietly(self._engines.popitem()[1])
 
 
 class TokenizerMixin:
@@ -108,20 +80,7 @@ class LocalBackend(TokenizerMixin):
         self.pair = pair if pair is not None else load_pair(config, with_draft=with_draft)
         self.config = plan_for_pair(config, self.pair)  # SSD's start-up plan, where the config asks for one
         self.tokenizer = self.pair.tokenizer
-        self._engines = EngineByMode(self.pair, self.config)
-        self._lock = threading.Lock()  # the worker serializes; this guards misuse
         self.info = self._describe()
-
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        """One request alone, a batch of one on its mode's engine."""
-        mode = request.settings(self.config.speculation).mode
-        with self._lock:
-            engine = self._engines.get(mode)
-            try:
-                return engine.generate(request)
-            except BaseException:
-                self._engines.discard(mode)
-                raise
 
     def batch_engine(self, mode: str) -> Engine:
         """A new engine for `mode` over the loaded weights, with the config's limits
@@ -130,8 +89,7 @@ class LocalBackend(TokenizerMixin):
         return make_engine(mode, self.pair, self.config.speculation, self.config.batching)
 
     def close(self) -> None:
-        with self._lock:
-            self._engines.close()
+        """The engines belong to the worker that made them; the weights go with this object."""
 
     def _describe(self) -> BackendInfo:
         tokenizer, target = self.pair.tokenizer, self.pair.target
@@ -167,9 +125,3 @@ def _max_positions(model: Any, tokenizer: Any) -> int:
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and 0 < limit < 10**7 else 4096
 
-
-def _close_quietly(engine: Any) -> None:
-    try:
-        engine.close()
-    except Exception:  # closing a broken engine must not hide the original error
-        log.exception("closing an engine failed")

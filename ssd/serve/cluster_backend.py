@@ -1,9 +1,9 @@
 """The server's backend over the distributed runtime. AR and SSD rows batch on
-target rank 0 (one Ray call per step, ssd.cluster.batch); a tensor-parallel
-target holds its batch at one row, so there each request goes to rank 0 alone
-as one streaming Ray call, its rounds streaming back as they land. Over
-replicas (ssd.cluster.replicas) the same calls route to the replica with
-the most room; /metrics then carries per-replica series."""
+target rank 0 (one Ray call per step, ssd.cluster.batch), each row's tokens
+coming back with the step that admitted them; a tensor-parallel target (or
+batching.max_rows 1) holds that batch at one row. Over replicas
+(ssd.cluster.replicas) the rows route to the replica with the most room;
+/metrics then carries per-replica series."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from ssd.cluster.replicas import Replicas
 from ssd.cluster.runtime import Cluster
 from ssd.cluster.workers import MODES
 from ssd.engine.batch import Engine
-from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.models import load_tokenizer
 from ssd.serve.backend import BackendInfo, TokenizerMixin, backend_info
 
@@ -25,19 +24,15 @@ class ClusterBackend(TokenizerMixin):
         self.tokenizer = load_tokenizer(self.config.target)  # tokenizing stays in the frontend
         self.info = self._describe()
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        return self.cluster.generate(request)
-
     def watch_health(self, listener) -> None:
         """`listener(serving, why)` hears the cluster go down (target lost) and come back."""
         self.cluster.add_health_listener(listener)
 
-    def batch_engine(self, mode: str) -> Engine | None:
-        """AR and SSD batch on target rank 0 (one Ray call per step); a
-        tensor-parallel target runs one request at a time through generate, and
-        so does every mode when batching.max_rows is 1."""
-        if mode not in self.info.modes or self.cluster.placement.tp_size > 1 or self.config.batching.max_rows == 1:
-            return None
+    def batch_engine(self, mode: str) -> Engine:
+        """`mode`'s batch on target rank 0 (one Ray call per step), held at one row
+        there on a tensor-parallel target or with batching.max_rows 1."""
+        if mode not in self.info.modes:
+            raise ValueError(f"the cluster serves modes {self.info.modes}, not {mode!r}")
         return self.cluster.batch_engine(mode)
 
     def metrics_collector(self) -> Collector | None:

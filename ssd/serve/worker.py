@@ -13,11 +13,9 @@ Scheduling policy:
   wait too, so a large request is never overtaken forever.
 * Modes in turn. Each loop steps one engine that has rows, round-robin over
   the modes (one `step` each), so a busy mode cannot starve another.
-* Non-batched modes (no engine: a tensor-parallel cluster target, the
-  cluster with batching.max_rows 1, a backend without the hook) run through
-  `backend.generate`, alone: when such
-  a job reaches the head of the queue it runs to its end between two batched
-  rounds, and the batched rows pause meanwhile (their deadlines keep running).
+* One path. Every mode runs on its batch engine, including those held at one
+  row (batching.max_rows 1, a tensor-parallel cluster target): there a
+  request waits at the head of the queue until the row is free.
 * Rows leave the moment they end: every `Finished` the step returns is
   completed at once (result, error or aborted); a row's tokens stream through
   its job's `on_tokens` as each round lands. Cancel, Abort and deadlines reach
@@ -41,7 +39,7 @@ from typing import Protocol
 import torch
 
 from ssd.engine.batch import Engine, Finished
-from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable, TokenLogprob
+from ssd.engine.request import GenerationRequest, GenerationResult, TokenLogprob
 from ssd.serve.backend import Backend
 from ssd.serve.metrics import ServerMetrics
 
@@ -65,11 +63,11 @@ class Unschedulable(RuntimeError):
 
 
 class BatchingBackend(Protocol):
-    """The optional backend hook the worker looks for (by getattr)."""
+    """What the worker asks of a backend (ssd.serve.backend.Backend has it)."""
 
-    def batch_engine(self, mode: str) -> Engine | None:
-        """A new batch engine for `mode`, owned (and closed) by the caller;
-        None: requests of that mode run one at a time through `generate`."""
+    def batch_engine(self, mode: str) -> Engine:
+        """A new batch engine for `mode`, owned (and closed) by the caller; one
+        held at one row (max_rows 1) runs its mode's requests one at a time."""
 
 
 @dataclass
@@ -101,7 +99,7 @@ class Job:
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() seconds
     arrived: float = field(default_factory=time.monotonic)
-    started: float | None = None  # admitted into an engine (or began alone)
+    started: float | None = None  # admitted into an engine
     first_token: float | None = None
     events: "queue.Queue[Round | Done]" = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -145,8 +143,8 @@ class GenerationWorker:
         self._lock = threading.Condition()
         self._pending: deque[Job] = deque()
         self._jobs: dict[str, Job] = {}  # queued + running, for Abort and admission
-        self._running: dict[str, Job] = {}  # rows in an engine, or the one running alone
-        self._engines: dict[str, Engine | None] = {}  # worker thread only
+        self._running: dict[str, Job] = {}  # rows in an engine
+        self._engines: dict[str, Engine] = {}  # worker thread only
         self._last_stepped = ""
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ssd-generation-worker", daemon=True)
@@ -214,11 +212,8 @@ class GenerationWorker:
             torch.set_num_threads(threads)
         try:
             while self._wait_for_work():
-                alone = self._admit_queued()
-                if alone is not None:
-                    self._finish(alone, self._run_alone(alone))
-                else:
-                    self._step_next()
+                self._admit_queued()
+                self._step_next()
         finally:
             self._close_engines()
 
@@ -228,14 +223,13 @@ class GenerationWorker:
             self._lock.wait_for(lambda: self._pending or self._running or self._closed)
             return bool(self._pending or self._running)
 
-    def _admit_queued(self) -> Job | None:
-        """Admit queued jobs into their engines in arrival order; return a head job
-        that runs alone (its mode has no batch engine), or None."""
+    def _admit_queued(self) -> None:
+        """Admit queued jobs into their engines in arrival order, while they fit."""
         while (head := self._peek()) is not None:
             try:
                 engine = self._engine_for(self._mode(head))
-                if engine is not None and not head.cancelled() and not self._fits(engine, head):
-                    return None  # the head waits for room; the jobs behind it wait too (FIFO)
+                if not head.cancelled() and not self._fits(engine, head):
+                    return  # the head waits for room; the jobs behind it wait too (FIFO)
             except Exception as exc:  # no engine for this mode, or it refuses the request for good
                 log.exception("request %s cannot be scheduled", head.request_id)
                 if self._take(head):
@@ -245,11 +239,8 @@ class GenerationWorker:
                 continue  # cancelled and removed meanwhile
             if head.cancelled():
                 self._finish(head, Done())  # its deadline passed, or it was cancelled, while queued
-            elif engine is None:
-                return head
             else:
                 self._admit(engine, head)
-        return None
 
     def _fits(self, engine: Engine, job: Job) -> bool:
         if engine.can_admit(job.bound()):
@@ -275,13 +266,11 @@ class GenerationWorker:
     def _mode(self, job: Job) -> str:
         return job.request.settings(self.backend.info.defaults.speculation).mode
 
-    def _engine_for(self, mode: str) -> Engine | None:
-        """This mode's batch engine (made on first use), or None: it runs alone."""
+    def _engine_for(self, mode: str) -> Engine:
+        """This mode's batch engine, made on first use (a mode the backend cannot run raises)."""
         if mode not in self._engines:
-            make = getattr(self.backend, "batch_engine", None)
-            engine = make(mode) if make is not None else None
-            log.info("mode %s: %s", mode, "continuous batching" if engine is not None else "one request at a time")
-            self._engines[mode] = engine
+            self._engines[mode] = self.backend.batch_engine(mode)
+            log.info("mode %s: a batch engine", mode)
         return self._engines[mode]
 
     def _admit(self, engine: Engine, job: Job) -> None:
@@ -290,16 +279,6 @@ class GenerationWorker:
         except Exception as exc:  # this request alone is refused; the rows go on
             log.exception("admitting request %s failed", job.request_id)
             self._finish(job, Done(error=exc))
-
-    def _run_alone(self, job: Job) -> Done:
-        try:
-            return Done(result=self.backend.generate(job.bound()))
-        except GeneratorUnavailable as exc:  # the model was lost mid-request: the client retries
-            log.warning("request %s failed: %s", job.request_id, exc)
-            return Done(error=exc)
-        except Exception as exc:  # an engine fault ends this request, never the server
-            log.exception("request %s failed", job.request_id)
-            return Done(error=exc)
 
     def _step_next(self) -> None:
         """One step of the next mode (in turn) that has rows; complete the rows that left."""
@@ -323,8 +302,7 @@ class GenerationWorker:
         order = list(self._engines)
         start = order.index(self._last_stepped) + 1 if self._last_stepped in order else 0
         for mode in order[start:] + order[:start]:
-            engine = self._engines[mode]
-            if engine is not None and engine.rows:
+            if self._engines[mode].rows:
                 self._last_stepped = mode
                 return mode
         return None
@@ -384,9 +362,7 @@ class GenerationWorker:
         self.metrics.finished(done.reason, stats, ttft, now - job.arrived, started - job.arrived)
 
 
-def _close_quietly(engine: Engine | None) -> None:
-    if engine is None:
-        return
+def _close_quietly(engine: Engine) -> None:
     try:
         engine.close()
     except Exception:  # closing a broken engine must not hide why it broke

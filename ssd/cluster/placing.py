@@ -1,0 +1,106 @@
+"""Where a cluster's actors go and how they start: the Ray nodes, the devices'
+environments, the configurations refused up front, Ray itself, and how long
+a model may take to load (see ssd.cluster.runtime)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from ssd.cluster.devices import Placement
+from ssd.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+# Loading a target rank or the draft: this much, plus the weights' bytes at
+# LOAD_BYTES_PER_S (a slow network disk; a 70B model in bf16: ~25 more minutes),
+# unless cluster.start_timeout_s says otherwise.
+START_TIMEOUT_S = 300.0
+LOAD_BYTES_PER_S = 100e6
+
+
+def resolve_node(name: str) -> str:
+    """The ID (hex) of the alive Ray node `name` names, by its node ID or its IP address."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    for node in alive:
+        if name in (node["NodeID"], node["NodeManagerAddress"]):
+            return node["NodeID"]
+    known = ", ".join(f"{n['NodeID']} ({n['NodeManagerAddress']})" for n in alive)
+    raise ConfigError(f"cluster.draft_node (--draft-node) {name!r} names no alive Ray node; the nodes: {known}")
+
+
+def compute_device(config: Config, placement: Placement) -> str:
+    """Where the actors compute: as placed, unless the config keeps them on the CPU."""
+    return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"
+
+
+def actor_env(kind: str, device: int, compute: str) -> dict[str, str]:
+    """The environment of an actor placed on `device` of `kind` that computes on `compute`.
+
+    On a GPU, the GPU the user named (not the one Ray would pick for the
+    bundle). Computing on the CPU, no GPU at all: transformers places a
+    model (and a tensor-parallel shard) from the accelerator it finds and
+    LOCAL_RANK, not from the device we pass, so a visible GPU would take
+    every rank's weights to cuda:0. SSD_PLACED_GPU keeps the placement on
+    record (logs, tests).
+    """
+    env = {"CUDA_VISIBLE_DEVICES": str(device) if compute == "cuda" else ""}
+    if kind == "cuda":
+        env |= {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "SSD_PLACED_GPU": str(device)}
+    return env
+
+
+def refuse_unworkable(config: Config, placement: Placement) -> None:
+    """Configurations that cannot run as placed, refused before any actor starts."""
+    if compute_device(config, placement) != "cuda":
+        return
+    roles = [("target", config.target)] + ([("draft", config.draft)] if placement.draft else [])
+    for role, model in roles:
+        if model.quantization == "int8":
+            raise ConfigError(
+                f"{role}.quantization int8 runs on CPU only (fbgemm kernels) but the {role} is placed on a GPU; "
+                f"set {role}.quantization to null or auto (auto picks none on GPUs)"
+            )
+
+
+def start_ray(address: str | None) -> None:
+    """ray.init, with our actors at the driver's CPU priority.
+
+    Ray's raylet starts worker processes at nice 15 (its `worker_niceness`),
+    so on a busy host any other process takes the CPU from the target and
+    the draft first, while AR and SD in one process run at the driver's
+    priority. The raylet reads RAY_worker_niceness from its environment when
+    it starts: this holds for a Ray we start here. Joining a running cluster
+    (`address`) keeps that cluster's setting; `Cluster` logs the actors'
+    niceness when it differs from the driver's. A RAY_worker_niceness the
+    user set is kept.
+    """
+    os.environ.setdefault("RAY_worker_niceness", str(os.nice(0)))
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def start_timeout_s(config: Config, weight_bytes: int) -> float:
+    """How long an actor may take to load a model whose weights take `weight_bytes`."""
+    if config.cluster.start_timeout_s is not None:
+        return config.cluster.start_timeout_s
+    return START_TIMEOUT_S + weight_bytes / LOAD_BYTES_PER_S
+
+
+def prefetch_models(config: Config, with_draft: bool) -> dict[str, float]:
+    """Download or convert the models once, here in the driver; each role's start-up timeout.
+
+    The actors of one placement group run on one node: a driver on that
+    node fills the cache they read (another node's driver still downloads,
+    and the actors then fetch for themselves, under the same timeouts).
+    """
+    from ssd.models.loading import prefetch
+
+    roles = [("target", config.target)] + ([("draft", config.draft)] if with_draft else [])
+    timeouts = {}
+    for role, model in roles:
+        size = prefetch(model.name)
+        timeouts[role] = start_timeout_s(config, size)
+        log.info("%s %s: %.1f GB of weights, start-up timeout %.0f s", role, model.name, size / 1e9, timeouts[role])
+    return timeouts

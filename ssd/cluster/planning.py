@@ -1,0 +1,49 @@
+"""SSD's start-up plan through a cluster: each half of the probes timed on
+its own actor (or read from the cache), then the plan, with the link's round
+trip on every round (a part of ssd.cluster.runtime.Cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+
+from ssd.config import Config
+
+
+class StartupPlan:
+    """Plans SSD's speculation for one Cluster (the attributes are the Cluster's)."""
+
+    config: Config
+    device: str
+    targets: list
+    draft: object
+    plan: object
+    link_round_trip_s: float | None
+
+    def _probe(self) -> tuple[dict, dict, dict] | None:
+        """SSD's start-up probes (ssd.saguaro.startup), each half timed on its own actor
+        (or read from the cache), where a plan is wanted: (target part, draft part, meta)."""
+        from ssd.saguaro import startup
+
+        if not startup.wanted(self.config, world=len(self.targets)):
+            return None
+
+        def measure() -> tuple[dict, dict]:
+            target_part = ray.get(self.targets[0].plan_probe.remote())
+            starts = target_part.pop("starts")
+            draft_part = ray.get(self.draft.plan_probe.remote(target_part["sequences"], starts))
+            return target_part, draft_part
+
+        device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
+        key, meta = startup.config_key(self.config, [device, "cluster"])
+        return (*startup.cached_probes(key, measure, meta), meta)
+
+    def _plan(self, target_part: dict, draft_part: dict, meta: dict) -> None:
+        """The plan, with the link's round trip on every round; the speculation defaults of
+        the driver and the target change (before the first request)."""
+        from ssd.saguaro import startup
+
+        self.plan = startup.plan_from_probes(target_part, draft_part, meta, link_s=self.link_round_trip_s or 0.0)
+        self.config = startup.planned(self.config, self.plan)
+        ray.get(self.targets[0].set_speculation.remote(dataclasses.asdict(self.config.speculation)))
