@@ -22,15 +22,19 @@ naming that error (a re-run would likely fail the same way).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any, Protocol, Union
 
 import ray
 
+from ssd.cluster.healing import RECOVERY_WAIT_S
 from ssd.engine.batch import Engine, Finished
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
 log = logging.getLogger(__name__)
+
+RESTART_POLL_S = 0.1  # how often rows waiting for a restarting target look for a cancel
 
 # A step on its way: (the call, the target's incarnation it went to), or why it could not be sent.
 StepCall = Union[tuple[ray.ObjectRef, int], GeneratorUnavailable]
@@ -93,6 +97,7 @@ class RemoteBatchEngine(Engine):
         self._requests: dict[str, GenerationRequest] = {}
         self._streamed: dict[str, int] = {}  # tokens each row has streamed so far
         self._again: list[GenerationRequest] = []  # lost before they streamed anything: to run again
+        self._waiting_since: float | None = None  # when rows began waiting to run again
 
     @property
     def rows(self) -> int:
@@ -166,13 +171,23 @@ class RemoteBatchEngine(Engine):
         return finished
 
     def _admit_again(self) -> list[Finished]:
-        """Admit the rows to run again (waiting for the target); the cancelled ones leave, aborted."""
+        """Admit the rows to run again once the target is back; the cancelled ones leave
+        (aborted) at once, also while it restarts, so a step never blocks on it."""
         again, self._again, ended = self._again, [], []
+        if not again:
+            self._waiting_since = None
+            return ended
+        self._waiting_since = self._waiting_since or time.monotonic()
+        wait = not self.cluster.serving and time.monotonic() - self._waiting_since < RECOVERY_WAIT_S
         for request in again:
             if request.is_cancelled():
                 ended.append(Finished(request, None))
+            elif wait:
+                self._again.append(request)
             else:
-                self.admit(request)  # lost again: back in self._again
+                self.admit(request)  # past RECOVERY_WAIT_S: wait_serving says the target is not back
+        if self._again and not self._requests and not ended:
+            time.sleep(RESTART_POLL_S)  # the target restarts: the worker steps again shortly
         return ended
 
     def _call(self, method: str, *args):
