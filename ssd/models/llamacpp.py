@@ -1,0 +1,309 @@
+"""One sequence's KV cache on a llama.cpp model (issue 31: SSD on llama.cpp's CPU kernels).
+
+The subset of `ssd.models.kv.KVSequence` an AR/SD engine needs, over
+llama-cpp-python's low-level C API: `forward(ids, last_only)` -> float32
+logits [len(ids) or 1, V] on the CPU, `rollback(length)`, `length`, `tokens`,
+`catch_up`, `trim_to_prefix_of`, `reset`; and `forward_rows` packing several
+sequences of one context into one `llama_decode`.
+
+Three objects:
+
+- `LlamaCppModel`: a GGUF file loaded once (`llama_model_load_from_file`),
+  read-only, shared by any number of contexts.
+- `LlamaCppContext`: one `llama_context` with `n_seq` sequence slots
+  (llama.cpp seq_ids), each with its own KV stream (`kv_unified=False`,
+  `n_ctx = n_seq * n_ctx_seq`). One owner thread, like a KVSequence: a
+  llama_context is not thread-safe.
+- `LlamaCppSequence`: one slot of a context. Built from a model it makes its
+  own one-slot context; built from a context it takes a free slot there.
+
+Why slots in one context rather than one context per sequence: one
+`llama_decode` can only advance sequences of one context, so continuous
+batching (forward_rows: many rows, one forward, shared matmuls) needs the
+rows' sequences in one context; and the draft's tree build maps onto
+sequences sharing a prefix (`llama_memory_seq_cp`), which also works only
+inside one context. A lone sequence (the default) still gets its own
+context, so the one-owner-thread rule of ssd.models holds with no extra care
+(SSD's speculator thread drafts with its own sequence).
+
+Load options for batch invariance (a token's logits must not depend on how
+many positions share its forward): `use_extra_bufts=False` (no repacked
+weight layouts whose kernels tile by batch size), flash attention on, KV
+cache in F32 (the default F16 cache would round keys and values), and a
+fixed thread count (`n_threads`, 1 by default). docs/llamacpp.md has the
+measurements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import llama_cpp as L
+
+GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@L.llama_log_callback
+def _quiet(level, text, user_data):  # noqa: ARG001 - llama.cpp's log callback signature
+    return None
+
+
+def _backend() -> None:
+    """llama_backend_init once per process; llama.cpp's logging silenced (errors surface as return codes)."""
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            L.llama_log_set(_quiet, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _initialised = True
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused to load a model, make a context, or decode a batch."""
+
+
+class LlamaCppModel:
+    """A GGUF model loaded once: read-only, shared by every context made from it."""
+
+    def __init__(self, path: str | Path, use_extra_bufts: bool = False) -> None:
+        _backend()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = use_extra_bufts
+        self.path = Path(path)
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {self.path}")
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
+        self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
+
+    def close(self) -> None:
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: llama_cpp may be gone
+            pass
+
+
+class LlamaCppContext:
+    """A llama_context with `n_seq` sequence slots; one owner thread."""
+
+    def __init__(
+        self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int = 1,
+        flash_attn: bool = True, f32_kv: bool = True, n_batch: int = 512,
+    ) -> None:
+        self.model = model
+        self.n_seq = n_seq
+        self.n_ctx_seq = n_ctx_seq or model.n_ctx_train
+        params = L.llama_context_default_params()
+        params.n_ctx = self.n_ctx_seq * n_seq
+        params.n_seq_max = n_seq
+        params.kv_unified = False  # one KV stream per sequence: a row's attention never sees another's entries
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # one forward = one ubatch: llama.cpp never splits a call behind our back
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if f32_kv:
+            params.type_k = GGML_TYPE_F32
+            params.type_v = GGML_TYPE_F32
+        params.no_perf = True
+        self.n_batch = n_batch
+        self._ctx = L.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise LlamaCppError("llama.cpp could not make a context")
+        self._memory = L.llama_get_memory(self._ctx)
+        self._free = list(range(n_seq - 1, -1, -1))
+        self._batch = L.llama_batch_init(n_batch, 0, 1)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def set_threads(self, n_threads: int) -> None:
+        L.llama_set_n_threads(self._ctx, n_threads, n_threads)
+
+    def take_slot(self) -> int:
+        if not self._free:
+            raise LlamaCppError(f"all {self.n_seq} sequence slots are taken")
+        return self._free.pop()
+
+    def give_slot(self, seq: int) -> None:
+        if self._ctx:
+            L.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._free.append(seq)
+
+    def remove(self, seq: int, start: int) -> None:
+        """Drop sequence `seq`'s entries at positions >= start."""
+        if not L.llama_memory_seq_rm(self._memory, seq, start, -1):
+            raise LlamaCppError(f"llama.cpp could not remove positions >= {start} of sequence {seq}")
+
+    def decode(self, jobs: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[torch.Tensor]:
+        """One llama_decode over jobs (seq, start position, ids, last_only); logits per job.
+
+        On failure every job's sequence is cut back to its start, so the
+        cache holds what it held before the call.
+        """
+        total = sum(len(ids) for _, _, ids, _ in jobs)
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens in one forward: more than n_batch={self.n_batch}")
+        batch, outputs, i = self._batch, [], 0
+        for seq, start, ids, last_only in jobs:
+            if start + len(ids) > self.n_ctx_seq:
+                raise ValueError(f"sequence of {start + len(ids)} tokens: more than n_ctx_seq={self.n_ctx_seq}")
+            rows = []
+            for j, token in enumerate(ids):
+                batch.token[i] = int(token)
+                batch.pos[i] = start + j
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                out = not last_only or j == len(ids) - 1
+                batch.logits[i] = out
+                if out:
+                    rows.append(i)
+                i += 1
+            outputs.append(rows)
+        batch.n_tokens = total
+        rc = L.llama_decode(self._ctx, batch)
+        if rc != 0:
+            for seq, start, _, _ in jobs:
+                L.llama_memory_seq_rm(self._memory, seq, start, -1)
+            raise LlamaCppError(f"llama_decode returned {rc}")
+        V = self.vocab_size
+        result = []
+        for rows in outputs:
+            out = np.empty((len(rows), V), dtype=np.float32)
+            for r, index in enumerate(rows):
+                ptr = L.llama_get_logits_ith(self._ctx, index)
+                out[r] = np.ctypeslib.as_array(ptr, shape=(V,))
+            result.append(torch.from_numpy(out))
+        return result
+
+    def close(self) -> None:
+        if self._ctx:
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaCppSequence:
+    """One sequence's KV cache on a llama.cpp model: KVSequence's AR/SD subset.
+
+    Built from a LlamaCppModel: a context of its own (one slot). Built from a
+    LlamaCppContext: a slot there, so `forward_rows` can pack it with the
+    context's other sequences.
+    """
+
+    def __init__(self, source: LlamaCppModel | LlamaCppContext, n_threads: int = 1, **context_options) -> None:
+        if isinstance(source, LlamaCppModel):
+            self.context = LlamaCppContext(source, n_seq=1, n_threads=n_threads, **context_options)
+            self._owns_context = True
+        else:
+            if context_options:
+                raise ValueError("context options belong to the shared context")
+            self.context = source
+            self._owns_context = False
+        self.seq = self.context.take_slot()
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        """Committed tokens in the cache."""
+        return len(self.tokens)
+
+    @property
+    def cached(self) -> int:
+        return self.length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.context.vocab_size
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append `ids` to the cache; float32 logits [len(ids), V] (or [1, V] if last_only).
+
+        Row i is the next-token distribution after ids[i].
+        """
+        return forward_rows([self], [ids], last_only)[0]
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} of {self.length} tokens")
+        if length < self.length:
+            self.context.remove(self.seq, length)
+            del self.tokens[length:]
+
+    def catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
+        """Feed the tail of `sequence` the cache lacks; logits after its last token."""
+        n = self.length
+        if list(sequence[:n]) != self.tokens or n >= len(sequence):
+            raise ValueError("KV cache is not a strict prefix of the sequence")
+        return self.forward(sequence[n:], last_only=True)[-1]
+
+    def trim_to_prefix_of(self, sequence: Sequence[int]) -> None:
+        n = min(self.length, len(sequence) - 1)
+        shared = next((i for i in range(n) if self.tokens[i] != sequence[i]), n)
+        self.rollback(shared)
+
+    def close(self) -> None:
+        if self.context is not None:
+            self.context.give_slot(self.seq)
+            if self._owns_context:
+                self.context.close()
+            self.context = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def forward_rows(
+    rows: Sequence[LlamaCppSequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False,
+) -> list[torch.Tensor]:
+    """`rows[i].forward(ids[i], last_only[i])` for every row; one llama_decode per context.
+
+    Rows of one context go into one batch (each its own seq_id and
+    positions); rows of different contexts run context by context.
+    """
+    flags = [last_only] * len(rows) if isinstance(last_only, bool) else list(last_only)
+    if len(rows) != len(ids) or len(rows) != len(flags):
+        raise ValueError(f"{len(rows)} rows, {len(ids)} id lists and {len(flags)} last_only flags")
+    if len({id(r) for r in rows}) != len(rows):
+        raise ValueError("a sequence appears twice in one forward")
+    results: list[torch.Tensor | None] = [None] * len(rows)
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        if not ids[i]:
+            raise ValueError("forward needs at least one token")
+        groups.setdefault(id(row.context), []).append(i)
+    for members in groups.values():
+        context = rows[members[0]].context
+        jobs = [(rows[i].seq, rows[i].length, [int(t) for t in ids[i]], flags[i]) for i in members]
+        for i, logits in zip(members, context.decode(jobs)):
+            rows[i].tokens.extend(int(t) for t in ids[i])
+            results[i] = logits
+    return results  # type: ignore[return-value]
