@@ -26,12 +26,16 @@ inside one context. A lone sequence (the default) still gets its own
 context, so the one-owner-thread rule of ssd.models holds with no extra care
 (SSD's speculator thread drafts with its own sequence).
 
-Load options for batch invariance (a token's logits must not depend on how
+Options for batch invariance (a token's logits must not depend on how
 many positions share its forward): `use_extra_bufts=False` (no repacked
-weight layouts whose kernels tile by batch size), flash attention on, KV
-cache in F32 (the default F16 cache would round keys and values), and a
-fixed thread count (`n_threads`, 1 by default). docs/llamacpp.md has the
-measurements.
+weight layouts whose kernels tile by batch size), no forward with a single
+output row (`pad_single`, see LlamaCppContext.decode), and a fixed thread
+count (`n_threads`, 1 by default). Flash attention is OFF by default: on the
+CPU llama.cpp casts F32 keys and values to F16 for it, which moves the
+logits ~2e-3 relative away from the fp32 torch model; without it, with the
+KV cache in F32 (the default F16 cache would round keys and values), the
+logits match torch's to ~2e-6 relative. Invariance holds either way.
+docs/llamacpp.md has the measurements.
 """
 
 from __future__ import annotations
@@ -102,14 +106,19 @@ class LlamaCppContext:
 
     def __init__(
         self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int = 1,
-        flash_attn: bool = True, f32_kv: bool = True, n_batch: int = 512,
+        flash_attn: bool = False, f32_kv: bool = True, n_batch: int = 512, pad_single: bool = True,
     ) -> None:
+        """pad_single: never run a forward with a single output row (see `decode`); it takes
+        one extra sequence slot, the scratch slot, for the padding token."""
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq or model.n_ctx_train
+        self.pad_single = pad_single
+        self._scratch = n_seq if pad_single else None
+        slots = n_seq + (1 if pad_single else 0)
         params = L.llama_context_default_params()
-        params.n_ctx = self.n_ctx_seq * n_seq
-        params.n_seq_max = n_seq
+        params.n_ctx = self.n_ctx_seq * slots
+        params.n_seq_max = slots
         params.kv_unified = False  # one KV stream per sequence: a row's attention never sees another's entries
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # one forward = one ubatch: llama.cpp never splits a call behind our back
@@ -153,13 +162,22 @@ class LlamaCppContext:
     def decode(self, jobs: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[torch.Tensor]:
         """One llama_decode over jobs (seq, start position, ids, last_only); logits per job.
 
+        With pad_single, a forward never has a single output row: ggml's
+        matmuls take another kernel for one row than for several (measured:
+        a token's logits differ by ~1e-6 relative between a one-token and a
+        two-token forward, while every forward of >= 2 rows agrees to the
+        bit). A last_only job of several tokens then also outputs its
+        next-to-last row; a forward of one token in all gets a padding token
+        on the scratch slot, removed again after the call.
+
         On failure every job's sequence is cut back to its start, so the
         cache holds what it held before the call.
         """
         total = sum(len(ids) for _, _, ids, _ in jobs)
-        if total > self.n_batch:
+        pad = self.pad_single and total == 1
+        if total + pad > self.n_batch:
             raise ValueError(f"{total} tokens in one forward: more than n_batch={self.n_batch}")
-        batch, outputs, i = self._batch, [], 0
+        batch, outputs, i, n_out = self._batch, [], 0, 0
         for seq, start, ids, last_only in jobs:
             if start + len(ids) > self.n_ctx_seq:
                 raise ValueError(f"sequence of {start + len(ids)} tokens: more than n_ctx_seq={self.n_ctx_seq}")
@@ -170,13 +188,26 @@ class LlamaCppContext:
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = seq
                 out = not last_only or j == len(ids) - 1
-                batch.logits[i] = out
+                batch.logits[i] = out or (self.pad_single and j == len(ids) - 2)
+                n_out += batch.logits[i]
                 if out:
                     rows.append(i)
                 i += 1
             outputs.append(rows)
-        batch.n_tokens = total
+        if self.pad_single and n_out < 2:
+            if pad:  # one token in all: a padding token beside it
+                batch.token[i] = 0
+                batch.pos[i] = 0
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = self._scratch
+                batch.logits[i] = True
+                i += 1
+            else:  # one output row among several tokens: output another row too
+                batch.logits[next(r for r in range(i) if not batch.logits[r])] = True
+        batch.n_tokens = i
         rc = L.llama_decode(self._ctx, batch)
+        if pad:
+            L.llama_memory_seq_rm(self._memory, self._scratch, -1, -1)
         if rc != 0:
             for seq, start, _, _ in jobs:
                 L.llama_memory_seq_rm(self._memory, seq, start, -1)
