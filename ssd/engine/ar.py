@@ -6,6 +6,7 @@ import torch
 
 from ssd.config import BatchingConfig
 from ssd.engine.batch import BatchedEngine, Row
+from ssd.models.backend import Model
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer
 
@@ -14,7 +15,7 @@ class AREngine(BatchedEngine):
     mode = "ar"
 
     def __init__(
-        self, target: torch.nn.Module | KVSequence, tokenizer: Tokenizer, batching: BatchingConfig | None = None,
+        self, target: Model | KVSequence, tokenizer: Tokenizer, batching: BatchingConfig | None = None,
     ) -> None:
         super().__init__(target, tokenizer, batching=batching)
 

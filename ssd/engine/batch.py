@@ -42,8 +42,10 @@ from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
 from ssd.engine.request import GenerationRequest, GenerationResult, TokenLogprob
 from ssd.hardware import sync, to_device
-from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
-from ssd.models.quant import precision_of
+from ssd.models.backend import (
+    AnySequence, Model, forward_rows, kv_bytes_per_token, new_sequence, precision_of, release, sequence_source,
+)
+from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.sampling import make_generator, probs_from_logits, sample, token_logprobs
 from ssd.verify import Outcome, verify
@@ -140,8 +142,8 @@ class Row:
     """One request in the batch: its state, its own caches, and how far its prompt is prefilled."""
 
     state: SequenceState
-    target: KVSequence
-    draft: KVSequence | None
+    target: AnySequence
+    draft: AnySequence | None
     clock: Stopwatch
     kv_bytes: int  # what admission reserved for its caches
     round_tokens: int  # the most tokens one of its rounds feeds the target (K + 1; AR: 1)
@@ -177,16 +179,17 @@ class BatchedEngine(Engine):
 
     def __init__(
         self,
-        target: torch.nn.Module | KVSequence,
+        target: Model | KVSequence,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
-        draft: torch.nn.Module | None = None,
+        draft: Model | None = None,
     ) -> None:
         """`speculation`: the settings for requests that bring none of their own.
 
-        `target` is a model, or the tensor-parallel leader's one sequence
+        `target` and `draft` are models of any backend (ssd.models.backend:
+        a torch module or a llama.cpp model), or `target` is the tensor-parallel leader's one sequence
         (ssd.models.tp.TPLeaderSequence): its followers mirror one sequence,
         so the batch is held at one row, which reuses it.
         """
@@ -207,7 +210,15 @@ class BatchedEngine(Engine):
         if draft is not None:
             self.precision += f", draft {precision_of(draft)}"
         self._token_bytes = kv_bytes_per_token(target) + (kv_bytes_per_token(draft) if draft is not None else 0)
+        self._target_source = self._source(target)
+        self._draft_source = self._source(draft) if draft is not None else None
         self._rows: list[Row] = []
+
+    def _source(self, model: Model) -> object:
+        """What the engine's sequences of `model` come from (ssd.models.backend.sequence_source)."""
+        b = self.batching
+        return sequence_source(model, b.max_rows, b.max_batched_tokens,
+                               int(b.kv_memory_mb * 2**20) // kv_bytes_per_token(model))
 
     @property
     def rows(self) -> int:
@@ -237,7 +248,7 @@ class BatchedEngine(Engine):
             )
         if len(self._rows) >= self.batching.max_rows or not self._fits(need_bytes, need_tokens, self._rows):
             raise RuntimeError(f"the batch is full ({self.rows} rows); check can_admit first")
-        draft = KVSequence(self.draft_model) if self.draft_model is not None else None
+        draft = new_sequence(self._draft_source) if self._draft_source is not None else None
         self._rows.append(Row(
             self._new_state(request), self._target_sequence(), draft, Stopwatch(), need_bytes, need_tokens
         ))
@@ -306,10 +317,10 @@ class BatchedEngine(Engine):
             logprobs=[] if request.logprobs is not None else None,
         )
 
-    def _target_sequence(self) -> KVSequence:
+    def _target_sequence(self) -> AnySequence:
         """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""
         if self._shared_target is None:
-            return KVSequence(self.target_model)
+            return new_sequence(self._target_source)
         self._shared_target.reset()
         return self._shared_target
 
@@ -404,7 +415,7 @@ class BatchedEngine(Engine):
         for row in [r for r in self._rows if r.request.is_cancelled()]:
             row.state.output.finish_reason = "aborted"
             left.append(Finished(row.request, self._result(row.state, row.clock)))
-            self._rows.remove(row)
+            self._leave(row)
         return left
 
     def _chunks(self, decoding: list[Row]) -> list[tuple[Row, list[int]]]:
@@ -454,6 +465,13 @@ class BatchedEngine(Engine):
             log.warning("request %r failed: %r", row.request.request_id, error)
             row.error = error
 
+    def _leave(self, row: Row) -> None:
+        """The row leaves the batch; its own sequences go back (a llama.cpp slot is freed at once)."""
+        self._rows.remove(row)
+        if row.target is not self._shared_target:
+            release(row.target)
+        release(row.draft)
+
     def _collect(self) -> list[Finished]:
         """Rows that finished or failed leave now; their caches go with them."""
         left = []
@@ -462,5 +480,5 @@ class BatchedEngine(Engine):
                 left.append(Finished(row.request, None, row.error))
             else:
                 left.append(Finished(row.request, self._result(row.state, row.clock)))
-            self._rows.remove(row)
+            self._leave(row)
         return left

@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.models.kv import KVSequence, forward_rows
+from ssd.models.backend import AnySequence, forward_rows
 from ssd.sampling import as_drawn, probs_from_logits, sample
 
 
@@ -30,7 +30,7 @@ class Chain:
     its chain stops there and the others go on.
     """
 
-    kv: KVSequence
+    kv: AnySequence
     sequence: Sequence[int]
     k: int
     sampling: SamplingConfig
@@ -83,7 +83,7 @@ def draft_chains(chains: Sequence[Chain]) -> None:
 
 
 def drafted_chain(
-    kv: KVSequence,
+    kv: AnySequence,
     sequence: Sequence[int],
     k: int,
     sampling: SamplingConfig,

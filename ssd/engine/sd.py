@@ -9,7 +9,8 @@ import torch
 from ssd.config import BatchingConfig, SpeculationConfig
 from ssd.engine.batch import BatchedEngine, Row, SequenceState, Verifier
 from ssd.engine.drafting import Chain, draft_chains
-from ssd.models.kv import KVSequence, forward_rows
+from ssd.models.backend import Model, forward_rows
+from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer
 from ssd.verify import verify
 
@@ -19,8 +20,8 @@ class SDEngine(BatchedEngine):
 
     def __init__(
         self,
-        target: torch.nn.Module | KVSequence,
-        draft: torch.nn.Module,
+        target: Model | KVSequence,
+        draft: Model,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,

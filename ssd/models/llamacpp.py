@@ -88,6 +88,20 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp could not load {self.path}")
         self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
+        desc = ctypes.create_string_buffer(256)
+        L.llama_model_desc(self._model, desc, len(desc))
+        self.description = desc.value.decode(errors="replace")  # "qwen2 ?B all F32": architecture, size, weight type
+
+    @property
+    def precision(self) -> str:
+        """The weights' type as reports name it: "gguf f32", "gguf f16", "gguf q8_0"."""
+        return "gguf " + self.description.split()[-1].lower()
+
+    def kv_bytes_per_token(self, f32_kv: bool = True) -> int:
+        """Bytes of keys and values one token takes in a context's cache (F32 cache, or F16)."""
+        m = self._model
+        head_dim = L.llama_model_n_embd(m) // L.llama_model_n_head(m)
+        return L.llama_model_n_layer(m) * 2 * L.llama_model_n_head_kv(m) * head_dim * (4 if f32_kv else 2)
 
     def close(self) -> None:
         if self._model:

@@ -1,0 +1,113 @@
+"""The backend seam (issue 31): what the engines ask of a model, one function per operation.
+
+A model is a torch `nn.Module` (sequences: ssd.models.kv.KVSequence) or a
+llama.cpp `ssd.models.llamacpp.LlamaCppModel` (sequences: LlamaCppSequence).
+Each function here dispatches on the kind of model (or sequence) it is
+given, so an engine runs on either without knowing which:
+
+    source = sequence_source(model, rows, max_tokens, kv_tokens)   # once per engine
+    seq = new_sequence(source)                                     # one per row
+    logits = forward_rows([seq, ...], [ids, ...], last_only)       # one packed forward
+    release(seq)                                                   # when the row leaves
+
+plus `kv_bytes_per_token`, `vocab_size` and `precision_of` for admission and
+reports. Logits are torch tensors either way (float32 on the CPU from
+llama.cpp), so sampling and verification are the same code.
+
+The torch path is today's code, called as before: the source is the model
+itself, `new_sequence` is `KVSequence(model)`, `release` does nothing.
+llama_cpp is never imported here: a LlamaCppModel exists only once
+ssd.models.llamacpp has been imported, so that module's presence in
+sys.modules decides whether anything can be one.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from ssd.models import kv
+from ssd.models.kv import KVSequence
+from ssd.models.quant import precision_of as _torch_precision
+
+if TYPE_CHECKING:
+    from ssd.models.llamacpp import LlamaCppContext, LlamaCppModel, LlamaCppSequence
+
+    Model = torch.nn.Module | LlamaCppModel
+    AnySequence = KVSequence | LlamaCppSequence
+else:
+    Model = AnySequence = Any
+
+
+def _llamacpp() -> ModuleType | None:
+    return sys.modules.get("ssd.models.llamacpp")
+
+
+def is_llamacpp(obj: object) -> bool:
+    """Whether `obj` is a llama.cpp model, context or sequence."""
+    mod = _llamacpp()
+    return mod is not None and isinstance(obj, (mod.LlamaCppModel, mod.LlamaCppContext, mod.LlamaCppSequence))
+
+
+def sequence_source(model: Model, rows: int, max_tokens: int, kv_tokens: int) -> Model | LlamaCppContext:
+    """What an engine makes its sequences of `model` from (`new_sequence`).
+
+    torch: the model itself. llama.cpp: one context with `rows` sequence
+    slots, so the rows' forwards share one llama_decode; it takes up to
+    `max_tokens` tokens per forward and `kv_tokens` per sequence (at most the
+    model's trained context). The context belongs to the engine's thread.
+    """
+    if not is_llamacpp(model):
+        return model
+    return _llamacpp().LlamaCppContext(
+        model, n_seq=rows, n_ctx_seq=max(1, min(model.n_ctx_train, kv_tokens)), n_batch=max(2, max_tokens),
+    )
+
+
+def new_sequence(source: Model | LlamaCppContext) -> AnySequence:
+    """A new, empty sequence of a model (its own) or of a `sequence_source` (a slot of its context)."""
+    if is_llamacpp(source):
+        return _llamacpp().LlamaCppSequence(source)
+    return KVSequence(source)
+
+
+def release(sequence: AnySequence | None) -> None:
+    """Hand a finished row's sequence back (a llama.cpp slot); torch's caches go back when collected."""
+    if sequence is not None and is_llamacpp(sequence):
+        sequence.close()
+
+
+def forward_rows(
+    rows: Sequence[AnySequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False
+) -> list[torch.Tensor]:
+    """`rows[i].forward(ids[i], last_only[i])` for every row, packed where the backend allows.
+
+    The rows are distinct sequences of one model.
+    """
+    if rows and not isinstance(rows[0], KVSequence) and is_llamacpp(rows[0]):
+        return _llamacpp().forward_rows(rows, ids, last_only)
+    return kv.forward_rows(rows, ids, last_only)
+
+
+def kv_bytes_per_token(model: Model) -> int:
+    """Bytes of keys and values one token takes in a sequence of `model`."""
+    if is_llamacpp(model):
+        return model.kv_bytes_per_token()
+    return kv.kv_bytes_per_token(model)
+
+
+def vocab_size(model: Model) -> int:
+    """Rows of the model's logits."""
+    if is_llamacpp(model):
+        return model.vocab_size
+    return model.config.vocab_size
+
+
+def precision_of(model: Model) -> str:
+    """The weights' precision as reports name it (torch: int8, bf16, fp32, fp64; llama.cpp: "gguf f32", ...)."""
+    if is_llamacpp(model):
+        return model.precision
+    return _torch_precision(model)
