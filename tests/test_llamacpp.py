@@ -1,5 +1,9 @@
 """The llama.cpp backend (issue 31): GGUF export, logits, invariance, rollback, greedy AR.
 
+The engines on the llama.cpp backend (ssd.models.backend): the real AREngine
+and SDEngine give torch's tokens (greedy AR, greedy SD = AR for several K,
+batched rows = each alone, sampled SD = torch's sampled SD with one seed).
+
 A tiny random Qwen2 in fp32 is written to GGUF (ssd.models.gguf_export) and
 run through llama.cpp's CPU kernels (ssd.models.llamacpp). Its q/k/v biases
 and norm weights are re-drawn at random first: the tiny models have zero
@@ -8,14 +12,19 @@ biases and unit norms, which would hide a wrong tensor mapping.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from ssd.config import TinyModelConfig  # noqa: E402
-from ssd.models import build_tiny_model  # noqa: E402
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig  # noqa: E402
+from ssd.engine import AREngine, SDEngine  # noqa: E402
+from ssd.engine.request import GenerationRequest  # noqa: E402
+from ssd.models import TinyTokenizer, build_tiny_model  # noqa: E402
+from ssd.models import backend  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import (  # noqa: E402
     LlamaCppContext, LlamaCppError, LlamaCppModel, LlamaCppSequence, forward_rows,
@@ -31,8 +40,8 @@ REL_TOL = 2e-5
 
 
 @torch.no_grad()
-def _model() -> torch.nn.Module:
-    model = build_tiny_model(CFG, torch.float32)
+def _model(cfg: TinyModelConfig = CFG) -> torch.nn.Module:
+    model = build_tiny_model(cfg, torch.float32)
     gen = torch.Generator().manual_seed(11)
     for name, param in model.named_parameters():
         if name.endswith(".bias"):
@@ -175,3 +184,105 @@ def test_context_slots(pair):
     c = LlamaCppSequence(ctx)  # a's slot, emptied
     assert torch.equal(c.forward([1, 2, 3]), LlamaCppSequence(lm).forward([1, 2, 3]))
     assert b.length == 0
+
+
+# --- the engines on llama.cpp (ssd.models.backend) ---------------------------------
+
+PROMPTS = [PROMPT, [2, 40, 40, 7, 61, 13], [30, 31, 9, 9, 50, 22, 11, 0, 4, 18, 27]]
+N = 24
+GREEDY = SamplingConfig(temperature=0.0)
+TOKENIZER = TinyTokenizer(CFG.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    """A noisy copy of the target (TinyModelConfig.noise): it agrees often, not always."""
+    model = _model(dataclasses.replace(CFG, noise=0.03))
+    path = export_gguf(model, tmp_path_factory.mktemp("gguf") / "draft.gguf")
+    return model, LlamaCppModel(path)
+
+
+def _request(prompt, sampling=GREEDY, k=None):
+    speculation = SpeculationConfig(mode="sd", k=k) if k is not None else None
+    return GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=N), speculation)
+
+
+def _run_batch(engine, requests):
+    """Admit every request, step until all left; token ids per request."""
+    for r in requests:
+        engine.admit(r)
+    out = {}
+    while engine.rows:
+        for finished in engine.step():
+            assert finished.error is None, finished.error
+            out[id(finished.request)] = finished.result.token_ids
+    return [out[id(r)] for r in requests]
+
+
+def test_backend_dispatch(pair):
+    model, lm = pair
+    assert not backend.is_llamacpp(model) and backend.is_llamacpp(lm)
+    assert backend.vocab_size(model) == backend.vocab_size(lm) == CFG.vocab_size
+    assert backend.kv_bytes_per_token(lm) == backend.kv_bytes_per_token(model)  # both fp32
+    assert backend.precision_of(model) == "fp32" and backend.precision_of(lm) == "gguf f32"
+    assert isinstance(backend.new_sequence(lm), LlamaCppSequence)
+    assert backend.sequence_source(model, 4, 64, 100) is model
+
+
+def test_greedy_ar_engine_matches_torch(pair):
+    model, lm = pair
+    for prompt in PROMPTS:
+        want = AREngine(model, TOKENIZER).generate(_request(prompt))
+        got = AREngine(lm, TOKENIZER).generate(_request(prompt))
+        assert got.token_ids == want.token_ids and len(got.token_ids) == N
+        assert got.stats.precision == "target gguf f32"
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_sd_engine_equals_ar(pair, draft_pair, k):
+    _, lm = pair
+    _, draft = draft_pair
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        ar = AREngine(lm, TOKENIZER).generate(_request(prompt))
+        sd = SDEngine(lm, draft, TOKENIZER).generate(_request(prompt, k=k))
+        assert sd.token_ids == ar.token_ids
+        drafted, accepted = drafted + sd.stats.drafted, accepted + sd.stats.accepted
+    assert 0 < accepted < drafted  # the draft is right sometimes and wrong sometimes: verification is exercised
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_batched_rows_equal_each_alone(pair, draft_pair, mode):
+    _, lm = pair
+    _, draft = draft_pair
+
+    def engine():
+        return AREngine(lm, TOKENIZER) if mode == "ar" else SDEngine(lm, draft, TOKENIZER)
+
+    k = 3 if mode == "sd" else None
+    eng = engine()
+    batched = _run_batch(eng, [_request(p, k=k) for p in PROMPTS])
+    alone = [engine().generate(_request(p, k=k)).token_ids for p in PROMPTS]
+    assert batched == alone
+    # The rows shared one llama.cpp context (one llama_decode per step), and left it empty.
+    assert isinstance(eng._target_source, LlamaCppContext)
+    assert len(eng._target_source._free) == eng._target_source.n_seq
+    # Slots are handed back: more requests than slots run one after another on one engine.
+    assert _run_batch(eng, [_request(PROMPTS[0], k=k)]) == alone[:1]
+
+
+def test_sampled_sd_matches_torch(pair, draft_pair):
+    """One seed, equal logits to ~1e-6: llama.cpp's sampled SD draws torch's tokens.
+
+    Inverse-CDF sampling and the accept test are continuous in the logits, so
+    the outputs agree unless a uniform draw lands within ~1e-6 of a boundary
+    (chance ~1e-4 over these draws); the seeds here are fixed.
+    """
+    model, lm = pair
+    dmodel, draft = draft_pair
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+    for prompt in PROMPTS:
+        want = SDEngine(model, dmodel, TOKENIZER).generate(_request(prompt, sampling, k=3))
+        got = SDEngine(lm, draft, TOKENIZER).generate(_request(prompt, sampling, k=3))
+        assert got.token_ids == want.token_ids
+        assert got.stats.accepted == want.stats.accepted and got.stats.drafted == want.stats.drafted
