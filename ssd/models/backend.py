@@ -67,11 +67,49 @@ def sequence_source(model: Model, rows: int, max_tokens: int, kv_tokens: int) ->
     )
 
 
-def new_sequence(source: Model | LlamaCppContext) -> AnySequence:
-    """A new, empty sequence of a model (its own) or of a `sequence_source` (a slot of its context)."""
+def new_sequence(source: Model | LlamaCppContext, branches: int = 0) -> AnySequence:
+    """A new, empty sequence of a model (its own) or of a `sequence_source` (a slot of its context).
+
+    branches: the most branches `branch_decoder` will decode off this
+    sequence at once (SSD's draft side). torch needs nothing for them;
+    llama.cpp gives a sequence of a model that many spare slots in its
+    context (each a KV stream of the context's length).
+    """
     if is_llamacpp(source):
+        if branches and isinstance(source, _llamacpp().LlamaCppModel):
+            return _llamacpp().LlamaCppSequence(source, branches=branches)
         return _llamacpp().LlamaCppSequence(source)
     return KVSequence(source)
+
+
+def branch_decoder(sequence: AnySequence) -> Any | None:
+    """The backend's own branch decoder for `sequence` (ssd.saguaro.branches.BranchDecoder),
+    or None where the backend has none (torch: ssd.saguaro.branches picks one by name).
+
+    llama.cpp: ssd.models.llamacpp.LlamaCppBranches, one sequence slot per branch.
+    """
+    if is_llamacpp(sequence):
+        return _llamacpp().LlamaCppBranches()
+    return None
+
+
+def feed_rows(feeds: Sequence[kv.Feed]) -> list[torch.Tensor]:
+    """`ssd.models.kv.feed_rows` on either backend. llama.cpp takes plain feeds only
+    (committed tokens at consecutive positions: its branches are LlamaCppBranches'),
+    packed into one llama_decode per context."""
+    if feeds and is_llamacpp(feeds[0].kv):
+        if any(f.commit != len(f.ids) or f.positions is not None or f.visible is not None for f in feeds):
+            raise NotImplementedError("llama.cpp sequences take committed tokens only; branches go through branch_decoder")
+        return _llamacpp().forward_rows([f.kv for f in feeds], [[int(t) for t in f.ids] for f in feeds],
+                                        [f.last_only for f in feeds])
+    return kv.feed_rows(feeds)
+
+
+def device_of(model: Model) -> torch.device:
+    """Where the model's logits live (llama.cpp: the CPU)."""
+    if is_llamacpp(model):
+        return torch.device("cpu")
+    return model.device
 
 
 def release(sequence: AnySequence | None) -> None:

@@ -168,6 +168,19 @@ class LlamaCppContext:
             L.llama_memory_seq_rm(self._memory, seq, -1, -1)
             self._free.append(seq)
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Make sequence `dst` hold the first `length` entries of sequence `src` (dst's own are dropped).
+
+        Slots are separate KV streams (kv_unified=False), and llama.cpp copies
+        between streams only whole: `llama_memory_seq_cp` queues a copy of
+        src's stream buffer (done at the next llama_decode), then dst's
+        positions >= length are dropped. The copy lands in the same cells, so
+        a branch attends exactly as its root would.
+        """
+        L.llama_memory_seq_rm(self._memory, dst, -1, -1)
+        L.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+        self.remove(dst, length)
+
     def remove(self, seq: int, start: int) -> None:
         """Drop sequence `seq`'s entries at positions >= start."""
         if not L.llama_memory_seq_rm(self._memory, seq, start, -1):
@@ -257,13 +270,17 @@ class LlamaCppSequence:
     context's other sequences.
     """
 
-    def __init__(self, source: LlamaCppModel | LlamaCppContext, n_threads: int = 1, **context_options) -> None:
+    def __init__(
+        self, source: LlamaCppModel | LlamaCppContext, n_threads: int = 1, branches: int = 0, **context_options,
+    ) -> None:
+        """branches: built from a model, the context also gets this many free slots for
+        LlamaCppBranches (SSD's draft side decodes its branches there)."""
         if isinstance(source, LlamaCppModel):
-            self.context = LlamaCppContext(source, n_seq=1, n_threads=n_threads, **context_options)
+            self.context = LlamaCppContext(source, n_seq=1 + branches, n_threads=n_threads, **context_options)
             self._owns_context = True
         else:
-            if context_options:
-                raise ValueError("context options belong to the shared context")
+            if context_options or branches:
+                raise ValueError("context options and branch slots belong to the shared context")
             self.context = source
             self._owns_context = False
         self.seq = self.context.take_slot()
@@ -352,3 +369,88 @@ def forward_rows(
             rows[i].tokens.extend(int(t) for t in ids[i])
             results[i] = logits
     return results  # type: ignore[return-value]
+
+
+class LlamaCppBranches:
+    """SSD's branch decoder (ssd.saguaro.branches.BranchDecoder) on a LlamaCppSequence.
+
+    Each branch is a sequence slot of the sequence's own context: `start`
+    copies the root's cache into it (LlamaCppContext.copy) and cuts it to
+    the branch's prefix; every call then feeds one token per branch in ONE
+    llama_decode, each at its own seq_id and position (llama.cpp's mask keeps
+    a branch to its own stream, so no visibility matrix is built). `finish`
+    hands the slots back; the root sequence is never written, so it holds
+    exactly what it held before `start`.
+
+    The context needs a free slot per branch (ssd.models.backend.new_sequence
+    with `branches`). One owner thread, like the sequence.
+    """
+
+    def __init__(self) -> None:
+        self._kv: LlamaCppSequence | None = None
+        self._slots: list[int] = []
+        self._positions: list[int] = []
+
+    @property
+    def active(self) -> bool:
+        return self._kv is not None
+
+    @property
+    def num_branches(self) -> int:
+        return len(self._slots)
+
+    def start(self, kv: LlamaCppSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> torch.Tensor:
+        """Feed each branch's first token after its prefix of `kv`'s cache; logits [B, V]."""
+        if self._kv is not None:
+            raise RuntimeError("branches already active: call finish() first")
+        if not prefix_lens or len(prefix_lens) != len(first_tokens):
+            raise ValueError(
+                f"need one first token per branch and at least one branch "
+                f"(got {len(prefix_lens)} prefix lengths, {len(first_tokens)} tokens)"
+            )
+        if not all(0 <= p <= kv.length for p in prefix_lens):
+            raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
+        context = kv.context
+        if len(context._free) < len(prefix_lens):
+            raise LlamaCppError(
+                f"{len(prefix_lens)} branches need as many free sequence slots; the draft's context has "
+                f"{len(context._free)} (make the sequence with branches=...)"
+            )
+        self._kv = kv
+        try:
+            for p in prefix_lens:
+                slot = context.take_slot()
+                self._slots.append(slot)
+                context.copy(kv.seq, slot, int(p))
+            self._positions = [int(p) for p in prefix_lens]
+            return self.step(first_tokens)
+        except BaseException:
+            self.finish()
+            raise
+
+    def step(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append one token per branch; logits [B, V] after it."""
+        if self._kv is None:
+            raise RuntimeError("no active branches: call start() first")
+        if len(tokens) != len(self._slots):
+            raise ValueError(f"need one token per branch ({len(self._slots)}), got {len(tokens)}")
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+        jobs = [(slot, pos, [t], False) for slot, pos, t in zip(self._slots, self._positions, ids)]
+        try:
+            logits = self._kv.context.decode(jobs)
+        except BaseException:
+            self.finish()
+            raise
+        self._positions = [p + 1 for p in self._positions]
+        return torch.cat(logits)
+
+    def finish(self) -> None:
+        """Hand the branch slots back; the root sequence is as before `start`."""
+        if self._kv is None:
+            return
+        context, self._kv = self._kv.context, None
+        if context is not None:
+            for slot in self._slots:
+                context.give_slot(slot)
+        self._slots, self._positions = [], []
+
