@@ -28,6 +28,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
+from ssd.models import backend
 from ssd.models.kv import Feed, KVSequence, cache_kwargs, feed_rows, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
@@ -339,8 +340,15 @@ BRANCH_DECODERS: dict[str, type] = {
 }
 
 
-def make_branch_decoder(kind: str = "tree", max_steps: int = DEFAULT_MAX_STEPS) -> BranchDecoder:
-    """A decoder by name: "tree" (default: fastest measured on CPU) or "batched"."""
+def make_branch_decoder(kind: str = "tree", max_steps: int = DEFAULT_MAX_STEPS, sequence: object = None) -> BranchDecoder:
+    """A decoder by name: "tree" (default: fastest measured on CPU) or "batched".
+
+    Given the `sequence` it will decode from, a backend with a decoder of its
+    own gets that one whatever the name (llama.cpp: a sequence slot per
+    branch, ssd.models.backend.branch_decoder).
+    """
+    if sequence is not None and (own := backend.branch_decoder(sequence)) is not None:
+        return own
     try:
         cls = BRANCH_DECODERS[kind]
     except KeyError:

@@ -23,7 +23,8 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from ssd.config import SamplingConfig
-from ssd.models.kv import Feed, KVSequence, feed_rows, token_tensor
+from ssd.models.backend import feed_rows
+from ssd.models.kv import Feed, KVSequence, token_tensor
 from ssd.sampling import as_drawn, probs_from_logits, sample_ids
 from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.cache import DraftWork, Proposal

@@ -29,7 +29,7 @@ import torch
 from ssd.config import SamplingConfig, SpeculationConfig
 from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner, share_budget
 from ssd.hardware import sync
-from ssd.models.kv import KVSequence
+from ssd.models.backend import AnySequence, device_of, new_sequence, release, vocab_size
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.backups import make_backup
@@ -65,7 +65,7 @@ def draft_seed(seed: int, epoch: int = 0) -> int:
 class DraftSequence:
     """What the draft keeps per sequence between rounds."""
 
-    kv: KVSequence
+    kv: AnySequence
     committed: list[int]
     sampling: SamplingConfig
     speculation: SpeculationConfig
@@ -84,7 +84,8 @@ class Speculator:
     def __init__(self, model: torch.nn.Module, channel: Channel) -> None:
         self.model = model
         self.channel = channel
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = vocab_size(model)
+        self.device = device_of(model)
         self.sequences: dict[int, DraftSequence] = {}
 
     def serve(self) -> None:
@@ -103,12 +104,12 @@ class Speculator:
 
     def _prefill(self, msg: Message) -> None:
         row = protocol.parse_prefill(msg)
-        kv = KVSequence(self.model)
+        kv = new_sequence(self.model, branches=row.speculation.fanout.budget)
         if len(row.prompt) > 1:
             kv.forward(row.prompt[:-1], last_only=True)  # overlaps the target's own prefill
         planner = make_planner(row.speculation, self.vocab_size)
         gen = make_generator(draft_seed(row.sampling.seed, row.epoch))
-        decoder = make_branch_decoder(row.speculation.branch_decoder)
+        decoder = make_branch_decoder(row.speculation.branch_decoder, sequence=kv)
         self.sequences[row.seq] = DraftSequence(
             kv, list(row.prompt), row.sampling, row.speculation, gen, planner, decoder=decoder
         )
@@ -146,7 +147,7 @@ class Speculator:
             return protocol.ProposalReply(row.seq, True, cached, 0.0, seq.build_s)
         started = time.perf_counter()
         drafted = self._backup(seq, batch_size)
-        sync(self.model.device)  # the timer covers the device's work
+        sync(self.device)  # the timer covers the device's work
         return protocol.ProposalReply(row.seq, False, drafted, time.perf_counter() - started, seq.build_s)
 
     def _commit(self, seq: DraftSequence, k: int, token: int) -> Proposal | None:
@@ -175,7 +176,7 @@ class Speculator:
         budgets = self._budgets(seqs, [r.hit for r in replies])
         jobs = [self._job(seq, r.proposal, r.hit, b) for seq, r, b in zip(seqs, replies, budgets)]
         results = build_caches(jobs) if jobs else []
-        sync(self.model.device)
+        sync(self.device)
         elapsed = time.perf_counter() - started
         for reply, seq, job, result in zip(replies, seqs, jobs, results):
             if isinstance(result, Exception):
@@ -203,7 +204,9 @@ class Speculator:
                         saguaro, proposal.work, spec.k, spec.glue)
 
     def _release(self, msg: Message) -> None:
-        self.sequences.pop(msg.header["seq"], None)
+        seq = self.sequences.pop(msg.header["seq"], None)
+        if seq is not None:
+            release(seq.kv)  # a llama.cpp sequence's context goes now; torch's cache when collected
 
 
 def _describe(exc: BaseException) -> str:

@@ -32,7 +32,7 @@ from ssd.engine.batch import BatchedEngine, Finished, Row, SequenceState, Verifi
 from ssd.engine.request import GenerationRequest
 from ssd.engine.sd import draft_length
 from ssd.models.kv import KVSequence
-from ssd.models.quant import precision_of
+from ssd.models.backend import precision_of
 from ssd.models.tokenizer import Tokenizer
 from ssd.saguaro import protocol
 from ssd.saguaro.host import DraftThread
