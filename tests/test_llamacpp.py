@@ -348,3 +348,15 @@ def test_greedy_ssd_engine_equals_ar(pair, draft_pair, k):
         hits, rounds = hits + got.stats.spec.hits, rounds + got.stats.spec.lookups
     print(f"k={k}: {hits} hits in {rounds} lookups")
     assert 0 < hits < rounds, (hits, rounds)
+
+
+def test_batched_ssd_rows_equal_ar(pair, draft_pair):
+    """Three greedy SSD rows at once on llama.cpp (each draft row its own context) give AR's tokens."""
+    _, lm = pair
+    _, draft = draft_pair
+    engine = SSDEngine.in_process(lm, draft, TOKENIZER, _ssd(3, budget=6))
+    try:
+        got = _run_batch(engine, [dataclasses.replace(_request(p), speculation=_ssd(3, budget=6)) for p in PROMPTS])
+    finally:
+        engine.close()
+    assert got == [AREngine(lm, TOKENIZER).generate(_request(p)).token_ids for p in PROMPTS]
