@@ -58,12 +58,12 @@ def sequence_source(model: Model, rows: int, max_tokens: int, kv_tokens: int) ->
     torch: the model itself. llama.cpp: one context with `rows` sequence
     slots, so the rows' forwards share one llama_decode; it takes up to
     `max_tokens` tokens per forward and `kv_tokens` per sequence (at most the
-    model's trained context). The context belongs to the engine's thread.
+    model's `n_ctx`: its trained context unless the model was loaded with a smaller one). The context belongs to the engine's thread.
     """
     if not is_llamacpp(model):
         return model
     return _llamacpp().LlamaCppContext(
-        model, n_seq=rows, n_ctx_seq=max(1, min(model.n_ctx_train, kv_tokens)), n_batch=max(2, max_tokens),
+        model, n_seq=rows, n_ctx_seq=max(1, min(model.n_ctx, kv_tokens)), n_batch=max(2, max_tokens),
     )
 
 

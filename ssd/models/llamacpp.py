@@ -77,7 +77,11 @@ class LlamaCppError(RuntimeError):
 class LlamaCppModel:
     """A GGUF model loaded once: read-only, shared by every context made from it."""
 
-    def __init__(self, path: str | Path, use_extra_bufts: bool = False) -> None:
+    def __init__(self, path: str | Path, use_extra_bufts: bool = False, n_ctx: int | None = None) -> None:
+        """n_ctx: the most tokens one sequence of this model may hold (default: the trained
+        context). Every context made from the model sizes its slots by it, so a real model's
+        contexts (the engine's, and SSD's draft slots and branches) are sized for the job
+        rather than 32k tokens per slot."""
         _backend()
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -88,6 +92,9 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp could not load {self.path}")
         self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
+        if n_ctx is not None and n_ctx < 1:
+            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        self.n_ctx = min(self.n_ctx_train, n_ctx) if n_ctx else self.n_ctx_train
         desc = ctypes.create_string_buffer(256)
         L.llama_model_desc(self._model, desc, len(desc))
         self.description = desc.value.decode(errors="replace")  # "qwen2 ?B all F32": architecture, size, weight type
@@ -126,7 +133,7 @@ class LlamaCppContext:
         one extra sequence slot, the scratch slot, for the padding token."""
         self.model = model
         self.n_seq = n_seq
-        self.n_ctx_seq = n_ctx_seq or model.n_ctx_train
+        self.n_ctx_seq = n_ctx_seq or model.n_ctx
         self.pad_single = pad_single
         self._scratch = n_seq if pad_single else None
         slots = n_seq + (1 if pad_single else 0)

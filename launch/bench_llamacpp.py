@@ -1,0 +1,364 @@
+"""The real model pair on the llama.cpp backend: loading, batch invariance, greedy exactness, speed.
+
+    python launch/bench_llamacpp.py                       # everything, 1 thread, 48 tokens per prompt
+    python launch/bench_llamacpp.py --skip-invariance --skip-exactness --out speed.txt
+
+Target Qwen2.5-Coder-1.5B-Instruct, draft -0.5B-Instruct, both the official
+q4_k_m GGUF files (ssd.models.offline.ensure_offline_gguf). Four parts:
+
+1. load: each model as a LlamaCppModel with contexts of --n-ctx tokens per
+   slot (not the 32k trained context); load time and resident memory.
+2. invariance: the logits of 5 greedy tokens decoded one at a time, vs the
+   same 5 in one forward (a K+1 verification), vs each decoded as one of 3
+   rows in a packed forward; max |diff| and whether an argmax ever differs,
+   for the default context options and for flash attention / F16 KV /
+   extra buffer types (repacked weights).
+3. exactness: greedy AR vs SD (--sd-k) vs in-process SSD (--ssd-k, --budget)
+   on the llama.cpp backend, token for token; where they part, the target's
+   top-2 logit gap there.
+4. speed, interleaved by prompt: llama-cpp-python's own `Llama.generate`
+   (greedy), our AREngine, SDEngine and in-process SSDEngine; prefill
+   (time to the first token) and decode tokens/s after it.
+
+Prompts are plain code prefixes (no chat template); EOS is ignored, every
+run makes exactly --tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
+
+PROMPTS = [
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+    '    """Merge two sorted lists into one sorted list."""\n',
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "#include <stdio.h>\n\n/* Count the words in a line read from stdin. */\nint main(void) {\n",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads, every system")
+    parser.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
+    parser.add_argument("--n-ctx", type=int, default=512, help="tokens per sequence slot")
+    parser.add_argument("--sd-k", type=int, default=4, help="SD's drafted tokens per round")
+    parser.add_argument("--ssd-k", type=int, default=2, help="SSD's drafted tokens per round")
+    parser.add_argument("--budget", type=int, default=4, help="SSD's fan-out budget")
+    parser.add_argument("--extra-bufts", action="store_true",
+                        help="also measure invariance with repacked weights (use_extra_bufts=True); on a CPU "
+                             "that advertises AMX the kernel has not enabled, llama.cpp dies (SIGILL)")
+    parser.add_argument("--plain-extra-bufts", action="store_true",
+                        help="plain Llama with llama.cpp's default use_extra_bufts=True (else False, as ours)")
+    parser.add_argument("--skip-invariance", action="store_true")
+    parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    return parser
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class LlamaTokenizer:
+    """The engines' tokenizer subset over llama.cpp's own vocabulary; no EOS (fixed-length runs)."""
+
+    def __init__(self, path: str, vocab_size: int) -> None:
+        import llama_cpp
+
+        self._llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+        self.vocab_size = vocab_size
+        self.eos_token_id = None
+        self.all_special_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._llm.detokenize([int(i) for i in ids]).decode(errors="replace")
+
+
+def hardware_line() -> str:
+    import torch
+
+    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
+    cpu = cpu.split(":", 1)[-1].strip() or platform.processor()
+    load = os.getloadavg()
+    return (f"CPU {cpu}; {os.cpu_count()} cores; torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+            f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+# --- 2. invariance -------------------------------------------------------------------------------
+
+
+def invariance(model, prompt_ids, others, threads: int, **options) -> dict:
+    """Logits of 5 greedy tokens: alone vs one 5-token forward vs rows of a 3-row packed forward."""
+    import torch
+
+    from ssd.models.llamacpp import LlamaCppContext, LlamaCppSequence, forward_rows
+
+    def ctx(n):
+        return LlamaCppContext(model, n_seq=n, n_ctx_seq=model.n_ctx, n_threads=threads, **options)
+
+    # alone: one token per forward
+    c = ctx(1)
+    s = LlamaCppSequence(c)
+    row = s.forward(prompt_ids, last_only=True)[-1]
+    alone, toks = [], []
+    for _ in range(5):
+        t = int(row.argmax())
+        toks.append(t)
+        row = s.forward([t])[0]
+        alone.append(row)
+    alone = torch.stack(alone)
+    c.close()
+    # the same tokens after the last prompt token, in one K+1 forward: rows 0..4 predict after toks[0..4]
+    c = ctx(1)
+    s = LlamaCppSequence(c)
+    s.forward(prompt_ids, last_only=True)
+    verify = s.forward(toks)
+    c.close()
+    # packed: each step one token of three rows in one llama_decode
+    c = ctx(3)
+    rows = [LlamaCppSequence(c) for _ in range(3)]
+    for r, p in zip(rows, [prompt_ids, *others]):
+        r.forward(p, last_only=True)
+    packed, other_next = [], [0, 0]
+    for t in toks:
+        out = forward_rows(rows, [[t], [other_next[0]], [other_next[1]]])
+        packed.append(out[0][0])
+        other_next = [int(out[1][0].argmax()), int(out[2][0].argmax())]
+    packed = torch.stack(packed)
+    c.close()
+
+    def cmp(a, b):
+        return float((a - b).abs().max()), bool((a.argmax(-1) != b.argmax(-1)).any())
+
+    return {"verify": cmp(alone, verify), "packed": cmp(alone, packed)}
+
+
+# --- 3./4. the systems -----------------------------------------------------------------------------
+
+
+def run_engine(kind: str, target, draft, tok, prompt_ids, args):
+    """(token ids, prefill s, decode s, stats) of one greedy generation on our engines."""
+    from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+    from ssd.engine import AREngine, SDEngine
+    from ssd.engine.request import GenerationRequest
+    from ssd.saguaro.target import SSDEngine
+
+    batching = BatchingConfig(max_rows=1, max_batched_tokens=args.n_ctx, prefill_chunk=args.n_ctx,
+                              kv_memory_mb=args.n_ctx * target.kv_bytes_per_token() / 2**20)
+    spec = None
+    engine = None
+    if kind == "ar":
+        engine = AREngine(target, tok, batching=batching)
+    elif kind == "sd":
+        spec = SpeculationConfig(mode="sd", k=args.sd_k)
+        engine = SDEngine(target, draft, tok, spec, batching=dataclasses_replace_kv(batching, target, draft, args))
+    else:
+        spec = SpeculationConfig(mode="ssd", k=args.ssd_k, fanout=FanoutConfig(budget=args.budget))
+        engine = SSDEngine.in_process(target, draft, tok, spec, batching=batching)
+    try:
+        req = GenerationRequest(list(prompt_ids), SamplingConfig(temperature=0.0),
+                                GenerationConfig(max_new_tokens=args.tokens), spec)
+        res = engine.generate(req)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    st = res.stats
+    return res.token_ids, st.time_to_first_token_s, st.total_s - st.time_to_first_token_s, st
+
+
+def dataclasses_replace_kv(batching, target, draft, args):
+    import dataclasses
+
+    return dataclasses.replace(
+        batching, kv_memory_mb=args.n_ctx * (target.kv_bytes_per_token() + draft.kv_bytes_per_token()) / 2**20)
+
+
+def run_plain(llm, prompt_ids, n: int):
+    """llama-cpp-python's own greedy loop: (ids, prefill s, decode s)."""
+    ids = []
+    t0 = time.perf_counter()
+    t1 = None
+    for t in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+        if t1 is None:
+            t1 = time.perf_counter()
+        ids.append(int(t))
+        if len(ids) == n:
+            break
+    t2 = time.perf_counter()
+    return ids, t1 - t0, t2 - t1
+
+
+def top2_gap(model, ids, threads: int) -> tuple[float, int, int]:
+    """Target's top-2 logit gap after `ids` (fresh sequence, default options)."""
+    from ssd.models.llamacpp import LlamaCppSequence
+
+    s = LlamaCppSequence(model, n_threads=threads)
+    row = s.forward(ids, last_only=True)[-1]
+    s.close()
+    top = row.topk(2)
+    return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    import llama_cpp
+
+    from ssd.models.llamacpp import LlamaCppModel
+    from ssd.models.offline import DRAFT_NAME, TARGET_NAME, ensure_offline_gguf
+
+    say(f"# bench_llamacpp {' '.join(sys.argv[1:])}")
+    say(hardware_line())
+    say(f"llama-cpp-python {llama_cpp.__version__}; threads {args.threads}; {args.tokens} new tokens per prompt; "
+        f"n_ctx {args.n_ctx} per slot")
+    paths = {name: str(ensure_offline_gguf(name)) for name in (TARGET_NAME, DRAFT_NAME)}
+
+    # 1. load
+    say("\n## 1. load (LlamaCppModel, use_extra_bufts=False; RSS of this process)")
+    models = {}
+    for role, name in (("target", TARGET_NAME), ("draft", DRAFT_NAME)):
+        r0, t0 = rss_mb(), time.perf_counter()
+        m = LlamaCppModel(paths[name], n_ctx=args.n_ctx)
+        t1 = time.perf_counter()
+        r1 = rss_mb()
+        from ssd.models.llamacpp import LlamaCppContext
+
+        c = LlamaCppContext(m, n_seq=1, n_threads=args.threads)
+        r2 = rss_mb()
+        c.close()
+        say(f"{role} {name}: {m.description}; file {os.path.getsize(paths[name]) / 2**20:.0f} MiB; "
+            f"load {t1 - t0:.2f} s; RSS +{r1 - r0:.0f} MiB (model, mmap'd pages touched so far), "
+            f"+{r2 - r1:.0f} MiB for a 1-slot context of {m.n_ctx} tokens "
+            f"(F32 KV {m.kv_bytes_per_token() * m.n_ctx / 2**20:.1f} MiB); vocab {m.vocab_size}, "
+            f"trained context {m.n_ctx_train}")
+        models[role] = m
+    target, draft = models["target"], models["draft"]
+    tok = LlamaTokenizer(paths[TARGET_NAME], target.vocab_size)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    say(f"prompts: {[len(p) for p in prompts]} tokens")
+
+    # 2. invariance
+    if not args.skip_invariance:
+        say("\n## 2. batch invariance: 5 greedy tokens alone vs in one 5-token forward vs as 1 of 3 packed rows")
+        say("(max |logit diff| over 5 rows x vocab; 'argmax differs' if a greedy token would change)")
+        variants = [
+            ("default (F32 KV, no flash attn, pad_single, no extra bufts)", {}, False),
+            ("flash attention on (F32 KV)", {"flash_attn": True}, False),
+            ("F16 KV cache, no flash attn", {"f32_kv": False}, False),
+            ("F16 KV + flash attn (llama.cpp's usual)", {"f32_kv": False, "flash_attn": True}, False),
+        ] + ([("extra bufts (repacked weights), default context", {}, True)] if args.extra_bufts else [])
+        for role in ("target", "draft"):
+            base = models[role]
+            extra = None
+            for label, options, use_extra in variants:
+                m = base
+                if use_extra:
+                    extra = extra or LlamaCppModel(base.path, use_extra_bufts=True, n_ctx=args.n_ctx)
+                    m = extra
+                r = invariance(m, prompts[0], prompts[1:], args.threads, **options)
+                say(f"{role:6s} {label:60s} verify {r['verify'][0]:.3g}{' ARGMAX DIFFERS' if r['verify'][1] else ''}"
+                    f" | packed {r['packed'][0]:.3g}{' ARGMAX DIFFERS' if r['packed'][1] else ''}")
+            if extra is not None:
+                extra.close()
+
+    # 3. exactness
+    if not args.skip_exactness:
+        say(f"\n## 3. greedy exactness: AR vs SD (K={args.sd_k}) vs SSD in process (K={args.ssd_k}, "
+            f"budget {args.budget}), {args.tokens} tokens")
+        for i, p in enumerate(prompts):
+            ar = run_engine("ar", target, draft, tok, p, args)[0]
+            for kind in ("sd", "ssd"):
+                got, _, _, st = run_engine(kind, target, draft, tok, p, args)
+                extra = (f"accepted {st.accepted}/{st.drafted}" if kind == "sd"
+                         else f"hits {st.spec.hits}/{st.spec.lookups}")
+                if got == ar:
+                    say(f"prompt {i}: {kind} == ar ({len(ar)} tokens; {extra})")
+                else:
+                    j = next((j for j in range(min(len(got), len(ar))) if got[j] != ar[j]), min(len(got), len(ar)))
+                    gap = top2_gap(target, p + ar[:j], args.threads)
+                    say(f"prompt {i}: {kind} PARTS from ar at token {j} ({got[j:j + 3]} vs {ar[j:j + 3]}); "
+                        f"target top-2 gap there {gap[0]:.4g} ({gap[1]} vs {gap[2]}); {extra}")
+            say(f"  ar text: {tok.decode(ar)!r}")
+
+    # 4. speed
+    if not args.skip_speed:
+        say(f"\n## 4. speed, {args.threads} thread(s), interleaved by prompt; load average now "
+            f"{os.getloadavg()[0]:.2f}")
+        if not args.plain_extra_bufts:  # Llama() takes no use_extra_bufts: patch the defaults it reads
+            default = llama_cpp.llama_cpp.llama_model_default_params
+
+            def no_extra_bufts():
+                params = default()
+                params.use_extra_bufts = False
+                return params
+
+            llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
+        llms = llama_cpp.Llama(model_path=paths[TARGET_NAME], n_threads=args.threads,
+                               n_threads_batch=args.threads, n_ctx=args.n_ctx, verbose=False)
+        cp = llms.context_params
+        say(f"plain Llama context: flash_attn_type {getattr(cp, 'flash_attn_type', '?')}, type_k {cp.type_k}, "
+            f"type_v {cp.type_v}, n_batch {cp.n_batch}; model use_extra_bufts "
+            f"{llms.model_params.use_extra_bufts}")
+        systems = ["plain", "ar", "sd", "ssd"]
+        totals = {s: [0.0, 0.0, 0, 0] for s in systems}  # prefill s, decode s, prompt tokens, decode tokens
+        plain_ids = {}
+        # warm-up: one short run of each (page in the weights)
+        run_plain(llms, prompts[0], 4)
+        for i, p in enumerate(prompts):
+            for s in systems:
+                if s == "plain":
+                    ids, pre, dec = run_plain(llms, p, args.tokens)
+                    plain_ids[i] = ids
+                    note = ""
+                else:
+                    ids, pre, dec, st = run_engine(s, target, draft, tok, p, args)
+                    note = {"ar": "", "sd": f" accepted {st.accepted}/{st.drafted}",
+                            "ssd": f" hits {st.spec.hits}/{st.spec.lookups}"}[s]
+                    if s == "ar":
+                        note = " tokens == plain" if ids == plain_ids[i] else " tokens != plain"
+                t = totals[s]
+                t[0] += pre
+                t[1] += dec
+                t[2] += len(p)
+                t[3] += len(ids) - 1
+                say(f"prompt {i} {s:5s}: prefill {len(p)} tok {pre * 1000:7.1f} ms; decode {len(ids) - 1} tok "
+                    f"{dec:6.3f} s = {(len(ids) - 1) / dec:6.2f} tok/s{note}")
+        say("totals:")
+        for s in systems:
+            pre, dec, np_, nd = totals[s]
+            say(f"  {s:5s}: prefill {np_ / pre:7.1f} tok/s; decode {nd / dec:6.2f} tok/s "
+                f"({nd / dec / (totals['plain'][3] / totals['plain'][1]):.3f}x plain)")
+        say(f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
