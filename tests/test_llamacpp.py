@@ -360,3 +360,49 @@ def test_batched_ssd_rows_equal_ar(pair, draft_pair):
     finally:
         engine.close()
     assert got == [AREngine(lm, TOKENIZER).generate(_request(p)).token_ids for p in PROMPTS]
+
+
+# --- which options keep a model batch-invariant -----------------------------------------------
+
+def _quantized(path, out, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q8_0"):
+    import llama_cpp as L
+
+    params = L.llama_model_quantize_default_params()
+    params.ftype = getattr(L, ftype_name)
+    assert L.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
+    return LlamaCppModel(out)
+
+
+def test_f32_weights_keep_the_options_exact_against_torch(pair):
+    _, lm = pair
+    assert lm.invariant_options() == {"flash_attn": False, "pad_single": True}
+
+
+def test_the_invariance_probe_sees_a_single_row_forward_part(pair):
+    """On F32 weights a one-row forward takes another matmul path: unpadded, the probe says
+    not even one token is invariant; padded, two equal rows are, and the probe stops where
+    two rows of unequal length split into ubatches of one token (measured)."""
+    from ssd.models.llamacpp import invariant_tokens
+
+    _, lm = pair
+    assert invariant_tokens(lm, flash_attn=False, pad_single=False) == 0
+    assert invariant_tokens(lm, flash_attn=False, pad_single=True) == 2
+
+
+def test_quantized_weights_get_probed_options_that_keep_sd_equal_to_ar(pair, tmp_path):
+    """A Q8_0 copy of the tiny model: the options the probe picks are invariant, and greedy SD == AR."""
+    from ssd.models.llamacpp import INVARIANCE_CANDIDATES, invariant_tokens
+
+    _, lm = pair
+    target = _quantized(lm.path, tmp_path / "q8.gguf")
+    options = target.invariant_options()
+    chosen = {"flash_attn": options["flash_attn"], "pad_single": options["pad_single"]}
+    assert chosen in INVARIANCE_CANDIDATES and options["n_ubatch"] >= 2
+    assert invariant_tokens(target, **chosen) == options["n_ubatch"]
+    draft = _quantized(export_gguf(_model(dataclasses.replace(CFG, noise=0.03)), tmp_path / "d.gguf"),
+                       tmp_path / "dq8.gguf")
+    tok = TinyTokenizer(CFG.vocab_size)
+    request = GenerationRequest(PROMPT, SamplingConfig(), GenerationConfig(max_new_tokens=24))
+    ar = AREngine(target, tok).generate(request).token_ids
+    sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request)
+    assert sd.token_ids == ar and 0 < sd.stats.accepted < sd.stats.drafted

@@ -41,6 +41,7 @@ docs/llamacpp.md has the measurements.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -49,6 +50,8 @@ import numpy as np
 import torch
 
 import llama_cpp as L
+
+log = logging.getLogger(__name__)
 
 GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
 _init_lock = threading.Lock()
@@ -98,6 +101,25 @@ class LlamaCppModel:
         desc = ctypes.create_string_buffer(256)
         L.llama_model_desc(self._model, desc, len(desc))
         self.description = desc.value.decode(errors="replace")  # "qwen2 ?B all F32": architecture, size, weight type
+        self._invariant: dict | None = None
+
+    def invariant_options(self) -> dict:
+        """The context options (flash_attn, pad_single) under which a token's logits do not
+        depend on how many positions or rows share its forward, found once per model.
+
+        F32/F16 weights keep what the tests prove exact against torch: no flash
+        attention (it rounds keys and values to F16) and single-row padding (a
+        one-row forward takes another matmul path there). Quantized weights are
+        probed, fastest first: on the real q4_k_m pair flash attention without
+        padding is bit-invariant, and the padding row costs ~1.6x a decode step
+        (docs/llamacpp.md).
+        """
+        if self._invariant is None:
+            if self.precision in ("gguf f32", "gguf f16"):
+                self._invariant = {"flash_attn": False, "pad_single": True}
+            else:
+                self._invariant = _first_invariant(self)
+        return dict(self._invariant)
 
     @property
     def precision(self) -> str:
@@ -127,10 +149,16 @@ class LlamaCppContext:
 
     def __init__(
         self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int = 1,
-        flash_attn: bool = False, f32_kv: bool = True, n_batch: int = 512, pad_single: bool = True,
+        flash_attn: bool | None = None, f32_kv: bool = True, n_batch: int = 512, pad_single: bool | None = None,
+        n_ubatch: int | None = None,
     ) -> None:
         """pad_single: never run a forward with a single output row (see `decode`); it takes
-        one extra sequence slot, the scratch slot, for the padding token."""
+        one extra sequence slot, the scratch slot, for the padding token. flash_attn and
+        pad_single default to the model's `invariant_options`."""
+        invariant = model.invariant_options() if None in (flash_attn, pad_single, n_ubatch) else {}
+        flash_attn = invariant["flash_attn"] if flash_attn is None else flash_attn
+        pad_single = invariant["pad_single"] if pad_single is None else pad_single
+        n_ubatch = invariant.get("n_ubatch", n_batch) if n_ubatch is None else n_ubatch
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq or model.n_ctx
@@ -142,7 +170,9 @@ class LlamaCppContext:
         params.n_seq_max = slots
         params.kv_unified = False  # one KV stream per sequence: a row's attention never sees another's entries
         params.n_batch = n_batch
-        params.n_ubatch = n_batch  # one forward = one ubatch: llama.cpp never splits a call behind our back
+        # A forward longer than n_ubatch runs as several ubatches: the model's invariant_options
+        # say how long a ubatch may be before ggml picks another matmul kernel.
+        params.n_ubatch = max(1, min(n_batch, n_ubatch))
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -348,6 +378,49 @@ class LlamaCppSequence:
             self.close()
         except Exception:
             pass
+
+
+INVARIANCE_CANDIDATES = (  # fastest first
+    {"flash_attn": True, "pad_single": False}, {"flash_attn": False, "pad_single": False},
+    {"flash_attn": True, "pad_single": True}, {"flash_attn": False, "pad_single": True},
+)
+PROBE_TOKENS = 16  # the longest forward the probe tries; longer ones run as ubatches of what it finds
+
+
+def _first_invariant(model: LlamaCppModel) -> dict:
+    """The first candidate options under which forwards of 2 or more tokens are bit-identical
+    to decoding one token at a time, with `n_ubatch`: the most tokens one ubatch may hold
+    while that stays true (ggml switches matmul kernels at some batch size: on the real
+    q4_k_m pair at 8 tokens), so llama.cpp splits longer forwards into ubatches of that size."""
+    for options in INVARIANCE_CANDIDATES:
+        n_ubatch = invariant_tokens(model, **options)
+        if n_ubatch >= 2:
+            log.info("%s: batch-invariant with %s up to %d tokens a ubatch", model.path.name, options, n_ubatch)
+            return {**options, "n_ubatch": n_ubatch}
+    log.warning("%s: no option set tried keeps logits batch-invariant; greedy speculative output may "
+                "part from AR at near-ties", model.path.name)
+    return dict(INVARIANCE_CANDIDATES[-1])
+
+
+def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:
+    """The most tokens m <= n such that every forward of up to m tokens, one row or two rows
+    packed, gives logits bit-identical to decoding its tokens one at a time (0: not even one)."""
+    ids = [(7 * i + 3) % model.vocab_size for i in range(n)]
+    options = {"n_ctx_seq": 2 * n, "flash_attn": flash_attn, "pad_single": pad_single, "n_ubatch": n}
+    alone = LlamaCppSequence(LlamaCppContext(model, **options))
+    one_by_one = torch.cat([alone.forward([t]) for t in ids])
+    if not pad_single and not torch.equal(one_by_one[:1], LlamaCppSequence(LlamaCppContext(model, **options))
+                                          .forward(ids[:2])[:1]):
+        return 0  # a one-row forward parts from a two-row one
+    for m in range(2, n + 1):
+        together = LlamaCppSequence(LlamaCppContext(model, **options)).forward(ids[:m])
+        packed_context = LlamaCppContext(model, n_seq=2, **options)
+        rows = [LlamaCppSequence(packed_context), LlamaCppSequence(packed_context)]
+        half = m // 2
+        packed = forward_rows(rows, [ids[:half], ids[: m - half]])
+        if not (torch.equal(together, one_by_one[:m]) and torch.equal(packed[1], one_by_one[: m - half])):
+            return m - 1
+    return n
 
 
 def forward_rows(
