@@ -117,14 +117,74 @@ def test_the_static_path_refuses_a_mask_of_another_shape(tiny_models):
         runner(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), torch.ones(1, 8, dtype=torch.bool))
 
 
-def test_the_smoke_run_times_every_hot_path_variant(tiny_models):
-    """launch/gpu_smoke.py's timings of the above (the graph variant exists on CUDA only)."""
-    from ssd.tools.bench.hot_path import time_hot_path
+def test_the_smoke_run_times_every_hot_path_variant(tiny_models, monkeypatch):
+    """launch/gpu_smoke.py's timings of the above: each is the median time of its own
+    variant's forward, at its shape, on its model, the warm-up (a graph's capture) untimed.
 
-    timings = time_hot_path(*tiny_models, k=2, budgets=(3,), prefix=8, repeats=1)
-    assert set(timings["target decode"]) == set(timings["target verify K=2"]) == {"per_row", "one_call", "static"}
-    assert set(timings["draft tree step B=3"]) == {"lean", "static"}
-    assert all(s > 0 for variants in timings.values() for s in variants.values())
+    A stand-in clock that each real forward advances by a cost known per variant, rows and
+    model (and by a second more at a cache's first timed forward, as a lazy init or a
+    capture costs) makes every timing exact; a stand-in CUDA graph that replays the static
+    forward lets the graph variant, which exists on CUDA only, run here too."""
+    from ssd.models import fast as fast_module
+    from ssd.models import graphs
+    from ssd.tools.bench import hot_path
+
+    target, draft = tiny_models
+    now, seen = [0.0], []  # the caches timed so far (kept: an id could be reused)
+    per_row = {"per_row": 1e-3, "one_call": 2e-3, "static": 3e-3, "graph": 7e-3}  # seconds a row on the target
+    scale = {id(target): 1.0, id(draft): 10.0}
+    warm_up = 1.0
+
+    def spend(cache, variant: str, model, rows: int, masked: bool = False) -> None:
+        now[0] += per_row[variant] * rows * scale[id(model)] * (5 if masked else 1)
+        if not any(cache is c for c in seen):
+            seen.append(cache)
+            now[0] += warm_up
+
+    lean_call, static_forward = fast_module.FastForward.__call__, graphs.static_forward
+
+    def lean(self, cache, ids, positions, start, mask=None, keep=None):
+        out = lean_call(self, cache, ids, positions, start, mask, keep)
+        if start:  # not the untimed prefill of the context
+            one_call = self._attend is fast_module._attend_one_call
+            spend(cache, "one_call" if one_call else "per_row", self.model, ids.shape[0], mask is not None)
+        return out
+
+    def static(fast, cache, ids, *rest):
+        out = static_forward(fast, cache, ids, *rest)
+        spend(cache, "static", fast.model, ids.shape[0])
+        return out
+
+    def capture(self, key, *inputs):
+        inputs = tuple(t.clone() for t in inputs)
+        logits = static_forward(self.fast, self.cache, *inputs)
+        spend(self.cache, "graph", self.fast.model, 0)  # the capture: the warm-up's second
+
+        class Replay:
+            def replay(self_):
+                logits.copy_(static_forward(self.fast, self.cache, *inputs))
+                spend(self.cache, "graph", self.fast.model, key[0])
+
+        self._captured[key] = graphs._Captured(Replay(), inputs, logits)
+        return self._captured[key]
+
+    monkeypatch.setattr(hot_path, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(fast_module.FastForward, "__call__", lean)
+    monkeypatch.setattr(graphs, "static_forward", static)
+    monkeypatch.setattr(graphs.GraphedForward, "_capture", capture)
+    monkeypatch.setattr(hot_path, "use_cuda_graphs", lambda device: True)
+
+    timings = hot_path.time_hot_path(target, draft, k=2, budgets=(3,), prefix=8, repeats=1)
+    ms = {(name, v): 1e3 * s for name, variants in timings.items() for v, s in variants.items()}
+    want = {("target decode", "per_row"): 1, ("target decode", "one_call"): 2,
+            ("target decode", "static"): 3, ("target decode", "graph"): 7,
+            ("target verify K=2", "per_row"): 3, ("target verify K=2", "one_call"): 6,  # K + 1 rows
+            ("target verify K=2", "static"): 9, ("target verify K=2", "graph"): 21,
+            # B rows on the draft (10x) under a tree mask (5x); the lean forward attends per row on the CPU
+            ("draft tree step B=3", "lean"): 150, ("draft tree step B=3", "static"): 90,
+            ("draft tree step B=3", "graph"): 210}
+    assert ms.keys() == want.keys()
+    assert ms == pytest.approx(want, rel=1e-9)
 
 
 def test_sequences_on_the_static_path_decode_as_the_lean_forward(tiny_models, monkeypatch):

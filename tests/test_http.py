@@ -281,22 +281,71 @@ def test_stop_strings(client, grpc_client, stop, stream):
     assert out["text"] == grpc_out.text and "lla" not in out["text"]
 
 
+def greedy_speculation(pair, prompt: list[int], n: int, k: int) -> tuple[int, int, int]:
+    """(rounds, drafted, accepted) of greedy speculative decoding worked out from the two
+    models alone (whole-sequence forwards, no cache): the prefill gives the first token; each
+    round drafts min(K, tokens left - 1) and keeps the drafts the target agrees with, plus one."""
+    def argmax(model, ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]))
+        return (out.logits if hasattr(out, "logits") else out)[0].argmax(-1).tolist()
+
+    seq = [*prompt, argmax(pair.target, prompt)[-1]]
+    rounds = drafted = accepted = 0
+    while len(seq) - len(prompt) < n:
+        d = min(k, n - (len(seq) - len(prompt)) - 1)
+        guess = list(seq)
+        for _ in range(d):
+            guess.append(argmax(pair.draft, guess)[-1])
+        target = argmax(pair.target, guess)[len(seq) - 1:]
+        a = next((i for i in range(d) if guess[len(seq) + i] != target[i]), d)
+        seq = guess[: len(seq) + a] + [target[a]]
+        rounds, drafted, accepted = rounds + 1, drafted + d, accepted + a
+    return rounds, drafted, accepted
+
+
 def test_usage_counts_and_speculation_stats(client, backend):
+    """Each request's usage and speculation stats are its own: greedy SD's rounds, drafted and
+    accepted tokens as worked out from the models; SSD's, and its cache lookups and hits, as
+    an engine of its own counts them for the same request; every ratio, of those counts."""
     prompt_ids = backend.encode(PROMPT)
+    chat_prompt = chat_ids(backend, [{"role": "user", "content": "abc"}])
     whole = complete(client, False, False, max_tokens=9, temperature=0, extra_body={"speculation": {"mode": "ssd"}})
     streamed = complete(client, False, True, max_tokens=9, temperature=0, stream_options={"include_usage": True},
                         extra_body={"speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4}})
     chat = complete(client, True, True, prompt=[{"role": "user", "content": "abc"}], max_completion_tokens=5,
                     temperature=0, stream_options={"include_usage": True})
     for out, prompt_tokens, n in ((whole, len(prompt_ids), 9), (streamed, len(prompt_ids), 9),
-                                  (chat, len(chat_ids(backend, [{"role": "user", "content": "abc"}])), 5)):
-        usage = out["usage"]
+                                  (chat, len(chat_prompt), 5)):
+        usage, stats = out["usage"], out["stats"]
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
             prompt_tokens, n, prompt_tokens + n)
-        assert out["stats"]["new_tokens"] == n and out["stats"]["rounds"] >= 1
-    assert whole["stats"]["mode"] == "ssd" and whole["stats"]["spec"]["lookups"] > 0
-    assert 0 <= whole["stats"]["acceptance_rate"] <= 1 and "hit_rate" in whole["stats"]["spec"]
-    assert streamed["stats"]["k"] == 2 and chat["stats"]["mode"] == "sd"  # the server's default mode
+        assert stats["new_tokens"] == n == 1 + stats["rounds"] + stats["accepted"]  # a round: its accepted drafts + 1
+        assert stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
+        assert stats["mean_accepted_length"] == stats["accepted"] / stats["rounds"]
+    assert (whole["stats"]["mode"], streamed["stats"]["k"], chat["stats"]["mode"]) == ("ssd", 2, "sd")  # SD: the default
+    assert (chat["stats"]["rounds"], chat["stats"]["drafted"], chat["stats"]["accepted"]) == greedy_speculation(
+        backend.pair, chat_prompt, 5, backend.config.speculation.k)
+    for out, settings in ((whole, {}), (streamed, {"k": 2, "budget": 4})):
+        own = alone(backend, prompt_ids, 9, **settings).stats
+        stats, spec = out["stats"], out["stats"]["spec"]
+        assert (stats["rounds"], stats["drafted"], stats["accepted"]) == (own.rounds, own.drafted, own.accepted)
+        assert (spec["lookups"], spec["hits"]) == (own.spec.lookups, own.spec.hits)
+        assert spec["lookups"] == stats["rounds"] - 1  # every round but the first looks its outcome up
+        assert spec["hit_rate"] == spec["hits"] / spec["lookups"]
+
+
+def alone(backend, prompt_ids: list[int], n: int, k: int | None = None, budget: int | None = None):
+    """A greedy SSD request on an engine of its own, no server."""
+    speculation = dataclasses.replace(backend.config.speculation, mode="ssd")
+    if k is not None:
+        speculation = dataclasses.replace(speculation, k=k, fanout=dataclasses.replace(speculation.fanout, budget=budget))
+    engine = make_engine("ssd", backend.pair, speculation)
+    try:
+        return engine.generate(GenerationRequest(prompt_ids, SamplingConfig(temperature=0.0),
+                                                 GenerationConfig(max_new_tokens=n), speculation))
+    finally:
+        engine.close()
 
 
 def test_models_health_and_metrics_on_the_http_port(server, client, grpc_client):

@@ -223,27 +223,68 @@ def test_a_replicas_target_killed_under_load_loses_no_request(stack):
     assert set(health.since(killed[0])) == {"SERVING"}
 
 
+def rows_on(replicas, index: int) -> dict[tuple[int, ...], int]:
+    """The requests replica `index` runs in the server's batches now, by prompt: the tokens
+    each has streamed (read off the batch engines' own bookkeeping)."""
+    rows = {}
+    for engine in list(replicas._engines):
+        remote = engine.engines[index]
+        streamed = dict(remote._streamed)
+        for key, request in list(remote._requests.items()):
+            rows[tuple(request.prompt_ids)] = streamed.get(key, 0)
+    return rows
+
+
 def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_node(stack, nodes):
-    """The node of replica 1 leaves the Ray cluster while eight clients stream: its
-    replica is handled as a lost target, replica 0 serves meanwhile; once a new
-    node joins, replica 1 restarts there."""
+    """The node of replica 1 leaves the Ray cluster while eight clients stream, once a request
+    on replica 1 has streamed tokens with most of them to go: each such request fails
+    UNAVAILABLE and its retry gives the exact output; no request elsewhere fails; replica 0
+    serves meanwhile; once a new node joins, replica 1 restarts there.
+
+    The node's processes go with it, as a lost machine's do: a simulated node's raylet,
+    killed, leaves its workers running for seconds (Ray notices its death late), long
+    enough for every request on it to finish as if nothing happened."""
+    import ray
+
     replicas, _, client, health = stack
     ray_cluster, workers = nodes
+    n = 60
     wait_until(lambda: all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
     gone = next(w for w in workers if w.node_id == replicas.node_of(1))
+    lost = replicas.clusters[1]
+    where = ray.get([actor.whereabouts.remote() for actor in [*lost.targets, lost.draft]])
+    assert {w["node_id"] for w in where} == {gone.node_id}  # replica 1's processes: all on that node
+    pids = [w["pid"] for w in where]
     removed: list[float] = []
+    at_removal: dict[tuple[int, ...], int] = {}  # replica 1's requests then: tokens streamed
+    elsewhere: dict[tuple[int, ...], int] = {}  # replica 0's
     lock = threading.Lock()
 
     def remove_once() -> None:
         with lock:
-            if not removed:
-                removed.append(time.monotonic())
-                ray_cluster.remove_node(gone, allow_graceful=False)
+            if removed:
+                return
+            rows, others = rows_on(replicas, 1), rows_on(replicas, 0)
+            if len(rows) + len(others) < len(TEXTS) or not any(0 < s <= n // 2 for s in rows.values()):
+                return  # not every request admitted yet, or none on replica 1 streaming with most to go
+            at_removal.update(rows)
+            elsewhere.update(others)
+            removed.append(time.monotonic())
+            ray_cluster.remove_node(gone, allow_graceful=False)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
 
     with ThreadPoolExecutor(len(TEXTS)) as pool:
-        runs = list(pool.map(lambda t: run_with_retry(client, t, 60, "ssd", remove_once), TEXTS))
+        runs = list(pool.map(lambda t: run_with_retry(client, t, n, "ssd", remove_once), TEXTS))
+    assert removed, "no request on replica 1 streamed while the clients ran: the removal met none"
     for text, (tokens, _) in zip(TEXTS, runs):
-        assert tokens == expected_ar(replicas, text, 60)
+        assert tokens == expected_ar(replicas, text, n)
+    failed = {text for text, (_, attempts) in zip(TEXTS, runs) if attempts}
+    prompt = {text: tuple(replicas.encode(text)) for text in TEXTS}
+    midway = {text for text in TEXTS if 0 < at_removal.get(prompt[text], 0) <= n // 2}
+    seen = f"streamed at the removal: replica 1 {at_removal}, replica 0 {elsewhere}; retried: {failed}"
+    assert midway and midway <= failed, seen  # streamed, far from done: lost with the node, retried
+    assert {prompt[text] for text in failed} <= set(at_removal), seen  # only replica 1's failed
     time.sleep(0.3)
     assert set(health.since(removed[0])) == {"SERVING"}
     new = ray_cluster.add_node(num_cpus=NODE_CPUS)  # room again: Ray places the lost group's bundles there

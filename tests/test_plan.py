@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -146,18 +148,94 @@ def pair():
     return tuple(build_tiny_model(TinyModelConfig(vocab_size=16, seed=s), torch.float32) for s in (0, 1))
 
 
+# Known probe costs, in 1/1024 s (sums and medians of them are exact in floating point):
+# each is a function of what its probe runs, all distinct, so a cost read off the wrong probe shows.
+UNIT = 2.0**-10
+
+
+def forward_s(tokens: int) -> float:  # the target: one forward of `tokens` after the context
+    return (100 + 10 * tokens) * UNIT
+
+
+def backup_s(k: int) -> float:  # the draft: a backup chain of K tokens
+    return 30 * k * UNIT
+
+
+def build_s(glue: str, k: int, budget: int) -> float:  # the draft: a cache build; fold saves a forward
+    return (k + (glue == "reuse")) * (80 + 2 * budget) * UNIT  # at K 1, fold's hides behind verification
+
+
+def rows_verify_s(rows: int, tokens: int) -> float:
+    return (100 + 4 * rows * tokens) * UNIT
+
+
+def rows_chain_s(rows: int, k: int) -> float:
+    return (30 + 3 * rows) * k * UNIT
+
+
+def known_probe_costs(monkeypatch) -> None:
+    """Each probe still runs, on the real models; a stand-in clock in round_robin
+    advances by the probe's known cost, given what the probe was made to run."""
+    now = [0.0]
+
+    def timed(make, seconds):
+        def probe(*args, **kwargs):
+            run, reset = make(*args, **kwargs)
+            cost = seconds(*args, **kwargs)
+
+            def timed_run():
+                run()
+                now[0] += cost
+            return timed_run, reset
+        return probe
+
+    clock = sys.modules[startup.round_robin.__module__]
+    monkeypatch.setattr(clock, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    for name, seconds in {
+        "forward_probe": lambda kv, prefix, n, gen: forward_s(n),
+        "backup_probe": lambda kv, prefix, k, settings: backup_s(k),
+        "build_probe": lambda kv, decoder, prefix, k, b, vocab, settings, gen: build_s(settings.glue, k, b),
+        "verify_rows_probe": lambda rows, contexts, n, vocab, gen: rows_verify_s(len(rows), n),
+        "chain_rows_probe": lambda rows, contexts, k, seed: rows_chain_s(len(rows), k),
+    }.items():
+        monkeypatch.setattr(startup, name, timed(getattr(startup, name), seconds))
+
+
 def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkeypatch):
+    """Every cost the plan reads is the time of its own probe (verification of K + 1 tokens,
+    one decode step, each backup chain, each glue's build at each (K, budget), each batch
+    size's verification and chain), and the plan is the speed model's over those costs."""
     target, draft = pair
+    known_probe_costs(monkeypatch)
     plan = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
     data = json.loads((tmp_path / "k1.json").read_text())
-    assert sorted(map(int, data["target"]["verify_s"])) == list(range(1, 7))
-    assert set(data["draft"]["build_s"]) == {"fold", "reuse"}
-    assert len(data["draft"]["build_s"]["fold"]) == len(startup.BUILD_KS) * len(startup.BUILD_BUDGETS)
+    target_part, draft_part = data["target"], data["draft"]
+    ks, rows = range(1, 7), [1, 2, 4, 8]
+    builds = [(k, b) for k in startup.BUILD_KS for b in startup.BUILD_BUDGETS]
+    assert {int(k): s for k, s in target_part["verify_s"].items()} == {k: forward_s(k + 1) for k in ks}
+    assert target_part["ar_step_s"] == forward_s(1)
+    assert target_part["rows_verify_s"] == [[b, n, rows_verify_s(b, n)] for b in rows for n in startup.ROWS_TOKENS]
+    assert {int(k): s for k, s in draft_part["backup_s"].items()} == {k: backup_s(k) for k in ks}
+    assert {glue: sorted(map(tuple, points)) for glue, points in draft_part["build_s"].items()} == {
+        glue: [(k, b, build_s(glue, k, b)) for k, b in builds] for glue in ("fold", "reuse")}
+    assert draft_part["rows_chain_s"] == [[b, k, rows_chain_s(b, k)] for b in rows for k in startup.ROWS_CHAIN]
     assert plan.agreement.positions == len(startup.SAMPLE_PROMPTS) * startup.CONTINUATION
-    assert all(s > 0 for s in data["target"]["verify_s"].values())
-    assert len(data["target"]["rows_verify_s"]) == len(plan.rows) * len(startup.ROWS_TOKENS)
-    assert len(data["draft"]["rows_chain_s"]) == len(plan.rows) * len(startup.ROWS_CHAIN)
-    assert [c.rows for c in plan.rows] == [1, 2, 4, 8]
+    # The plan: the speed model over the known costs and the measured agreement ...
+    want = choose(
+        {glue: Costs(forward_s(1), {k: forward_s(k + 1) for k in ks}, {k: backup_s(k) for k in ks},
+                     {(k, b): build_s(glue, k, b) for k, b in builds}) for glue in ("fold", "reuse")},
+        Agreement.from_json(draft_part["agreement"]),
+        rows_costs=RowCosts({(b, n): rows_verify_s(b, n) for b in rows for n in startup.ROWS_TOKENS},
+                            {(b, k): rows_chain_s(b, k) for b in rows for k in startup.ROWS_CHAIN}))
+    assert (plan.best, plan.ranked, plan.sd_k, plan.rows, plan.batch_budget) == (
+        want.best, want.ranked, want.sd_k, want.rows, want.batch_budget)
+    assert plan.agreement == want.agreement and plan.k_policy == want.k_policy
+    # ... whose numbers are the costs' own, where they are read straight off them; fold is
+    # chosen because its builds fit in the verification and reuse's do not
+    best = plan.best
+    assert (best.glue, best.verify_s, best.backup_s) == ("fold", forward_s(best.k + 1), backup_s(best.k))
+    assert plan.ar_tokens_per_s == 1 / forward_s(1)
+    assert [c.ar_tokens_per_s for c in plan.rows] == [b / rows_verify_s(b, 1) for b in rows]
     # A later start reads the file: nothing is timed again.
     monkeypatch.setattr(startup, "target_probe", lambda *a, **k: pytest.fail("measured again"))
     again = startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)

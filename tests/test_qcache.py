@@ -17,7 +17,9 @@ from ssd.config import ModelConfig, TinyModelConfig
 from ssd.models import build_tiny_model, load_model, loading, qcache
 from ssd.models.quant import FusedGateUpMLP, Int8Linear, int8_supported, quantize_int8
 
-pytestmark = pytest.mark.skipif(not int8_supported(), reason="needs torch's x86 int8 kernels")
+# Only what quantizes or runs int8 matmuls needs the kernels (quantize_int8 refuses without
+# them); the cache's key and the command-line switch are checked everywhere.
+needs_int8 = pytest.mark.skipif(not int8_supported(), reason="needs torch's x86 int8 kernels")
 
 TCFG = TinyModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, seed=3)
 EOS = [5, 7]
@@ -55,6 +57,7 @@ def forbid_quantizing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading, "_from_pretrained", refuse)
 
 
+@needs_int8
 def test_cached_model_gives_bit_identical_logits(checkpoint, monkeypatch):
     fresh = int8(checkpoint, cache_quantized=False)
     assert not entry(checkpoint).exists()
@@ -72,6 +75,7 @@ def test_cached_model_gives_bit_identical_logits(checkpoint, monkeypatch):
     assert not any(t.is_meta for t in [*cached.parameters(), *cached.buffers()])
 
 
+@needs_int8
 def test_file_holds_int8_weights_not_fp32(checkpoint):
     model = quantize_int8(build_tiny_model(TCFG))
     tensors = qcache.int8_tensors(model)
@@ -82,6 +86,7 @@ def test_file_holds_int8_weights_not_fp32(checkpoint):
     assert not any(n.endswith("_anchor") for n in tensors)  # Int8Linear rebuilds its own
 
 
+@needs_int8
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
 def test_damaged_file_falls_back_to_quantizing(checkpoint, damage, caplog):
     fresh = logits(int8(checkpoint, cache_quantized=False))
@@ -98,6 +103,7 @@ def test_damaged_file_falls_back_to_quantizing(checkpoint, damage, caplog):
         qcache.load_int8(path, checkpoint)))), fresh)
 
 
+@needs_int8
 def test_file_of_another_shape_is_refused(checkpoint, tmp_path):
     """A file whose tensors do not fit the skeleton (here: written for another model) is not loaded."""
     other = build_tiny_model(TinyModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, seed=3))
@@ -112,6 +118,7 @@ def test_file_of_another_shape_is_refused(checkpoint, tmp_path):
     assert torch.equal(logits(int8(checkpoint)), logits(int8(checkpoint, cache_quantized=False)))
 
 
+@needs_int8
 @pytest.mark.parametrize("switch", ["config", "env"])
 def test_cache_can_be_turned_off(checkpoint, monkeypatch, switch):
     if switch == "env":
@@ -129,6 +136,7 @@ def test_key_follows_checkpoint_and_torch_version(checkpoint, monkeypatch):
     assert len({before, rewritten, entry(checkpoint)}) == 3
 
 
+@needs_int8
 def test_concurrent_starts_quantize_once(checkpoint):
     """Two loads of one model at once: one quantizes and writes, the other waits and reads."""
     calls: list[float] = []
@@ -152,6 +160,7 @@ def test_concurrent_starts_quantize_once(checkpoint):
     assert torch.equal(logits(a), logits(b))
 
 
+@needs_int8
 def test_stale_temp_file_is_cleared(checkpoint):
     path = entry(checkpoint)
     path.parent.mkdir(parents=True)
@@ -161,6 +170,7 @@ def test_stale_temp_file_is_cleared(checkpoint):
     assert not stale.exists() and path.is_file()
 
 
+@needs_int8
 def test_layers_round_trip_through_plain_tensors():
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(64, 48))
@@ -184,6 +194,7 @@ def test_no_quant_cache_flag_turns_it_off_for_both_models():
     assert off.target.quantization == "int8"  # the precision override kept beside it
 
 
+@needs_int8
 def test_unwritable_cache_folder_only_costs_the_cache(checkpoint, monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
