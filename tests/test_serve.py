@@ -39,8 +39,9 @@ class ControlledBackend:
 
     def __init__(self, inner: LocalBackend, round_delay_s: float = 0.0,
                  fail_after_rounds: int | None = None, gate: threading.Event | None = None,
-                 modes: tuple[str, ...] | None = None) -> None:
+                 modes: tuple[str, ...] | None = None, max_rows: int | None = None) -> None:
         self.inner = inner
+        self.max_rows = max_rows  # hold each engine at this many rows: later requests queue
         self.round_delay_s = round_delay_s
         self.fail_after_rounds = fail_after_rounds
         self.gate = gate
@@ -79,6 +80,10 @@ class ControlledEngine:
             request.emit(ids)
 
         self.inner.admit(dataclasses.replace(request, on_tokens=on_round))
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        rows = self.control.max_rows
+        return (rows is None or self.inner.rows < rows) and self.inner.can_admit(request)
 
     def step(self):
         if self.control.gate is not None:
@@ -206,9 +211,18 @@ def test_eight_concurrent_streams_all_correct(served, backend):
 
 @pytest.fixture
 def slow(backend):
-    """A server whose engine takes ~20 ms per round: a long request lasts seconds."""
-    with running(lambda: ControlledBackend(backend, round_delay_s=0.02), max_queue=3) as pair:
+    """A server whose engine takes ~20 ms per round and runs one request at a time: a long
+    request lasts seconds, and the next one waits in the queue behind it."""
+    with running(lambda: ControlledBackend(backend, round_delay_s=0.02, max_rows=1), max_queue=3) as pair:
         yield pair
+
+
+def _until_idle(client: GenerationClient, limit_s: float = 1.5) -> None:
+    """Cancelled requests leave at the worker's next step: nothing running or waiting within limit_s."""
+    deadline = time.monotonic() + limit_s
+    while (stats := client.stats()).requests_running or stats.requests_waiting:
+        assert time.monotonic() < deadline, f"{stats.requests_running} running, {stats.requests_waiting} waiting"
+        time.sleep(0.01)
 
 
 def _next_request_is_prompt(client: GenerationClient, limit_s: float = 1.5) -> None:
@@ -266,6 +280,7 @@ def test_admission_limit_is_resource_exhausted(slow):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in details
     for call in calls:
         call.cancel()
+    _until_idle(client)
     _next_request_is_prompt(client)
     assert client.stats().requests_rejected == 1
 
