@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ssd.models import kv
+import ssd.models.kv as kv
 from ssd.models.kv import KVSequence
 from ssd.models.quant import precision_of as _torch_precision
 

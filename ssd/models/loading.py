@@ -21,8 +21,8 @@ import torch
 
 from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
-from ssd.models import qcache
-from ssd.models.qcache import weight_files
+from ssd.models.qcache import cached_int8, weight_files
+from ssd.models.qcache import enabled as quant_cache_enabled
 from ssd.models.invariant import use_row_attention
 from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
@@ -78,8 +78,8 @@ def _int8_from_pretrained(cfg: ModelConfig) -> torch.nn.Module:
     def quantize() -> torch.nn.Module:
         return quantize_int8(_from_pretrained(cfg.name, torch.float32))
 
-    source = _local_checkpoint(cfg.name) if qcache.enabled(cfg.cache_quantized) else None
-    return quantize() if source is None else qcache.cached_int8(source, quantize)
+    source = _local_checkpoint(cfg.name) if quant_cache_enabled(cfg.cache_quantized) else None
+    return quantize() if source is None else cached_int8(source, quantize)
 
 
 def _local_checkpoint(name: str) -> Path | None:
