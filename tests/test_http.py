@@ -401,6 +401,9 @@ def slow(request, backend):
 
 
 def _next_request_starts_at_once(srv: GenerationServer, limit_s: float = 2.0) -> None:
+    """The freed slot takes the next request: the abort lands when the server next writes to the
+    closed connection and the row leaves at the worker's next step, both within limit_s."""
+    assert _wait(lambda: srv._counts() == (0, 0), timeout=limit_s), srv._counts()
     started = time.monotonic()
     out = complete(oai(srv), False, False, max_tokens=2, temperature=0, extra_body={"speculation": {"mode": "ar"}})
     assert out["finish"] == "length" and out["stats"]["queue_s"] < limit_s
