@@ -22,6 +22,9 @@ MODES = ("ar", "sd", "ssd")
 FANOUT_KINDS = ("uniform", "geometric")
 BACKUPS = ("neural", "ngram", "random")
 BRANCH_DECODERS = ("tree", "batched")
+# Which kernels run a model: torch (any model, any device), llama.cpp (a GGUF on
+# the CPU: ssd.models.llamacpp), or "auto": ssd.models.loading.resolve_backend.
+BACKENDS = ("torch", "llamacpp", AUTO)
 # How an SSD cache build starts (ssd.saguaro.builder.build_cache): "fold" feeds
 # the one drafted token the draft lacks inside the first branch step (K draft
 # forwards a build; bonus branches propose K - 1 tokens); "reuse" feeds it in
@@ -75,8 +78,25 @@ class ModelConfig:
     # starts skip the fp32 read and the quantization; SSD_QUANT_CACHE=0 also turns it off.
     cache_quantized: bool = True
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # "auto": llama.cpp on a CPU when the model ships as a GGUF (an offline
+    # registry name or a .gguf file), llama-cpp-python is installed and the
+    # precision is left to "auto" (dtype and quantization); torch otherwise.
+    backend: str = AUTO
+    # llama.cpp: the most tokens one request holds (prompt + output); each
+    # sequence's KV cache is allocated for it up front. Default min(trained
+    # context, 4096). torch models hold their trained context.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.backend == "llamacpp" and (self.quantization == "int8" or self.dtype in ("bf16", "fp64")):
+            raise ConfigError(
+                f"model.backend llamacpp runs the GGUF's own weight types; model.dtype {self.dtype!r} and "
+                f"model.quantization {self.quantization!r} are torch's (leave them auto or fp32/null)"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -83,3 +83,42 @@ def test_the_draft_link_is_gloo_only():
         ClusterConfig(link_backend="nccl")
     with pytest.raises(ConfigError, match="cluster.compute_device"):
         ClusterConfig(compute_device="cuda:1")
+
+
+def test_backend_auto_picks_llamacpp_for_a_shipped_gguf_at_auto_precision(monkeypatch, tmp_path):
+    """llama.cpp on a CPU for the offline pair (or a .gguf path) at precision auto, when
+    installed; an explicit torch precision, a GPU, a model without a GGUF, or no
+    llama-cpp-python keep torch; an explicit llamacpp without it is refused by name."""
+    from ssd.config import ModelConfig
+    from ssd.models import loading
+    from ssd.models.offline import TARGET_NAME
+
+    monkeypatch.setattr(loading, "llamacpp_installed", lambda: True)
+    auto = dict(dtype="auto", quantization="auto")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, **auto)) == "llamacpp"
+    assert loading.resolve_backend(ModelConfig(name=str(gguf), **auto)) == "llamacpp"
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, **auto), "cuda") == "torch"
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, dtype="fp32", quantization="int8")) == "torch"
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, dtype="auto", quantization=None)) == "torch"
+    assert loading.resolve_backend(ModelConfig(name="tiny", **auto)) == "torch"
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, backend="torch", **auto)) == "torch"
+    with pytest.raises(ConfigError, match="CPU only"):
+        loading.resolve_backend(ModelConfig(name=TARGET_NAME, backend="llamacpp"), "cuda")
+    monkeypatch.setattr(loading, "llamacpp_installed", lambda: False)
+    assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, **auto)) == "torch"
+    with pytest.raises(ConfigError, match="llama-cpp-python"):
+        loading.resolve_backend(ModelConfig(name=TARGET_NAME, backend="llamacpp"))
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"backend": "onnx"}, "model.backend"),
+    ({"backend": "llamacpp", "quantization": "int8"}, "model.backend llamacpp"),
+    ({"max_model_len": 0}, "model.max_model_len"),
+])
+def test_bad_backend_values_name_the_field(fields, field):
+    from ssd.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**fields)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import GLUES, MODES, Config, ConfigError, load_config
+from ssd.config import BACKENDS, GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -49,6 +49,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for role in ("target", "draft"):
         parser.add_argument(f"--{role}-precision", choices=sorted(PRECISIONS),
                             help=f"override {role}.dtype and {role}.quantization (auto: fastest on this host)")
+    parser.add_argument("--backend", choices=list(BACKENDS),
+                        help="override target.backend and draft.backend (auto: llama.cpp on a CPU for a "
+                             "GGUF model at precision auto, else torch)")
     parser.add_argument("--no-quant-cache", action="store_true",
                         help="int8: quantize from the checkpoint at every start (no int8 weights on disk)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
@@ -92,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overrides.setdefault(role, {}).update(dtype=dtype, quantization=quantization)
         if args.no_quant_cache:
             overrides.setdefault(role, {})["cache_quantized"] = False
+        if args.backend:
+            overrides.setdefault(role, {})["backend"] = args.backend
     try:
         return load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:

@@ -209,10 +209,11 @@ class TargetWorker:
             engine.speculation = self.config.speculation
 
     def describe(self) -> dict[str, Any]:
+        from ssd.models.backend import max_positions
         from ssd.models.tokenizer import eos_token_ids
 
         return {
-            "max_positions": int(getattr(self.model.config, "max_position_embeddings", 4096)),
+            "max_positions": max_positions(self.model) or 4096,
             "eos_token_ids": sorted(eos_token_ids(self.tokenizer, self.model)),
         }
 

@@ -137,6 +137,15 @@ def kv_bytes_per_token(model: Model) -> int:
     return kv.kv_bytes_per_token(model)
 
 
+def max_positions(model: Model) -> int | None:
+    """The most tokens one sequence of `model` holds (llama.cpp: its contexts' n_ctx;
+    torch: the trained context), or None where the model does not say."""
+    if is_llamacpp(model):
+        return model.n_ctx
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
 def vocab_size(model: Model) -> int:
     """Rows of the model's logits."""
     if is_llamacpp(model):

@@ -44,6 +44,7 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
@@ -54,6 +55,7 @@ import llama_cpp as L
 log = logging.getLogger(__name__)
 
 GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
+BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -80,11 +82,16 @@ class LlamaCppError(RuntimeError):
 class LlamaCppModel:
     """A GGUF model loaded once: read-only, shared by every context made from it."""
 
-    def __init__(self, path: str | Path, use_extra_bufts: bool = False, n_ctx: int | None = None) -> None:
+    def __init__(self, path: str | Path, use_extra_bufts: bool = False, n_ctx: int | None = None,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
         """n_ctx: the most tokens one sequence of this model may hold (default: the trained
         context). Every context made from the model sizes its slots by it, so a real model's
         contexts (the engine's, and SSD's draft slots and branches) are sized for the job
-        rather than 32k tokens per slot."""
+        rather than 32k tokens per slot.
+
+        eos_token_ids: where generation ends (`generation_config.eos_token_id`, read by
+        ssd.models.tokenizer.eos_token_ids); None: the GGUF's own EOS and EOT tokens,
+        if its metadata names an EOS (llama.cpp otherwise assumes one)."""
         _backend()
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -102,6 +109,21 @@ class LlamaCppModel:
         L.llama_model_desc(self._model, desc, len(desc))
         self.description = desc.value.decode(errors="replace")  # "qwen2 ?B all F32": architecture, size, weight type
         self._invariant: dict | None = None
+        eos = self._gguf_eos() if eos_token_ids is None else [int(t) for t in eos_token_ids]
+        self.generation_config = SimpleNamespace(eos_token_id=eos)
+
+    def _gguf_eos(self) -> list[int]:
+        """EOS and EOT ids as the GGUF names them; none if its metadata names no EOS."""
+        buf = ctypes.create_string_buffer(32)
+        if L.llama_model_meta_val_str(self._model, b"tokenizer.ggml.eos_token_id", buf, len(buf)) < 0:
+            return []
+        vocab = L.llama_model_get_vocab(self._model)
+        return sorted({t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
+
+    @property
+    def quantized(self) -> bool:
+        """Weights below F16 (q4_k, q8_0, ...): the draft-agnostic choices (KV cache in F16) follow llama.cpp's."""
+        return self.precision not in ("gguf f32", "gguf f16")
 
     def invariant_options(self) -> dict:
         """The context options (flash_attn, pad_single) under which a token's logits do not
@@ -115,7 +137,7 @@ class LlamaCppModel:
         (docs/llamacpp.md).
         """
         if self._invariant is None:
-            if self.precision in ("gguf f32", "gguf f16"):
+            if not self.quantized:
                 self._invariant = {"flash_attn": False, "pad_single": True}
             else:
                 self._invariant = _first_invariant(self)
@@ -123,14 +145,26 @@ class LlamaCppModel:
 
     @property
     def precision(self) -> str:
-        """The weights' type as reports name it: "gguf f32", "gguf f16", "gguf q8_0"."""
-        return "gguf " + self.description.split()[-1].lower()
+        """The weights' type as reports name it: "gguf f32", "gguf f16", "gguf q8_0", "gguf q4_k_m"."""
+        kind = self.description.split(maxsplit=2)[-1].lower().removeprefix("all ")  # "Q4_K - Medium", "all F32"
+        for size, suffix in ((" - small", "_s"), (" - medium", "_m"), (" - large", "_l")):
+            kind = kind.replace(size, suffix)
+        return "gguf " + kind.replace(" ", "_")
 
-    def kv_bytes_per_token(self, f32_kv: bool = True) -> int:
-        """Bytes of keys and values one token takes in a context's cache (F32 cache, or F16)."""
+    def kv_bytes_per_token(self, f32_kv: bool | None = None) -> int:
+        """Bytes of keys and values one token takes in a context's cache (F32 cache, or F16;
+        default: the model's, see `f32_kv`)."""
+        f32_kv = self.f32_kv if f32_kv is None else f32_kv
         m = self._model
         head_dim = L.llama_model_n_embd(m) // L.llama_model_n_head(m)
         return L.llama_model_n_layer(m) * 2 * L.llama_model_n_head_kv(m) * head_dim * (4 if f32_kv else 2)
+
+    @property
+    def f32_kv(self) -> bool:
+        """F32 keys and values for F32/F16 weights (the logits then match torch's to
+        ~2e-6); llama.cpp's F16 cache for quantized weights (half the memory and reads;
+        a token's keys round the same way in any batch, so invariance holds)."""
+        return not self.quantized
 
     def close(self) -> None:
         if self._model:
@@ -148,13 +182,20 @@ class LlamaCppContext:
     """A llama_context with `n_seq` sequence slots; one owner thread."""
 
     def __init__(
-        self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int = 1,
-        flash_attn: bool | None = None, f32_kv: bool = True, n_batch: int = 512, pad_single: bool | None = None,
-        n_ubatch: int | None = None,
+        self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int | None = None,
+        flash_attn: bool | None = None, f32_kv: bool | None = None, n_batch: int = 512,
+        pad_single: bool | None = None, n_ubatch: int | None = None, shared_room: int = 0,
     ) -> None:
         """pad_single: never run a forward with a single output row (see `decode`); it takes
         one extra sequence slot, the scratch slot, for the padding token. flash_attn and
-        pad_single default to the model's `invariant_options`."""
+        pad_single default to the model's `invariant_options`; n_threads to torch's
+        intra-op threads (the cluster sets them to the actor's cores); f32_kv to the model's.
+
+        shared_room > 0: one KV pool for all slots (kv_unified) of n_ctx_seq + shared_room
+        cells, where `copy` shares a prefix's cells instead of copying them: SSD's draft
+        branches (slot 0 the row, the others its branches). Only the target needs a
+        row's logits independent of other rows' cells, and it never uses this.
+        """
         invariant = model.invariant_options() if None in (flash_attn, pad_single, n_ubatch) else {}
         flash_attn = invariant["flash_attn"] if flash_attn is None else flash_attn
         pad_single = invariant["pad_single"] if pad_single is None else pad_single
@@ -165,10 +206,14 @@ class LlamaCppContext:
         self.pad_single = pad_single
         self._scratch = n_seq if pad_single else None
         slots = n_seq + (1 if pad_single else 0)
+        self.shared = shared_room > 0
+        n_threads = torch.get_num_threads() if n_threads is None else n_threads
+        f32_kv = model.f32_kv if f32_kv is None else f32_kv
         params = L.llama_context_default_params()
-        params.n_ctx = self.n_ctx_seq * slots
+        params.n_ctx = self.n_ctx_seq + shared_room + (1 if pad_single else 0) if self.shared else self.n_ctx_seq * slots
         params.n_seq_max = slots
-        params.kv_unified = False  # one KV stream per sequence: a row's attention never sees another's entries
+        # Not shared: one KV stream per sequence, so a row's attention never sees another's entries.
+        params.kv_unified = self.shared
         params.n_batch = n_batch
         # A forward longer than n_ubatch runs as several ubatches: the model's invariant_options
         # say how long a ubatch may be before ggml picks another matmul kernel.
@@ -208,13 +253,16 @@ class LlamaCppContext:
     def copy(self, src: int, dst: int, length: int) -> None:
         """Make sequence `dst` hold the first `length` entries of sequence `src` (dst's own are dropped).
 
-        Slots are separate KV streams (kv_unified=False), and llama.cpp copies
+        A shared pool (shared_room): dst's cells are src's. Otherwise slots are separate KV streams (kv_unified=False), and llama.cpp copies
         between streams only whole: `llama_memory_seq_cp` queues a copy of
         src's stream buffer (done at the next llama_decode), then dst's
         positions >= length are dropped. The copy lands in the same cells, so
         a branch attends exactly as its root would.
         """
         L.llama_memory_seq_rm(self._memory, dst, -1, -1)
+        if self.shared:  # one pool: dst joins src's cells at positions < length, nothing is copied
+            L.llama_memory_seq_cp(self._memory, src, dst, 0, length)
+            return
         L.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
         self.remove(dst, length)
 
@@ -308,11 +356,15 @@ class LlamaCppSequence:
     """
 
     def __init__(
-        self, source: LlamaCppModel | LlamaCppContext, n_threads: int = 1, branches: int = 0, **context_options,
+        self, source: LlamaCppModel | LlamaCppContext, n_threads: int | None = None, branches: int = 0,
+        **context_options,
     ) -> None:
         """branches: built from a model, the context also gets this many free slots for
-        LlamaCppBranches (SSD's draft side decodes its branches there)."""
+        LlamaCppBranches (SSD's draft side decodes its branches there), in one shared KV
+        pool with BRANCH_ROOM cells per branch beyond the row's own."""
         if isinstance(source, LlamaCppModel):
+            if branches:
+                context_options.setdefault("shared_room", branches * BRANCH_ROOM)
             self.context = LlamaCppContext(source, n_seq=1 + branches, n_threads=n_threads, **context_options)
             self._owns_context = True
         else:

@@ -1,5 +1,9 @@
 """Turn a ModelConfig into a ready-to-run model (tokenizers: ssd.models.tokenizer).
 
+The backend (`resolve_backend`): a torch nn.Module, or a llama.cpp model
+(ssd.models.llamacpp) loaded from the GGUF file as shipped; the engines see
+either through ssd.models.backend.
+
 `cfg.name` is resolved in this order:
   1. "tiny": a small random Qwen2 model built from `cfg.tiny` (tests);
   2. a name in the offline registry (ssd.models.offline): converted once
@@ -12,7 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import importlib.util
+import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,11 +33,13 @@ from ssd.models.qcache import cached_int8, weight_files
 from ssd.models.qcache import enabled as quant_cache_enabled
 from ssd.models.invariant import use_row_attention
 from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
-from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, ensure_offline_model
+from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, cache_dir, ensure_offline_gguf, ensure_offline_model
 
 logger = logging.getLogger(__name__)
 
 TINY = "tiny"
+TORCH, LLAMACPP = "torch", "llamacpp"
+LLAMACPP_CONTEXT = 4096  # model.max_model_len's default on llama.cpp (its KV is allocated up front)
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -37,8 +47,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
-    """The model `cfg` names, in eval mode with gradients off, on `device`.
+def load_model(cfg: ModelConfig, device: str = "cpu") -> Any:
+    """The model `cfg` names, in eval mode with gradients off, on `device`: a torch
+    nn.Module, or a LlamaCppModel where `resolve_backend` says llama.cpp.
 
     With `quantization="int8"` every Linear gets int8 weights and per-row
     int8 activations (ssd.models.quant, CPU only); the weights are loaded in
@@ -47,6 +58,8 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     first load (ssd.models.qcache; `cache_quantized`). "auto" in either field
     is resolved for `device` first.
     """
+    if resolve_backend(cfg, device) == LLAMACPP:
+        return load_llamacpp(cfg)
     cfg = resolve_precision(cfg, device)
     if cfg.quantization == INT8 and cfg.dtype != "fp32":
         raise ConfigError(
@@ -70,6 +83,75 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(pack_int8(fuse_projections(model)))
     return _frozen(model)
+
+
+def llamacpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def has_gguf(name: str) -> bool:
+    """Whether `name` ships as a GGUF file: an offline registry name, or a .gguf path."""
+    return name in OFFLINE_MODELS or (name.endswith(".gguf") and Path(name).expanduser().is_file())
+
+
+def resolve_backend(cfg: ModelConfig, device: str = "cpu") -> str:
+    """torch or llamacpp for `cfg` on `device`.
+
+    "auto" picks llama.cpp on a CPU when the model ships as a GGUF, llama-cpp-python
+    is installed and the precision is left to "auto": there llama.cpp runs the
+    GGUF's own quantized weights, with no fp32 conversion, faster than our int8
+    path (docs/llamacpp.md). Anything else, or an explicit torch precision, stays on torch.
+    """
+    if cfg.backend == LLAMACPP:
+        if device != "cpu":
+            raise ConfigError(f"model.backend llamacpp runs on the CPU only, not on {device}")
+        if not llamacpp_installed():
+            raise ConfigError("model.backend llamacpp needs llama-cpp-python: pip install 'ssd[llamacpp]'")
+        return LLAMACPP
+    if cfg.backend == TORCH:
+        return TORCH
+    chosen = (device == "cpu" and cfg.dtype == AUTO and cfg.quantization == AUTO and has_gguf(cfg.name)
+              and llamacpp_installed())
+    return LLAMACPP if chosen else TORCH
+
+
+def load_llamacpp(cfg: ModelConfig) -> Any:
+    """`cfg`'s model on llama.cpp: its GGUF file (`gguf_file`), each sequence up to max_model_len tokens."""
+    from ssd.models.llamacpp import LlamaCppModel
+
+    eos = OFFLINE_MODELS[cfg.name].eos_token_ids if cfg.name in OFFLINE_MODELS else None
+    if cfg.name == TINY:
+        eos = () if cfg.tiny.eos_token_id is None else (cfg.tiny.eos_token_id,)
+    return LlamaCppModel(gguf_file(cfg), n_ctx=cfg.max_model_len or LLAMACPP_CONTEXT, eos_token_ids=eos)
+
+
+def gguf_file(cfg: ModelConfig) -> Path:
+    """The GGUF file llama.cpp loads for `cfg`: the offline pair's joined file as
+    shipped, a .gguf path as given, or the tiny model written once to the cache (F32)."""
+    if cfg.name in OFFLINE_MODELS:
+        return ensure_offline_gguf(cfg.name)
+    if cfg.name == TINY:
+        return _tiny_gguf(cfg.tiny)
+    if has_gguf(cfg.name):
+        return Path(cfg.name).expanduser()
+    raise ConfigError(
+        f"model.backend llamacpp needs a GGUF file: {cfg.name!r} is neither an offline registry name "
+        f"({', '.join(sorted(OFFLINE_MODELS))}) nor a .gguf path"
+    )
+
+
+def _tiny_gguf(tcfg: TinyModelConfig) -> Path:
+    """The tiny model as an F32 GGUF in `<cache>/gguf/`, keyed by its config (written once)."""
+    from ssd.models.gguf_export import export_gguf
+
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(tcfg), sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "gguf" / f"tiny-{key}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        export_gguf(build_tiny_model(tcfg, torch.float32), partial)
+        os.replace(partial, path)  # atomic: a concurrent writer wrote the same bytes
+    return path
 
 
 def _int8_from_pretrained(cfg: ModelConfig) -> torch.nn.Module:

@@ -169,6 +169,36 @@ def ensure_offline_gguf(name: str, registry: Mapping[str, OfflineModel] | None =
     return dest
 
 
+def ensure_offline_tokenizer(name: str, registry: Mapping[str, OfflineModel] | None = None,
+                             root: Path | None = None) -> Path:
+    """A directory with offline model `name`'s tokenizer (chat template included), for a
+    run that never needs the converted weights (the llama.cpp backend reads the GGUF).
+
+    The converted model's directory when it exists; else the tokenizer alone, read
+    from the GGUF file into `<cache>/tokenizers/<name>` (seconds, no weights).
+    """
+    converted = model_dir(name, root)
+    if _is_complete(converted):
+        return converted
+    dest = (root if root is not None else cache_dir()) / "tokenizers" / name
+    if (dest / "tokenizer_config.json").is_file():
+        return dest
+    gguf_path = ensure_offline_gguf(name, registry, root)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest.parent / f".{name}.lock"):
+        if not (dest / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=dest.parent))
+            try:
+                AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(work)
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(work, dest)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
 def _is_complete(path: Path) -> bool:
     return (path / "config.json").is_file()
 

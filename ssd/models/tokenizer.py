@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import string
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ssd.config import ModelConfig, TinyModelConfig
-from ssd.models.loading import TINY, load_resolved
+from ssd.models.loading import TINY, has_gguf, load_resolved
+from ssd.models.offline import OFFLINE_MODELS, ensure_offline_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,11 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         return TinyTokenizer.from_config(cfg.tiny)
     from transformers import AutoTokenizer
 
+    if cfg.name in OFFLINE_MODELS:  # the converted model's, or read from the GGUF alone: never a conversion
+        return AutoTokenizer.from_pretrained(ensure_offline_tokenizer(cfg.name))
+    if has_gguf(cfg.name):
+        path = Path(cfg.name).expanduser()
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return load_resolved(cfg.name, AutoTokenizer.from_pretrained)
 
 

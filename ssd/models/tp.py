@@ -110,6 +110,8 @@ def load_tp_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return load_model(cfg, device)
+    if cfg.backend == "llamacpp":
+        raise ConfigError("tensor parallelism runs on torch: model.backend llamacpp takes one target device")
     if device == "cuda":
         torch.cuda.set_device(0)
     if cfg.quantization == AUTO:  # int8 layers cannot be sharded: auto means unquantized here

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Protocol, Sequence
 from ssd.config import MODES, Config
 from ssd.engine.batch import Engine
 from ssd.factory import LoadedPair, load_pair, make_engine
+from ssd.models.backend import max_positions
 from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
 from ssd.saguaro.startup import plan_for_pair
 
@@ -118,8 +119,8 @@ def backend_info(
 
 
 def _max_positions(model: Any, tokenizer: Any) -> int:
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(positions, int) and positions > 0:
+    positions = max_positions(model)
+    if positions is not None:
         return positions
     # HF tokenizers report a huge sentinel when they know no limit.
     limit = getattr(tokenizer, "model_max_length", None)
