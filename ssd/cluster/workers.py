@@ -234,7 +234,7 @@ class TargetWorker:
         """The mode's one engine (made on first use); SSD's owns the draft link."""
         if mode not in self._engines:
             from ssd.factory import LoadedPair, make_engine
-            from ssd.models.loading import resolve_precision
+            from ssd.models.loading import precision_label
 
             if mode not in MODES:
                 raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
@@ -244,13 +244,9 @@ class TargetWorker:
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,
                 draft_timeout_s=self.config.cluster.draft_timeout_s,
-                draft_precision=_precision_name(resolve_precision(self.config.draft, self.device)),
+                draft_precision=precision_label(self.config.draft, self.device),
             )
         return self._engines[mode]
-
-
-def _precision_name(cfg: Any) -> str:
-    return cfg.quantization or cfg.dtype
 
 
 class DraftWorker:
