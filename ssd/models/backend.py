@@ -11,7 +11,8 @@ given, so an engine runs on either without knowing which:
     release(seq)                                                   # when the row leaves
 
 plus `kv_bytes_per_token`, `vocab_size` and `precision_of` for admission and
-reports. Logits are torch tensors either way (float32 on the CPU from
+reports, and `model_of` (a sequence's model) and `device_of` for the start-up
+plan's probes. Logits are torch tensors either way (float32 on the CPU from
 llama.cpp), so sampling and verification are the same code.
 
 The torch path is today's code, called as before: the source is the model
@@ -103,6 +104,13 @@ def feed_rows(feeds: Sequence[kv.Feed]) -> list[torch.Tensor]:
         return _llamacpp().forward_rows([f.kv for f in feeds], [[int(t) for t in f.ids] for f in feeds],
                                         [f.last_only for f in feeds])
     return kv.feed_rows(feeds)
+
+
+def model_of(sequence: AnySequence) -> Model:
+    """The model a sequence runs (its KVSequence's, or its llama.cpp context's)."""
+    if is_llamacpp(sequence):
+        return sequence.context.model
+    return sequence.model
 
 
 def device_of(model: Model) -> torch.device:

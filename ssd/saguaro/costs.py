@@ -10,7 +10,9 @@ the other core (ssd.tools.ablation.neighbour), as it does in SSD:
   t*, so: one 1-token forward, then K - 1 steps; ssd.engine.drafting.draft_chain);
 - build(K, B): the real ssd.saguaro.builder.build_cache with the configured
   branch decoder, B branches (uniform split) after a hit (glue of K + 1 tokens).
-Each is the median of `repeats` timed runs after one warm-up. The context is
+Each is the median of `repeats` timed runs after one warm-up. The models are
+of either backend (ssd.models.backend: torch or llama.cpp); each probe's
+sequences are sized for it (`probe_sequence`, `prefilled_rows`). The context is
 random token ids: attention cost depends on length, not content. The roles
 run one after the other here; in SSD they overlap on two cores and slow each
 other unevenly: on the 2-core CPU the bandwidth-bound bf16 verification took
@@ -42,7 +44,8 @@ import torch
 from ssd import hardware
 from ssd.config import GLUES, SamplingConfig
 from ssd.saguaro.fanout import uniform_fanout
-from ssd.models.kv import KVSequence, forward_rows
+from ssd.models import backend
+from ssd.models.backend import AnySequence, Model
 from ssd.sampling import make_generator
 from ssd.saguaro.branches import BatchedBranchDecoder, BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
@@ -171,7 +174,7 @@ class CostSettings:
 
 
 def measure_costs(
-    target: torch.nn.Module, draft: torch.nn.Module, settings: CostSettings,
+    target: Model, draft: Model, settings: CostSettings,
     progress: Callable[[], None] | None = None,
     beside_draft: Callable[[], ContextManager] = contextlib.nullcontext,
     beside_target: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -183,18 +186,20 @@ def measure_costs(
     (ssd.tools.ablation.neighbour), as in SSD. The defaults measure each role alone.
     """
     tick = progress or (lambda: None)
-    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    vocab = min(backend.vocab_size(target), backend.vocab_size(draft))
     gen = torch.Generator().manual_seed(settings.seed)
     prefix = torch.randint(vocab, (settings.prefix,), generator=gen).tolist()
+    longest = max(settings.ks)  # a build holds the prefix, K drafted tokens and K branch tokens
+    tkv = probe_sequence(target, settings.prefix + longest + 1)
+    dkv = probe_sequence(draft, settings.prefix + 2 * longest + 1, branches=max(settings.budgets))
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
-        tkv, dkv = KVSequence(target), KVSequence(draft)
         tkv.forward(prefix, last_only=True)
         dkv.forward(prefix, last_only=True)
         target_probes = {("verify", k): forward_probe(tkv, prefix, k + 1, gen) for k in settings.ks}
         target_probes[("ar", 1)] = forward_probe(tkv, prefix, 1, gen)
-        decoder = _decoder(settings.branch_decoder)
+        decoder = backend.branch_decoder(dkv) or _decoder(settings.branch_decoder)
         draft_probes = {("backup", k): backup_probe(dkv, prefix, k, settings) for k in settings.ks}
         for k in settings.ks:
             for b in settings.budgets:
@@ -205,6 +210,8 @@ def measure_costs(
             timed |= round_robin(draft_probes, settings.repeats, tick)
     finally:
         torch.set_num_threads(threads)
+        backend.release(tkv)
+        backend.release(dkv)
     ar = timed[("ar", 1)]
     verify = {k: timed[("verify", k)] for k in settings.ks}
     backup = {k: timed[("backup", k)] for k in settings.ks}
@@ -243,18 +250,27 @@ def round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def forward_probe(kv: KVSequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
-    ids = torch.randint(kv.model.config.vocab_size, (n,), generator=gen).tolist()
+def probe_sequence(model: Model, tokens: int, branches: int = 0) -> AnySequence:
+    """An empty sequence of `model` for the probes: it holds up to `tokens` tokens, takes
+    up to that many in one forward, and has `branches` branch slots beside it
+    (ssd.models.backend.branch_decoder). torch: a KVSequence, whatever the sizes.
+    llama.cpp: a context sized so, rather than the model's whole context per slot."""
+    source = backend.sequence_source(model, 1 + branches, max(tokens, branches), tokens)
+    return backend.new_sequence(source)
+
+
+def forward_probe(kv: AnySequence, prefix: list[int], n: int, gen: torch.Generator) -> Probe:
+    ids = torch.randint(backend.vocab_size(backend.model_of(kv)), (n,), generator=gen).tolist()
     return lambda: hardware.sync(kv.forward(ids)), lambda: kv.rollback(len(prefix))
 
 
-def backup_probe(kv: KVSequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
+def backup_probe(kv: AnySequence, prefix: list[int], k: int, s: CostSettings) -> Probe:
     """draft_chain after a miss: the cache lacks only t* (the last prefix token)."""
     gen = make_generator(s.seed)
     return lambda: drafted_chain(kv, prefix, k, s.sampling, gen), lambda: kv.rollback(len(prefix) - 1)
 
 
-def build_probe(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
+def build_probe(kv: AnySequence, decoder: BranchDecoder, prefix: list[int], k: int, budget: int,
                 vocab: int, s: CostSettings, gen: torch.Generator) -> Probe:
     """build_cache after a round, with the settings' glue: "full" feeds t* and
     K drafted tokens; "reuse" and "fold" start where a backup chain left the
@@ -262,12 +278,14 @@ def build_probe(kv: KVSequence, decoder: BranchDecoder, prefix: list[int], k: in
     drafted = torch.randint(vocab, (k,), generator=gen).tolist()
     fanout = uniform_fanout(k, budget, caps=[vocab - 1] * k + [vocab])
     sample_gen = make_generator(s.seed)
-    work_logits = torch.randn(k, kv.model.config.vocab_size, generator=gen).to(kv.model.device)  # ranking only
+    model = backend.model_of(kv)
+    device = backend.device_of(model)
+    work_logits = torch.randn(k, backend.vocab_size(model), generator=gen).to(device)  # ranking only
 
     def run() -> None:
         work = None if s.glue == "full" else DraftWork(list(work_logits))
         build_cache(kv, decoder, prefix, drafted, fanout, s.sampling, sample_gen, work=work, depth=k, glue=s.glue)
-        hardware.sync(kv.model.device)
+        hardware.sync(device)
 
     def reset() -> None:
         if s.glue == "full":
@@ -287,17 +305,22 @@ def _decoder(name: str) -> BranchDecoder:
 
 # --- batched probes: b rows at once (the plan by batch size) ---------------------------------
 
-def prefilled_rows(model: torch.nn.Module, contexts: list[list[int]]) -> list[KVSequence]:
-    rows = [KVSequence(model) for _ in contexts]
-    forward_rows(rows, contexts, last_only=True)
+def prefilled_rows(model: Model, contexts: list[list[int]], room: int = 16) -> list[AnySequence]:
+    """A sequence per context holding it, the rows' sequences of one source (a llama.cpp
+    context: their forwards pack into one); each may then take `room` tokens more.
+    llama.cpp sequences go back with ssd.models.backend.release."""
+    longest = max(map(len, contexts)) + room
+    source = backend.sequence_source(model, len(contexts), max(sum(map(len, contexts)), room * len(contexts)), longest)
+    rows = [backend.new_sequence(source) for _ in contexts]
+    backend.forward_rows(rows, contexts, last_only=True)
     return rows
 
 
-def verify_rows_probe(rows: list[KVSequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
+def verify_rows_probe(rows: list[AnySequence], contexts: list[list[int]], n: int, vocab: int, gen: torch.Generator):
     ids = [torch.randint(vocab, (n,), generator=gen).tolist() for _ in rows]
 
     def run() -> None:
-        hardware.sync(forward_rows(rows, ids, last_only=False)[0])
+        hardware.sync(backend.forward_rows(rows, ids, last_only=False)[0])
 
     def reset() -> None:
         for row, context in zip(rows, contexts):
@@ -306,13 +329,14 @@ def verify_rows_probe(rows: list[KVSequence], contexts: list[list[int]], n: int,
     return run, reset
 
 
-def chain_rows_probe(rows: list[KVSequence], contexts: list[list[int]], k: int, seed: int):
+def chain_rows_probe(rows: list[AnySequence], contexts: list[list[int]], k: int, seed: int):
     sampling = SamplingConfig(temperature=1.0)
     gens = [make_generator(seed + i) for i in range(len(rows))]
+    device = backend.device_of(backend.model_of(rows[0]))
 
     def run() -> None:
         draft_chains([Chain(row, context, k, sampling, g) for row, context, g in zip(rows, contexts, gens)])
-        hardware.sync(rows[0].model.device)
+        hardware.sync(device)
 
     def reset() -> None:  # after a round the draft lacks only the last token
         for row, context in zip(rows, contexts):

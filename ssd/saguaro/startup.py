@@ -10,9 +10,11 @@ process, or inside the cluster's target and draft actors):
   ssd.saguaro.costs.Costs); and where the target's tokens rank among the
   draft's (ssd.saguaro.plan.Agreement).
 Both time with one intra-op thread per role, as SSD runs them, in a few
-seconds each. `plan_from_probes` turns them into ssd.saguaro.plan.Plan; the
-result is cached per host (CPU model and torch's capability, or the GPU),
-model pair and precision, so later starts only read a file.
+seconds each. The models are of either backend (ssd.models.backend: torch
+or llama.cpp, whose sequences the probes hand back when done).
+`plan_from_probes` turns them into ssd.saguaro.plan.Plan; the result is
+cached per host (CPU model and torch's capability, or the GPU), model pair
+and precision, so later starts only read a file.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 
 from ssd import hardware
 from ssd.saguaro.costs import (
-    CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, round_robin,
-    verify_rows_probe,
+    CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, probe_sequence,
+    round_robin, verify_rows_probe,
 )
 from ssd.config import Config, SpeculationConfig
 from ssd.models import offline
-from ssd.models.kv import KVSequence, forward_rows
+from ssd.models import backend
+from ssd.models.backend import AnySequence, Model
 from ssd.saguaro.branches import make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
 
@@ -77,26 +80,34 @@ def sample_prompt_ids(tokenizer) -> list[list[int]]:
         return [list(range(1, 9)), list(range(3, 13)), list(range(2, 8))]
 
 
-def _single_thread(fn: Callable[[], Any]) -> Any:
+def _single_thread(fn: Callable[[list[AnySequence]], Any]) -> Any:
+    """fn(made) with one intra-op thread; the sequences it adds to `made` are released after
+    (llama.cpp contexts default to one thread already)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    made: list[AnySequence] = []
     try:
-        return fn()
+        return fn(made)
     finally:
         torch.set_num_threads(threads)
+        for sequence in made:
+            backend.release(sequence)
 
 
-def target_probe(target: torch.nn.Module, prompts: Sequence[Sequence[int]], ks: Sequence[int] = DEFAULT_KS,
+def target_probe(target: Model, prompts: Sequence[Sequence[int]], ks: Sequence[int] = DEFAULT_KS,
                  repeats: int = 2) -> dict[str, Any]:
     """Verification and decode costs, and the target's greedy continuation of each prompt."""
-    def run() -> dict[str, Any]:
-        gen, prefix, kv = _primed(target)
+    def run(made: list[AnySequence]) -> dict[str, Any]:
+        gen, prefix, kv = _primed(target, max(ks) + 1)
+        made.append(kv)
         probes = {k: forward_probe(kv, prefix, k + 1, gen) for k in ks}
         probes[0] = forward_probe(kv, prefix, 1, gen)
+        vocab = backend.vocab_size(target)
         for rows, contexts in _row_contexts(target, gen).items():
-            primed = prefilled_rows(target, contexts)
+            primed = prefilled_rows(target, contexts, max(ROWS_TOKENS))
+            made.extend(primed)
             for n in ROWS_TOKENS:
-                probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, target.config.vocab_size, gen)
+                probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, vocab, gen)
         timed = round_robin(probes, repeats, lambda: None)
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": [[b, n, timed[("rows", b, n)]] for b in DEFAULT_ROWS for n in ROWS_TOKENS],
@@ -104,23 +115,26 @@ def target_probe(target: torch.nn.Module, prompts: Sequence[Sequence[int]], ks: 
     return _single_thread(run)
 
 
-def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+def draft_probe(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int],
                 ks: Sequence[int] = DEFAULT_KS, budgets: Sequence[int] = BUILD_BUDGETS,
                 glues: Sequence[str] = PLAN_GLUES, repeats: int = 2) -> dict[str, Any]:
     """Backup and build costs, and where the target's tokens rank among the draft's.
 
     sequences: prompt + the target's greedy continuation, which starts at `starts`.
     """
-    def run() -> dict[str, Any]:
-        gen, prefix, kv = _primed(draft)
-        vocab = draft.config.vocab_size
+    def run(made: list[AnySequence]) -> dict[str, Any]:
+        # a build holds the prefix, K drafted tokens and K branch tokens, on up to `budget` branches
+        gen, prefix, kv = _primed(draft, 2 * max(ks) + 1, branches=max(budgets))
+        made.append(kv)
+        vocab = backend.vocab_size(draft)
         settings = CostSettings(ks=tuple(ks), budgets=tuple(budgets), repeats=repeats)
         probes = {("backup", k): backup_probe(kv, prefix, k, settings) for k in ks}
         for rows, contexts in _row_contexts(draft, gen).items():
-            primed = prefilled_rows(draft, contexts)
+            primed = prefilled_rows(draft, contexts, max(ROWS_CHAIN))
+            made.extend(primed)
             for k in ROWS_CHAIN:
                 probes[("rows", rows, k)] = chain_rows_probe(primed, contexts, k, seed=0)
-        decoder = make_branch_decoder("tree")
+        decoder = make_branch_decoder("tree", sequence=kv)  # llama.cpp: its own (a slot per branch)
         for glue in glues:
             glued = dataclasses.replace(settings, glue=glue)
             for k in (k for k in BUILD_KS if k in ks):
@@ -137,12 +151,16 @@ def draft_probe(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], star
     return _single_thread(run)
 
 
-def agreement(draft: torch.nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
+def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
     """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations."""
     matches, rejected, bonus = 0, [], []
     for seq, start in zip(sequences, starts):
-        with torch.inference_mode():
-            logits = KVSequence(draft).forward(list(seq))[start - 1 : len(seq) - 1].float()
+        kv = probe_sequence(draft, len(seq))
+        try:
+            with torch.inference_mode():
+                logits = kv.forward(list(seq))[start - 1 : len(seq) - 1].float()
+        finally:
+            backend.release(kv)
         for row, token in zip(logits, seq[start:]):
             rank = int((row > row[token]).sum())
             bonus.append(rank)
@@ -199,7 +217,7 @@ def load_or_measure(key: str, measure: Callable[[], tuple[dict, dict]], meta: di
     return plan_from_probes(*cached_probes(key, measure, meta, directory), meta)
 
 
-def plan_in_process(target: torch.nn.Module, draft: torch.nn.Module, tokenizer, key: str, meta: dict[str, Any],
+def plan_in_process(target: Model, draft: Model, tokenizer, key: str, meta: dict[str, Any],
                     directory: Path | None = None) -> Plan:
     """Both probes in this process (the local engines and server)."""
     def measure() -> tuple[dict, dict]:
@@ -244,7 +262,7 @@ def plan_for_pair(config: Config, pair) -> Config:
     this process (ssd.factory.LoadedPair: the local engines and servers)."""
     if pair.draft is None or not wanted(config):
         return config
-    devices = [str(getattr(pair.target, "device", "?")), str(pair.draft.device), "in-process"]
+    devices = [_device_name(pair.target), _device_name(pair.draft), "in-process"]
     key, meta = config_key(config, devices)
     return planned(config, plan_in_process(pair.target, pair.draft, pair.tokenizer, key, meta))
 
@@ -285,29 +303,42 @@ def report(plan: Plan) -> None:
         )
 
 
-def _primed(model: torch.nn.Module) -> tuple[torch.Generator, list[int], KVSequence]:
-    """A seeded generator, a random PREFIX-token context and a cache holding it."""
+def _device_name(model: Model) -> str:
+    """Where a model runs, for the plan's key (llama.cpp: "cpu")."""
+    return str(backend.device_of(model)) if backend.is_llamacpp(model) else str(getattr(model, "device", "?"))
+
+
+def _primed(model: Model, room: int = 0, branches: int = 0) -> tuple[torch.Generator, list[int], AnySequence]:
+    """A seeded generator, a random PREFIX-token context and a cache holding it, which
+    may take `room` tokens more and decode `branches` branches (llama.cpp sizes its
+    context by them; torch needs neither)."""
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(model.config.vocab_size, (PREFIX,), generator=gen).tolist()
-    kv = KVSequence(model)
+    prefix = torch.randint(backend.vocab_size(model), (PREFIX,), generator=gen).tolist()
+    kv = probe_sequence(model, PREFIX + room, branches)
     kv.forward(prefix, last_only=True)
     return gen, prefix, kv
 
 
-def _row_contexts(model: torch.nn.Module, gen: torch.Generator) -> dict[int, list[list[int]]]:
+def _row_contexts(model: Model, gen: torch.Generator) -> dict[int, list[list[int]]]:
     """Random ROWS_PREFIX-token contexts for each batch size the plan covers."""
-    vocab = model.config.vocab_size
+    vocab = backend.vocab_size(model)
     return {rows: [torch.randint(vocab, (ROWS_PREFIX,), generator=gen).tolist() for _ in range(rows)]
             for rows in DEFAULT_ROWS}
 
 
-def _continue_rows(model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+def _continue_rows(model: Model, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
     """Each prompt + the model's greedy continuation of n tokens, the prompts decoding together."""
-    rows = [KVSequence(model) for _ in prompts]
-    outs = [list(p) for p in prompts]
-    logits = forward_rows(rows, outs, last_only=True)
-    for _ in range(n):
-        for out, row_logits in zip(outs, logits):
-            out.append(int(row_logits[-1].argmax()))
-        logits = forward_rows(rows, [out[-1:] for out in outs])
-    return outs
+    lengths = [len(p) for p in prompts]
+    source = backend.sequence_source(model, len(prompts), max(sum(lengths), len(prompts)), max(lengths) + n)
+    rows = [backend.new_sequence(source) for _ in prompts]
+    try:
+        outs = [list(p) for p in prompts]
+        logits = backend.forward_rows(rows, outs, last_only=True)
+        for _ in range(n):
+            for out, row_logits in zip(outs, logits):
+                out.append(int(row_logits[-1].argmax()))
+            logits = backend.forward_rows(rows, [out[-1:] for out in outs])
+        return outs
+    finally:
+        for row in rows:
+            backend.release(row)
