@@ -37,6 +37,7 @@ from ssd.config import Config, SpeculationConfig
 from ssd.models import offline
 from ssd.models import backend
 from ssd.models.backend import AnySequence, Model
+from ssd.models.loading import resolve_backend
 from ssd.saguaro.branches import make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
 
@@ -240,7 +241,10 @@ def wanted(config: Config, world: int = 1) -> bool:
 
 def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, Any]]:
     """The cache key and the metadata recorded with a plan."""
-    precisions = [f"{m.dtype}/{m.quantization}" for m in (config.target, config.draft)]
+    # The backend as resolved here (the driver's host): auto means llama.cpp only where it is installed.
+    gpu = any(d.startswith("cuda") for d in devices)
+    precisions = [f"{resolve_backend(m, 'cuda' if gpu else 'cpu')}:{m.dtype}/{m.quantization}"
+                  for m in (config.target, config.draft)]
     meta = {"machine": hardware.describe(), "torch": torch.__version__, "target": config.target.name,
             "draft": config.draft.name, "precisions": precisions, "devices": list(devices)}
     return plan_key(config.target.name, config.draft.name, precisions, devices), meta
