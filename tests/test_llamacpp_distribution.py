@@ -1,0 +1,310 @@
+"""Sampled AR, SD and SSD on the llama.cpp backend draw exactly the target's law: chi-square.
+
+Model: a random Qwen2 with an 8-token vocabulary and one layer, its q/k/v
+biases and norm weights re-drawn (test_llamacpp._model), in fp32, exported
+to GGUF F32 and run by llama.cpp (ssd.models.llamacpp); the draft is the
+same model with 20 % relative weight noise, exported the same way. K = 2.
+The expected law is the torch model's, enumerated exactly (tests/exact.py):
+llama.cpp's logits match torch's to ~1e-6 relative (asserted on the prompt
+within test_llamacpp's REL_TOL), far below what a chi-square test of a few
+thousand draws can see. Chi-square as in test_distribution (tests/stats.py):
+cells with an expected count below 5 pooled into one, alpha 0.001, fixed
+seeds 0..samples - 1, one engine per path running the seeded requests one
+after another. Each generation records the tokens every round emitted, so a
+test asserts where its tested tokens came from.
+
+Paths (measured shares in parentheses):
+- AR, T = 1: the joint of tokens 0-2 of 3; 1500 seeds.
+- SD, T = 1 and T = 0.9 with top-p 0.9: the joint of tokens 1-3 of 4, round
+  1's drafted depths 1-2 and its correction or bonus; 1200 seeds. Round 1
+  ends at each acceptance length 0, 1, 2 in >= 5 % of the seeds (asserted;
+  T = 1: 26, 19, 55 %), so a rejection at depth 1, accept-then-reject at
+  depth 2 and the bonus all occur.
+- SSD cache hits, T = 0.8 with top-k 4: budget (K + 1) * V caches every
+  outcome, so every lookup hits (asserted); the joint of tokens 4-6 of 7,
+  none from the prefill or round 1 (which has no cache; asserted), slots
+  0..K each >= 5 % of them (39, 33, 28 %); 600 seeds. The draft builds its
+  cache with llama.cpp branches (LlamaCppBranches).
+- SSD's neural backup on misses, T = 1: the cache is always empty
+  (build_caches patched to build nothing), so every round is a backup round
+  (asserted: no hits); tokens 1-3 of 4, slots 0..K each >= 5 % (53, 28,
+  19 %); 600 seeds.
+
+Power, on every path:
+- the same draws against a wrong law must fail the same test (p < alpha)
+  at the same sample size: the target at 1.25 x the temperature (hotter, so
+  a top-p nucleus only grows and no sample falls outside the support: the
+  shape of the law decides; measured p 3e-11 on the SSD hit path, < 1e-16 on
+  the others), and the draft model's law (p < 1e-180).
+- the same pipeline on llama.cpp with one sampling step broken must fail,
+  on fewer seeds (fewer only make detection harder): SD verifying with
+  `correction_from_p` (a rejection's correction drawn from p, not the
+  residual; 400 seeds, p ~ 1e-12), the SSD cache with `cache_draws_reversed`
+  (cached tokens at depth >= 2 drawn from q's reversed ranks, shipped with
+  q; 200 seeds, p ~ 1e-95), the neural backup with `neural_draws_flat`
+  (drafts at depth >= 2 drawn uniformly over q's support; 300 seeds,
+  p ~ 1e-58), the breaks of test_distribution and test_ssd_distribution.
+  AR has no second sampler to break: its power is the wrong laws'.
+The exact paths measured p 0.13-0.94; the file runs in ~40 s on one core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+import ssd.saguaro.speculator as speculator_module  # noqa: E402
+from ssd.config import (  # noqa: E402
+    FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig,
+)
+from ssd.engine import AREngine, SDEngine  # noqa: E402
+from ssd.engine.request import GenerationRequest  # noqa: E402
+from ssd.models import TinyTokenizer  # noqa: E402
+from ssd.models.gguf_export import export_gguf  # noqa: E402
+from ssd.models.llamacpp import LlamaCppModel, LlamaCppSequence  # noqa: E402
+from ssd.saguaro.target import SSDEngine  # noqa: E402
+from ssd.verify import verify  # noqa: E402
+from tests.exact import exact_marginal  # noqa: E402
+from tests.stats import ALPHA, chi_square_pvalue, report_pvalue  # noqa: E402
+from tests.test_distribution import correction_from_p  # noqa: E402
+from tests.test_llamacpp import REL_TOL, _model  # noqa: E402
+from tests.test_ssd_distribution import cache_draws_reversed, neural_draws_flat  # noqa: E402
+
+V = 8
+# initializer_range 0.4: next-token laws peaked enough for power, flat enough
+# that the whole cells carry most of the mass (measured: >= 85 %).
+CFG = TinyModelConfig(vocab_size=V, num_hidden_layers=1, initializer_range=0.4, seed=4)
+NOISE = 0.2  # the draft: every acceptance length of a round is common
+PROMPT = [0, 1, 2]
+K = 2
+# The wrong law: the target at temperature x this. Hotter, never colder: a
+# colder top-p nucleus drops tokens, and a sample outside the support fails
+# outright instead of by the shape of the law.
+WRONG_TEMPERATURE = 1.25
+TOKENIZER = TinyTokenizer(V)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which generated tokens a test reads, out of how many."""
+
+    n_tokens: int
+    positions: tuple[int, ...]
+
+
+@dataclass
+class Draws:
+    samples: list[tuple[int, ...]] = field(default_factory=list)  # tokens at the window, one tuple per seed
+    first_round: Counter = field(default_factory=Counter)  # tokens round 1 emitted - 1 (its accepted drafts) -> seeds
+    slots: Counter = field(default_factory=Counter)  # slot of each tested token in its round -> count
+    from_round_1: int = 0  # tested tokens the prefill or round 1 emitted
+    hits: int = 0
+    lookups: int = 0
+
+
+@dataclass(frozen=True)
+class Path:
+    engine: Callable  # (target, draft, verifier) -> an engine
+    sampling: SamplingConfig
+    window: Window
+    samples: int
+    broken: Callable | None = None  # breaks this path alone: (monkeypatch) -> verifier or None
+    broken_samples: int = 0  # seeds for the broken run
+    always_miss: bool = False  # the draft's cache never holds anything: every round a backup round
+
+    @property
+    def broken_name(self) -> str:
+        return self.broken.__name__ if self.broken else ""
+
+
+def ssd_spec(budget: int) -> SpeculationConfig:
+    return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(budget=budget), backup="neural")
+
+
+def sd_engine(target, draft, verifier=verify):
+    return SDEngine(target, draft, TOKENIZER, SpeculationConfig(mode="sd", k=K), verifier=verifier)
+
+
+def ssd_engine(budget: int):
+    return lambda target, draft, verifier=verify: SSDEngine.in_process(target, draft, TOKENIZER, ssd_spec(budget),
+                                                                   verifier=verifier)
+
+
+def breaks_verifier(verifier):
+    """Verification broken: the engine is built with `verifier`."""
+    def apply(monkeypatch):
+        return verifier
+    apply.__name__ = verifier.__name__
+    return apply
+
+
+def breaks_draft(patch):
+    """The draft side broken: `patch(monkeypatch)` (a test_ssd_distribution break)."""
+    def apply(monkeypatch):
+        patch(monkeypatch)
+        return None
+    apply.__name__ = patch.__name__
+    return apply
+
+
+T1 = SamplingConfig(temperature=1.0)
+FIRST_ROUND = Window(K + 2, (1, 2, 3))  # round 1's slots 0..K
+LATE = Window(2 * K + 3, (K + 2, K + 3, K + 4))  # past round 1, which ends by token K + 1
+
+
+def ar_engine(target, draft, verifier=verify):
+    return AREngine(target, TOKENIZER)
+
+
+PATHS = {  # seeds measured to fit the file in ~40 s on one core with p-value margins of many orders
+    "ar t1.0": Path(ar_engine, T1, Window(3, (0, 1, 2)), 1500),
+    "sd t1.0": Path(sd_engine, T1, FIRST_ROUND, 1200, breaks_verifier(correction_from_p), 400),
+    "sd t0.9 top-p 0.9": Path(sd_engine, SamplingConfig(temperature=0.9, top_p=0.9), FIRST_ROUND, 1200,
+                              breaks_verifier(correction_from_p), 400),
+    "ssd-hit t0.8 top-k 4": Path(ssd_engine((K + 1) * V), SamplingConfig(temperature=0.8, top_k=4), LATE, 600,
+                                 breaks_draft(cache_draws_reversed), 200),
+    "ssd-neural-backup t1.0": Path(ssd_engine((K + 1) * V), T1, FIRST_ROUND, 600, breaks_draft(neural_draws_flat),
+                                   300, always_miss=True),
+}
+
+
+def report(name: str, variant: str, samples: int, p: float) -> None:
+    """One row of the p-value table (path, setting, variant, seeds, p)."""
+    path, setting = name.split(" ", 1)
+    report_pvalue(f"llama.cpp {path.replace('-', ' ')}", setting, variant, samples, p)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(torch target, torch draft, llama.cpp target, llama.cpp draft)."""
+    directory = tmp_path_factory.mktemp("gguf")
+    target, draft = _model(CFG), _model(dataclasses.replace(CFG, noise=NOISE))
+    lm_target = LlamaCppModel(export_gguf(target, directory / "target.gguf"))
+    lm_draft = LlamaCppModel(export_gguf(draft, directory / "draft.gguf"))
+    with torch.no_grad():
+        want = target(torch.tensor([PROMPT])).logits[0]
+    got = LlamaCppSequence(lm_target).forward(PROMPT)
+    assert ((got - want).abs().max() / want.abs().max()).item() < REL_TOL  # the same law
+    return target, draft, lm_target, lm_draft
+
+
+def draw(models, path: Path, monkeypatch: pytest.MonkeyPatch | None = None, samples: int | None = None) -> Draws:
+    """The path's generations on llama.cpp, seeds 0..samples - 1; broken when a monkeypatch is given."""
+    _, _, lm_target, lm_draft = models
+    with pytest.MonkeyPatch.context() as own:
+        verifier = path.broken(monkeypatch) if monkeypatch is not None else None
+        if path.always_miss:
+            own.setattr(speculator_module, "build_caches", lambda jobs: [{} for _ in jobs])
+        engine = path.engine(lm_target, lm_draft, verifier or verify)
+        draws = Draws()
+        generation = GenerationConfig(max_new_tokens=path.window.n_tokens)
+        try:
+            for seed in range(samples or path.samples):
+                rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
+                request = GenerationRequest(PROMPT, dataclasses.replace(path.sampling, seed=seed), generation,
+                                            on_tokens=rounds.append)
+                out = engine.generate(request)
+                assert out.token_ids == [t for r in rounds for t in r]
+                draws.samples.append(tuple(out.token_ids[i] for i in path.window.positions))
+                if len(rounds) > 1:
+                    draws.first_round[len(rounds[1]) - 1] += 1
+                origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
+                for position in path.window.positions:
+                    round_index, slot = origin[position]
+                    draws.from_round_1 += round_index <= 1
+                    draws.slots[slot] += 1
+                spec = getattr(out.stats, "spec", None)
+                if spec is not None:
+                    draws.hits, draws.lookups = draws.hits + spec.hits, draws.lookups + spec.lookups
+        finally:
+            if isinstance(engine, SSDEngine):
+                engine.close()
+    return draws
+
+
+_DRAWS: dict[str, Draws] = {}
+_EXACT: dict[tuple, dict] = {}
+
+
+def exact_draws(models, name: str) -> Draws:
+    """The exact pipeline's draws, once per module: the power tests reuse them."""
+    if name not in _DRAWS:
+        _DRAWS[name] = draw(models, PATHS[name])
+    return _DRAWS[name]
+
+
+def exact(model, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
+    key = (id(model), dataclasses.astuple(sampling), window)
+    if key not in _EXACT:
+        _EXACT[key] = exact_marginal(model, PROMPT, window.n_tokens, sampling, list(window.positions))
+    return _EXACT[key]
+
+
+def wrong_laws(models, path: Path) -> dict[str, dict]:
+    target, draft, _, _ = models
+    hotter = dataclasses.replace(path.sampling, temperature=path.sampling.temperature * WRONG_TEMPERATURE)
+    return {f"target at T = {hotter.temperature:.3g}": exact(target, hotter, path.window),
+            "draft model": exact(draft, path.sampling, path.window)}
+
+
+def assert_paths_exercised(name: str, path: Path, draws: Draws) -> None:
+    """Where the tested tokens came from: every verification outcome, the path's own source."""
+    n = len(draws.samples)
+    if name.startswith("ar"):
+        return
+    print(f"\n{name}: round-1 acceptance lengths {dict(sorted(draws.first_round.items()))}, "
+          f"slots {dict(sorted(draws.slots.items()))}, {draws.hits} hits / {draws.lookups} lookups")
+    if name.startswith("sd"):
+        shares = {k: draws.first_round[k] / n for k in range(K + 1)}
+        assert min(shares.values()) >= 0.05, f"round-1 acceptance lengths too rare: {shares}"
+    if name.startswith("ssd"):
+        total = sum(draws.slots.values())
+        shares = {slot: draws.slots[slot] / total for slot in range(K + 1)}
+        assert min(shares.values()) >= 0.05, f"slots too rare: {shares}"
+        assert draws.lookups > 0
+        if path.always_miss:
+            assert draws.hits == 0  # every round a backup round
+        else:
+            assert draws.hits == draws.lookups  # every round after the first hit
+            assert draws.from_round_1 == 0  # so every tested token comes from a hit round
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_llamacpp_sampling_matches_target(models, name):
+    path = PATHS[name]
+    draws = exact_draws(models, name)
+    assert_paths_exercised(name, path, draws)
+    p = chi_square_pvalue(draws.samples, exact(models[0], path.sampling, path.window))
+    report(name, "exact", len(draws.samples), p)
+    assert p > ALPHA, f"llama.cpp {name}: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_the_test_rejects_a_wrong_law(models, name):
+    path = PATHS[name]
+    draws = exact_draws(models, name)
+    for law_name, law in wrong_laws(models, path).items():
+        p = chi_square_pvalue(draws.samples, law)
+        report(name, f"against {law_name}", len(draws.samples), p)
+        assert p < ALPHA, f"llama.cpp {name}: {law_name} went undetected: p = {p:.2e}"
+
+
+BROKEN = [name for name, path in PATHS.items() if path.broken is not None]
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_the_test_rejects_a_broken_sampler(models, monkeypatch, name):
+    path = PATHS[name]
+    draws = draw(models, path, monkeypatch, path.broken_samples)
+    assert_paths_exercised(name, path, draws)
+    p = chi_square_pvalue(draws.samples, exact(models[0], path.sampling, path.window))
+    report(name, path.broken_name, len(draws.samples), p)
+    assert p < ALPHA, f"llama.cpp {name}: the broken sampler went undetected: p = {p:.2e}"
