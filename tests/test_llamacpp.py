@@ -417,3 +417,16 @@ def test_quantized_weights_get_probed_options_that_keep_sd_equal_to_ar(pair, tmp
     ar = AREngine(target, tok).generate(request).token_ids
     sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request)
     assert sd.token_ids == ar and 0 < sd.stats.accepted < sd.stats.drafted
+
+
+def test_the_benchs_plain_llamacpp_peer_decodes_as_our_ar(pair, tmp_path):
+    """launch/bench.py's llama.cpp peer (llama.cpp's own context defaults and greedy
+    sampler) makes the tokens our AR engine makes on this backend, so its speed is
+    that of the same job."""
+    from ssd.tools.bench.llamacpp import LlamaCppEngine
+
+    _, lm = pair
+    with LlamaCppEngine(lm.path, threads=1) as peer:
+        got = peer.generate(_request(PROMPT, k=None))
+    want = AREngine(lm, TinyTokenizer.from_config(CFG)).generate(_request(PROMPT))
+    assert got.token_ids == want.token_ids and len(got.token_ids) == want.stats.new_tokens

@@ -41,7 +41,10 @@ docs/llamacpp.md has the measurements.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,7 +143,7 @@ class LlamaCppModel:
             if not self.quantized:
                 self._invariant = {"flash_attn": False, "pad_single": True}
             else:
-                self._invariant = _first_invariant(self)
+                self._invariant = _cached_probe(self)
         return dict(self._invariant)
 
     @property
@@ -452,6 +455,28 @@ def _first_invariant(model: LlamaCppModel) -> dict:
     log.warning("%s: no option set tried keeps logits batch-invariant; greedy speculative output may "
                 "part from AR at near-ties", model.path.name)
     return dict(INVARIANCE_CANDIDATES[-1])
+
+
+def _cached_probe(model: LlamaCppModel) -> dict:
+    """`_first_invariant`, kept on disk per GGUF file, llama.cpp build and host (the probe
+    takes seconds a load: ~10 s for the 1.5B target on one core)."""
+    from ssd import hardware
+    from ssd.models.offline import cache_dir
+
+    stat = model.path.stat()
+    key = hashlib.sha256(repr((str(model.path.resolve()), stat.st_size, stat.st_mtime_ns, L.__version__,
+                               hardware.describe())).encode()).hexdigest()[:20]
+    path = cache_dir() / "llamacpp" / f"invariance-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    found = _first_invariant(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(found))
+    os.replace(partial, path)
+    return found
 
 
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:
