@@ -202,7 +202,8 @@ class LlamaCppContext:
         invariant = model.invariant_options() if None in (flash_attn, pad_single, n_ubatch) else {}
         flash_attn = invariant["flash_attn"] if flash_attn is None else flash_attn
         pad_single = invariant["pad_single"] if pad_single is None else pad_single
-        n_ubatch = invariant.get("n_ubatch", n_batch) if n_ubatch is None else n_ubatch
+        if n_ubatch is None:  # a shared pool is the draft's: no invariance needed, whole forwards are faster
+            n_ubatch = n_batch if shared_room > 0 else invariant.get("n_ubatch", n_batch)
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq or model.n_ctx
