@@ -60,7 +60,7 @@ def test_the_driver_fetches_before_any_actor_starts(monkeypatch):
         calls.append("reserve")
         raise Stop
 
-    monkeypatch.setattr(runtime, "prefetch_models", lambda config, with_draft: calls.append("prefetch") or {})
+    monkeypatch.setattr(runtime, "prefetch_models", lambda config, with_draft, device: calls.append("prefetch") or {})
     monkeypatch.setattr(runtime.Cluster, "_reserve", reserve)
     monkeypatch.setattr(runtime.ray, "is_initialized", lambda: True)  # no Ray is started
     with pytest.raises(Stop):

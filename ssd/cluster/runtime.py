@@ -90,7 +90,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
         # The speculator on a node of its own (outside the group): the link then runs between hosts.
         wanted = config.cluster.draft_node if placement.draft else None
         self.draft_node = resolve_node(wanted) if wanted else None
-        self._start_timeouts = prefetch_models(config, bool(placement.draft), "cuda" if placement.kind == "cuda" else "cpu")
+        self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
         self._pg = self._reserve(node)
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None
