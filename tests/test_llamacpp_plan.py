@@ -14,34 +14,17 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from ssd.config import TinyModelConfig  # noqa: E402
-from ssd.models import TinyTokenizer, build_tiny_model  # noqa: E402
+from ssd.models import TinyTokenizer  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import LlamaCppModel  # noqa: E402
+from tests.test_llamacpp import CFG, _model  # noqa: E402
 from ssd.saguaro import startup  # noqa: E402
 from ssd.saguaro.costs import CostSettings, measure_costs  # noqa: E402
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS  # noqa: E402
-
-CFG = TinyModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, seed=3)
-
-
-@torch.no_grad()
-def _model(cfg: TinyModelConfig = CFG) -> torch.nn.Module:
-    """tests/test_llamacpp.py's: biases and norms re-drawn, so a wrong tensor mapping shows."""
-    model = build_tiny_model(cfg, torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    for name, param in model.named_parameters():
-        if name.endswith(".bias"):
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        elif "norm" in name:
-            param.copy_(1 + torch.randn(param.shape, generator=gen) * 0.2)
-    return model
-
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
