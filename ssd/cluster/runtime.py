@@ -47,21 +47,14 @@ import ray
 from ssd.cluster.actors import Actors
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.devices import Placement
-from ssd.cluster.healing import RECOVERY_WAIT_S, WATCH_INTERVAL_S, Healing, HealthListener
+from ssd.cluster.healing import Healing, HealthListener
 from ssd.cluster.link import DraftLink
-from ssd.cluster.placing import (
-    LOAD_BYTES_PER_S, START_TIMEOUT_S, actor_env, compute_device, prefetch_models, refuse_unworkable, resolve_node,
-    start_ray, start_timeout_s,
-)
+from ssd.cluster.placing import compute_device, prefetch_models, refuse_unworkable, resolve_node, start_ray
 from ssd.cluster.planning import StartupPlan
 from ssd.config import Config
 from ssd.engine.request import GenerationRequest, GenerationResult
 
-__all__ = [
-    "Cluster", "HealthListener", "RECOVERY_WAIT_S", "WATCH_INTERVAL_S", "START_TIMEOUT_S", "LOAD_BYTES_PER_S",
-    "actor_env", "compute_device", "prefetch_models", "refuse_unworkable", "resolve_node", "start_ray",
-    "start_timeout_s",
-]
+__all__ = ["Cluster"]
 
 log = logging.getLogger(__name__)
 
