@@ -27,14 +27,12 @@ context, so the one-owner-thread rule of ssd.models holds with no extra care
 (SSD's speculator thread drafts with its own sequence).
 
 Options for batch invariance (a token's logits must not depend on how
-many positions share its forward): `use_extra_bufts=False` (no repacked
-weight layouts whose kernels tile by batch size), no forward with a single
-output row (`pad_single`, see LlamaCppContext.decode), and a fixed thread
-count (`n_threads`: torch's, see LlamaCppContext). Flash attention is OFF by default: on the
-CPU llama.cpp casts F32 keys and values to F16 for it, which moves the
-logits ~2e-3 relative away from the fp32 torch model; without it, with the
-KV cache in F32 (the default F16 cache would round keys and values), the
-logits match torch's to ~2e-6 relative. Invariance holds either way.
+many positions share its forward) come from `LlamaCppModel.invariant_options`:
+F32/F16 weights keep flash attention off, an F32 KV cache and `pad_single`
+(logits within ~2e-6 of the fp32 torch model); quantized weights get the
+fastest options a probe finds bit-invariant (the real q4_k_m pair: flash
+attention, F16 KV, ubatches of at most 7 tokens). Repacked weight layouts
+(`use_extra_bufts`) stay off. The draft's shared pool needs no invariance.
 docs/llamacpp.md has the measurements.
 """
 
