@@ -45,6 +45,50 @@ def tiny_tokenizer():
     return TinyTokenizer.from_config(TINY)
 
 
+# --- one Ray per worker process -------------------------------------------------
+# Ray takes ~5 s to start and ~1.5 s to stop. A Cluster started while Ray runs
+# joins it and leaves it running (ssd.cluster.runtime), so the files whose
+# clusters fit one local Ray ask for `shared_ray`: the first starts Ray the way
+# a Cluster would (ssd.cluster.placing.start_ray: the actors at the driver's
+# priority), the next ones find it running, and the session stops it. Files
+# that need a Ray of their own (simulated nodes, logical GPUs, a Cluster that
+# owns its Ray and is checked to stop it) ask for `own_ray` first: it stops a
+# shared Ray this worker left running.
+
+
+@pytest.fixture(scope="session")
+def _ray_stopped_at_exit() -> Iterator[None]:
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_ray(_ray_stopped_at_exit) -> Iterator[None]:
+    import ray
+    from ray.util import placement_group_table
+
+    from ssd.cluster.placing import start_ray
+
+    if not ray.is_initialized():
+        start_ray(None)
+    yield
+    # The module's clusters must have given their cores back, or the next
+    # module's would wait for room and fail far from the cause.
+    left = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    assert not left, f"placement groups left in the shared Ray: {left}"
+
+
+@pytest.fixture(scope="module")
+def own_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 # --- sharing the machine between pytest-xdist workers ------------------------
 # The suite runs on two workers (pyproject: -n 2, whole files per worker).
 # Tests marked `cluster` (Ray actors at nice 15, timings that matter) or

@@ -1,10 +1,11 @@
 """The distributed runtime on CPU: real Ray actors, gloo links, tiny models.
 
-Each Cluster starts Ray (several seconds); the tests share one where they can.
+The tests share one Cluster (its actors take seconds to start) in the worker's
+one Ray (tests/conftest.py: shared_ray); the SSD-on-llama.cpp cluster, which
+needs the cores this one holds, is in test_cluster_llamacpp.
 """
 
 import dataclasses
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.engine import AREngine
 from ssd.engine.request import GenerationRequest
-from ssd.models import build_tiny_model, load_model, load_tokenizer
+from ssd.models import build_tiny_model, load_tokenizer
 from ssd.models.loading import TORCH_DTYPES
 from tests.conftest import ROOT
 from tests.exact import exact_marginal
@@ -38,7 +39,7 @@ def local_ar(config, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_ray):
     with Cluster(CONFIG, plan_placement("0", "1", 2, "cpu")) as c:
         yield c
 
@@ -290,21 +291,3 @@ def test_sigterm_drains_the_running_request_and_leaves_no_process_behind():
     finally:
         if launcher.poll() is None:
             launcher.kill()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
-def test_ssd_on_the_llamacpp_backend_through_the_cluster():
-    """Both actors load their model on llama.cpp (the tiny models written to GGUF); greedy
-    SSD through the cluster equals AR on the same backend, with cache hits."""
-    config = dataclasses.replace(
-        CONFIG, target=dataclasses.replace(CONFIG.target, backend="llamacpp"),
-        draft=dataclasses.replace(CONFIG.draft, backend="llamacpp"),
-    )
-    local = AREngine(load_model(config.target), load_tokenizer(config.target))
-    with Cluster(config, plan_placement("0", "1", 2, "cpu")) as c:
-        for prompt in PROMPTS:
-            request = GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40))
-            out = c.generate(request)
-            assert out.token_ids == local.generate(request).token_ids
-            assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
-            assert out.stats.precision == "target gguf f32, draft gguf", out.stats.precision
