@@ -45,6 +45,30 @@ def tiny_tokenizer():
     return TinyTokenizer.from_config(TINY)
 
 
+# --- the real pair's draft and tokenizer, loaded once per worker ---------------
+# Every real-pair test drafts with the same int8 0.5B model (test_real_pair's
+# fp32 and int8 targets, test_real_pair_bf16's bf16 one). A loaded model is
+# shared read-only (ssd.models), so one copy serves them all.
+
+
+@pytest.fixture(scope="session")
+def real_draft():
+    from ssd.config import ModelConfig
+    from ssd.models import load_model
+    from ssd.models.offline import DRAFT_NAME
+
+    return load_model(ModelConfig(name=DRAFT_NAME, dtype="fp32", quantization="int8"))
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    from ssd.config import ModelConfig
+    from ssd.models import load_tokenizer
+    from ssd.models.offline import TARGET_NAME
+
+    return load_tokenizer(ModelConfig(name=TARGET_NAME))
+
+
 # --- one Ray per worker process -------------------------------------------------
 # Ray takes ~5 s to start and ~1.5 s to stop. A Cluster started while Ray runs
 # joins it and leaves it running (ssd.cluster.runtime), so the files whose
@@ -91,27 +115,67 @@ def own_ray() -> None:
 
 # --- sharing the machine between pytest-xdist workers ------------------------
 # The suite runs on two workers (pyproject: -n 2, whole files per worker).
-# Tests marked `cluster` (Ray actors at nice 15, timings that matter) or
-# `slow` (the real pair: gigabytes of memory) take the machine alone: a
-# worker waits for the other worker's current test to end before starting
-# one, and the other worker waits for it in turn. A turnstile keeps a stream
-# of ordinary tests from starving them.
+# Tests marked `cluster` (Ray actors pinned to cores, timings that matter)
+# take the machine alone: a worker waits for the other worker's current test
+# to end before starting one, and the other worker waits for it in turn.
+# Tests marked `slow` (the real pair: gigabytes of memory, one core, two
+# while SSD's draft thread runs) run one at a time, never beside a cluster
+# test, but beside the other worker's ordinary tests (tiny models, megabytes):
+# a slow test only ever needed the memory to itself, and keeping the other
+# worker idle for its minutes of compute cost the suite about as long.
+# A turnstile keeps a stream of ordinary tests from starving either kind.
 
-EXCLUSIVE_MARKERS = ("cluster", "slow")
+EXCLUSIVE_MARKERS = ("cluster",)  # the machine alone
+HEAVY_MARKERS = ("slow",)  # one at a time, beside ordinary tests
 
 
 @contextmanager
-def machine_share(exclusive: bool) -> Iterator[None]:
+def machine_share(exclusive: bool, heavy: bool = False) -> Iterator[None]:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
     base = Path(tempfile.gettempdir()) / f"ssd-tests-{run}"
-    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.machine", "a+") as machine:
+    with (open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.machine", "a+") as machine,
+          open(f"{base}.heavy", "a+") as heavy_lock):
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if heavy:  # always taken after the machine lock: no two workers wait on each other
+            fcntl.flock(heavy_lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
+            fcntl.flock(heavy_lock, fcntl.LOCK_UN)
             fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+# --- the order files start in ---------------------------------------------------
+# pytest-xdist hands whole files to the workers in collection order (pyproject:
+# --no-loadscope-reorder; its default order is by test count). The files that
+# take a minute or more start first, longest first, so that neither worker is
+# left running one alone at the end; the two real-pair files apart, as only one
+# slow test runs at a time. Files with cluster tests come last: they take the
+# machine alone wherever they run, and the Ray they share (shared_ray) then
+# idles beside no ordinary test; those that share it before those that stop
+# it (own_ray). Every other file keeps pytest's order.
+# Measured times on this 2-core machine: docs/architecture.md.
+
+LONGEST_FIRST = (
+    "test_real_pair.py", "test_ssd_distribution.py", "test_batch_ssd.py", "test_ssd.py", "test_http.py",
+    "test_real_pair_bf16.py", "test_threads.py", "test_llamacpp_distribution.py", "test_distribution.py",
+    "test_tp.py", "test_models.py", "test_gpu_smoke.py", "test_quant.py", "test_ablation.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    clustered = {item.path for item in items if item.get_closest_marker("cluster")}
+    own_ray = {item.path for item in items if "own_ray" in getattr(item, "fixturenames", ())}
+
+    def place(item: pytest.Item) -> tuple[int, int]:
+        if item.path in clustered:
+            return 2, int(item.path in own_ray)
+        return (0, first[item.path.name]) if item.path.name in first else (1, 0)
+
+    items.sort(key=place)  # stable: each file's tests keep their order
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -122,5 +186,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
         return
     exclusive = any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS)
-    with machine_share(exclusive):
+    heavy = any(item.get_closest_marker(name) for name in HEAVY_MARKERS)
+    with machine_share(exclusive, heavy):
         yield
