@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -113,79 +114,94 @@ def own_ray() -> None:
         ray.shutdown()
 
 
-# --- sharing the machine between pytest-xdist workers ------------------------
-# The suite runs on two workers (pyproject: -n 2, whole files per worker).
-# Tests marked `cluster` (Ray actors pinned to cores, timings that matter)
-# take the machine alone: a worker waits for the other worker's current test
-# to end before starting one, and the other worker waits for it in turn.
-# Tests marked `slow` (the real pair: gigabytes of memory, one core, two
-# while SSD's draft thread runs) run one at a time, never beside a cluster
-# test, but beside the other worker's ordinary tests (tiny models, megabytes):
-# a slow test only ever needed the memory to itself, and keeping the other
-# worker idle for its minutes of compute cost the suite about as long.
-# A turnstile keeps a stream of ordinary tests from starving either kind.
+# --- two workers, two lanes -------------------------------------------------------
+# The suite runs on two pytest-xdist workers (pyproject: -n 2 --dist loadfile).
+# Tests marked `slow` (the real pair: gigabytes of memory) and `cluster` (Ray
+# actors pinned to cores 0 and 1, a Ray per worker, ports) must not run two of
+# a kind at once. Each kind is a lane: all the files holding its tests form one
+# unit of work that one worker runs start to end, its tests one after another
+# (pytest_xdist_make_scheduler below), while the other worker runs the other
+# lane, then ordinary files (tiny models, one thread each), whole files each.
+# A lock per kind (machine_share) holds the same rule wherever the lanes do not
+# apply (another --dist, more workers).
+#
+# Before, both kinds took the machine alone and the other worker idled through
+# them: about 6 minutes of real-pair compute on one core, and about 8 minutes of
+# clusters waiting for actor processes to import torch and transformers.
 
-EXCLUSIVE_MARKERS = ("cluster",)  # the machine alone
-HEAVY_MARKERS = ("slow",)  # one at a time, beside ordinary tests
+LANES = {  # kind -> its files, in the order they run; a file with a test of that kind must be listed
+    "cluster": ("test_cluster.py", "test_cluster_llamacpp.py", "test_cluster_plan.py", "test_cluster_tp.py",
+                "test_bench_load.py", "test_cluster_gpu.py", "test_faults.py", "test_multinode.py"),
+    "slow": ("test_real_pair.py", "test_real_pair_bf16.py", "test_models.py"),
+}
+LANE_OF = {name: kind for kind, names in LANES.items() for name in names}
 
-
-@contextmanager
-def machine_share(exclusive: bool, heavy: bool = False) -> Iterator[None]:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
-    base = Path(tempfile.gettempdir()) / f"ssd-tests-{run}"
-    with (open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.machine", "a+") as machine,
-          open(f"{base}.heavy", "a+") as heavy_lock):
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        if heavy:  # always taken after the machine lock: no two workers wait on each other
-            fcntl.flock(heavy_lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(heavy_lock, fcntl.LOCK_UN)
-            fcntl.flock(machine, fcntl.LOCK_UN)
-
-
-# --- the order files start in ---------------------------------------------------
-# pytest-xdist hands whole files to the workers in collection order (pyproject:
-# --no-loadscope-reorder; its default order is by test count). The files that
-# take a minute or more start first, longest first, so that neither worker is
-# left running one alone at the end; the two real-pair files apart, as only one
-# slow test runs at a time. Files with cluster tests come last: they take the
-# machine alone wherever they run, and the Ray they share (shared_ray) then
-# idles beside no ordinary test; those that share it before those that stop
-# it (own_ray). Every other file keeps pytest's order.
-# Measured times on this 2-core machine: docs/architecture.md.
-
+# Ordinary files that take a minute or so start first, longest first, so that
+# neither worker is left running one alone at the end; the rest keep pytest's order.
 LONGEST_FIRST = (
-    "test_real_pair.py", "test_ssd_distribution.py", "test_batch_ssd.py", "test_ssd.py", "test_http.py",
-    "test_real_pair_bf16.py", "test_threads.py", "test_llamacpp_distribution.py", "test_distribution.py",
-    "test_tp.py", "test_models.py", "test_gpu_smoke.py", "test_quant.py", "test_ablation.py",
+    "test_ssd_distribution.py", "test_batch_ssd.py", "test_ssd.py", "test_http.py", "test_threads.py",
+    "test_llamacpp_distribution.py", "test_distribution.py", "test_tp.py", "test_gpu_smoke.py", "test_quant.py",
+    "test_ablation.py",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The lanes first (the longer, cluster, first), then the ordinary files."""
+    for item in items:
+        for kind in LANES:
+            if item.get_closest_marker(kind) and LANE_OF.get(item.path.name) != kind:
+                raise pytest.UsageError(f"{item.path.name} has {kind} tests: list it in LANES['{kind}'] "
+                                        f"(tests/conftest.py)")
+    lanes = {name: rank for rank, name in enumerate(n for names in LANES.values() for n in names)}
     first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
-    clustered = {item.path for item in items if item.get_closest_marker("cluster")}
-    own_ray = {item.path for item in items if "own_ray" in getattr(item, "fixturenames", ())}
 
     def place(item: pytest.Item) -> tuple[int, int]:
-        if item.path in clustered:
-            return 2, int(item.path in own_ray)
-        return (0, first[item.path.name]) if item.path.name in first else (1, 0)
+        name = item.path.name
+        if name in lanes:
+            return 0, lanes[name]
+        return (1, first[name]) if name in first else (2, 0)
 
     items.sort(key=place)  # stable: each file's tests keep their order
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile, but each lane's files are one unit of work (one worker runs them in order).
+
+    Units go out in collection order (--no-loadscope-reorder): the two lanes first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LaneScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            kind = LANE_OF.get(Path(path).name)
+            return f"lane:{kind}" if kind else path
+
+    return LaneScheduling(config, log)
+
+
+@contextmanager
+def machine_share(kinds: list[str]) -> Iterator[None]:
+    """One test of each of `kinds` at a time across the workers of this run."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
+    base = Path(tempfile.gettempdir()) / f"ssd-tests-{run}"
+    with contextlib.ExitStack() as held:
+        for kind in sorted(kinds):  # one order: no two workers wait on each other
+            lock = held.enter_context(open(f"{base}.{kind}", "a+"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            held.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+        yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Setup, call and teardown of each test under the machine lock (module
+    """Setup, call and teardown of each test under its kind's lock (module
     fixtures, e.g. a started cluster, are set up inside their first test's)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    kinds = [kind for kind in LANES if item.get_closest_marker(kind)]
+    if "PYTEST_XDIST_WORKER" not in os.environ or not kinds:
         yield
         return
-    exclusive = any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS)
-    heavy = any(item.get_closest_marker(name) for name in HEAVY_MARKERS)
-    with machine_share(exclusive, heavy):
+    with machine_share(kinds):
         yield
