@@ -55,8 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-bufts", action="store_true",
                         help="also measure invariance with repacked weights (use_extra_bufts=True); on a CPU "
                              "that advertises AMX the kernel has not enabled, llama.cpp dies (SIGILL)")
-    parser.add_argument("--plain-extra-bufts", action="store_true",
-                        help="plain Llama with llama.cpp's default use_extra_bufts=True (else False, as ours)")
     parser.add_argument("--skip-invariance", action="store_true")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
@@ -192,19 +190,16 @@ def dataclasses_replace_kv(batching, target, draft, args):
         batching, kv_memory_mb=args.n_ctx * (target.kv_bytes_per_token() + draft.kv_bytes_per_token()) / 2**20)
 
 
-def run_plain(llm, prompt_ids, n: int):
-    """llama-cpp-python's own greedy loop: (ids, prefill s, decode s)."""
-    ids = []
-    t0 = time.perf_counter()
-    t1 = None
-    for t in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
-        if t1 is None:
-            t1 = time.perf_counter()
-        ids.append(int(t))
-        if len(ids) == n:
-            break
-    t2 = time.perf_counter()
-    return ids, t1 - t0, t2 - t1
+def run_plain(peer, prompt_ids, n: int):
+    """llama.cpp's own greedy loop (ssd.tools.bench.llamacpp.LlamaCppEngine): (ids, prefill s, decode s)."""
+    from ssd.config import GenerationConfig, SamplingConfig
+    from ssd.engine.request import GenerationRequest
+
+    request = GenerationRequest(list(prompt_ids), SamplingConfig(temperature=0.0),
+                                GenerationConfig(max_new_tokens=n, ignore_eos=True))
+    result = peer.generate(request)
+    ttft = result.stats.time_to_first_token_s
+    return result.token_ids, ttft, result.stats.total_s - ttft
 
 
 def top2_gap(model, ids, threads: int) -> tuple[float, int, int]:
@@ -220,6 +215,9 @@ def top2_gap(model, ids, threads: int) -> tuple[float, int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)  # our llama.cpp contexts take torch's thread count
     lines: list[str] = []
 
     def say(text: str = "") -> None:
@@ -308,21 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_speed:
         say(f"\n## 4. speed, {args.threads} thread(s), interleaved by prompt; load average now "
             f"{os.getloadavg()[0]:.2f}")
-        if not args.plain_extra_bufts:  # Llama() takes no use_extra_bufts: patch the defaults it reads
-            default = llama_cpp.llama_cpp.llama_model_default_params
+        from ssd.tools.bench.llamacpp import LlamaCppEngine
 
-            def no_extra_bufts():
-                params = default()
-                params.use_extra_bufts = False
-                return params
-
-            llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
-        llms = llama_cpp.Llama(model_path=paths[TARGET_NAME], n_threads=args.threads,
-                               n_threads_batch=args.threads, n_ctx=args.n_ctx, verbose=False)
-        cp = llms.context_params
-        say(f"plain Llama context: flash_attn_type {getattr(cp, 'flash_attn_type', '?')}, type_k {cp.type_k}, "
-            f"type_v {cp.type_v}, n_batch {cp.n_batch}; model use_extra_bufts "
-            f"{llms.model_params.use_extra_bufts}")
+        llms = LlamaCppEngine(Path(paths[TARGET_NAME]), threads=args.threads, n_ctx=args.n_ctx)
+        say("plain: llama.cpp's context defaults (flash attention auto, F16 KV), its greedy sampler, "
+            "one llama_decode per token (ssd.tools.bench.llamacpp)")
         systems = ["plain", "ar", "sd", "ssd"]
         totals = {s: [0.0, 0.0, 0, 0] for s in systems}  # prefill s, decode s, prompt tokens, decode tokens
         plain_ids = {}

@@ -18,7 +18,7 @@ from ssd.engine.batch import BatchedEngine, Verifier
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
 from ssd.models.kv import KVSequence
-from ssd.models.quant import precision_of
+from ssd.models.backend import precision_of
 from ssd.saguaro.target import SSDEngine
 from ssd.verify import verify
 

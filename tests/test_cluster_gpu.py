@@ -15,7 +15,8 @@ import ray
 import yaml
 
 from ssd.app import launcher  # launch/cluster.py's main
-from ssd.cluster.runtime import Cluster, actor_env, refuse_unworkable
+from ssd.cluster.placing import actor_env, refuse_unworkable
+from ssd.cluster.runtime import Cluster
 from ssd.config import ConfigError, GenerationConfig, load_config
 from ssd.engine.request import GenerationRequest
 from tests.conftest import ROOT
@@ -118,7 +119,7 @@ def test_compute_device_and_backends_follow_the_placement_not_the_host(config_pa
     all-reduces of CUDA tensors go over NCCL, control over gloo."""
     import torch
 
-    from ssd.cluster.runtime import compute_device
+    from ssd.cluster.placing import compute_device
     from ssd.models.tp import tp_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

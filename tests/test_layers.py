@@ -45,3 +45,73 @@ def test_the_contract_breaks_on_an_upward_import_or_a_circle(tmp_path, module, l
     result = lint(copy, tmp_path)
     assert result.returncode != 0, result.stdout
     assert broken in result.stdout.split("Broken contracts")[-1], result.stdout
+
+
+def import_cycles(package_dir: Path) -> list[list[str]]:
+    """Circles among the modules of `package_dir`, package `__init__` files counted, over
+    the imports that run at import time (module level, not under TYPE_CHECKING).
+
+    import-linter's acyclic_siblings compares sibling packages; a module that imports
+    its own package (`from ssd.models import qcache` inside ssd/models, whose
+    __init__ imports that module back) is a circle it does not see.
+    """
+    modules = {}
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: _imported(path, modules) - {name} for name, path in modules.items()}
+    return _strongly_connected(graph)
+
+
+def _imported(path: Path, modules: dict[str, Path]) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, ast.Import):
+                found |= {a.name for a in sub.names if a.name in modules}
+            elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module in modules:
+                found |= {sub.module} | {f"{sub.module}.{a.name}" for a in sub.names} & modules.keys()
+    return found
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted(component + [v]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_a_package_that_imports_it_back(tmp_path):
+    assert import_cycles(ROOT / "ssd") == []
+    copy = tmp_path / "src" / "ssd"
+    shutil.copytree(ROOT / "ssd", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    loading = copy / "models" / "loading.py"  # offline never imports loading: only the package closes the circle
+    loading.write_text(loading.read_text() + "\nfrom ssd.models import offline as _circle  # injected by the test\n")
+    (circle,) = import_cycles(copy)  # the package, loading, and tokenizer (the package imports it, it imports loading)
+    assert {"ssd.models", "ssd.models.loading"} <= set(circle) and "ssd.models.offline" not in circle

@@ -417,3 +417,33 @@ def test_quantized_weights_get_probed_options_that_keep_sd_equal_to_ar(pair, tmp
     ar = AREngine(target, tok).generate(request).token_ids
     sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request)
     assert sd.token_ids == ar and 0 < sd.stats.accepted < sd.stats.drafted
+
+
+def test_the_benchs_plain_llamacpp_peer_decodes_as_our_ar(pair, tmp_path):
+    """launch/bench.py's llama.cpp peer (llama.cpp's own context defaults and greedy
+    sampler) makes the tokens our AR engine makes on this backend, so its speed is
+    that of the same job."""
+    from ssd.tools.bench.llamacpp import LlamaCppEngine
+
+    _, lm = pair
+    with LlamaCppEngine(lm.path, threads=1) as peer:
+        got = peer.generate(_request(PROMPT, k=None))
+    want = AREngine(lm, TinyTokenizer.from_config(CFG)).generate(_request(PROMPT))
+    assert got.token_ids == want.token_ids and len(got.token_ids) == want.stats.new_tokens
+
+
+def test_a_tiny_model_on_llamacpp_loads_from_its_config(tmp_path, monkeypatch):
+    """model.backend llamacpp with the tiny model: written to GGUF once in the cache
+    (the driver's prefetch), loaded as a LlamaCppModel whose logits are the torch model's."""
+    from ssd.config import ModelConfig
+    from ssd.models import load_model
+    from ssd.models.loading import prefetch_model
+
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    cfg = ModelConfig(name="tiny", backend="llamacpp", tiny=dataclasses.replace(CFG, seed=5))
+    assert prefetch_model(cfg) > 0 and len(list((tmp_path / "gguf").glob("tiny-*.gguf"))) == 1
+    lm = load_model(cfg)
+    assert isinstance(lm, LlamaCppModel) and lm.precision == "gguf f32" and lm.n_ctx == CFG.max_position_embeddings
+    assert lm.generation_config.eos_token_id == []  # the tiny config names none (llama.cpp would assume one)
+    want = _torch_logits(build_tiny_model(cfg.tiny, torch.float32), PROMPT)
+    assert _rel(LlamaCppSequence(lm).forward(PROMPT), want) < REL_TOL

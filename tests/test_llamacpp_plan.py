@@ -14,34 +14,17 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from ssd.config import TinyModelConfig  # noqa: E402
-from ssd.models import TinyTokenizer, build_tiny_model  # noqa: E402
+from ssd.models import TinyTokenizer  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import LlamaCppModel  # noqa: E402
+from tests.test_llamacpp import CFG, _model  # noqa: E402
 from ssd.saguaro import startup  # noqa: E402
 from ssd.saguaro.costs import CostSettings, measure_costs  # noqa: E402
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS  # noqa: E402
-
-CFG = TinyModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, seed=3)
-
-
-@torch.no_grad()
-def _model(cfg: TinyModelConfig = CFG) -> torch.nn.Module:
-    """tests/test_llamacpp.py's: biases and norms re-drawn, so a wrong tensor mapping shows."""
-    model = build_tiny_model(cfg, torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    for name, param in model.named_parameters():
-        if name.endswith(".bias"):
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        elif "norm" in name:
-            param.copy_(1 + torch.randn(param.shape, generator=gen) * 0.2)
-    return model
-
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
@@ -74,7 +57,9 @@ def test_probes_time_every_cost(probes):
     assert _positive([target_part["ar_step_s"], *target_part["verify_s"].values(), *draft_part["backup_s"].values()])
     assert _positive(s for _, _, s in target_part["rows_verify_s"])
     assert _positive(s for _, _, s in draft_part["rows_chain_s"])
-    assert set(draft_part["build_s"]) == set(startup.PLAN_GLUES)
+    # fold rides on torch's tree decoder (llama.cpp's builds reuse): only reuse is timed, so the
+    # plan never models a fold it would not run
+    assert set(draft_part["build_s"]) == {"reuse"}
     builds = [(k, b) for k in startup.BUILD_KS for b in startup.BUILD_BUDGETS]
     for points in draft_part["build_s"].values():
         assert sorted((k, b) for k, b, _ in points) == builds
@@ -100,7 +85,7 @@ def test_plan_from_the_probes_is_a_valid_speculation(probes, pairs, tmp_path):
     _, target_part, draft_part = probes
     plan = startup.plan_from_probes(target_part, draft_part, {"backend": "llama.cpp"})
     best = plan.best
-    assert best.k in DEFAULT_KS and best.budget in DEFAULT_BUDGETS and best.glue in startup.PLAN_GLUES
+    assert best.k in DEFAULT_KS and best.budget in DEFAULT_BUDGETS and best.glue == "reuse"
     assert math.isfinite(best.tokens_per_s) and best.tokens_per_s > 0
     assert [row.rows for row in plan.rows] == [1, 2, 4, 8]
     assert plan.ar_tokens_per_s == pytest.approx(1 / target_part["ar_step_s"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ssd.cluster import runtime
+from ssd.cluster import placing, runtime
 from ssd.cluster.devices import plan_placement
 from ssd.config import ClusterConfig, ConfigError, load_config
 from ssd.models import loading
@@ -41,11 +41,11 @@ def test_a_hub_model_is_downloaded_once_and_sized(tmp_path, monkeypatch):
 
 
 def test_the_load_timeout_scales_with_the_weights_or_is_configured():
-    assert runtime.start_timeout_s(CONFIG, 0) == runtime.START_TIMEOUT_S
-    big = runtime.start_timeout_s(CONFIG, 140 * 10**9)  # a 70B model in bf16
-    assert big >= runtime.START_TIMEOUT_S + 1400
+    assert placing.start_timeout_s(CONFIG, 0) == placing.START_TIMEOUT_S
+    big = placing.start_timeout_s(CONFIG, 140 * 10**9)  # a 70B model in bf16
+    assert big >= placing.START_TIMEOUT_S + 1400
     configured = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, start_timeout_s=7200.0))
-    assert runtime.start_timeout_s(configured, 140 * 10**9) == 7200.0
+    assert placing.start_timeout_s(configured, 140 * 10**9) == 7200.0
     with pytest.raises(ConfigError, match="start_timeout_s"):
         ClusterConfig(start_timeout_s=0)
 
@@ -60,7 +60,7 @@ def test_the_driver_fetches_before_any_actor_starts(monkeypatch):
         calls.append("reserve")
         raise Stop
 
-    monkeypatch.setattr(runtime, "prefetch_models", lambda config, with_draft: calls.append("prefetch") or {})
+    monkeypatch.setattr(runtime, "prefetch_models", lambda config, with_draft, device: calls.append("prefetch") or {})
     monkeypatch.setattr(runtime.Cluster, "_reserve", reserve)
     monkeypatch.setattr(runtime.ray, "is_initialized", lambda: True)  # no Ray is started
     with pytest.raises(Stop):

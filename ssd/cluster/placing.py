@@ -88,19 +88,19 @@ def start_timeout_s(config: Config, weight_bytes: int) -> float:
     return START_TIMEOUT_S + weight_bytes / LOAD_BYTES_PER_S
 
 
-def prefetch_models(config: Config, with_draft: bool) -> dict[str, float]:
-    """Download or convert the models once, here in the driver; each role's start-up timeout.
+def prefetch_models(config: Config, with_draft: bool, device: str = "cpu") -> dict[str, float]:
+    """Download, convert or join the models once, here in the driver; each role's start-up timeout.
 
     The actors of one placement group run on one node: a driver on that
     node fills the cache they read (another node's driver still downloads,
     and the actors then fetch for themselves, under the same timeouts).
     """
-    from ssd.models.loading import prefetch
+    from ssd.models.loading import prefetch_model
 
     roles = [("target", config.target)] + ([("draft", config.draft)] if with_draft else [])
     timeouts = {}
     for role, model in roles:
-        size = prefetch(model.name)
+        size = prefetch_model(model, device)
         timeouts[role] = start_timeout_s(config, size)
         log.info("%s %s: %.1f GB of weights, start-up timeout %.0f s", role, model.name, size / 1e9, timeouts[role])
     return timeouts

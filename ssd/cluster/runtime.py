@@ -47,21 +47,14 @@ import ray
 from ssd.cluster.actors import Actors
 from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.devices import Placement
-from ssd.cluster.healing import RECOVERY_WAIT_S, WATCH_INTERVAL_S, Healing, HealthListener
+from ssd.cluster.healing import Healing, HealthListener
 from ssd.cluster.link import DraftLink
-from ssd.cluster.placing import (
-    LOAD_BYTES_PER_S, START_TIMEOUT_S, actor_env, compute_device, prefetch_models, refuse_unworkable, resolve_node,
-    start_ray, start_timeout_s,
-)
+from ssd.cluster.placing import compute_device, prefetch_models, refuse_unworkable, resolve_node, start_ray
 from ssd.cluster.planning import StartupPlan
 from ssd.config import Config
 from ssd.engine.request import GenerationRequest, GenerationResult
 
-__all__ = [
-    "Cluster", "HealthListener", "RECOVERY_WAIT_S", "WATCH_INTERVAL_S", "START_TIMEOUT_S", "LOAD_BYTES_PER_S",
-    "actor_env", "compute_device", "prefetch_models", "refuse_unworkable", "resolve_node", "start_ray",
-    "start_timeout_s",
-]
+__all__ = ["Cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +83,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
         # The speculator on a node of its own (outside the group): the link then runs between hosts.
         wanted = config.cluster.draft_node if placement.draft else None
         self.draft_node = resolve_node(wanted) if wanted else None
-        self._start_timeouts = prefetch_models(config, bool(placement.draft))
+        self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
         self._pg = self._reserve(node)
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None

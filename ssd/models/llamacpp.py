@@ -30,7 +30,7 @@ Options for batch invariance (a token's logits must not depend on how
 many positions share its forward): `use_extra_bufts=False` (no repacked
 weight layouts whose kernels tile by batch size), no forward with a single
 output row (`pad_single`, see LlamaCppContext.decode), and a fixed thread
-count (`n_threads`, 1 by default). Flash attention is OFF by default: on the
+count (`n_threads`: torch's, see LlamaCppContext). Flash attention is OFF by default: on the
 CPU llama.cpp casts F32 keys and values to F16 for it, which moves the
 logits ~2e-3 relative away from the fp32 torch model; without it, with the
 KV cache in F32 (the default F16 cache would round keys and values), the
@@ -41,7 +41,10 @@ docs/llamacpp.md has the measurements.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,7 +143,7 @@ class LlamaCppModel:
             if not self.quantized:
                 self._invariant = {"flash_attn": False, "pad_single": True}
             else:
-                self._invariant = _first_invariant(self)
+                self._invariant = _cached_probe(self)
         return dict(self._invariant)
 
     @property
@@ -188,8 +191,10 @@ class LlamaCppContext:
     ) -> None:
         """pad_single: never run a forward with a single output row (see `decode`); it takes
         one extra sequence slot, the scratch slot, for the padding token. flash_attn and
-        pad_single default to the model's `invariant_options`; n_threads to torch's
-        intra-op threads (the cluster sets them to the actor's cores); f32_kv to the model's.
+        pad_single default to the model's `invariant_options`; f32_kv to the model's.
+        n_threads None: torch's intra-op threads of the calling thread, followed at every
+        decode (the cluster sets them to the actor's cores; the bench and the start-up
+        plan change them between runs); a number fixes them.
 
         shared_room > 0: one KV pool for all slots (kv_unified) of n_ctx_seq + shared_room
         cells, where `copy` shares a prefix's cells instead of copying them: SSD's draft
@@ -199,7 +204,8 @@ class LlamaCppContext:
         invariant = model.invariant_options() if None in (flash_attn, pad_single, n_ubatch) else {}
         flash_attn = invariant["flash_attn"] if flash_attn is None else flash_attn
         pad_single = invariant["pad_single"] if pad_single is None else pad_single
-        n_ubatch = invariant.get("n_ubatch", n_batch) if n_ubatch is None else n_ubatch
+        if n_ubatch is None:  # a shared pool is the draft's: no invariance needed, whole forwards are faster
+            n_ubatch = n_batch if shared_room > 0 else invariant.get("n_ubatch", n_batch)
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq or model.n_ctx
@@ -207,7 +213,9 @@ class LlamaCppContext:
         self._scratch = n_seq if pad_single else None
         slots = n_seq + (1 if pad_single else 0)
         self.shared = shared_room > 0
+        self._follow_torch = n_threads is None
         n_threads = torch.get_num_threads() if n_threads is None else n_threads
+        self.n_threads = n_threads
         f32_kv = model.f32_kv if f32_kv is None else f32_kv
         params = L.llama_context_default_params()
         params.n_ctx = self.n_ctx_seq + shared_room + (1 if pad_single else 0) if self.shared else self.n_ctx_seq * slots
@@ -239,6 +247,7 @@ class LlamaCppContext:
 
     def set_threads(self, n_threads: int) -> None:
         L.llama_set_n_threads(self._ctx, n_threads, n_threads)
+        self.n_threads = n_threads
 
     def take_slot(self) -> int:
         if not self._free:
@@ -317,6 +326,8 @@ class LlamaCppContext:
             else:  # one output row among several tokens: output another row too
                 batch.logits[next(r for r in range(i) if not batch.logits[r])] = True
         batch.n_tokens = i
+        if self._follow_torch and torch.get_num_threads() != self.n_threads:
+            self.set_threads(torch.get_num_threads())
         rc = L.llama_decode(self._ctx, batch)
         if pad:
             L.llama_memory_seq_rm(self._memory, self._scratch, -1, -1)
@@ -452,6 +463,28 @@ def _first_invariant(model: LlamaCppModel) -> dict:
     log.warning("%s: no option set tried keeps logits batch-invariant; greedy speculative output may "
                 "part from AR at near-ties", model.path.name)
     return dict(INVARIANCE_CANDIDATES[-1])
+
+
+def _cached_probe(model: LlamaCppModel) -> dict:
+    """`_first_invariant`, kept on disk per GGUF file, llama.cpp build and host (the probe
+    takes seconds a load: ~10 s for the 1.5B target on one core)."""
+    from ssd import hardware
+    from ssd.models.offline import cache_dir
+
+    stat = model.path.stat()
+    key = hashlib.sha256(repr((str(model.path.resolve()), stat.st_size, stat.st_mtime_ns, L.__version__,
+                               hardware.describe())).encode()).hexdigest()[:20]
+    path = cache_dir() / "llamacpp" / f"invariance-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    found = _first_invariant(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(found))
+    os.replace(partial, path)
+    return found
 
 
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:

@@ -232,6 +232,19 @@ def load_resolved(name: str, load: Callable[[str], Any]) -> Any:
 NOT_TORCH = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.tflite", "original/*"]
 
 
+def prefetch_model(cfg: ModelConfig, device: str = "cpu") -> int:
+    """`prefetch` for what `cfg` loads on `device`: on llama.cpp its GGUF file (the offline
+    pair's parts joined and hash-checked, no conversion) and tokenizer; the file's size."""
+    if resolve_backend(cfg, device) != LLAMACPP:
+        return prefetch(cfg.name)
+    path = gguf_file(cfg)
+    if cfg.name in OFFLINE_MODELS:
+        from ssd.models.offline import ensure_offline_tokenizer
+
+        ensure_offline_tokenizer(cfg.name)
+    return path.stat().st_size
+
+
 def prefetch(name: str) -> int:
     """Make `name`'s checkpoint local now and return its weights' size in bytes (0 for tiny).
 

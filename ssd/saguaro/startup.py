@@ -38,7 +38,7 @@ from ssd.models import offline
 from ssd.models import backend
 from ssd.models.backend import AnySequence, Model
 from ssd.models.loading import resolve_backend
-from ssd.saguaro.branches import make_branch_decoder
+from ssd.saguaro.branches import TreeBranchDecoder, make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,16 @@ def draft_probe(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequen
             for k in ROWS_CHAIN:
                 probes[("rows", rows, k)] = chain_rows_probe(primed, contexts, k, seed=0)
         decoder = make_branch_decoder("tree", sequence=kv)  # llama.cpp: its own (a slot per branch)
-        for glue in glues:
+        timed_glues = list(glues)
+        if not isinstance(decoder, TreeBranchDecoder):  # fold rides on torch's tree decoder; elsewhere it is reuse
+            timed_glues = [g for g in glues if g != "fold"] or ["reuse"]
+        for glue in timed_glues:
             glued = dataclasses.replace(settings, glue=glue)
             for k in (k for k in BUILD_KS if k in ks):
                 for b in budgets:
                     probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
         timed = round_robin(probes, repeats, lambda: None)
-        builds: dict[str, list[list]] = {glue: [] for glue in glues}
+        builds: dict[str, list[list]] = {glue: [] for glue in timed_glues}
         for key, seconds in timed.items():
             if key[0] in builds:
                 builds[key[0]].append([key[1], key[2], seconds])

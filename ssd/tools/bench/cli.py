@@ -13,7 +13,9 @@ num_assistant_tokens=K, schedule "constant", no confidence cut-off).
 --thread-counts runs the in-process modes once per thread count (each row
 labelled with it); ratios are to the best AR and best SD of the same prompt
 set and temperature. --cluster runs SSD through the distributed runtime
-(target on core 0, draft on core 1, gloo link) instead of in-process threads.
+(target on core 0, draft on core 1, gloo link) instead of in-process threads;
+without --ks at the start-up plan's settings (what launch/cluster.py runs
+with no flags, where the config asks for a plan), else at each K.
 --prompt-sets takes names of configs/prompts/<name>.yaml or paths; chat
 entries go through the tokenizer's chat template when it has one.
 
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> Results:
         prompt_sets=_prompt_sets(args),
         thread_counts=args.thread_counts or [0],
         cluster_ssd=args.cluster,
+        cluster_planned=args.cluster and not args.ks,
         progress=not args.no_progress,
     )
     pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))

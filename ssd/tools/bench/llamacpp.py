@@ -1,21 +1,23 @@
 """llama.cpp plain decoding of the same GGUF file, timed like our engines: the peer a
 CPU user would otherwise pick.
 
-Optional: `pip install 'ssd[llamacpp]'` builds llama-cpp-python from its
-sdist (a few minutes). The offline pair's GGUF files are the very q4_k_m
+`pip install 'ssd[models]'` (or `ssd[llamacpp]`) builds llama-cpp-python
+from its sdist once (about 9 minutes on 2 cores). The offline pair's GGUF files are the very q4_k_m
 files our models are dequantized from, so both sides start from the same
-weights; llama.cpp keeps them in q4_k_m, we re-quantize to int8 (or run
-bf16/fp32). Prompt ids come from our tokenizer (the GGUF carries the same
+weights; llama.cpp keeps them in q4_k_m, as our llama.cpp backend does; our torch
+backend re-quantizes to int8 (or runs bf16/fp32). Prompt ids come from our tokenizer (the GGUF carries the same
 one), no BOS is added, and every sampler but temperature / top-k / top-p is
 off. At T = 0 it is greedy; at T > 0 its draws use its own seeded RNG, so
 only speeds compare, not tokens.
 
-On hosts with AMX, llama.cpp's AMX kernels crashed in this VM; build with
-CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF".
+llama.cpp's repacked weight layouts (its "extra buffer types", AMX among
+them) are off, as in our backend: they died with SIGILL on this project's
+AVX512/AMX VM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from pathlib import Path
@@ -41,52 +43,105 @@ def gguf_for(model_name: str) -> Path:
 
 
 class LlamaCppEngine:
-    """Plain decoding with llama.cpp on `threads` threads."""
+    """Plain decoding with llama.cpp on `threads` threads: llama.cpp's own context defaults
+    (flash attention auto, F16 KV cache) and its own sampler chain, one llama_decode per
+    token through the C API (no Python sampling in the loop: the fastest plain decoding
+    llama-cpp-python offers).
+
+    The weights load without llama.cpp's repacked layouts (use_extra_bufts off), as our
+    backend loads them: on this project's AVX512/AMX host the repacked kernels die with
+    SIGILL, so no user there runs them.
+    """
 
     mode = MODE
 
     def __init__(self, gguf: Path, threads: int = 0, n_ctx: int = 4096, precision: str = "q4_k_m") -> None:
         try:
-            from llama_cpp import Llama
+            import llama_cpp as L
         except ImportError as exc:
             raise RuntimeError("the llama.cpp peer needs llama-cpp-python: pip install 'ssd[llamacpp]'") from exc
+        from ssd.models.llamacpp import LlamaCppModel
+
         self.threads = threads or os.cpu_count() or 1
         self.precision = precision
-        self._llm = Llama(
-            model_path=str(gguf), n_threads=self.threads, n_threads_batch=self.threads,
-            n_ctx=n_ctx, verbose=False, logits_all=False,
-        )
+        self.model = LlamaCppModel(gguf, n_ctx=n_ctx)
+        params = L.llama_context_default_params()
+        params.n_ctx, params.n_batch = self.model.n_ctx, 512
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        self._L = L
+        self._ctx = L.llama_init_from_model(self.model._model, params)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {gguf}")
+        self._eos = set(self.model.generation_config.eos_token_id)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """Plain decoding of the GGUF; token callbacks get the whole output at once."""
-        prompt_ids, sampling, generation = request.prompt_ids, request.sampling, request.generation
+        L, ctx = self._L, self._ctx
+        prompt_ids, sampling, generation = list(request.prompt_ids), request.sampling, request.generation
         clock = Stopwatch()
         stats = GenerationStats(mode=MODE, precision=self.precision, prompt_tokens=len(prompt_ids))
-        eos = {self._llm.token_eos()}
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        sampler = self._sampler(sampling)
         tokens: list[int] = []
         finish = "length"
-        self._llm.set_seed(sampling.seed)
-        for token in self._llm.generate(
-            list(prompt_ids), reset=True, temp=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0,
-        ):
-            if not tokens:
-                stats.time_to_first_token_s = clock.elapsed()
-            if token in eos and not generation.ignore_eos:
-                finish = "eos"
-                break
-            tokens.append(int(token))
-            stats.rounds += 1
-            if len(tokens) >= generation.max_new_tokens:
-                break
+        try:
+            for i in range(0, len(prompt_ids), 512):
+                self._decode(prompt_ids[i:i + 512])
+            while True:
+                token = int(L.llama_sampler_sample(sampler, ctx, -1))
+                if not tokens:
+                    stats.time_to_first_token_s = clock.elapsed()
+                if token in self._eos and not generation.ignore_eos:
+                    finish = "eos"
+                    break
+                tokens.append(token)
+                if len(tokens) >= generation.max_new_tokens:
+                    break
+                self._decode([token])
+        finally:
+            L.llama_sampler_free(sampler)
         stats.total_s = clock.elapsed()
         stats.new_tokens = len(tokens)
-        stats.rounds = max(0, stats.rounds - 1)  # decode steps after the first token, as for AR
+        stats.rounds = max(0, len(tokens) - 1)  # decode steps after the first token, as for AR
         request.emit(tokens)
-        return GenerationResult(tokens, self._llm.detokenize(tokens).decode(errors="replace"), finish, stats)
+        return GenerationResult(tokens, self._detokenize(tokens), finish, stats)
+
+    def _sampler(self, sampling):
+        """llama.cpp's chain: greedy at T = 0, else top-k, top-p, temperature, a seeded draw."""
+        L = self._L
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if sampling.temperature == 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if sampling.top_k:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(sampling.top_k))
+        if sampling.top_p < 1:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(sampling.top_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(sampling.temperature))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+        return chain
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        L = self._L
+        vocab, buf, out = L.llama_model_get_vocab(self.model._model), ctypes.create_string_buffer(256), b""
+        for token in tokens:
+            n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+            out += buf.raw[:max(n, 0)]
+        return out.decode(errors="replace")
+
+    def _decode(self, ids: list[int]) -> None:
+        L = self._L
+        array = (L.llama_token * len(ids))(*ids)  # kept alive through the call
+        rc = L.llama_decode(self._ctx, L.llama_batch_get_one(array, len(ids)))
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
 
     def close(self) -> None:
-        self._llm.close()
+        if self._ctx:
+            self._L.llama_free(self._ctx)
+            self._ctx = None
+        self.model.close()
 
     def __enter__(self) -> "LlamaCppEngine":
         return self

@@ -98,6 +98,8 @@ class BenchPlan:
     prompt_sets: dict[str, list[Prompt]]
     thread_counts: Sequence[int] = (0,)
     cluster_ssd: bool = False  # SSD through the cluster runtime, not in-process
+    # ... at the start-up plan's settings ("no flags": what launch/cluster.py runs), not at `ks`
+    cluster_planned: bool = False
     progress: bool = True
     mode_runs: list[tuple[str, int]] = field(init=False)
 
@@ -208,9 +210,15 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
         from ssd.cluster.devices import default_cpu_placement
         from ssd.cluster.runtime import Cluster
 
-        cluster = stack.enter_context(Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)))
-        for mode, k in plan.cluster_runs():
-            turns.append(Turn(RunKey("", 0.0, mode, k, 0, cluster=True), cluster, speculation_for(config, mode, k)))
+        ssd = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="ssd"))
+        placement = default_cpu_placement(os.cpu_count() or 2, with_draft=True)
+        cluster = stack.enter_context(Cluster(ssd if plan.cluster_planned else config, placement))
+        if plan.cluster_planned:  # the plan ran at start where the config asks for one (runtime.plan)
+            speculation = cluster.config.speculation
+            turns.append(Turn(RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True), cluster, speculation))
+        else:
+            for mode, k in plan.cluster_runs():
+                turns.append(Turn(RunKey("", 0.0, mode, k, 0, cluster=True), cluster, speculation_for(config, mode, k)))
     return turns
 
 

@@ -1,0 +1,74 @@
+"""The real pair on the llama.cpp backend (the shipped q4_k_m GGUF files, the
+options its invariance probe picks): greedy SD, SSD and batched rows == AR.
+
+The quantized kernels are where batch invariance can break (the tiny F32
+models of tests/test_llamacpp.py take other kernels), so this is the test
+that the probed options hold on the models users run.
+"""
+
+import dataclasses
+
+import pytest
+import yaml
+
+pytest.importorskip("llama_cpp")
+
+from ssd.config import FanoutConfig, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig  # noqa: E402
+from ssd.engine import AREngine, SDEngine  # noqa: E402
+from ssd.engine.request import GenerationRequest  # noqa: E402
+from ssd.models import load_model, load_tokenizer  # noqa: E402
+from ssd.models.offline import DRAFT_NAME, TARGET_NAME  # noqa: E402
+from ssd.models.tokenizer import encode_prompt  # noqa: E402
+from ssd.saguaro.target import SSDEngine  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+from tests.test_llamacpp import _run_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = yaml.safe_load((ROOT / "configs" / "prompts" / "code.yaml").read_text())[:3]
+GREEDY = SamplingConfig(temperature=0.0)
+TOKENS = GenerationConfig(max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = (load_model(ModelConfig(name=n, backend="llamacpp", max_model_len=512))
+                     for n in (TARGET_NAME, DRAFT_NAME))
+    tokenizer = load_tokenizer(ModelConfig(name=TARGET_NAME, backend="llamacpp"))
+    ids = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    ar = AREngine(target, tokenizer)
+    return target, draft, tokenizer, ids, [ar.generate(GenerationRequest(i, GREEDY, TOKENS)).token_ids for i in ids]
+
+
+def _request(ids, speculation=None):
+    return GenerationRequest(ids, GREEDY, TOKENS, speculation)
+
+
+def test_the_probe_picked_fast_invariant_options(pair):
+    target, draft, *_ = pair
+    for model in (target, draft):
+        assert model.precision == "gguf q4_k_m" and model.invariant_options()["n_ubatch"] >= 5
+
+
+def test_sd_greedy_equals_ar(pair):
+    target, draft, tokenizer, ids, want = pair
+    spec = SpeculationConfig(mode="sd", k=4)
+    engine = SDEngine(target, draft, tokenizer)
+    assert [engine.generate(_request(i, spec)).token_ids for i in ids] == want
+
+
+def test_ssd_greedy_equals_ar_and_hits(pair):
+    target, draft, tokenizer, ids, want = pair
+    spec = SpeculationConfig(mode="ssd", k=2, fanout=FanoutConfig(budget=4))
+    engine = SSDEngine.in_process(target, draft, tokenizer, spec)
+    try:
+        outs = [engine.generate(_request(i, spec)) for i in ids]
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.stats.spec.hits for o in outs) > 0
+
+
+def test_batched_ar_rows_equal_each_alone(pair):
+    target, _, tokenizer, ids, want = pair
+    assert _run_batch(AREngine(target, tokenizer), [_request(i) for i in ids]) == want
