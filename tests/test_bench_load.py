@@ -54,7 +54,7 @@ def test_the_serving_bench_compares_batched_modes_with_the_one_at_a_time_server(
 
 
 @pytest.mark.cluster
-def test_the_serving_bench_runs_ar_and_ssd_through_the_cluster_beside_in_process_rows(tmp_path, capsys):
+def test_the_serving_bench_runs_ar_and_ssd_through_the_cluster_beside_in_process_rows(shared_ray, tmp_path, capsys):
     from ssd.tools.bench import cli as bench
 
     prompts = tmp_path / "tiny.yaml"

@@ -1,6 +1,8 @@
 """The distributed runtime on CPU: real Ray actors, gloo links, tiny models.
 
-Each Cluster starts Ray (several seconds); the tests share one where they can.
+The tests share one Cluster (its actors take seconds to start) in the worker's
+one Ray (tests/conftest.py: shared_ray); the SSD-on-llama.cpp cluster, which
+needs the cores this one holds, is in test_cluster_llamacpp.
 """
 
 import dataclasses
@@ -37,7 +39,7 @@ def local_ar(config, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_ray):
     with Cluster(CONFIG, plan_placement("0", "1", 2, "cpu")) as c:
         yield c
 
@@ -69,14 +71,22 @@ def test_ar_mode_through_the_cluster(cluster):
 
 def test_sampled_ssd_matches_target_through_the_cluster(cluster):
     """Joint of tokens 3-4 over 600 seeds; every token cached at every k, so
-    rounds after the first are cache hits carrying q rows over gloo."""
+    rounds after the first are cache hits carrying q rows over gloo. The seeds
+    run as rows of the target's batch (every row owns its streams: the first
+    seeds, run again alone, must give the same tokens)."""
+    from tests.test_distribution import run_rows
+
     vocab = CONFIG.target.tiny.vocab_size
     spec = dataclasses.replace(
         CONFIG.speculation, k=2, fanout=dataclasses.replace(CONFIG.speculation.fanout, kind="uniform", budget=3 * vocab)
     )
     config = GenerationConfig(max_new_tokens=4)
     sampling = SamplingConfig(temperature=1.0)
-    outs = [cluster.generate(GenerationRequest([1, 2], dataclasses.replace(sampling, seed=s), config, spec)) for s in range(600)]
+    requests = [GenerationRequest([1, 2], dataclasses.replace(sampling, seed=s), config, spec) for s in range(600)]
+    with cluster.batch_engine("ssd") as engine:
+        outs = run_rows(engine, requests)
+    for request, out in zip(requests[:12], outs):
+        assert cluster.generate(request).token_ids == out.token_ids
     samples = [tuple(out.token_ids[2:4]) for out in outs]
     # The per-request spec reached the draft: with every outcome cached, every lookup hits
     # (the configured geometric budget of 8 would miss often at T = 1).
@@ -289,4 +299,3 @@ def test_sigterm_drains_the_running_request_and_leaves_no_process_behind():
     finally:
         if launcher.poll() is None:
             launcher.kill()
-

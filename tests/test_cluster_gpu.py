@@ -29,7 +29,7 @@ PROMPT = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def logical_gpus():
+def logical_gpus(own_ray):
     """A Ray instance on this CPU machine that declares five GPUs."""
     assert not ray.is_initialized()
     ray.init(num_cpus=6, num_gpus=5, include_dashboard=False, logging_level="ERROR")

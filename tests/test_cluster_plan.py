@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cluster
 CONFIG = load_config(ROOT / "configs" / "tiny-cluster.yaml")
 
 
-def test_the_cluster_plans_at_start_and_runs_the_plan(tmp_path, monkeypatch):
+def test_the_cluster_plans_at_start_and_runs_the_plan(shared_ray, tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
     config = dataclasses.replace(CONFIG, runtime=RuntimeConfig(plan=True, plan_keeps=["glue"]))
     with Cluster(config, plan_placement("0", "1", 2, "cpu")) as cluster:

@@ -31,7 +31,7 @@ HANG_S = 90.0  # a failed forward must end its request well before this; before 
 
 
 @pytest.fixture(scope="module")
-def tp2():
+def tp2(shared_ray):
     with Cluster(TP_CONFIG, plan_placement("0-1", None, 2, "cpu")) as cluster:
         yield cluster
 

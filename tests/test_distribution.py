@@ -13,8 +13,9 @@ the bonus after depth 3 all occur.
 
 Tested: the joint of tokens 1-4 against the target's exact joint, enumerated
 over the vocabulary; chi-square, cells with expected count < 5 pooled into
-one, alpha 0.001, SAMPLES fixed seeds. The cells kept whole carry 85-99 % of
-the mass (T = 1: 32 cells and the pooled rest; top-k and top-p leave at most
+one, alpha 0.001, SAMPLES fixed seeds, run as rows of one batch (each row
+draws what it would alone: asserted on the first seeds of every draw). The
+cells kept whole carry 85-99 % of the mass (T = 1: 32 cells and the pooled rest; top-k and top-p leave at most
 32 cells in all). Settings: T = 0.6, T = 1, top-k 2 (T = 1), top-p 0.8 (T = 1).
 
 Power: the same test, at the same setting and with the same seeds, run on a
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
+from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import SDEngine
 from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.sampling import sample
@@ -90,18 +91,45 @@ class Draws:
     first_round_accepted: Counter  # drafts the first round accepted -> seeds
 
 
+# The seeds of a draw run as rows of one batch, ROWS at a time (one packed
+# target forward per step for all rows). Every row owns its seeded generator,
+# which the draft and the verifier draw from, so a row draws exactly what it
+# would alone: the first ALONE seeds of every draw, broken verifiers included,
+# run again one at a time and must give the same tokens.
+ROWS = 16
+ALONE = 12
+
+
 def draw(pair, sampling: SamplingConfig, verifier=verify, samples: int = SAMPLES) -> Draws:
     target, draft = pair
-    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=K), verifier=verifier)
+    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=K),
+                      BatchingConfig(max_rows=ROWS), verifier=verifier)
     generation = GenerationConfig(max_new_tokens=N_TOKENS)
     draws = Draws([], Counter())
-    for seed in range(samples):
-        rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
-        out = run(engine, PROMPT, dataclasses.replace(sampling, seed=seed), generation, rounds.append)
+    rounds: list[list[list[int]]] = [[] for _ in range(samples)]  # per seed: the prefill's token, then each round's
+    requests = [GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), generation,
+                                  on_tokens=rounds[seed].append) for seed in range(samples)]
+    outs = run_rows(engine, requests)
+    for seed in range(min(ALONE, samples)):
+        alone = run(engine, PROMPT, requests[seed].sampling, generation)
+        assert alone.token_ids == outs[seed].token_ids, f"seed {seed}: a row drew other tokens than alone"
+    for out, seed_rounds in zip(outs, rounds):
         assert out.stats.drafted_at[K - 1] >= 1, "no round verified K drafts"
         draws.samples.append(tuple(out.token_ids[i] for i in POSITIONS))
-        draws.first_round_accepted[len(rounds[1]) - 1] += 1
+        draws.first_round_accepted[len(seed_rounds[1]) - 1] += 1
     return draws
+
+
+def run_rows(engine, requests: list[GenerationRequest]) -> list:
+    """Every request's result, the requests admitted in order as rows free up."""
+    results, queue = {}, list(reversed(requests))
+    while queue or engine.rows:
+        while queue and engine.can_admit(queue[-1]):
+            engine.admit(queue.pop())
+        for finished in engine.step():
+            assert finished.error is None, finished.error
+            results[id(finished.request)] = finished.result
+    return [results[id(r)] for r in requests]
 
 
 def sd_samples(pair, sampling: SamplingConfig, verifier=verify) -> list[tuple[int, ...]]:

@@ -83,7 +83,7 @@ class HealthLog:
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(own_ray):
     import ray
 
     from ssd.serve.client import GenerationClient

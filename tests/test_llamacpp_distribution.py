@@ -9,8 +9,9 @@ llama.cpp's logits match torch's to ~1e-6 relative (asserted on the prompt
 within test_llamacpp's REL_TOL), far below what a chi-square test of a few
 thousand draws can see. Chi-square as in test_distribution (tests/stats.py):
 cells with an expected count below 5 pooled into one, alpha 0.001, fixed
-seeds 0..samples - 1, one engine per path running the seeded requests one
-after another. Each generation records the tokens every round emitted, so a
+seeds 0..samples - 1, one engine per path running the seeded requests as
+rows of one batch (each row draws what it would alone: asserted on the
+first seeds of every draw). Each generation records the tokens every round emitted, so a
 test asserts where its tested tokens came from.
 
 Paths (measured shares in parentheses):
@@ -63,7 +64,7 @@ pytest.importorskip("gguf")
 
 import ssd.saguaro.speculator as speculator_module  # noqa: E402
 from ssd.config import (  # noqa: E402
-    FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig,
+    BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig,
 )
 from ssd.engine import AREngine, SDEngine  # noqa: E402
 from ssd.engine.request import GenerationRequest  # noqa: E402
@@ -74,7 +75,7 @@ from ssd.saguaro.target import SSDEngine  # noqa: E402
 from ssd.verify import verify  # noqa: E402
 from tests.exact import exact_marginal  # noqa: E402
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue  # noqa: E402
-from tests.test_distribution import correction_from_p  # noqa: E402
+from tests.test_distribution import correction_from_p, run_rows  # noqa: E402
 from tests.test_llamacpp import REL_TOL, _model  # noqa: E402
 from tests.test_ssd_distribution import cache_draws_reversed, neural_draws_flat  # noqa: E402
 
@@ -129,13 +130,21 @@ def ssd_spec(budget: int) -> SpeculationConfig:
     return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(budget=budget), backup="neural")
 
 
+# The seeds of a draw run as rows of one batch, ROWS at a time; every row owns
+# its streams, so it draws what it would alone: the first ALONE seeds of every
+# draw, broken ones included, run again one at a time and must give the same tokens.
+ROWS = 16
+ALONE = 12
+BATCH = BatchingConfig(max_rows=ROWS)
+
+
 def sd_engine(target, draft, verifier=verify):
-    return SDEngine(target, draft, TOKENIZER, SpeculationConfig(mode="sd", k=K), verifier=verifier)
+    return SDEngine(target, draft, TOKENIZER, SpeculationConfig(mode="sd", k=K), BATCH, verifier=verifier)
 
 
 def ssd_engine(budget: int):
     return lambda target, draft, verifier=verify: SSDEngine.in_process(target, draft, TOKENIZER, ssd_spec(budget),
-                                                                   verifier=verifier)
+                                                                   BATCH, verifier=verifier)
 
 
 def breaks_verifier(verifier):
@@ -161,7 +170,7 @@ LATE = Window(2 * K + 3, (K + 2, K + 3, K + 4))  # past round 1, which ends by t
 
 
 def ar_engine(target, draft, verifier=verify):
-    return AREngine(target, TOKENIZER)
+    return AREngine(target, TOKENIZER, BATCH)
 
 
 PATHS = {  # seeds measured to fit the file in ~40 s on one core with p-value margins of many orders
@@ -206,12 +215,16 @@ def draw(models, path: Path, monkeypatch: pytest.MonkeyPatch | None = None, samp
         engine = path.engine(lm_target, lm_draft, verifier or verify)
         draws = Draws()
         generation = GenerationConfig(max_new_tokens=path.window.n_tokens)
+        n = samples or path.samples
+        every_rounds: list[list[list[int]]] = [[] for _ in range(n)]  # per seed: the prefill's token, then each round's
+        requests = [GenerationRequest(PROMPT, dataclasses.replace(path.sampling, seed=seed), generation,
+                                      on_tokens=every_rounds[seed].append) for seed in range(n)]
         try:
-            for seed in range(samples or path.samples):
-                rounds: list[list[int]] = []  # the prefill's token, then each round's tokens
-                request = GenerationRequest(PROMPT, dataclasses.replace(path.sampling, seed=seed), generation,
-                                            on_tokens=rounds.append)
-                out = engine.generate(request)
+            outs = run_rows(engine, requests)
+            for request, out in zip(requests[:ALONE], outs):
+                alone = engine.generate(dataclasses.replace(request, on_tokens=None))
+                assert alone.token_ids == out.token_ids, f"seed {request.sampling.seed}: a row drew other tokens"
+            for out, rounds in zip(outs, every_rounds):
                 assert out.token_ids == [t for r in rounds for t in r]
                 draws.samples.append(tuple(out.token_ids[i] for i in path.window.positions))
                 if len(rounds) > 1:

@@ -42,7 +42,7 @@ FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 0, "health_check_period_ms
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(own_ray):
     """A head node without CPUs (no actor lands there) and two worker nodes."""
     import ray
     from ray.cluster_utils import Cluster as RayCluster

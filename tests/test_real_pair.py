@@ -22,8 +22,8 @@ from ssd.config import (
 from ssd.engine import AREngine, SDEngine
 from ssd.saguaro.target import SSDEngine
 from ssd.engine.request import GenerationRequest
-from ssd.models import load_model, load_tokenizer
-from ssd.models.offline import DRAFT_NAME, TARGET_NAME
+from ssd.models import load_model
+from ssd.models.offline import TARGET_NAME
 from ssd.models.quant import int8_supported
 from ssd.models.tokenizer import encode_prompt
 from tests.conftest import ROOT
@@ -36,13 +36,12 @@ TOKENS = GenerationConfig(max_new_tokens=32)
 
 
 @pytest.fixture(scope="module", params=["fp32", "int8"])
-def real_pair(request):
+def real_pair(request, real_draft, real_tokenizer):
     quantization = "int8" if request.param == "int8" else None
     if quantization and not int8_supported():
         pytest.skip("needs torch's x86 int8 kernels")
     target = load_model(ModelConfig(name=TARGET_NAME, dtype="fp32", quantization=quantization))
-    draft = load_model(ModelConfig(name=DRAFT_NAME, dtype="fp32", quantization="int8"))
-    return target, draft, load_tokenizer(ModelConfig(name=TARGET_NAME))
+    return target, real_draft, real_tokenizer  # the draft and tokenizer: tests/conftest.py, loaded once
 
 
 @pytest.fixture(scope="module")

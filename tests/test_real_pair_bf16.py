@@ -10,8 +10,8 @@ import pytest
 from ssd.config import GenerationConfig, ModelConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.request import GenerationRequest
-from ssd.models import load_model, load_tokenizer
-from ssd.models.offline import DRAFT_NAME, TARGET_NAME
+from ssd.models import load_model
+from ssd.models.offline import TARGET_NAME
 from ssd.models.tokenizer import encode_prompt
 from tests.test_real_pair import GREEDY, PROMPTS
 from tests.ties import assert_equal_up_to_near_tie
@@ -24,10 +24,9 @@ NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module")
-def bf16_pair():
+def bf16_pair(real_draft, real_tokenizer):
     target = load_model(ModelConfig(name=TARGET_NAME, dtype="bf16"))
-    draft = load_model(ModelConfig(name=DRAFT_NAME, dtype="fp32", quantization="int8"))
-    return target, draft, load_tokenizer(ModelConfig(name=TARGET_NAME))
+    return target, real_draft, real_tokenizer  # the int8 draft and tokenizer: tests/conftest.py
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["fibonacci", "json", "stack"])
