@@ -193,9 +193,10 @@ def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
 
 
 def test_a_replicas_target_killed_under_load_loses_no_request(stack):
-    """Eight clients streaming; replica 1's target SIGKILLed once they stream. A
-    request that had streamed tokens fails UNAVAILABLE and its retry succeeds;
-    the rest finish; health stays SERVING; replica 1 restarts."""
+    """Eight clients streaming; replica 1's target SIGKILLed once a request on it
+    has streamed tokens (not merely once any request has: all the first ones may
+    be on replica 0). A request that had streamed tokens fails UNAVAILABLE and
+    its retry succeeds; the rest finish; health stays SERVING; replica 1 restarts."""
     import ray
 
     replicas, _, client, health = stack
@@ -207,12 +208,13 @@ def test_a_replicas_target_killed_under_load_loses_no_request(stack):
 
     def kill_once() -> None:
         with lock:
-            if not killed:
+            if not killed and any(streamed > 0 for streamed in rows_on(replicas, 1).values()):
                 killed.append(time.monotonic())
                 os.kill(pid, signal.SIGKILL)
 
     with ThreadPoolExecutor(len(TEXTS)) as pool:
         runs = list(pool.map(lambda t: run_with_retry(client, t, 80, "ssd", kill_once), TEXTS))
+    assert killed, "no request on replica 1 ever streamed: the kill never fired"
     for text, (tokens, _) in zip(TEXTS, runs):
         assert tokens == expected_ar(replicas, text, 80)
     hit = sum(failed for _, failed in runs) + replicas.counts[1].moved - moved
