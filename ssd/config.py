@@ -20,7 +20,7 @@ DTYPES = ("fp32", "bf16", "fp64", AUTO)
 QUANTIZATIONS = (None, "int8", AUTO)
 MODES = ("ar", "sd", "ssd")
 FANOUT_KINDS = ("uniform", "geometric")
-BACKUPS = ("neural", "ngram", "random")
+BACKUPS = ("neural", "lookup", "ngram", "random")
 BRANCH_DECODERS = ("tree", "batched")
 # Which kernels run a model: torch (any model, any device), llama.cpp (a GGUF on
 # the CPU: ssd.models.llamacpp), or "auto": ssd.models.loading.resolve_backend.
@@ -158,6 +158,21 @@ class FanoutConfig:
     # (ssd.saguaro.fanout.share_budget); each row's schedule keeps its shape. With
     # rows of different settings the tightest cap applies. None: no cap.
     batch_budget: int | None = None
+    # Anytime build: `budget` is only where the draft starts. Each build stops
+    # when the target's outcome arrives (answering from the branches it has),
+    # and the budget then follows the round: a quarter less after a cut, one
+    # more after a build that left the draft waiting (ssd.saguaro.anytime),
+    # up to `max_budget` (None: max(2 * budget, budget + 4)). false: every
+    # build runs to `budget` whatever the wait.
+    anytime: bool = True
+    max_budget: int | None = None
+
+    @property
+    def ceiling(self) -> int:
+        """The most branches a row's build may take."""
+        if not self.anytime:
+            return self.budget
+        return self.max_budget if self.max_budget is not None else min(4096, max(2 * self.budget, self.budget + 4))
 
     def __post_init__(self) -> None:
         if self.kind not in FANOUT_KINDS:
@@ -170,6 +185,8 @@ class FanoutConfig:
             raise ConfigError(f"fanout.initial_r must be > 0, got {self.initial_r}")
         if self.refresh_every < 1:
             raise ConfigError(f"fanout.refresh_every must be >= 1, got {self.refresh_every}")
+        if self.max_budget is not None and not self.budget <= self.max_budget <= 4096:
+            raise ConfigError(f"fanout.max_budget must be in budget..4096 or null, got {self.max_budget}")
         if self.batch_budget is not None and self.batch_budget < 1:
             raise ConfigError(f"fanout.batch_budget must be >= 1 or null, got {self.batch_budget}")
 
@@ -184,6 +201,11 @@ class SpeculationConfig:
     # Backup by batch size: {from_batch_size: backup}; {1: neural, 8: ngram}
     # uses neural below 8 sequences and ngram from 8 on. Empty: always `backup`.
     backup_policy: dict[int, str] = field(default_factory=dict)
+    # Free cache entries: for each acceptance length, the outcome the text so
+    # far predicts (prompt lookup: what followed the latest earlier occurrence
+    # of the context's last 2-3 tokens) with what followed it, where the draft
+    # built nothing for it. No model cost; exact (a one-hot q).
+    ngram_candidates: bool = True
     branch_decoder: str = "tree"  # tree (one row, tree mask) | batched (expanded KV)
     glue: str = "fold"  # fold | reuse | full: see GLUES
     # K by batch size for batched SD: {smallest batch size: K}, K 0 = speculation

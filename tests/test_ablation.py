@@ -52,7 +52,8 @@ PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15], [4, 4, 2]]
 GREEDY_TOKENS = 48
 # Refreshing every 3 observations makes the geometric planner re-plan many
 # times per sequence: the replay must feed it the live observations in order.
-BASE = SpeculationConfig(mode="ssd", fanout=FanoutConfig(refresh_every=3))
+# The replay models builds of a fixed budget with the draft's entries only (as the CLI's base spec)
+BASE = SpeculationConfig(mode="ssd", fanout=FanoutConfig(refresh_every=3, anytime=False), ngram_candidates=False)
 
 
 def _record(models, tokenizer, temperature=0.0, n=GREEDY_TOKENS, samples=1, top_n=128, seed=0):

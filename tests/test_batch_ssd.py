@@ -37,13 +37,17 @@ from tests.test_speculator_batch import BackupSpy
 GREEDY = SamplingConfig(temperature=0.0)
 
 
-def ssd_spec(k: int = 4, budget: int = 8, kind: str = "geometric") -> SpeculationConfig:
-    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget))
+def ssd_spec(k: int = 4, budget: int = 8, kind: str = "geometric", adaptive: bool = False) -> SpeculationConfig:
+    """adaptive: the defaults (anytime builds, free n-gram entries); off, each
+    build runs to its budget and the cache holds the draft's entries only."""
+    fanout = FanoutConfig(kind=kind, budget=budget, anytime=adaptive)
+    return SpeculationConfig(mode="ssd", k=k, fanout=fanout, ngram_candidates=adaptive)
 
 
-def request(prompt, n=20, sampling=GREEDY, k=4, budget=8, stop=(), kind="geometric", **kw) -> GenerationRequest:
+def request(prompt, n=20, sampling=GREEDY, k=4, budget=8, stop=(), kind="geometric", adaptive=False,
+            **kw) -> GenerationRequest:
     generation = GenerationConfig(max_new_tokens=n, stop=list(stop))
-    return GenerationRequest(prompt, sampling, generation, ssd_spec(k, budget, kind), **kw)
+    return GenerationRequest(prompt, sampling, generation, ssd_spec(k, budget, kind, adaptive), **kw)
 
 
 def ar_ids(target, tokenizer, r: GenerationRequest) -> tuple[list[int], str]:
@@ -137,16 +141,29 @@ def one_rounds_message_per_step(engine: SSDEngine, spy: SpyChannel) -> tuple[Cal
 
 # --- greedy: each row is AR alone ---------------------------------------------------------
 
-def greedy_rows(tokenizer, target) -> list[GenerationRequest]:
+def greedy_rows(tokenizer, target, adaptive: bool = False) -> list[GenerationRequest]:
     reference = ar_ids(target, tokenizer, request([1, 2, 3], 40))[0]
     stop = tokenizer.decode(reference)[5:7]  # completes inside a round
     return [
-        request([1, 2, 3], 40, k=4, budget=8, stop=[stop]),
-        request([5], 17, k=2, budget=3),
-        request([7, 7, 7, 7, 0, 1, 9, 12, 15], 30, k=6, budget=16),
-        request([3, 1, 4, 1, 5, 9, 2, 6] * 9, 25, k=3, budget=6),  # 72 tokens: prefilled in chunks of 16
-        request([11, 4], 1, k=5),
+        request([1, 2, 3], 40, k=4, budget=8, stop=[stop], adaptive=adaptive),
+        request([5], 17, k=2, budget=3, adaptive=adaptive),
+        request([7, 7, 7, 7, 0, 1, 9, 12, 15], 30, k=6, budget=16, adaptive=adaptive),
+        # 72 tokens: prefilled in chunks of 16
+        request([3, 1, 4, 1, 5, 9, 2, 6] * 9, 25, k=3, budget=6, adaptive=adaptive),
+        request([11, 4], 1, k=5, adaptive=adaptive),
     ]
+
+
+def test_greedy_rows_equal_ar_with_anytime_builds_and_ngram_entries(tiny_models, tiny_tokenizer):
+    """The defaults, rows together: builds the next round cuts short and free
+    n-gram entries (they serve hits: the repeated prompt) leave every row's output AR's."""
+    target, draft = tiny_models
+    rows = greedy_rows(tiny_tokenizer, target, adaptive=True)
+    with linked(target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=16)) as (engine, _, _):
+        outs = [ok(f) for f in run_batch(engine, rows)]
+    for r, out in zip(rows, outs):
+        assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
+    assert sum(out.stats.spec.ngram_hits for out in outs) > 0
 
 
 def test_greedy_rows_equal_ar_with_one_exchange_per_step(tiny_models, tiny_tokenizer, monkeypatch):

@@ -69,6 +69,24 @@ def test_ar_mode_through_the_cluster(cluster):
     assert out.token_ids == local_ar(CONFIG, PROMPTS[0], 20)
 
 
+def test_the_draft_core_joins_the_target_while_speculation_is_off(cluster):
+    """k_policy K 0 at this batch size: the draft has nothing to do, so the target
+    steps on both cores (two threads); a speculating request takes the draft's back."""
+    import ray
+
+    def target_cores():
+        where = ray.get(cluster.targets[0].whereabouts.remote())
+        return where["affinity"], where["threads"]
+
+    off = dataclasses.replace(CONFIG.speculation, k_policy={1: 0})
+    out = cluster.generate(GenerationRequest(PROMPTS[2], GREEDY, GenerationConfig(max_new_tokens=12), off))
+    assert out.token_ids == local_ar(CONFIG, PROMPTS[2], 12) and out.stats.spec.lookups == 0
+    assert target_cores() == ([0, 1], 2)
+    on = cluster.generate(GenerationRequest(PROMPTS[2], GREEDY, GenerationConfig(max_new_tokens=12)))
+    assert on.token_ids == out.token_ids and on.stats.spec.hits > 0
+    assert target_cores() == ([0], 1)
+
+
 def test_sampled_ssd_matches_target_through_the_cluster(cluster):
     """Joint of tokens 3-4 over 600 seeds; every token cached at every k, so
     rounds after the first are cache hits carrying q rows over gloo. The seeds

@@ -429,6 +429,9 @@ def test_share_budget_caps_the_total_and_keeps_one_per_row(budgets, cap):
 def test_a_scaled_schedule_keeps_the_planners_shape(kind):
     planner = FanoutPlanner(kind, 4, 16, caps=[15] * 4 + [16], prior_a=0.6, prior_r=0.5)
     for h in (True, False):
-        assert planner.schedule(h, budget=16) == planner.schedule(h) == planner.schedule(h, budget=99)
+        assert planner.schedule(h, budget=16) == planner.schedule(h)
+        grown = planner.schedule(h, budget=24)  # an anytime build grown past the plan: same shape, more branches
+        assert sum(grown) == 24 and grown == allocate(planner._weights[h], 24, planner.caps)
+        assert sum(planner.schedule(h, budget=99)) == 4 * 15 + 16  # no more than the caps
     want = uniform_fanout(4, 6) if kind == "uniform" else geometric_fanout(0.6, 0.5, 4, 6)
     assert planner.schedule(True, budget=6) == want and sum(want) == 6

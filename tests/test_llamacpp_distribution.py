@@ -127,7 +127,10 @@ class Path:
 
 
 def ssd_spec(budget: int) -> SpeculationConfig:
-    return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(budget=budget), backup="neural")
+    # Builds to their budget and the draft's entries only: each path isolated, and a row
+    # draws what it would alone (an anytime build's cut depends on timing).
+    fanout = FanoutConfig(budget=budget, anytime=False)
+    return SpeculationConfig(mode="ssd", k=K, fanout=fanout, backup="neural", ngram_candidates=False)
 
 
 # The seeds of a draw run as rows of one batch, ROWS at a time; every row owns

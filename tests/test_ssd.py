@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+import ssd.saguaro.builder as builder_module
 import ssd.saguaro.speculator as speculator_module
 from ssd.config import GLUES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
@@ -21,8 +22,12 @@ GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 
 
-def ssd_spec(k=4, budget=8, kind="geometric", **kw) -> SpeculationConfig:
-    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget), **kw)
+def ssd_spec(k=4, budget=8, kind="geometric", anytime=False, **kw) -> SpeculationConfig:
+    """Builds that run to their budget and a cache of the draft's entries only, so that
+    the tests can see each setting take effect; test_ssd_greedy_equals_ar_adaptive
+    runs the defaults (an anytime build, free n-gram entries)."""
+    kw.setdefault("ngram_candidates", False)
+    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget, anytime=anytime), **kw)
 
 
 def ar_ids(target, tokenizer, prompt, n):
@@ -52,7 +57,40 @@ def test_ssd_greedy_equals_ar(tiny_models, tiny_tokenizer, references, k, budget
     assert lengths == {k} if glue != "fold" or k == 1 else k in lengths and lengths <= {k, k - 1}
 
 
-@pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
+@pytest.mark.parametrize("k, budget, glue", [(1, 2, "fold"), (3, 4, "fold"), (4, 8, "reuse"), (6, 4, "full")])
+def test_ssd_greedy_equals_ar_adaptive(tiny_models, tiny_tokenizer, references, k, budget, glue, monkeypatch):
+    """The defaults: anytime builds (slowed here so that the target's outcome
+    arrives mid-build and cuts them) and free n-gram entries; greedy output is AR's,
+    builds were cut, and the n-gram entries served hits."""
+    target, draft = tiny_models
+    cuts = []
+    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
+
+    def slow_draw(self, *args):
+        time.sleep(0.004)  # a draft step slower than the target's verification
+        return real_draw(self, *args)
+
+    def seen_call(self):
+        fired = real_call(self)
+        cuts.append(fired)
+        return fired
+
+    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
+    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    spec = SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(budget=budget), glue=glue)
+    assert spec.fanout.anytime and spec.ngram_candidates
+    ngram_hits = 0
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
+        for prompt in PROMPTS:
+            out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
+            assert out.token_ids == references[tuple(prompt)]
+            ngram_hits += out.stats.spec.ngram_hits
+    assert ngram_hits > 0
+    if k > 1:  # K = 1: one branch step, nothing to cut
+        assert any(cuts)
+
+
+@pytest.mark.parametrize("backup", ["neural", "lookup", "ngram", "random"])
 @pytest.mark.parametrize("decoder", ["tree", "batched"])
 def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(
     tiny_models, tiny_tokenizer, references, backup, decoder, monkeypatch
@@ -60,13 +98,17 @@ def test_ssd_greedy_equals_ar_with_every_backup_and_decoder(
     target, draft = tiny_models
     starts = count_decoder_starts(monkeypatch)
     spec = ssd_spec(4, 4, backup=backup, branch_decoder=decoder)
+    served = set()
     with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         for prompt in PROMPTS:
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == references[tuple(prompt)]
-            # Every miss (the first round always is one) was served by the chosen backup.
+            # Every miss (the first round always is one) was served by the chosen backup
+            # (lookup: its n-gram match, or the neural chain without one).
             s = out.stats.spec
-            assert s.rounds_after_miss >= 1 and s.backups == {backup: s.rounds_after_miss}
+            assert s.rounds_after_miss >= 1 and sum(s.backups.values()) == s.rounds_after_miss
+            served |= set(s.backups)
+    assert served == ({"ngram", "neural"} if backup == "lookup" else {backup})
     assert set(starts) == {decoder}  # every cache was built by the chosen decoder
 
 

@@ -118,8 +118,12 @@ def small_pair():
     return small_models()
 
 
-def spec(budget: int = FULL, kind: str = "uniform", **kw) -> SpeculationConfig:
-    return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(kind=kind, budget=budget), **kw)
+def spec(budget: int = FULL, kind: str = "uniform", anytime: bool = False, **kw) -> SpeculationConfig:
+    """Each path isolated: builds run to their budget (no anytime cut) and the
+    cache holds only what the draft built (no free n-gram entries), unless a
+    path asks for them."""
+    kw.setdefault("ngram_candidates", False)
+    return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(kind=kind, budget=budget, anytime=anytime), **kw)
 
 
 def run(ssd, prompt, sampling, generation, on_tokens=None):
@@ -132,6 +136,7 @@ class Draws:
     samples: list[tuple[int, ...]]  # tokens at the window's positions, one tuple per seed
     hits: int
     lookups: int
+    ngram_hits: int
     tested_from_round_1: int  # tested tokens that round 1 (never a cache hit) produced
     slots: Counter  # slot of each tested token in its round -> count
 
@@ -144,6 +149,7 @@ class Draws:
         tested token came from (rounds up to `last_early_round` count as early)."""
         self.samples.append(tuple(out.token_ids[i] for i in positions))
         self.hits += out.stats.spec.hits
+        self.ngram_hits += out.stats.spec.ngram_hits
         self.lookups += out.stats.spec.lookups
         origin = [(r, slot) for r, tokens in enumerate(rounds) for slot in range(len(tokens))]
         for position in positions:
@@ -163,18 +169,20 @@ ALONE = 12
 
 
 def draw(
-    pair, spec_config: SpeculationConfig, sampling: SamplingConfig, window: Window, samples: int = SAMPLES
+    pair, spec_config: SpeculationConfig, sampling: SamplingConfig, window: Window, samples: int = SAMPLES,
+    prompt: tuple[int, ...] = tuple(PROMPT),
 ) -> Draws:
     target, draft = pair
+    prompt = list(prompt)
     generation = GenerationConfig(max_new_tokens=window.n_tokens)
-    draws = Draws([], 0, 0, 0, Counter())
+    draws = Draws([], 0, 0, 0, 0, Counter())
     rounds: list[list[list[int]]] = [[] for _ in range(samples)]  # per seed: the prefill's token, then each round's
-    requests = [GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), generation,
+    requests = [GenerationRequest(prompt, dataclasses.replace(sampling, seed=seed), generation,
                                   on_tokens=rounds[seed].append) for seed in range(samples)]
     with SSDEngine.in_process(target, draft, TinyTokenizer(V), spec_config, BatchingConfig(max_rows=ROWS)) as ssd:
         outs = run_rows(ssd, requests)
         for seed in range(min(ALONE, samples)):
-            alone = run(ssd, PROMPT, requests[seed].sampling, generation)
+            alone = run(ssd, prompt, requests[seed].sampling, generation)
             assert alone.token_ids == outs[seed].token_ids, f"seed {seed}: a row drew other tokens than alone"
     for out, seed_rounds in zip(outs, rounds):
         draws.add(out, seed_rounds, window.positions)
@@ -184,17 +192,18 @@ def draw(
 _EXACT: dict[tuple, dict] = {}
 
 
-def exact(pair, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
+def exact(pair, sampling: SamplingConfig, window: Window, prompt: tuple[int, ...] = tuple(PROMPT)) -> dict:
     """The target's exact law at the window, cached: its 4^7 prefixes take about a second."""
-    key = (id(pair[0]), dataclasses.astuple(sampling), window)
+    key = (id(pair[0]), dataclasses.astuple(sampling), window, prompt)
     if key not in _EXACT:
-        _EXACT[key] = exact_marginal(pair[0], PROMPT, window.n_tokens, sampling, list(window.positions))
+        _EXACT[key] = exact_marginal(pair[0], list(prompt), window.n_tokens, sampling, list(window.positions))
     return _EXACT[key]
 
 
-def pvalue(pair, draws: Draws, sampling: SamplingConfig, window: Window, row: tuple[str, str, str]) -> float:
+def pvalue(pair, draws: Draws, sampling: SamplingConfig, window: Window, row: tuple[str, str, str],
+           prompt: tuple[int, ...] = tuple(PROMPT)) -> float:
     """The chi-square p-value, reported as a (path, setting, variant) row of the table."""
-    p = chi_square_pvalue(draws.samples, exact(pair, sampling, window))
+    p = chi_square_pvalue(draws.samples, exact(pair, sampling, window, prompt))
     report_pvalue(*row, len(draws.samples), p)
     return p
 
@@ -444,6 +453,94 @@ def test_saguaro_test_rejects_a_broken_cache(small_pair, monkeypatch, name):
     assert p < ALPHA, f"{case.broken.__name__} went undetected at Saguaro {name}: p = {p:.2e}"
 
 
+# --- anytime builds and free n-gram candidates -------------------------------------------
+# An anytime build that the outcome cut short answers from shorter branches:
+# forced here at the same step of every build (before its third branch step:
+# early branches hold 2 tokens, the bonus ones that joined at step 1 hold 1),
+# with every outcome prepared, so every round after the first is a hit on a cut
+# entry. Free n-gram entries: budget 1, so the draft prepares one outcome per
+# round and the text's own predictions fill others (asserted: they serve
+# hits); misses run the neural backup.
+
+CUT_AT = 2
+
+
+def cut_every_build(monkeypatch) -> None:
+    """Every build stops before branch step CUT_AT, as if the outcome arrived then."""
+    class CutAtOnce(speculator_module._Cut):  # first asked before step MIN_CUT_STEPS == CUT_AT
+        def __call__(self) -> bool:
+            self.fired = True
+            return True
+
+    assert builder_module.MIN_CUT_STEPS == CUT_AT
+    monkeypatch.setattr(speculator_module, "_Cut", CutAtOnce)
+    monkeypatch.setattr(speculator_module.AnytimeBudget, "observe", lambda *a, **kw: None)  # keep every outcome
+
+
+def candidates_ship_smoothed_q(monkeypatch) -> None:
+    """Free n-gram entries: q rows smoothed (0.1 on the proposed token, the rest
+    spread over the others) instead of one-hot: not the law the tokens came from,
+    so verification accepts them almost always. (A q of 0 at the proposed token
+    is refused by verification itself.)"""
+    real = speculator_module.ngram_candidates
+
+    def ngram_candidates(*args, **kwargs):
+        entries = real(*args, **kwargs)
+        for entry in entries.values():
+            entry.q.copy_(entry.q * 0.1 + (1 - entry.q) * (0.9 / (V - 1)))
+        return entries
+
+    monkeypatch.setattr(speculator_module, "ngram_candidates", ngram_candidates)
+
+
+def anytime_draws(pair, monkeypatch, samples: int = SAMPLES) -> Draws:
+    cut_every_build(monkeypatch)
+    draws = draw(pair, spec(anytime=True), T1, LATE, samples)
+    assert draws.lookups > 0 and draws.hits == draws.lookups and draws.tested_from_round_1 == 0
+    assert max(draws.slots) == CUT_AT  # no round verified more than the cut's CUT_AT tokens
+    return draws
+
+
+# The target's favourite token, over and over: the text predicts what the target
+# likes, so n-gram entries hit and their drafts are often accepted.
+REPETITIVE = (1,) * 8
+
+
+def candidate_draws(pair, samples: int = SAMPLES) -> Draws:
+    draws = draw(pair, spec(budget=1, ngram_candidates=True), T1, LATE, samples, prompt=REPETITIVE)
+    assert draws.ngram_hits > 0.05 * draws.lookups and draws.tested_from_round_1 == 0
+    return draws
+
+
+def test_a_cut_anytime_build_keeps_the_target_law(small_pair, monkeypatch):
+    draws = anytime_draws(small_pair, monkeypatch)
+    assert_slots_reached(draws, CUT_AT)
+    p = pvalue(small_pair, draws, T1, LATE, ("anytime build, cut at step 2", "t1.0", "exact"))
+    assert p > ALPHA, f"cut builds: p = {p:.2e}"
+
+
+def test_the_anytime_test_rejects_a_broken_cache(small_pair, monkeypatch):
+    cache_draws_reversed(monkeypatch)
+    draws = anytime_draws(small_pair, monkeypatch)  # depth 2 only (the cut keeps no deeper): all the seeds
+    p = pvalue(small_pair, draws, T1, LATE, ("anytime build, cut at step 2", "t1.0", "cache_draws_reversed"))
+    assert p < ALPHA, f"a broken cut cache went undetected: p = {p:.2e}"
+
+
+def test_free_ngram_candidates_keep_the_target_law(small_pair):
+    draws = candidate_draws(small_pair)
+    print(f"n-gram entries served {draws.ngram_hits} of {draws.lookups} lookups")
+    p = pvalue(small_pair, draws, T1, LATE, ("free n-gram entries", "t1.0", "exact"), REPETITIVE)
+    assert p > ALPHA, f"n-gram entries: p = {p:.2e}"
+
+
+def test_the_candidates_test_rejects_smoothed_q_rows(small_pair, monkeypatch):
+    candidates_ship_smoothed_q(monkeypatch)
+    draws = candidate_draws(small_pair)
+    p = pvalue(small_pair, draws, T1, LATE, ("free n-gram entries", "t1.0", "candidates_ship_smoothed_q"),
+               REPETITIVE)
+    assert p < ALPHA, f"n-gram entries with smoothed q rows went undetected: p = {p:.2e}"
+
+
 # --- a draft link adopted mid-request (a healed draft) -----------------------------------
 
 ADOPTED = Window(9, (6, 7, 8))  # past the adoption round, which spans tokens 2..K + 2
@@ -469,7 +566,7 @@ def adoption_draws(pair, sampling: SamplingConfig, broken: bool = False, samples
     target_end, draft_end = inprocess_pair()
     speculator = threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True)
     speculator.start()
-    draws = Draws([], 0, 0, 0, Counter())
+    draws = Draws([], 0, 0, 0, 0, Counter())
     for seed in range(samples):
         rounds: list[list[int]] = []
 
@@ -541,7 +638,7 @@ def parked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLE
     Rounds: the prefill's token, K + 1 (all accepted), 1 (parked), K + 1, ..."""
     target, _ = pair
     window = Window(2 * K + 4, (1, K + 3))  # round 1's first draft; the first draft after the re-prefill
-    draws = Draws([], 0, 0, 0, Counter())
+    draws = Draws([], 0, 0, 0, 0, Counter())
     settings = spec(k_policy={2: 0})
     with SSDEngine.in_process(target, target, TinyTokenizer(V), settings) as engine:
         for seed in range(samples):
@@ -570,7 +667,7 @@ def relinked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMP
 
     target, _ = pair
     window = Window(2 * K + 3, (1, K + 2))
-    draws = Draws([], 0, 0, 0, Counter())
+    draws = Draws([], 0, 0, 0, 0, Counter())
     engine = SSDEngine(target, TinyTokenizer(V), spec())
     threads = []
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import BACKENDS, GLUES, MODES, Config, ConfigError, load_config
+from ssd.config import BACKENDS, BACKUPS, GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -34,11 +34,16 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", type=int, help="override speculation.k (drafted tokens per round)")
     parser.add_argument("--fanout", choices=["uniform", "geometric"], help="override speculation.fanout.kind")
     parser.add_argument("--budget", type=int, help="override speculation.fanout.budget (branches per round)")
+    parser.add_argument("--anytime", action=argparse.BooleanOptionalAction, default=None,
+                        help="override speculation.fanout.anytime (SSD builds stop when the outcome arrives "
+                             "and the budget follows the round)")
+    parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
+                        help="override speculation.ngram_candidates (free n-gram entries in SSD's cache)")
     parser.add_argument("--glue", choices=GLUES, help="override speculation.glue (how an SSD cache build starts)")
     parser.add_argument("--no-plan", action="store_true",
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
-    parser.add_argument("--backup", choices=["neural", "ngram", "random"], help="override speculation.backup")
+    parser.add_argument("--backup", choices=BACKUPS, help="override speculation.backup")
     parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
     parser.add_argument("--temperature", type=float, help="override sampling.temperature (0: greedy)")
     parser.add_argument("--top-k", type=int, help="override sampling.top_k")
@@ -61,12 +66,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The config file with the flags' overrides; a bad file or value exits naming it."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {}
-    fanout = {k: v for k, v in (("kind", args.fanout), ("budget", args.budget)) if v is not None}
+    fanout = {k: v for k, v in (("kind", args.fanout), ("budget", args.budget), ("anytime", args.anytime))
+              if v is not None}
     if fanout:
         overrides["speculation"] = {"fanout": fanout}
     for section, key, value in [
         ("speculation", "saguaro_c", args.saguaro_c),
         ("speculation", "backup", args.backup),
+        ("speculation", "ngram_candidates", args.ngram_candidates),
         ("speculation", "mode", args.mode),
         ("speculation", "k", args.k),
         ("speculation", "glue", args.glue),

@@ -96,12 +96,19 @@ class Actors:
     def _cores(self, device: int) -> list[int] | None:
         return [device] if self.placement.kind == "cpu" else None
 
+    def _spare_cores(self, rank: int) -> list[int] | None:
+        """The draft's cores, lent to a lone target rank on the same node while the
+        draft has nothing to do (ssd.cluster.workers.TargetWorker._step_cores)."""
+        if self.placement.kind != "cpu" or rank > 0 or self.placement.tp_size > 1 or self.draft_node is not None:
+            return None
+        return list(self.placement.draft) or None
+
     def _start_targets(self) -> list:
         config = dataclasses.asdict(self.config)
         world, tp_port = self.placement.tp_size, free_port()
         targets = [
             RemoteTarget.options(**self._options(rank, device)).remote(
-                config, rank, world, self._cores(device), tp_port, self.device
+                config, rank, world, self._cores(device), tp_port, self.device, self._spare_cores(rank)
             )
             for rank, device in enumerate(self.placement.target)
         ]

@@ -64,6 +64,7 @@ def whereabouts(device: str) -> dict[str, Any]:
         "placed_gpu": os.environ.get("SSD_PLACED_GPU"),
         "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads": torch.get_num_threads(),
         "niceness": os.nice(0),
         "node_id": _node_id(),
     }
@@ -81,7 +82,7 @@ class TargetWorker:
 
     def __init__(
         self, config: dict[str, Any], rank: int, world: int, cores: list[int] | None, tp_port: int,
-        device: str = "cpu",
+        device: str = "cpu", spare_cores: list[int] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target[{rank}] %(name)s: %(message)s")
         pin_to_cores(cores)
@@ -90,6 +91,9 @@ class TargetWorker:
 
         self.config: Config = from_dict(Config, config)
         self.cores = cores
+        # The draft's cores on this node (CPU mode): they join this rank's while the draft has nothing to do.
+        self.spare_cores = spare_cores or []
+        self._widened = False
         self.device = device  # "cuda": the one GPU this process sees
         self.rank, self.world = rank, world
         if world > 1:
@@ -175,7 +179,7 @@ class TargetWorker:
 
     def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
         """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
-        pin_to_cores(self.cores)  # Ray may run this call on a thread not pinned yet
+        pin_to_cores(self._step_cores())  # every step: Ray may run this call on a thread not pinned yet
         self._cancelled_rows.update(cancelled)
         left = self._engine(mode).step()
         emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
@@ -189,6 +193,19 @@ class TargetWorker:
             error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
             ended.append((key, finished.result, error))
         return emitted, ended
+
+    def _step_cores(self) -> list[int] | None:
+        """This step's cores: the rank's own, and the draft's too while SSD gives the
+        draft nothing to do (no rows, or speculation.k_policy says K 0 at this batch
+        size): plain target steps then use both, and hand the draft's back as soon
+        as speculation resumes."""
+        ssd = self._engines.get("ssd")
+        widen = bool(self.spare_cores) and not (ssd is not None and ssd.speculating())
+        if widen != self._widened:
+            self._widened = widen
+            log.info("the draft's cores %s %s this target's while speculation is off", self.spare_cores,
+                     "join" if widen else "leave")
+        return [*self.cores, *self.spare_cores] if widen else self.cores
 
     def plan_probe(self) -> dict[str, Any]:
         """SSD's start-up plan, the target's half (ssd.saguaro.startup.target_probe), with the prompts' lengths."""

@@ -16,6 +16,7 @@ class SpecStats:
     hits: int = 0
     lookups_by_k: dict[int, int] = field(default_factory=dict)
     hits_by_k: dict[int, int] = field(default_factory=dict)
+    ngram_hits: int = 0  # hits on the cache's free n-gram entries (speculation.ngram_candidates)
     rounds_after_hit: int = 0
     tokens_after_hit: int = 0  # tokens added by rounds verifying a cached speculation
     rounds_after_miss: int = 0
@@ -39,6 +40,7 @@ class SpecStats:
             self.lookups_by_k[lookup_k] = self.lookups_by_k.get(lookup_k, 0) + 1
             self.hits_by_k[lookup_k] = self.hits_by_k.get(lookup_k, 0) + hit
         if hit:
+            self.ngram_hits += source == "ngram"
             self.rounds_after_hit += 1
             self.tokens_after_hit += tokens
             self.wait_hit_s += wait_s
@@ -76,7 +78,7 @@ class SpecStats:
 
     def summary(self) -> str:
         return (
-            f"hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}), tokens/round "
+            f"hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}, {self.ngram_hits} n-gram), tokens/round "
             f"{self.tokens_per_round_after_hit:.2f} after hit, {self.tokens_per_round_after_miss:.2f} after miss, "
             f"backups {self.backups}, wait {self.wait_s:.2f}s, verify {self.verify_s:.2f}s, "
             f"build {self.build_s:.2f}s, backup {self.backup_s:.2f}s"

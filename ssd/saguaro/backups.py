@@ -4,7 +4,7 @@ a one-hot q), so verification stays lossless whichever backup runs."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -53,6 +53,45 @@ class NgramBackup:
         return Proposal(tokens, q, self.kind)
 
 
+class LookupBackup:
+    """A free candidate first: the n-gram continuation when the context's last
+    `min_n`+ tokens occurred before (no model cost, no stall); otherwise the
+    neural chain. Either way the proposal carries the q it was drawn from."""
+
+    kind = "lookup"
+
+    def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 2) -> None:
+        self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
+
+    def propose(self, kv, context, k, sampling, gen, saguaro):
+        follow = ngram_match(context, k, self.max_n, self.min_n)
+        if len(follow) < k:
+            return NeuralBackup().propose(kv, context, k, sampling, gen, saguaro)
+        q = None if sampling.greedy else one_hot_rows(follow, self.vocab_size)
+        return Proposal(follow, q, "ngram")
+
+
+def ngram_candidates(
+    context: Sequence[int], drafted: Sequence[int], depth: int, vocab_size: int, greedy: bool,
+    taken: Callable[[int, int], bool], max_n: int = 3, min_n: int = 2,
+) -> dict[tuple[int, int], Proposal]:
+    """Free cache entries: for each acceptance length k, the outcome t* that
+    the text so far predicts (what followed the latest earlier occurrence of
+    context + drafted[:k]) with the `depth` tokens that followed it, where the
+    draft built nothing for (k, t*) (`taken`). No model cost; q one-hot."""
+    entries: dict[tuple[int, int], Proposal] = {}
+    for k in range(len(drafted) + 1):
+        follow = ngram_match([*context, *drafted[:k]], depth + 1, max_n, min_n)
+        if len(follow) < 2:
+            continue
+        t_star, tokens = follow[0], follow[1:]
+        if (k < len(drafted) and t_star == drafted[k]) or taken(k, t_star):
+            continue  # a rejection never yields the drafted token; the draft's own entry is better
+        q = None if greedy else one_hot_rows(tokens, vocab_size)
+        entries[(k, t_star)] = Proposal(tokens, q, "ngram")
+    return entries
+
+
 class RandomBackup:
     """Uniformly random tokens: q is uniform, and verification must use it."""
 
@@ -68,15 +107,25 @@ class RandomBackup:
 
 
 def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:
-    """The k tokens after the latest earlier occurrence of the context's suffix."""
-    ctx = list(context)
-    for n in range(min(max_n, len(ctx) - 1), 0, -1):
+    """The k tokens after the latest earlier occurrence of the context's suffix
+    (padded with its last token); with no occurrence, the last token k times."""
+    follow = ngram_match(context, k, max_n)
+    if not follow:
+        return [context[-1]] * k
+    return follow + [follow[-1]] * (k - len(follow))
+
+
+def ngram_match(context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = 4096) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the
+    context's last n tokens (n = max_n down to min_n) within its last `window`
+    tokens; [] when none occurs. Prompt lookup (Saxena 2023) / suffix matching."""
+    ctx = list(context[-window:])
+    for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
         suffix = ctx[-n:]
         for start in range(len(ctx) - n - 1, -1, -1):  # latest match first, not the suffix itself
             if ctx[start : start + n] == suffix:
-                follow = ctx[start + n : start + n + k]
-                return follow + [follow[-1]] * (k - len(follow))
-    return [ctx[-1]] * k
+                return ctx[start + n : start + n + k]
+    return []
 
 
 def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
@@ -89,6 +138,8 @@ def make_backup(kind: str, vocab_size: int) -> Backup:
         return NeuralBackup()
     if kind == "ngram":
         return NgramBackup(vocab_size)
+    if kind == "lookup":
+        return LookupBackup(vocab_size)
     if kind == "random":
         return RandomBackup(vocab_size)
     raise ValueError(f"unknown backup {kind!r}")

@@ -33,6 +33,10 @@ from ssd.saguaro.sampling import Saguaro
 
 Entries = dict[tuple[int, int], Proposal]
 
+# An anytime build keeps at least this many tokens per branch: the bonus branches
+# of a folded build join at step 1, and the outcome "all accepted" is the likeliest.
+MIN_CUT_STEPS = 2
+
 
 def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: Sequence[int]) -> list[tuple[int, int]]:
     """(k, t*) pairs to prepare: the top-F_k draft tokens at each acceptance length.
@@ -101,6 +105,7 @@ class BuildJob:
     work: DraftWork | None = None
     depth: int | None = None
     glue: str = "fold"
+    stop: Callable[[], bool] | None = None  # the anytime build's: see build_caches
 
 
 def build_cache(
@@ -148,6 +153,12 @@ def build_caches(jobs: Sequence[BuildJob]) -> list[Entries | Exception]:
     forwards of b times the tokens, not b x K forwards. A row whose own work
     fails (its sampling, say) gets its exception and the others go on; a
     failed forward is every row's in it.
+
+    A job's `stop` is asked before each branch step from MIN_CUT_STEPS on; once
+    it says True the job's build ends there and every branch keeps the tokens
+    it has (an anytime build: the target's outcome arrived, and an answer
+    now beats a deeper cache later). Shorter speculations are as exact as
+    full ones.
     """
     steps = [_build_steps(job) for job in jobs]
     results: list[Entries | Exception | None] = [None] * len(jobs)
@@ -181,7 +192,8 @@ def _build_steps(job: BuildJob) -> Generator[Feed, torch.Tensor, Entries]:
     kv, decoder, committed, drafted = job.kv, job.decoder, job.committed, job.drafted
     depth = len(drafted) if job.depth is None else job.depth
     fanout = fanout_for(job.fanout, len(drafted))
-    grower = _Grower(job.sampling, job.gen, job.saguaro, keep=isinstance(decoder, TreeBranchDecoder) and kv.lean)
+    keep = isinstance(decoder, TreeBranchDecoder) and kv.lean
+    grower = _Grower(job.sampling, job.gen, job.saguaro, keep=keep, stop=job.stop)
     known = None if job.glue == "full" else resume(kv, committed, drafted, job.work)
     if known is not None and job.glue == "fold" and depth >= 2 and grower.keep:
         early = guessed_outcomes(known, drafted, fanout[:-1])
@@ -225,8 +237,13 @@ class _Grower:
     carries its DraftWork, for the next build to resume from.
     """
 
-    def __init__(self, sampling: SamplingConfig, gen: torch.Generator, saguaro: Saguaro | None, keep: bool) -> None:
+    def __init__(
+        self, sampling: SamplingConfig, gen: torch.Generator, saguaro: Saguaro | None, keep: bool,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.sampling, self.gen, self.saguaro, self.keep = sampling, gen, saguaro, keep
+        self.stop = stop
+        self.cut = False  # the build ended early (stop said so)
 
     def folded(self, kv, decoder: TreeBranchDecoder, committed, drafted, bonus_fanout: int, early, depth: int) -> Entries:
         """The first step feeds drafted[-1] (committed) and the early branches'
@@ -248,6 +265,9 @@ class _Grower:
         try:
             for step in range(steps):
                 if step:
+                    if step >= MIN_CUT_STEPS and self.stop is not None and self.stop():
+                        self.cut = True
+                        break
                     if step == 1 and late:
                         decoder.join([late_prefix] * len(late), [t for _, t in late])
                     tokens = ids[-1]
@@ -262,7 +282,8 @@ class _Grower:
             raise
         fed = decoder.fed_indices() if self.keep else None
         decoder.detach() if self.keep else decoder.finish()
-        return self._entries(list(branches), list(late), ids, q, rows, fed)
+        late = list(late) if len(ids) > 1 else []  # cut before they joined: nothing of theirs
+        return self._entries(list(branches), late, ids, q, rows, fed)
 
     def _draw(self, logits: torch.Tensor, step: int, early: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next ids of the active branches, and the q rows they were drawn from (None: greedy)."""

@@ -394,13 +394,13 @@ class FanoutPlanner:
     def schedule(self, after_hit: bool, budget: int | None = None) -> list[int]:
         """F_0..F_K for the cache built while verifying a hit (True) or miss round.
 
-        budget: spend at most this many branches (a batch sharing one branch
-        cap scales each row down); the shape is the same
+        budget: spend this many branches instead (a batch sharing one branch
+        cap scales each row down; an anytime build may grow it); the shape is the same
         as the planner's schedule, from the estimates of the last refresh, so
         a scaled row stays geometric and stable between refreshes.
         """
         own = self._schedules[bool(after_hit)]
-        if budget is None or budget >= sum(own):
+        if budget is None or budget == sum(own):
             return list(own)
         return allocate(self._weights[bool(after_hit)], budget, self.caps)
 

@@ -32,7 +32,8 @@ from ssd.hardware import sync
 from ssd.models.backend import AnySequence, device_of, new_sequence, release, vocab_size
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
-from ssd.saguaro.backups import make_backup
+from ssd.saguaro.anytime import AnytimeBudget
+from ssd.saguaro.backups import make_backup, ngram_candidates
 from ssd.saguaro.branches import BranchDecoder, make_branch_decoder
 from ssd.saguaro.builder import BuildJob, build_caches
 from ssd.saguaro.cache import Proposal, SpeculationCache
@@ -87,6 +88,10 @@ class Speculator:
         self.vocab_size = vocab_size(model)
         self.device = device_of(model)
         self.sequences: dict[int, DraftSequence] = {}
+        # Anytime builds (speculation.fanout.anytime): the learnt budget offset,
+        # and the last build's (planned budget, cut, seconds) until its outcome arrives.
+        self.anytime: AnytimeBudget | None = None
+        self._last_build: tuple[int, bool, float, float] | None = None
 
     def serve(self) -> None:
         """Handle messages until shutdown. A failure is reported, not swallowed:
@@ -96,6 +101,7 @@ class Speculator:
             protocol.PING: lambda msg: self.channel.send(Message(protocol.PONG)),
         }
         while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
+            self._outcome_arrived(msg.op)
             try:
                 handlers[msg.op](msg)
             except Exception as exc:
@@ -104,7 +110,7 @@ class Speculator:
 
     def _prefill(self, msg: Message) -> None:
         row = protocol.parse_prefill(msg)
-        kv = new_sequence(self.model, branches=row.speculation.fanout.budget)
+        kv = new_sequence(self.model, branches=row.speculation.fanout.ceiling)
         if len(row.prompt) > 1:
             kv.forward(row.prompt[:-1], last_only=True)  # overlaps the target's own prefill
         planner = make_planner(row.speculation, self.vocab_size)
@@ -157,7 +163,10 @@ class Speculator:
             return None
         cached = seq.cache.lookup(k, token)
         drafted = len(seq.in_flight.tokens)
-        seq.planner.observe(seq.in_flight_hit, k, seq.in_flight_fanout[k], cached is not None, drafted)
+        # The planner learns how the draft's own guesses do: a free n-gram entry's hit is its miss.
+        own_hit = cached is not None and cached.source == "cache"
+        after_own_hit = seq.in_flight_hit and seq.in_flight.source == "cache"
+        seq.planner.observe(after_own_hit, k, seq.in_flight_fanout[k], own_hit, drafted)
         seq.committed += seq.in_flight.tokens[:k] + [token]
         return cached
 
@@ -173,40 +182,88 @@ class Speculator:
         reports it). Every row's build_s is the whole build's time."""
         started = time.perf_counter()
         seqs = [self.sequences[r.seq] for r in replies]
-        budgets = self._budgets(seqs, [r.hit for r in replies])
-        jobs = [self._job(seq, r.proposal, r.hit, b) for seq, r, b in zip(seqs, replies, budgets)]
+        planned, budgets = self._budgets(seqs, [r.hit for r in replies])
+        cut = _Cut(self.channel) if any(s.speculation.fanout.anytime for s in seqs) else None
+        jobs = [self._job(seq, r.proposal, r.hit, b, cut) for seq, r, b in zip(seqs, replies, budgets)]
         results = build_caches(jobs) if jobs else []
         sync(self.device)
         elapsed = time.perf_counter() - started
+        if cut is not None and jobs:  # an outcome already waiting: the build overran even if never cut
+            overran = cut.fired or protocol.ROUNDS in self.channel.pending()
+            self._last_build = (max(planned), overran, elapsed, time.perf_counter())
         for reply, seq, job, result in zip(replies, seqs, jobs, results):
             if isinstance(result, Exception):
                 log.error("speculator failed on sequence %s: %s", reply.seq, _describe(result), exc_info=result)
                 self._fail(reply.seq, _describe(result))
                 continue
+            if seq.speculation.ngram_candidates:
+                result.update(self._free_candidates(seq, reply.proposal.tokens, result))
             seq.cache.replace(result)
             seq.in_flight, seq.in_flight_hit = reply.proposal, reply.hit
             seq.in_flight_fanout = fanout_for(job.fanout, len(reply.proposal.tokens))
             seq.build_s = elapsed
 
-    def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> list[int]:
-        """Each row's branches this round: its own schedule's, scaled under the
-        tightest fanout.batch_budget among the rows (ssd.saguaro.fanout.share_budget)."""
-        caps = [s.speculation.fanout.batch_budget for s in seqs if s.speculation.fanout.batch_budget is not None]
-        own = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
-        return share_budget(own, min(caps, default=None))
+    def _free_candidates(self, seq: DraftSequence, drafted: list[int], built: dict) -> dict:
+        """Outcomes the text so far predicts and the build did not prepare, with
+        their n-gram continuations (ssd.saguaro.backups.ngram_candidates)."""
+        return ngram_candidates(seq.committed, drafted, len(drafted), self.vocab_size, seq.sampling.greedy,
+                                taken=lambda k, t: (k, t) in built)
 
-    def _job(self, seq: DraftSequence, proposal: Proposal, hit: bool, budget: int | None) -> BuildJob:
+    def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> tuple[list[int], list[int]]:
+        """Each row's planned branches this round (its own schedule's) and what
+        it builds: the planned ones moved by the anytime offset (within the
+        row's room), scaled under the tightest fanout.batch_budget among the
+        rows (ssd.saguaro.fanout.share_budget)."""
+        caps = [s.speculation.fanout.batch_budget for s in seqs if s.speculation.fanout.batch_budget is not None]
+        planned = [sum(s.planner.schedule(after_hit=h)) for s, h in zip(seqs, hits)]
+        own = [self._anytime_budget(s, p) for s, p in zip(seqs, planned)]
+        return planned, share_budget(own, min(caps, default=None))
+
+    def _anytime_budget(self, seq: DraftSequence, planned: int) -> int:
+        fanout = seq.speculation.fanout
+        if not fanout.anytime:
+            return planned
+        if self.anytime is None:
+            self.anytime = AnytimeBudget(ceiling=fanout.ceiling)
+        return min(self.anytime.budget(planned), fanout.ceiling)
+
+    def _outcome_arrived(self, op: str) -> None:
+        """The anytime budget learns from the last build once the next round's
+        outcomes arrive; anything else in between (a prefill, a release) makes
+        that wait meaningless, so it is dropped."""
+        last, self._last_build = self._last_build, None
+        if last is None or op != protocol.ROUNDS or self.anytime is None:
+            return
+        planned, cut, build_s, ended = last
+        self.anytime.observe(planned, cut, build_s, time.perf_counter() - ended)
+
+    def _job(
+        self, seq: DraftSequence, proposal: Proposal, hit: bool, budget: int | None, stop: _Cut | None = None,
+    ) -> BuildJob:
         """This row's build: its schedule (scaled to `budget`), Saguaro, decoder and the proposal's work."""
         spec = seq.speculation
         fanout = seq.planner.schedule(after_hit=hit, budget=budget)
         saguaro = Saguaro(spec.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
         return BuildJob(seq.kv, seq.decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen,
-                        saguaro, proposal.work, spec.k, spec.glue)
+                        saguaro, proposal.work, spec.k, spec.glue, stop)
 
     def _release(self, msg: Message) -> None:
         seq = self.sequences.pop(msg.header["seq"], None)
         if seq is not None:
             release(seq.kv)  # a llama.cpp sequence's context goes now; torch's cache when collected
+
+
+class _Cut:
+    """The anytime build's stop: the next round's outcomes wait on the channel.
+    Once it has said so it stays so, so that every row of the build stops at
+    the same step."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel, self.fired = channel, False
+
+    def __call__(self) -> bool:
+        self.fired = self.fired or protocol.ROUNDS in self.channel.pending()
+        return self.fired
 
 
 def _describe(exc: BaseException) -> str:

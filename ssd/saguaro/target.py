@@ -168,6 +168,11 @@ class SSDEngine(BatchedEngine):
     def link_up(self) -> bool:
         return self.channel is not None or self._pending is not None
 
+    def speculating(self) -> bool:
+        """Whether the next step gives the draft work: a link, and a row whose
+        speculation.k_policy says K > 0 at the current batch size."""
+        return self.link_up and any(row.state.speculation.k_for(len(self._rows)) > 0 for row in self._rows)
+
     def attach(self, channel: Channel) -> None:
         """Use a (new) draft link from the next step on; safe from any thread."""
         with self._pending_lock:

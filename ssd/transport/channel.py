@@ -7,6 +7,7 @@ messages travel in-process and over torch.distributed.
 
 from __future__ import annotations
 
+import queue
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,5 +40,16 @@ class Channel(ABC):
     def recv(self, timeout: float | None = None) -> Message:
         """The next message; ChannelTimeout after `timeout` seconds (None: wait)."""
 
+    def pending(self) -> list[str]:
+        """The ops of the messages waiting now, in order, none taken; empty
+        where the carrier cannot tell without receiving (callers then go on)."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional for carriers with nothing to free
         """Release the carrier's resources."""
+
+
+def queued_ops(inbox: queue.Queue) -> list[str]:
+    """The ops of the Messages in a queue, in order, without taking them."""
+    with inbox.mutex:
+        return [m.op for m in inbox.queue if isinstance(m, Message)]

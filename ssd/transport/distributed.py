@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ssd.hardware import to_device
-from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
+from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message, queued_ops
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,11 @@ class DistributedChannel(Channel):
             self._inbox.put(item)  # every later recv sees the end too
             raise ChannelClosed(item.reason) from item.cause
         return item
+
+    def pending(self) -> list[str]:
+        """The receiver thread's queued messages; none without that thread
+        (nccl), which receives only on the caller's thread."""
+        return queued_ops(self._inbox) if self._thread is not None else []
 
     def close(self) -> None:
         """Clean close: tell the peer (its recv raises ChannelClosed once it has

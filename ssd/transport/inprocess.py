@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 
-from ssd.transport.channel import Channel, ChannelTimeout, Message
+from ssd.transport.channel import Channel, ChannelTimeout, Message, queued_ops
 
 
 class InProcessChannel(Channel):
@@ -25,6 +25,10 @@ class InProcessChannel(Channel):
             return self._inbox.get(timeout=timeout)
         except queue.Empty:
             raise ChannelTimeout(f"no message within {timeout} s") from None
+
+
+    def pending(self) -> list[str]:
+        return queued_ops(self._inbox)
 
 
 def inprocess_pair() -> tuple[InProcessChannel, InProcessChannel]:

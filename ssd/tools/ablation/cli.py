@@ -350,7 +350,10 @@ def _base_spec(config: Config) -> SpeculationConfig:
     spec = config.speculation
     if spec.backup_for(batch_size=1) != "neural":
         sys.exit(f"error: --backup: replays model the neural backup only, got {spec.backup_for(1)!r}")
-    return dataclasses.replace(spec, mode="ssd")
+    # Replays model builds of a fixed budget holding the draft's entries only: the
+    # live runs they are compared with build the same (no anytime cut, no n-gram entries).
+    fanout = dataclasses.replace(spec.fanout, anytime=False)
+    return dataclasses.replace(spec, mode="ssd", fanout=fanout, ngram_candidates=False)
 
 
 def _replay_inputs(args: argparse.Namespace, config: Config) -> tuple[ReplayData, SpeculationConfig]:

@@ -368,10 +368,13 @@ def _walk(view: SequenceView, spec: SpeculationConfig, limit: int, planner: Fano
 
 
 def ssd_spec(kind: str, k: int, budget: int, c: float = 1.0, base: SpeculationConfig | None = None) -> SpeculationConfig:
-    """A mode-ssd SpeculationConfig: `base`'s planner priors and decoder with these knobs."""
+    """A mode-ssd SpeculationConfig: `base`'s planner priors and decoder with these knobs,
+    building as replays model it: a fixed budget, the draft's entries only (no anytime
+    cut, no free n-gram entries)."""
     base = base or SpeculationConfig(mode="ssd")
-    fanout = dataclasses.replace(base.fanout, kind=kind, budget=budget)
-    return dataclasses.replace(base, mode="ssd", k=k, saguaro_c=c, fanout=fanout, backup="neural", backup_policy={})
+    fanout = dataclasses.replace(base.fanout, kind=kind, budget=budget, anytime=False)
+    return dataclasses.replace(base, mode="ssd", k=k, saguaro_c=c, fanout=fanout, backup="neural", backup_policy={},
+                               ngram_candidates=False)
 
 
 @dataclass(frozen=True)

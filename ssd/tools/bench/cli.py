@@ -59,7 +59,7 @@ from ssd.tools.bench.background import busy_background
 from ssd.tools.bench.background import describe as describe_background
 from ssd.tools.prompts import load_prompt_set
 from ssd.tools.bench.report import format_tables, plot_throughput, summarize, write_csv, write_json
-from ssd.tools.bench.runner import MODES, UNSPECULATIVE, BenchPlan, Results, run_bench
+from ssd.tools.bench.runner import MODES, SSD_VARIANTS, UNSPECULATIVE, BenchPlan, Results, run_bench
 from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args
 from ssd.factory import load_pair
 
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> Results:
         thread_counts=args.thread_counts or [0],
         cluster_ssd=args.cluster,
         cluster_planned=args.cluster and not args.ks,
+        ssd_variants=args.ssd_variants or (),
         progress=not args.no_progress,
     )
     pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--thread-counts", dest="thread_counts", nargs="+", type=int,
                         help="torch thread counts for the in-process modes (default: torch's)")
     parser.add_argument("--cluster", action="store_true", help="run SSD through the distributed runtime")
+    parser.add_argument("--ssd-variants", dest="ssd_variants", nargs="+", choices=SSD_VARIANTS,
+                        help="with --cluster and no --ks: SSD also with parts of its adaptive build off, in the same "
+                             "cluster, interleaved (static: no anytime build, no free n-gram entries)")
     parser.add_argument("--json", type=Path, help="write everything (machine, aggregates, per-run stats) here")
     parser.add_argument("--csv", type=Path, help="write the aggregate rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s by mode here")

@@ -48,12 +48,14 @@ class RunKey:
     k: int = 0  # drafted tokens per round; 0 for AR
     threads: int = 0  # torch intra-op threads; 0: torch's default
     cluster: bool = False  # through the distributed runtime (one core per role)
+    variant: str = ""  # SSD through the cluster with some of its adaptive parts off (SSD_VARIANTS)
 
     @property
     def name(self) -> str:
-        """Mode, K and placement; the thread count aside."""
+        """Mode, K, placement and variant; the thread count aside."""
         name = self.mode if self.mode in UNSPECULATIVE else f"{self.mode} K={self.k}"
-        return f"{name} cluster" if self.cluster else name
+        name = f"{name} cluster" if self.cluster else name
+        return f"{name} {self.variant}" if self.variant else name
 
     @property
     def label(self) -> str:
@@ -100,6 +102,8 @@ class BenchPlan:
     cluster_ssd: bool = False  # SSD through the cluster runtime, not in-process
     # ... at the start-up plan's settings ("no flags": what launch/cluster.py runs), not at `ks`
     cluster_planned: bool = False
+    # ... and, beside it, the same cluster with these SSD_VARIANTS (per-request settings, interleaved)
+    ssd_variants: Sequence[str] = ()
     progress: bool = True
     mode_runs: list[tuple[str, int]] = field(init=False)
 
@@ -216,10 +220,26 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
         if plan.cluster_planned:  # the plan ran at start where the config asks for one (runtime.plan)
             speculation = cluster.config.speculation
             turns.append(Turn(RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True), cluster, speculation))
+            for variant in plan.ssd_variants:
+                key = RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True, variant=variant)
+                turns.append(Turn(key, cluster, ssd_variant(speculation, variant)))
         else:
             for mode, k in plan.cluster_runs():
                 turns.append(Turn(RunKey("", 0.0, mode, k, 0, cluster=True), cluster, speculation_for(config, mode, k)))
     return turns
+
+
+SSD_VARIANTS = ("static", "no-anytime", "no-ngram")  # static: both off, the build as before
+
+
+def ssd_variant(speculation: SpeculationConfig, variant: str) -> SpeculationConfig:
+    """SSD's settings with some of its adaptive parts off: the anytime build, the free n-gram entries."""
+    if variant not in SSD_VARIANTS:
+        raise ValueError(f"unknown SSD variant {variant!r}; known: {SSD_VARIANTS}")
+    anytime = speculation.fanout.anytime and variant == "no-ngram"
+    ngram = speculation.ngram_candidates and variant == "no-anytime"
+    fanout = dataclasses.replace(speculation.fanout, anytime=anytime)
+    return dataclasses.replace(speculation, fanout=fanout, ngram_candidates=ngram)
 
 
 def _set_threads(key: RunKey) -> None:
