@@ -41,6 +41,17 @@ def tiny_models():
     return tiny_pair()
 
 
+def static_ssd(config):
+    """`config` with SSD's builds at a fixed budget and the draft's entries only (no
+    anytime cut, no free n-gram entries): for tests that compare an SSD request's
+    counts with another run of it, which an anytime build's timing would change."""
+    import dataclasses
+
+    spec = config.speculation
+    fanout = dataclasses.replace(spec.fanout, anytime=False)
+    return dataclasses.replace(config, speculation=dataclasses.replace(spec, fanout=fanout, ngram_candidates=False))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return TinyTokenizer.from_config(TINY)

@@ -30,7 +30,7 @@ from ssd.serve.backend import LocalBackend, UnsupportedRequest
 from ssd.serve.client import GenerationClient
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import GenerationServer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, static_ssd
 from tests.test_serve import ControlledBackend
 
 PROMPT = "abcab"
@@ -101,7 +101,7 @@ def oai(server: GenerationServer, token: str = "unused") -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def backend():
-    local = LocalBackend(load_config(ROOT / "configs" / "tiny.yaml"))
+    local = LocalBackend(static_ssd(load_config(ROOT / "configs" / "tiny.yaml")))  # SSD stats compared with runs alone
     yield local
     local.close()
 

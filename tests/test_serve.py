@@ -28,7 +28,7 @@ from ssd.serve.client import GenerationClient, build_request
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import SERVICE_NAME, GenerationServer
 from ssd.serve.streaming import TextStream
-from tests.conftest import ROOT
+from tests.conftest import ROOT, static_ssd
 from tests.spies import QPRIME_TOL, record_builds, saguaro_errors
 
 PROMPT = "abcab"
@@ -112,7 +112,7 @@ def running(load: Callable[[], Any], wait: bool = True, **options: Any) -> Itera
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(ROOT / "configs" / "tiny.yaml")
+    return static_ssd(load_config(ROOT / "configs" / "tiny.yaml"))  # SSD stats compared with runs alone
 
 
 @pytest.fixture(scope="module")
