@@ -228,14 +228,18 @@ def measure_costs(
 Probe = tuple[Callable[[], Any], Callable[[], Any]]
 
 
-def round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]) -> dict[Any, float]:
+def round_robin(
+    probes: dict[Any, Probe], repeats: int, tick: Callable[[], None], progress: str | None = None,
+) -> dict[Any, float]:
     """Median seconds of each probe over `repeats` passes after one warm-up pass.
 
     Each pass times every probe once, so a machine that speeds up or slows
     down over minutes (a shared host does) shifts all of them alike instead of
     whichever happened to be measured then: the ratios the planner uses hold.
+    progress: a name to log a line under after every pass (start-up waits on these).
     """
     times: dict[Any, list[float]] = {key: [] for key in probes}
+    started_all = time.perf_counter()
     for rep in range(repeats + 1):
         for key, (run, reset) in probes.items():
             reset()
@@ -245,6 +249,9 @@ def round_robin(probes: dict[Any, Probe], repeats: int, tick: Callable[[], None]
                 times[key].append(time.perf_counter() - started)
             if rep == repeats:
                 tick()
+        if progress is not None:
+            log.info("%s: pass %d of %d over %d probes done (%.0f s)", progress, rep + 1, repeats + 1, len(probes),
+                     time.perf_counter() - started_all)
     for _, reset in probes.values():
         reset()
     return {key: statistics.median(values) for key, values in times.items()}

@@ -109,7 +109,7 @@ def target_probe(target: Model, prompts: Sequence[Sequence[int]], ks: Sequence[i
             made.extend(primed)
             for n in ROWS_TOKENS:
                 probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, vocab, gen)
-        timed = round_robin(probes, repeats, lambda: None)
+        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, target probes")
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": [[b, n, timed[("rows", b, n)]] for b in DEFAULT_ROWS for n in ROWS_TOKENS],
                 "sequences": _continue_rows(target, prompts, CONTINUATION)}
@@ -144,7 +144,7 @@ def draft_probe(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequen
             for k in (k for k in BUILD_KS if k in ks):
                 for b in budgets:
                     probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
-        timed = round_robin(probes, repeats, lambda: None)
+        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, draft probes")
         builds: dict[str, list[list]] = {glue: [] for glue in timed_glues}
         for key, seconds in timed.items():
             if key[0] in builds:
