@@ -15,7 +15,6 @@ Why llguidance: it installs here as one abi3 wheel with no dependencies
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 from typing import Any, Sequence
@@ -100,14 +99,53 @@ def ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
 
 
 def _build(tokenizer: Any, eos: tuple[int, ...]) -> Any:
-    if hasattr(tokenizer, "backend_tokenizer"):  # a Hugging Face tokenizer over the `tokenizers` library
-        # As llguidance.hf.from_tokenizer, which insists on transformers' PreTrainedTokenizerFast
-        # class: the Rust tokenizer as JSON, its added tokens included.
-        backend = copy.copy(tokenizer.backend_tokenizer)
-        backend.no_padding()
-        backend.no_truncation()
-        return llguidance.LLTokenizer(backend.to_str(), eos_token=list(eos) or tokenizer.eos_token_id)
+    if hasattr(tokenizer, "convert_ids_to_tokens"):  # a Hugging Face tokenizer
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_HFTokens(tokenizer, eos)), eos_token=list(eos) or None)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_CharTokens(tokenizer, eos)))
+
+
+class _HFTokens:
+    """A Hugging Face byte-level BPE tokenizer as llguidance reads one: each id's bytes, and only
+    the tokenizer's *special* tokens marked special.
+
+    llguidance's own loader (the tokenizer JSON) marks every added token special, so Qwen2.5's
+    `<tool_call>` (added but "special": false, and how the model writes its calls) was allowed
+    by the mask as the text "<tool_call>" yet refused when consumed. Here it is text, as the
+    tokenizer itself decodes it; the tokenizer still encodes it as the one token, so a
+    grammar's forced "<tool_call>" lets the model write its own token.
+    """
+
+    def __init__(self, tokenizer: Any, eos: tuple[int, ...]) -> None:
+        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        added = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        self.tokens: list[bytes] = []
+        for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+            if i in added:
+                self.tokens.append(added[i].content.encode("utf-8"))
+            else:
+                self.tokens.append(bytes(to_byte[c] for c in piece) if all(c in to_byte for c in piece)
+                                   else piece.encode("utf-8"))
+        self.special_token_ids = [i for i, t in added.items() if t.special]
+        self.eos_token_id = eos[0] if eos else tokenizer.eos_token_id
+        self.bos_token_id = None
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character BPE vocabularies spell it with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
 
 
 class _CharTokens:
