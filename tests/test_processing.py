@@ -18,10 +18,11 @@ penalties from the prefix's counts); chi-square, cells below 5 expected
 pooled, alpha 0.001 (tests/stats.py). AR, SD (draft under the same
 processing) and SSD (the speculator unprocessed: only the target is masked).
 
-Power, SD at the same seeds: `rows_ignore_drafts` (every verification row
-biased for the round's first position: the grammar and penalties not
-advanced through the drafted tokens) and `penalties_ignore_drafts` (the
-grammar advanced, the penalties counting committed tokens only) must fail.
+Power, SD at the same seeds: `penalties_ignore_drafts` (the grammar
+advanced through the drafts, the penalties counting committed tokens only)
+must fail the chi-square; `rows_ignore_drafts` (every verification row
+biased for the round's first position) emits tokens the grammar refuses,
+and the run fails.
 """
 
 from __future__ import annotations
@@ -199,14 +200,19 @@ def penalties_ignore_drafts(monkeypatch) -> None:
     monkeypatch.setattr(LogitsProcessor, "_penalties", penalties)
 
 
-@pytest.mark.parametrize("broken", [rows_ignore_drafts, penalties_ignore_drafts])
+def test_rows_that_ignore_the_drafts_emit_what_the_grammar_refuses(pair, monkeypatch):
+    """Row 1 masked for position 1's class: every draft there is rejected and its correction
+    drawn from the wrong class, which the grammar refuses when it is emitted (a failed row)."""
+    rows_ignore_drafts(monkeypatch)
+    with pytest.raises(RuntimeError, match="grammar refused emitted token"):
+        draws(engine("sd", pair))
+
+
+@pytest.mark.parametrize("broken", [penalties_ignore_drafts])
 def test_the_chi_square_rejects_verification_against_the_wrong_rows(pair, monkeypatch, broken):
     expected = exact_joint(pair[0], SAMPLED)
     broken(monkeypatch)
-    try:
-        samples = draws(engine("sd", pair))
-    except RuntimeError:  # a grammar refusing an emitted token is a failure too
-        return
+    samples = draws(engine("sd", pair))
     pvalue = chi_square_pvalue(samples, expected)
     report_pvalue("processing", "regex+bias+penalties T=1", broken.__name__, len(samples), pvalue)
     assert pvalue < ALPHA, pvalue

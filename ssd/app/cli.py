@@ -39,11 +39,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
     parser.add_argument("--backup", choices=["neural", "ngram", "random"], help="override speculation.backup")
-    parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens; a server's default for requests without it")
-    parser.add_argument("--temperature", type=float, help="override sampling.temperature (0: greedy); a server's default for requests without it")
-    parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default for requests without it")
-    parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default for requests without it")
-    parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default for requests without it")
+    parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens; a server's default too")
+    parser.add_argument("--temperature", type=float,
+                        help="override sampling.temperature (0: greedy); a server's default too")
+    parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default too")
+    parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default too")
+    parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default too")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
     for role in ("target", "draft"):

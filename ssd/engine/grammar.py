@@ -100,7 +100,8 @@ def ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
 
 def _build(tokenizer: Any, eos: tuple[int, ...]) -> Any:
     if hasattr(tokenizer, "convert_ids_to_tokens"):  # a Hugging Face tokenizer
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_HFTokens(tokenizer, eos)), eos_token=list(eos) or None)
+        wrapped = llguidance.TokenizerWrapper(_HFTokens(tokenizer, eos))
+        return llguidance.LLTokenizer(wrapped, eos_token=list(eos) or None)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_CharTokens(tokenizer, eos)))
 
 
