@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -379,3 +380,16 @@ def test_grpc_takes_the_same_processing_and_structured_output(wide):
     assert out.text == http
     want = direct(backend, backend.encode("abc"), max_new=20, processing=Processing(((2, 3.0),), 0.0, 1.5))
     assert biased.text == want.text
+
+
+def test_logprobs_are_the_masked_law(wide):
+    """Under a grammar the reported distribution is the masked one: the allowed tokens carry all
+    of the mass, sampled (T = 1) and greedy (log-softmax of the masked logits)."""
+    srv, _ = wide
+    for temperature in (0.0, 1.0):
+        choice = oai(srv).completions.create(
+            model="tiny", prompt="abc", max_tokens=6, temperature=temperature, seed=3, logprobs=2,
+            extra_body={"guided_regex": "[ab]+"}).choices[0]
+        assert re.fullmatch("[ab]+", choice.text)
+        for top in choice.logprobs.top_logprobs:
+            assert set(top) == {"a", "b"} and abs(sum(math.exp(v) for v in top.values()) - 1) < 1e-9
