@@ -143,6 +143,38 @@ class GenerationConfig:
 
 
 @dataclass
+class RequestDefaults:
+    """What a served request gets for a field it omits (ssd.serve.validation).
+
+    None (the default for every field): OpenAI's documented default, which
+    clients assume: temperature 1, top_p 1, no top-k, a fresh random seed per
+    request, and max_new_tokens up to the context (the model's length minus
+    the prompt, within serve.max_new_tokens). A value here is the server's
+    own default; /v1/models and the gRPC ModelInfo report which apply. The
+    `sampling` and `generation` sections are the CLI's and the benches', not
+    a server's.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature >= 0:
+            raise ConfigError(f"serve_defaults.temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"serve_defaults.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"serve_defaults.top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= 2**64 - 1:
+            raise ConfigError(f"serve_defaults.seed must be in 0..2**64-1, got {self.seed}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ConfigError(f"serve_defaults.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
 class FanoutConfig:
     """How SSD spends its branch budget over acceptance lengths 0..K."""
 
@@ -342,6 +374,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serve_defaults: RequestDefaults = field(default_factory=RequestDefaults)
     prompt: str = "def fibonacci(n):"
 
 

@@ -41,13 +41,18 @@ def make_generator(seed: int) -> torch.Generator:
     return gen
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingConfig) -> torch.Tensor:
+def probs_from_logits(
+    logits: torch.Tensor, params: SamplingConfig, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows of logits [..., V] -> rows of probabilities [..., V] in float64.
 
     float64 keeps the ratio test and the residual max(0, p - q) free of
     rounding noise that could otherwise leave a tiny spurious residual.
+    `bias` [..., V]: a request's logits processing (ssd.engine.processing:
+    logit_bias, penalties, a grammar's -inf mask), added before everything
+    else, so greedy, temperature, top-k and top-p all see the processed logits.
     """
-    logits = logits.to(torch.float64)
+    logits = _biased(logits, bias)
     if params.greedy:
         return one_hot_argmax(logits)
     # Shift before scaling: (l - max) / T is <= 0, so a tiny T (even a subnormal
@@ -64,7 +69,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingConfig) -> torch.Ten
 
 
 def token_logprobs(
-    logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int
+    logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int,
+    bias: torch.Tensor | None = None,
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each token i: (log p_i[token], the top_n (id, log p_i) pairs), p_i the
     distribution of logits row i [n, V] under `params`.
@@ -75,7 +81,7 @@ def token_logprobs(
     """
     if not tokens:
         return []
-    rows = logits[: len(tokens)].to(torch.float64)
+    rows = _biased(logits[: len(tokens)], None if bias is None else bias[: len(tokens)])
     if params.greedy:
         logp = torch.log_softmax(rows, dim=-1)
     else:
@@ -86,6 +92,11 @@ def token_logprobs(
     values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return list(zip(chosen, tops))
+
+
+def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    logits = logits.to(torch.float64)
+    return logits if bias is None else logits + bias.to(logits.device, torch.float64)
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

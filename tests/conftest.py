@@ -143,7 +143,8 @@ def own_ray() -> None:
 LANES = {  # kind -> its files, in the order they run; a file with a test of that kind must be listed
     "cluster": ("test_cluster.py", "test_cluster_llamacpp.py", "test_cluster_plan.py", "test_cluster_tp.py",
                 "test_bench_load.py", "test_cluster_gpu.py", "test_faults.py", "test_multinode.py"),
-    "slow": ("test_real_pair.py", "test_real_pair_bf16.py", "test_real_pair_llamacpp.py", "test_models.py"),
+    "slow": ("test_real_pair.py", "test_real_pair_bf16.py", "test_real_pair_llamacpp.py", "test_real_pair_http.py",
+             "test_models.py"),
 }
 LANE_OF = {name: kind for kind, names in LANES.items() for name in names}
 

@@ -44,11 +44,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
     parser.add_argument("--backup", choices=BACKUPS, help="override speculation.backup")
-    parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
-    parser.add_argument("--temperature", type=float, help="override sampling.temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, help="override sampling.top_k")
-    parser.add_argument("--top-p", type=float, help="override sampling.top_p")
-    parser.add_argument("--seed", type=int, help="override sampling.seed")
+    parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens; a server's default too")
+    parser.add_argument("--temperature", type=float,
+                        help="override sampling.temperature (0: greedy); a server's default too")
+    parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default too")
+    parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default too")
+    parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default too")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
     for role in ("target", "draft"):
@@ -83,6 +84,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("sampling", "top_k", args.top_k),
         ("sampling", "top_p", args.top_p),
         ("sampling", "seed", args.seed),
+        # A flag given to a server is its explicit default for requests that omit the field
+        # (ssd.config.RequestDefaults); without one, OpenAI's defaults apply.
+        ("serve_defaults", "temperature", args.temperature),
+        ("serve_defaults", "top_k", args.top_k),
+        ("serve_defaults", "top_p", args.top_p),
+        ("serve_defaults", "seed", args.seed),
+        ("serve_defaults", "max_new_tokens", args.max_new_tokens),
         ("runtime", "threads", args.threads),
         # launch/cluster.py's placement flags (other scripts do not take them)
         ("cluster", "replicas", getattr(args, "replicas", None)),

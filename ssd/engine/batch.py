@@ -40,6 +40,7 @@ from ssd.config import BatchingConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.drafting import Chain
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
+from ssd.engine.processing import LogitsProcessor
 from ssd.engine.request import GenerationRequest, GenerationResult, TokenLogprob
 from ssd.hardware import sync, to_device
 from ssd.models.backend import (
@@ -131,6 +132,7 @@ class SequenceState:
     output: OutputTracker
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per admitted token, when the request asked
+    processor: LogitsProcessor | None = None  # logit_bias, penalties, a grammar (request.processing)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -315,7 +317,15 @@ class BatchedEngine(Engine):
                 prompt_tokens=len(request.prompt_ids), precision=self.precision,
             ),
             logprobs=[] if request.logprobs is not None else None,
+            processor=self._processor(request),
         )
+
+    def _processor(self, request: GenerationRequest) -> LogitsProcessor | None:
+        """The request's logits processing state, or None when it asks for none."""
+        spec = request.processing
+        if spec is None or not spec.active:
+            return None
+        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids))
 
     def _target_sequence(self) -> AnySequence:
         """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""
@@ -333,16 +343,19 @@ class BatchedEngine(Engine):
 
     @staticmethod
     def _next_token(req: SequenceState, logits: torch.Tensor) -> int:
-        """Sample the token after `logits` [V] with the request's settings and generator."""
-        return sample(probs_from_logits(logits, req.sampling), req.gen)
+        """Sample the token after `logits` [V] with the request's settings, processing and generator."""
+        bias = req.processor.bias(logits.shape[-1]) if req.processor is not None else None
+        return sample(probs_from_logits(logits, req.sampling, bias), req.gen)
 
     def _judge(self, req: SequenceState, drafted: list[int], q: torch.Tensor | None, logits: torch.Tensor) -> Outcome:
         """Verify `drafted` against the target's logits [K+1, V] at the scored positions.
 
         p stays on the target's device; sampled q rows are moved there (over a
-        host link they arrive in host memory).
+        host link they arrive in host memory). With logits processing, row i of p
+        is the processed law after drafted[:i] (ssd.engine.processing): the law verified against.
         """
-        p = probs_from_logits(logits, req.sampling)
+        bias = req.processor.rows(drafted, logits.shape[-1]) if req.processor is not None else None
+        p = probs_from_logits(logits, req.sampling, bias)
         if not req.sampling.greedy:  # greedy verification never reads q
             if q is None:
                 if drafted:
@@ -382,14 +395,23 @@ class BatchedEngine(Engine):
     def _emit(req: SequenceState, tokens: list[int], logits: torch.Tensor) -> None:
         """Admit the round's tokens; `logits` [len(tokens), V] are the target's
         rows that scored them (the source of their log-probabilities)."""
+        processor, ended, bias = req.processor, False, None
+        if processor is not None:
+            tokens, ended = processor.admit(tokens, logits.shape[-1])  # nothing past a completed grammar
+            if req.logprobs is not None and tokens:
+                bias = processor.rows(tokens[:-1], logits.shape[-1])  # the laws the tokens came from
         admitted = req.output.add(tokens)
+        if processor is not None:
+            processor.commit(admitted)
+            if ended:
+                req.output.end("stop")
         req.sequence.extend(admitted)
         logprobs = None
         if req.logprobs is not None:
             logprobs = [
                 TokenLogprob(token, value, tuple(top))
                 for token, (value, top) in zip(admitted, token_logprobs(
-                    logits, req.sampling, admitted, req.request.logprobs))
+                    logits, req.sampling, admitted, req.request.logprobs, bias))
             ]
             req.logprobs.extend(logprobs)
         req.request.emit(admitted, logprobs)

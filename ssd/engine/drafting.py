@@ -4,7 +4,7 @@ SSD's neural backup, written once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,9 @@ class Chain:
     q_rows: list[torch.Tensor] = field(default_factory=list)
     logit_rows: list[torch.Tensor] = field(default_factory=list)  # what each token was drawn from, before sampling
     error: Exception | None = None
+    # SD: the request's logits processing (ssd.engine.processing); the draft proposes under it,
+    # tentatively advancing it, and verification rolls it back. None: the draft's logits as they are.
+    processor: Any = None
 
     @property
     def drafting(self) -> bool:
@@ -55,11 +58,14 @@ class Chain:
 
     def take(self, logits: torch.Tensor) -> None:
         """Draw the next drafted token from the draft's logits [V] after the fed tokens."""
-        q = probs_from_logits(logits, self.sampling)
+        bias = self.processor.bias(logits.shape[-1]) if self.processor is not None else None
+        q = probs_from_logits(logits, self.sampling, bias)
         if self.saguaro is not None and not self.sampling.greedy:
             q = self.saguaro.apply(q, len(self.tokens))
         q = as_drawn(q)
         self.tokens.append(sample(q, self.gen))
+        if self.processor is not None:
+            self.processor.push(self.tokens[-1])
         self.q_rows.append(q)
         self.logit_rows.append(logits)
 

@@ -44,6 +44,11 @@ class OutputTracker:
             self.finish_reason = self._end_reason(token)
         return admitted
 
+    def end(self, reason: str) -> None:
+        """End here unless something else already did (a completed grammar: ssd.engine.processing)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
     def text(self) -> str:
         """The generated text, cut before the stop string when one ended it."""
         if self.stop_text is not None:

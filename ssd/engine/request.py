@@ -41,6 +41,25 @@ class TokenLogprob:
 LogprobCallback = Callable[[list[TokenLogprob]], None]
 
 
+@dataclass(frozen=True)
+class Processing:
+    """How a request changes the target's logits before sampling (ssd.engine.processing):
+    plain data, so it travels with the request to another process.
+
+    logit_bias: (token id, bias) pairs, OpenAI's; penalties as OpenAI defines
+    them; grammar: llguidance's serialized grammar (ssd.engine.grammar), or None.
+    """
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar)
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -56,6 +75,8 @@ class GenerationRequest:
     logprobs: int | None = None
     # Called, before on_tokens, with the log-probabilities of the tokens that round admitted.
     on_logprobs: LogprobCallback | None = None
+    # None: the model's logits as they are; else logit_bias, penalties, a grammar's mask.
+    processing: Processing | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

@@ -45,7 +45,8 @@ class SDEngine(BatchedEngine):
     def _draft(self, rows: list[Row]) -> None:
         for row in rows:
             state = row.state
-            row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen)
+            row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen,
+                              processor=state.processor)
         draft_chains([row.chain for row in rows])
         for row in rows:
             row.error = row.chain.error

@@ -16,4 +16,5 @@ server.py     GenerationServicer (the gRPC adapter) and GenerationServer (health
 client.py     GenerationClient, used by launch/client.py and the tests
 http.py       the OpenAI-compatible HTTP API (FastAPI + uvicorn) over the same service (no protobuf)
 http_schema.py OpenAI request bodies (pydantic) -> Request, validated by validation.py
+tools.py      OpenAI tool calls in the model's own format: tools/tool_choice, the call grammar, parsing
 """

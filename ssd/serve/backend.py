@@ -48,7 +48,8 @@ class Backend(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation in the chat template (with `tools` when given), ready for the assistant."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -64,10 +65,10 @@ class TokenizerMixin:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def apply_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.info.chat_template:
             raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
-        return chat_ids(self.tokenizer, messages)
+        return chat_ids(self.tokenizer, messages, tools)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

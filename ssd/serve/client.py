@@ -63,14 +63,20 @@ def build_request(
     mode: str | int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
+    logit_bias: dict[int, float] | None = None,
+    structured: dict[str, Any] | None = None,
     **numbers: Any,
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
 
-    numbers: max_new_tokens, temperature, top_k, top_p, seed, and the
-    speculation settings k, fanout_budget, fanout_kind, saguaro_c, backup.
+    numbers: max_new_tokens, temperature, top_k, top_p, seed, presence_penalty,
+    frequency_penalty, and the speculation settings k, fanout_budget, fanout_kind,
+    saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     """
-    request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos)
+    request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,
+                                 logit_bias=logit_bias or {})
+    if structured is not None:
+        request.structured.CopyFrom(pb.StructuredOutput(**structured))
     if text is not None:
         request.text = text
     if token_ids is not None:

@@ -7,14 +7,15 @@ validates; the rest turn the service's answers into ssd.v1 messages.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from ssd.serve.protos import enum_names, enum_values
-from ssd.serve.request import ChatMessage, Request, Speculation
+from ssd.serve.request import ChatMessage, Request, Speculation, Structured
 from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
-_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
 
@@ -33,6 +34,10 @@ def from_proto(message: Any) -> Request:
         request.token_ids = list(message.token_ids.ids)
     elif which == "chat":
         request.chat = [ChatMessage(m.role, m.content) for m in message.chat.messages]
+    if message.logit_bias:
+        request.logit_bias = dict(message.logit_bias)
+    if message.HasField("structured"):
+        request.structured = _structured(message.structured)
     if message.HasField("speculation"):
         given = message.speculation
         request.speculation = Speculation(
@@ -40,6 +45,22 @@ def from_proto(message: Any) -> Request:
             **{name: getattr(given, name) for name in _OPTIONAL_SPEC if given.HasField(name)},
         )
     return request
+
+
+def _structured(given: Any) -> Structured | None:
+    kind = given.WhichOneof("kind")
+    if kind is None:
+        return None
+    field = f"structured.{kind}"
+    if kind == "json_object":
+        return Structured("json_object", None, field) if given.json_object else None
+    value = getattr(given, kind)
+    if kind == "json_schema":
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(field, f"not valid JSON: {exc}") from None
+    return Structured(kind, value, field)
 
 
 def _mode(value: int) -> str | None:

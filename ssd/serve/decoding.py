@@ -50,7 +50,7 @@ def _lenient_class(full_name: str, file: Any) -> Any:
 
 
 def _strings_as_bytes(message: descriptor_pb2.DescriptorProto, old_package: str) -> None:
-    map_entry = message.options.map_entry  # map keys must stay strings (no request has a map)
+    map_entry = message.options.map_entry  # map keys must stay strings (logit_bias's are numbers)
     for field in message.field:
         if field.type == FieldDescriptor.TYPE_STRING and not map_entry:
             field.type = FieldDescriptor.TYPE_BYTES
@@ -63,6 +63,8 @@ def _strings_as_bytes(message: descriptor_pb2.DescriptorProto, old_package: str)
 def _first_non_utf8(message: Any, prefix: str = "") -> str | None:
     """The path of the first bytes value that does not decode, e.g. "stop[1]" or "chat.messages[0].content"."""
     for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            continue  # a map of numbers (logit_bias): no strings in it
         path = f"{prefix}{field.name}"
         values = list(value) if field.is_repeated else [value]
         for i, item in enumerate(values):

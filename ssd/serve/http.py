@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, beside the gRPC one, in the same process.
 
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
-    GET  /v1/models             GET  /health                GET /metrics
+    GET  /v1/models             GET  /v1/models/{id}
+    GET  /health                GET  /metrics
 
 This is a thin adapter over the GenerationService (ssd.serve.service) the
 gRPC front end shares: JSON -> the neutral Request (http_schema.to_request),
@@ -15,8 +16,16 @@ small thread pool so the event loop never blocks.
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}:
 400 invalid_request_error naming the field, 401, 404 (unknown model or
 path), 413 (body over --max-message-bytes), 429 (queue full), 503 (loading,
-restarting, shutting down). /health and /metrics stay open without the token
-(as grpc.health.v1 and the metrics port do); /v1 needs `Authorization: Bearer`.
+restarting, shutting down; a request aborted by shutdown). A failure after a
+stream began ends it with OpenAI's error event (`data: {"error": {...}}`);
+finish_reason only takes OpenAI's values (stop, length, tool_calls). /health
+and /metrics stay open without the token (as grpc.health.v1 and the metrics
+port do); /v1 needs `Authorization: Bearer`.
+
+Choices: each of a request's n (or best_of) samples of each prompt is its
+own request to the service, hence its own row of the continuous batch, its
+own seeded generator (choice i: ssd.serve.validation.choice_seed) and its own
+stats; best_of keeps the n with the highest cumulative log-probability.
 
 Speculation statistics ride in `speculation_stats` (the gRPC RequestStats as
 JSON, the same fields) on each response and on the stream's last chunk. `logprobs` are the
@@ -41,6 +50,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
@@ -52,6 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd.engine.request import TokenLogprob
 from ssd.serve import http_schema as schema
+from ssd.serve import tools as tooling
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -70,7 +81,9 @@ log = logging.getLogger(__name__)
 
 EVENT_POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports masked tokens the same way
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort", "error": "error"}
+# The engine's ends -> OpenAI's finish_reason (with tool_calls, set where calls are parsed); an
+# aborted or failed request is an error (status, or a stream's error event), never a finish reason.
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 class ApiError(Exception):
@@ -113,6 +126,7 @@ class OpenAIFrontend:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         return app
@@ -129,10 +143,33 @@ class OpenAIFrontend:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        """OpenAI's model retrieval: the served model's card, 404 for any other id."""
+        self._authorize(request)
+        card = self._card()
+        if model_id != card["id"]:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {card['id']!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card)
+
+    def _card(self) -> dict[str, Any]:
+        """The model's card: OpenAI's fields, the draft and modes, and what an omitted field gets."""
         info = self._model_info()
-        card = {"id": info.target_model, "object": "model", "created": self.created, "owned_by": "ssd",
-                "draft_model": info.draft_model, "modes": list(info.modes)}
-        return JSONResponse({"object": "list", "data": [card]})
+        d = info.defaults
+        try:
+            up_to_context = self.service.info().defaults.serve_defaults.max_new_tokens is None
+        except NotServing as exc:
+            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+        defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
+                    "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
+                    # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
+                    "max_tokens": None if up_to_context else d.max_new_tokens}
+        return {"id": info.target_model, "object": "model", "created": self.created, "owned_by": "ssd",
+                "draft_model": info.draft_model, "modes": list(info.modes),
+                "max_model_len": info.limits.max_context_tokens, "max_tokens_limit": info.limits.max_new_tokens,
+                "defaults": defaults}
 
     async def completions(self, request: Request) -> Response:
         """OpenAI completions. `seed`: in AR and SD the same request gives the same output; in
@@ -152,14 +189,13 @@ class OpenAIFrontend:
         if body.model != served:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
                            f"{served!r}", param="model", code="model_not_found")
-        gen = self._submit(body)
-        call = Call(self, body, gen, chat)
+        call = Call(self, body, self._submit_all(body), chat)
         if body.stream:
-            return JobStream(call.events(), on_close=gen.cancel)
+            return JobStream(call.events(), on_close=call.cancel)
         try:
             return await call.complete(request)
         finally:
-            gen.cancel()  # a no-op once it finished; frees the row if the client left
+            call.cancel()  # a no-op once they finished; frees the rows if the client left
 
     async def _body(self, request: Request, body_cls: type) -> Any:
         raw = await self._read(request)
@@ -203,12 +239,49 @@ class OpenAIFrontend:
         except NotServing as exc:
             raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
 
-    def _submit(self, body: Any) -> Generation:
+    def _submit_all(self, body: Any) -> list[Choice]:
+        """Every choice as its own request (a row of the batch): each prompt's n samples
+        (best_of, when larger), sample i seeded choice_seed(seed, i) (ssd.serve.validation).
+        If one is refused, those already queued are cancelled."""
+        prompts = schema.prompts(body)
+        batch = isinstance(body, schema.CompletionBody) and isinstance(body.prompt, list) \
+            and bool(body.prompt) and not isinstance(body.prompt[0], int)  # a list of prompts
+        samples = getattr(body, "best_of", None) or body.n or 1
+        ranked = samples > (body.n or 1)  # best_of ranks by log-probability: every sample needs them
+        choices: list[Choice] = []
+        try:
+            for p, prompt in enumerate(prompts):
+                for i in range(samples):
+                    request = self._request(body, prompt, i, p if batch else None)
+                    if ranked and request.logprobs is None:
+                        request.logprobs = 0
+                    gen = self._submit(request, body, p if batch else None)
+                    choices.append(Choice(p, i, gen, echo=self._echo(body, prompt, gen)))
+        except BaseException:
+            for choice in choices:
+                choice.gen.cancel()
+            raise
+        return choices
+
+    @staticmethod
+    def _request(body: Any, prompt: Any, choice: int, prompt_index: int | None) -> Any:
+        try:
+            return schema.to_request(body, prompt, choice=choice)
+        except InvalidArgument as exc:
+            raise invalid(exc, schema.body_param(exc.field, body, prompt_index)) from None
+
+    @staticmethod
+    def _echo(body: Any, prompt: Any, gen: Generation) -> str:
+        if not getattr(body, "echo", False):
+            return ""
+        return prompt if isinstance(prompt, str) else gen.decode(gen.request.prompt_ids)
+
+    def _submit(self, request: Any, body: Any, prompt_index: int | None) -> Generation:
         """The shared validation and admission (the gRPC API's), through the service."""
         try:
-            return self.service.submit(schema.to_request(body), stream_text=bool(body.stream))
+            return self.service.submit(request, stream_text=bool(body.stream))
         except InvalidArgument as exc:
-            raise invalid(exc, schema.body_param(exc.field, body)) from None
+            raise invalid(exc, schema.body_param(exc.field, body, prompt_index)) from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
         except (NotServing, WorkerClosed, DuplicateRequestId) as exc:
@@ -233,145 +306,255 @@ class OpenAIFrontend:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-class Call:
-    """One request's response: the OpenAI objects built from its generation's events."""
+@dataclass
+class Choice:
+    """One choice of a response: a generation (a row of the continuous batch) and what was sent of it."""
 
-    def __init__(self, front: OpenAIFrontend, body: Any, gen: Generation, chat: bool) -> None:
-        self.front, self.body, self.gen, self.chat = front, body, gen, chat
+    prompt_index: int  # which prompt (completions may send a list)
+    sample: int  # which of the prompt's n (or best_of) samples
+    gen: Generation
+    echo: str = ""  # completions' echo: the prompt's text, sent before the output
+    index: int = 0  # the choice's index in the response
+    logprobs_sent: int = 0
+    text_offset: int = 0  # completions' text_offset: where the next token's text starts
+    tools: tooling.ToolStream | None = None  # chat with tools: content streams, calls come at the end
+    final: Final | None = None
+
+
+class Call:
+    """One request's response: the OpenAI objects built from its choices' events."""
+
+    def __init__(self, front: OpenAIFrontend, body: Any, choices: list[Choice], chat: bool) -> None:
+        self.front, self.body, self.choices, self.chat = front, body, choices, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.logprobs_sent = 0
-        self.text_offset = 0  # completions' text_offset: where the next token's text starts
+        self.shown_logprobs = schema.top_logprobs(body) is not None  # best_of asks for them to rank by
+        n = body.n or 1
+        for choice in choices:
+            choice.index = choice.prompt_index * n + choice.sample
+            choice.text_offset = len(choice.echo)
+            if chat and tooling.active(body):
+                choice.tools = tooling.ToolStream()
+
+    def cancel(self) -> None:
+        """Stop every choice (a no-op for those that finished)."""
+        for choice in self.choices:
+            choice.gen.cancel()
 
     async def complete(self, request: Request) -> JSONResponse:
-        """Wait for the end (the rounds only feed the text); abort if the client leaves."""
+        """Wait for every choice's end (the rounds only feed the text); abort all if the client leaves."""
         checked = time.monotonic()
-        while True:
-            event = await self.front.next_event(self.gen)
-            if isinstance(event, Final):
-                return self._response(event)
-            if time.monotonic() - checked >= EVENT_POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    log.info("client of %s disconnected; aborting", self.gen.request_id)
-                    self.gen.cancel()
-                    return JSONResponse({}, status_code=499)
+        for choice in self.choices:
+            while choice.final is None:
+                event = await self.front.next_event(choice.gen)
+                if isinstance(event, Final):
+                    choice.final = event
+                elif time.monotonic() - checked >= EVENT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        log.info("client of %s disconnected; aborting", choice.gen.request_id)
+                        self.cancel()
+                        return ApiError(408, "the client disconnected; the request was aborted",
+                                        type_="invalid_request_error", code="client_disconnected").response()
+        return self._response()
 
     async def events(self) -> AsyncIterator[bytes]:
-        """SSE events: a first chunk (chat: the role), one per round, the finish, usage, [DONE]."""
-        if self.chat:
-            yield self._sse(self._chunk({"role": "assistant", "content": ""}))
-        while True:
-            event = await self.front.next_event(self.gen)
-            if event is None:
-                continue
-            if isinstance(event, Chunk):
-                chunk = self._round_chunk(event)
-                if chunk is not None:
-                    yield self._sse(chunk)
-                continue
-            for chunk in self._final_chunks(event):
-                yield self._sse(chunk)
+        """SSE events: a first chunk per choice (chat: the role; echo: the prompt), one per round
+        of each choice as they land, each choice's finish, usage, [DONE]. An error ends the stream
+        with OpenAI's error event, {"error": {...}}, and cancels the other choices."""
+        for choice in self.choices:
+            if self.chat:
+                yield self._sse(self._chunk(choice, {"role": "assistant", "content": ""}))
+            elif choice.echo:
+                yield self._sse(self._chunk(choice, choice.echo))
+        events: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(choice, events)) for choice in self.choices]
+        try:
+            running = len(pumps)
+            while running:
+                kind, data = await events.get()
+                if kind == "done":
+                    running -= 1
+                    continue
+                yield self._sse(data)
+                if kind == "error":
+                    self.cancel()
+                    break
+            else:
+                usage = self._usage_chunk()
+                if usage is not None:
+                    yield self._sse(usage)
             yield format_sse_event(data_str="[DONE]")
-            return
+        finally:
+            for pump in pumps:
+                pump.cancel()
+
+    async def _pump(self, choice: Choice, events: asyncio.Queue) -> None:
+        """One choice's chunks into the stream's queue, then ("done", None); never silent
+        on a fault, or the stream would wait for this choice forever."""
+        try:
+            while True:
+                event = await self.front.next_event(choice.gen)
+                if isinstance(event, Chunk):
+                    chunk = self._round_chunk(choice, event)
+                    if chunk is not None:
+                        events.put_nowait(("chunk", chunk))
+                elif isinstance(event, Final):
+                    choice.final = event
+                    for chunk in self._final_chunks(choice, event):
+                        events.put_nowait(("chunk", chunk))
+                    break
+        except ApiError as exc:
+            events.put_nowait(("error", exc.body()))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as OpenAI's error event
+            log.exception("stream of %s failed", choice.gen.request_id)
+            events.put_nowait(("error", ApiError(500, f"stream failed: {type(exc).__name__}: {exc}",
+                                                 type_="server_error", code="internal_error").body()))
+        events.put_nowait(("done", None))
 
     # --- building the objects ------------------------------------------------------
 
-    def _response(self, final: Final) -> JSONResponse:
-        result = self._result(final)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[final.reason],
-                                  "logprobs": self._logprobs(result.logprobs)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
+    def _response(self) -> JSONResponse:
+        for choice in self.choices:
+            _result(choice.final)  # any failed choice fails the response
+        shown = self._selected()
+        out = []
+        for choice in shown:
+            result = choice.final.result
+            entry: dict[str, Any] = {"index": choice.index, "finish_reason": FINISH[choice.final.reason],
+                                     "logprobs": self._logprobs(choice, result.logprobs)}
+            if self.chat:
+                entry["message"] = self._message(choice, result.text, entry)
+            else:
+                entry["text"] = choice.echo + result.text
+            if len(self.choices) > 1:
+                entry["speculation_stats"] = _stats_json(choice.final.stats)
+            out.append(entry)
         return JSONResponse({
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created, "model": self.body.model, "choices": [choice],
-            "usage": self._usage(result), "speculation_stats": _stats_json(final.stats),
+            "created": self.created, "model": self.body.model, "choices": out,
+            "usage": self._usage(), "speculation_stats": _stats_json(self.choices[0].final.stats),
         })
 
-    def _result(self, final: Final) -> Any:
-        if final.error is not None:
-            status = 503 if final.unavailable else 500
-            raise ApiError(status, f"generation failed: {type(final.error).__name__}: {final.error}",
-                           type_="server_error", code="generation_failed")
-        if final.result is None:
-            raise ApiError(503, "the request was aborted (the server is shutting down)",
-                           type_="server_error", code="aborted")
-        return final.result
+    def _selected(self) -> list[Choice]:
+        """The choices to return: all, or with best_of, each prompt's n with the highest cumulative
+        log-probability (vLLM's rule; under the law each token was sampled from), re-indexed."""
+        n = self.body.n or 1
+        best_of = getattr(self.body, "best_of", None) or n
+        if best_of == n:
+            return self.choices
+        shown = []
+        for prompt in sorted({c.prompt_index for c in self.choices}):
+            group = [c for c in self.choices if c.prompt_index == prompt]
+            group.sort(key=lambda c: (-sum(e.logprob for e in c.final.result.logprobs or []), c.sample))
+            for rank, choice in enumerate(group[:n]):
+                choice.index = prompt * n + rank
+                shown.append(choice)
+        return shown
 
-    def _round_chunk(self, event: Chunk) -> dict[str, Any] | None:
-        delta = event.text
-        logprobs = self._stream_logprobs(event.logprobs)
+    def _message(self, choice: Choice, text: str, entry: dict[str, Any]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if choice.tools is not None:
+            content, calls = tooling.parse(text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                entry["finish_reason"] = "tool_calls"
+        return message
+
+    def _round_chunk(self, choice: Choice, event: Chunk) -> dict[str, Any] | None:
+        delta = event.text if choice.tools is None else choice.tools.feed(event.text)
+        logprobs = self._stream_logprobs(choice, event.logprobs)
         if not delta and logprobs is None:
             return None
-        return self._chunk({"content": delta} if self.chat else delta, logprobs=logprobs)
+        return self._chunk(choice, {"content": delta} if self.chat else delta, logprobs=logprobs)
 
-    def _final_chunks(self, final: Final) -> list[dict[str, Any]]:
-        if final.error is not None or final.result is None:
-            try:
-                self._result(final)
-            except ApiError as exc:
-                return [exc.body()]
-        result = final.result
-        delta = final.text
-        rest = (result.logprobs or [])[self.logprobs_sent:]  # a remote engine sends them with the result
-        last = self._chunk({"content": delta} if self.chat else delta, FINISH[final.reason],
-                           self._stream_logprobs(rest))
+    def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
+        """The choice's last chunks: tool calls if any, then the finish with its stats (ApiError if it failed)."""
+        result = _result(final)
+        delta, calls = final.text, []
+        if choice.tools is not None:
+            delta, calls = choice.tools.finish(final.text)
+        rest = (result.logprobs or [])[choice.logprobs_sent:]  # a remote engine sends them with the result
+        chunks = []
+        if calls:
+            chunks.append(self._chunk(choice, {"tool_calls": [
+                {"index": i, **call} for i, call in enumerate(calls)]}))
+        finish = "tool_calls" if calls else FINISH[final.reason]
+        last = self._chunk(choice, {"content": delta} if self.chat else delta, finish,
+                           self._stream_logprobs(choice, rest))
         last["speculation_stats"] = _stats_json(final.stats)
-        chunks = [last]
+        return chunks + [last]
+
+    def _usage_chunk(self) -> dict[str, Any] | None:
         options = self.body.stream_options
-        if options is not None and options.include_usage:
-            chunks.append({"id": self.id, "object": last["object"], "created": self.created,
-                           "model": self.body.model, "choices": [], "usage": self._usage(result)})
-        return chunks
-
-    def _chunk(self, delta: Any, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
+        if options is None or not options.include_usage:
+            return None
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.body.model, "choices": [choice]}
+                "created": self.created, "model": self.body.model, "choices": [], "usage": self._usage()}
 
-    def _stream_logprobs(self, entries: list[TokenLogprob]) -> Any:
-        if schema.top_logprobs(self.body) is None or not entries:
+    def _chunk(self, choice: Choice, delta: Any, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": choice.index, "finish_reason": finish, "logprobs": logprobs}
+        if self.chat:
+            entry["delta"] = delta
+        else:
+            entry["text"] = delta
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.body.model, "choices": [entry]}
+
+    def _stream_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> Any:
+        if not self.shown_logprobs or not entries:
             return None
-        self.logprobs_sent += len(entries)
-        return self._logprobs(entries)
+        choice.logprobs_sent += len(entries)
+        return self._logprobs(choice, entries)
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> Any:
+    def _logprobs(self, choice: Choice, entries: list[TokenLogprob] | None) -> Any:
         """OpenAI's logprobs object: chat's `content` list, or the completions' parallel lists."""
-        if entries is None or schema.top_logprobs(self.body) is None:
+        if entries is None or not self.shown_logprobs:
             return None
         if self.chat:
-            return {"content": [self._chat_entry(e) for e in entries]}
-        tokens = [self._token(e.token) for e in entries]
-        offsets = _offsets(tokens, self.text_offset)
-        self.text_offset += sum(map(len, tokens))
+            return {"content": [self._chat_entry(choice, e) for e in entries]}
+        tokens = [self._token(choice, e.token) for e in entries]
+        offsets = _offsets(tokens, choice.text_offset)
+        choice.text_offset += sum(map(len, tokens))
         return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
-                "top_logprobs": [{self._token(i): _finite(v) for i, v in e.top} for e in entries],
+                "top_logprobs": [{self._token(choice, i): _finite(v) for i, v in e.top} for e in entries],
                 "text_offset": offsets}
 
-    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+    def _chat_entry(self, choice: Choice, entry: TokenLogprob) -> dict[str, Any]:
         def one(token: int, value: float) -> dict[str, Any]:
-            text = self._token(token)
+            text = self._token(choice, token)
             return {"token": text, "logprob": _finite(value), "bytes": list(text.encode("utf-8"))}
 
         return one(entry.token, entry.logprob) | {"top_logprobs": [one(i, v) for i, v in entry.top]}
 
-    def _token(self, token: int) -> str:
-        return self.gen.decode([token])
+    @staticmethod
+    def _token(choice: Choice, token: int) -> str:
+        return choice.gen.decode([token])
 
-    def _usage(self, result: Any) -> dict[str, int]:
-        prompt, completion = self.gen.prompt_tokens, len(result.token_ids)
+    def _usage(self) -> dict[str, int]:
+        """Each prompt counted once; every sample's tokens (best_of's unreturned ones too, as OpenAI bills them)."""
+        prompt = sum(c.gen.prompt_tokens for c in self.choices if c.sample == 0)
+        completion = sum(len(c.final.result.token_ids) for c in self.choices
+                         if c.final is not None and c.final.result is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
     def _sse(data: dict[str, Any]) -> bytes:
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
+
+
+def _result(final: Final) -> Any:
+    """A choice's result, or the ApiError its end means: a failure (500; 503 when the backend
+    was lost) or an abort (503: the server is shutting down). OpenAI's finish reasons only."""
+    if final.error is not None:
+        status = 503 if final.unavailable else 500
+        raise ApiError(status, f"generation failed: {type(final.error).__name__}: {final.error}",
+                       type_="server_error", code="generation_failed")
+    if final.result is None or final.reason not in FINISH:
+        raise ApiError(503, "the request was aborted (the server is shutting down)",
+                       type_="server_error", code="aborted")
+    return final.result
 
 
 class JobStream(EventSourceResponse):

@@ -8,21 +8,33 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
-`ignore_eos`, and `speculation` {mode, k, fanout_budget, fanout_kind,
-saguaro_c, backup}.
+`ignore_eos`, `speculation` {mode, k, fanout_budget, fanout_kind,
+saguaro_c, backup}, and structured output beside OpenAI's `response_format`:
+`structured_outputs` {json, regex, grammar, choice} (vLLM's; `grammar` in
+llguidance's Lark dialect) or vLLM's older `guided_json`, `guided_regex`,
+`guided_grammar`, `guided_choice`.
+
+Tools (chat): `tools` are rendered by the model's chat template; the model's
+own tool-call format (Qwen2.5: `<tool_call>{"name", "arguments"}</tool_call>`,
+ssd.serve.tools) is parsed back into `message.tool_calls`. "required" and a
+named function constrain the output with a grammar, so the call is always
+well-formed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ssd.serve.request import ChatMessage, Request, Speculation as SpeculationFields
+from ssd.serve import tools as tooling
+from ssd.serve.request import ChatMessage, Request, Speculation as SpeculationFields, Structured
 from ssd.serve.validation import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+MAX_CHOICES = 128  # n and best_of (OpenAI's limit for n); each choice is a row, within --max-queue too
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
 
 
@@ -46,6 +58,27 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # a BaseModel attribute's name otherwise
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
 class _Common(_Body):
     model: str
     max_tokens: int | None = None
@@ -57,18 +90,24 @@ class _Common(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted only at their neutral values: anything else would change the
-    # distribution in a way the engines do not implement.
+    # Logits processing (ssd.engine.processing): part of the target's law, exact in every mode.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Extensions.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     top_k: int | None = None
     ignore_eos: bool = False
     speculation: Speculation | None = None
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # the number of alternatives per token (0: the chosen token's only)
     echo: bool | None = False
     best_of: int | None = None
@@ -80,10 +119,44 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Common):
@@ -91,6 +164,9 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(model: type[_Body], data: Any) -> Any:
@@ -117,26 +193,106 @@ def loc_param(loc: tuple[Any, ...]) -> str:
 
 
 def refuse_unsupported(body: _Common) -> None:
-    """OpenAI settings this server cannot honour exactly: refused by name, never ignored."""
-    if body.n not in (None, 1):
-        raise InvalidArgument("n", f"only 1 choice per request is supported, got {body.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise InvalidArgument(name, "not supported (the engines sample the model's own distribution); leave it 0")
+    """OpenAI settings this server cannot honour exactly (or that contradict each other):
+    refused by name, never ignored. Value ranges are ssd.serve.validation's."""
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be in 1..{MAX_CHOICES}, got {body.n}")
     if body.stream_options is not None and not body.stream:
         raise InvalidArgument("stream_options", "only allowed with stream: true")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise InvalidArgument("echo", "not supported")
-        if body.best_of not in (None, 1):
-            raise InvalidArgument("best_of", f"only 1 is supported, got {body.best_of}")
-        if body.suffix:
-            raise InvalidArgument("suffix", "not supported")
+        _refuse_completion(body)
     for name, value in logprobs_settings(body).items():
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(name, f"must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
-    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
-        raise InvalidArgument("top_logprobs", "needs logprobs: true")
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        tooling.check(body)
+    structured_fields = [name for name in _STRUCTURED if _structured_given(body, name)]
+    if len(structured_fields) > 1:
+        raise InvalidArgument(structured_fields[1], f"give one of {', '.join(structured_fields)}, not several")
+    if structured_fields and tooling.constrained(body):
+        raise InvalidArgument(structured_fields[0], "cannot be combined with tool_choice required or a named function")
+
+
+def _refuse_completion(body: "CompletionBody") -> None:
+    n = body.n or 1
+    if body.best_of is not None:
+        if not n <= body.best_of <= MAX_CHOICES:
+            raise InvalidArgument("best_of", f"must be in n..{MAX_CHOICES} (n is {n}), got {body.best_of}")
+        if body.stream and body.best_of > n:
+            raise InvalidArgument("best_of", "cannot exceed n with stream: true (the best are known only at the end)")
+    if body.echo and body.logprobs is not None:
+        raise InvalidArgument("echo", "with logprobs needs the prompt's log-probabilities, which are not served; "
+                              "use echo or logprobs")
+    if body.suffix:
+        raise InvalidArgument("suffix", "not supported (no fill-in-the-middle template)")
+    if isinstance(body.prompt, list) and not body.prompt:
+        raise InvalidArgument("prompt", "must not be empty")
+
+
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+               "guided_choice")
+
+
+def _structured_given(body: _Common, name: str) -> bool:
+    value = getattr(body, name)
+    return value is not None and not (name == "response_format" and value.type == "text")
+
+
+def structured(body: _Common) -> Structured | None:
+    """The body's structured output (response_format, structured_outputs, guided_*, or the
+    grammar that "required" / a named tool_choice implies), as validation compiles it."""
+    if isinstance(body, ChatBody) and tooling.constrained(body):
+        return Structured("lark", tooling.call_grammar(body), "tool_choice")
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        return Structured("json_object", None, "response_format")
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidArgument("response_format.json_schema.schema", "must be given for type json_schema")
+        return Structured("json_schema", rf.json_schema.schema_, "response_format.json_schema.schema")
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("grammar", so.grammar),
+                                      ("choice", so.choice)) if v is not None]
+        if len(given) != 1:
+            raise InvalidArgument("structured_outputs", "give exactly one of json, regex, grammar, choice")
+        return _structured_field(*given[0], f"structured_outputs.{given[0][0]}")
+    for kind in ("json", "regex", "grammar", "choice"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            return _structured_field(kind, value, f"guided_{kind}")
+    return None
+
+
+def _structured_field(kind: str, value: Any, field: str) -> Structured:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgument(field, f"not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidArgument(field, "must be a JSON schema (an object)")
+        return Structured("json_schema", value, field)
+    if kind == "choice":
+        if not value or any(not c for c in value):
+            raise InvalidArgument(field, "must list at least one non-empty string")
+        return Structured("lark", "start: " + " | ".join(json.dumps(c) for c in value), field)
+    return Structured("regex" if kind == "regex" else "lark", value, field)
+
+
+def logit_bias(body: _Common) -> dict[int, float] | None:
+    """OpenAI's logit_bias, its keys (token ids as JSON strings) as ints."""
+    if body.logit_bias is None:
+        return None
+    out = {}
+    for key, value in body.logit_bias.items():
+        if not key.isdigit():
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def logprobs_settings(body: _Common) -> dict[str, int | None]:
@@ -158,22 +314,38 @@ def max_tokens_field(body: _Common) -> str:
     return "max_tokens"
 
 
-def to_request(body: _Common) -> Request:
-    """The neutral Request this body asks for (validated afterwards by ssd.serve.validation)."""
+def prompts(body: _Common) -> list[str | list[int] | None]:
+    """The body's prompts: chat has one (None: its messages); completions a string, ids, or a list of either."""
+    if isinstance(body, ChatBody):
+        return [None]
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int = 0) -> Request:
+    """The neutral Request for one choice of one prompt (default: the body's first)
+    (validated afterwards by ssd.serve.validation)."""
     if isinstance(body, ChatBody) and body.max_completion_tokens is not None and body.max_tokens is not None:
         raise InvalidArgument("max_tokens", "give max_tokens or max_completion_tokens, not both")
     request = Request(
         max_new_tokens=getattr(body, max_tokens_field(body)),
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        ignore_eos=body.ignore_eos, logprobs=top_logprobs(body),
+        ignore_eos=body.ignore_eos, logprobs=top_logprobs(body), choice=choice,
+        logit_bias=logit_bias(body), presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, structured=structured(body),
     )
     if isinstance(body, ChatBody):
-        request.chat = [ChatMessage(m.role, _content(m, i)) for i, m in enumerate(body.messages)]
-    elif isinstance(body.prompt, str):
-        request.text = body.prompt
+        request.chat = [_message(m, i) for i, m in enumerate(body.messages)]
+        request.tools = tooling.rendered(body)
     else:
-        request.token_ids = list(body.prompt)
+        prompt = prompts(body)[0] if prompt is None else prompt
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids = list(prompt)
     given = body.speculation
     if given is not None:
         request.mode = given.mode
@@ -184,19 +356,30 @@ def to_request(body: _Common) -> Request:
     return request
 
 
-def _content(message: Message, i: int) -> str:
+def _message(message: Message, i: int) -> ChatMessage:
+    calls = tooling.message_calls(message, i)
+    return ChatMessage(message.role, _content(message, i, allow_none=bool(calls)), tool_calls=calls,
+                       tool_call_id=message.tool_call_id, name=message.name)
+
+
+def _content(message: Message, i: int, allow_none: bool = False) -> str:
     if message.content is None:
+        if allow_none:  # an assistant's turn that only called tools
+            return ""
         raise InvalidArgument(f"messages[{i}].content", "must be given")
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)
 
 
-def body_param(field: str, body: _Common) -> str:
-    """A validation error's field (the proto's name) as the client named it."""
+def body_param(field: str, body: _Common, prompt_index: int | None = None) -> str:
+    """A validation error's field (the proto's name) as the client named it
+    (`prompt_index`: which of a list of prompts the request held)."""
     head, dot, rest = field.partition(".")
     if head in ("text", "token_ids", "prompt"):
-        return "messages" if isinstance(body, ChatBody) else "prompt"
+        if isinstance(body, ChatBody):
+            return "messages"
+        return "prompt" if prompt_index is None else f"prompt[{prompt_index}]"
     if head == "chat":
         return "messages" + (rest.removeprefix("messages") if rest else "")
     if head == "max_new_tokens":

@@ -11,12 +11,26 @@ server's default".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class ChatMessage:
     role: str
     content: str
+    # An assistant's tool calls, as chat templates read them: [{"type": "function", "function":
+    # {"name", "arguments": a dict}}]; a tool message's call id and name.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates take it (unset fields left out)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 @dataclass
@@ -28,6 +42,20 @@ class Speculation:
     fanout_kind: str = ""
     saguaro_c: float | None = None
     backup: str = ""
+
+
+@dataclass
+class Structured:
+    """Structured output: what the generated text must match (ssd.engine.grammar).
+
+    kind: json_object (any JSON object), json_schema (`value`: the schema),
+    regex or lark (`value`: the pattern or grammar). `field`: where the
+    client put it, for errors (HTTP: "response_format", "structured_outputs.regex").
+    """
+
+    kind: str
+    value: Any = None
+    field: str = "structured_output"
 
 
 @dataclass
@@ -48,6 +76,15 @@ class Request:
     mode: str | None = None  # ar | sd | ssd
     speculation: Speculation | None = None
     logprobs: int | None = None  # None: none; n: each token's, with n alternatives (HTTP only)
+    # Logits processing (ssd.engine.processing; HTTP only): OpenAI's logit_bias {token id: bias},
+    # presence and frequency penalties, and structured output (a grammar's mask).
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    structured: Structured | None = None
+    tools: list[dict[str, Any]] | None = None  # function definitions for the chat template (OpenAI's `tools`)
+    # Which of n choices this request is: its seed is choice_seed(seed, choice) (ssd.serve.validation).
+    choice: int = 0
 
     def prompt_field(self) -> str | None:
         """Which prompt field is set ("text", "token_ids", "chat"); None if none or several."""

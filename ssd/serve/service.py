@@ -32,7 +32,9 @@ from ssd.serve.metrics import Counters, ServerMetrics, prometheus_text
 from ssd.serve.options import ServeOptions
 from ssd.serve.request import Request
 from ssd.serve.streaming import TextStream
-from ssd.serve.validation import InvalidArgument, max_new_tokens_limit, validate
+from ssd.serve.validation import (
+    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, validate,
+)
 from ssd.serve.worker import (
     Done,
     DuplicateRequestId,
@@ -121,6 +123,11 @@ class Limits:
 
 @dataclass
 class Defaults:
+    """What a request that omits a field gets (ssd.serve.validation): the config's
+    serve_defaults, else OpenAI's. random_seed: a fresh seed per request (then `seed` is 0);
+    max_new_tokens: the configured default, else the most the server gives (the context
+    minus the prompt caps it further)."""
+
     mode: str
     max_new_tokens: int
     temperature: float
@@ -132,6 +139,7 @@ class Defaults:
     fanout_kind: str
     saguaro_c: float
     backup: str
+    random_seed: bool = False
 
 
 @dataclass
@@ -320,10 +328,13 @@ class GenerationService:
             max_stop_chars=options.max_stop_chars, max_k=options.max_k, max_budget=options.max_budget,
             max_queue=options.max_queue, max_message_bytes=options.max_message_bytes,
         )
+        r = d.serve_defaults
         defaults = Defaults(
-            mode=d.speculation.mode, max_new_tokens=min(d.generation.max_new_tokens, max_new),
-            temperature=d.sampling.temperature, top_k=d.sampling.top_k, top_p=d.sampling.top_p,
-            seed=d.sampling.seed, k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
+            mode=d.speculation.mode,
+            max_new_tokens=max_new if r.max_new_tokens is None else min(r.max_new_tokens, max_new),
+            temperature=_or(r.temperature, OPENAI_TEMPERATURE), top_k=_or(r.top_k, 0),
+            top_p=_or(r.top_p, OPENAI_TOP_P), seed=_or(r.seed, 0), random_seed=r.seed is None,
+            k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,
         )
@@ -339,6 +350,10 @@ class GenerationService:
         running, waiting = self.worker.counts if self.worker is not None else (0, 0)
         return ServiceStats(self.metrics.snapshot(), running, waiting, self.metrics.uptime_s(),
                             prometheus_text(self.registry))
+
+
+def _or(value: object, default: object) -> object:
+    return default if value is None else value
 
 
 def accepted_length_histogram(stats: GenerationStats) -> list[int]:

@@ -7,12 +7,19 @@ server could not honour exactly (a mode without its model, speculation
 settings the mode ignores) is refused rather than silently changed. Errors
 name the gRPC API's fields (`max_new_tokens`, `chat.messages[0].role`); the
 HTTP front end maps them to the body's.
+
+A field a request omits takes the server's configured default
+(`serve_defaults`, ssd.config.RequestDefaults) or else OpenAI's: temperature
+1, top_p 1, no top-k, a fresh random seed per request, and max_new_tokens up
+to the context (the model's length minus the prompt, within
+--max-new-tokens). The same for gRPC and HTTP: one set of rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 from typing import Any
 
 from ssd.config import (
@@ -24,15 +31,22 @@ from ssd.config import (
     SamplingConfig,
     SpeculationConfig,
 )
-from ssd.engine.request import GenerationRequest
+from ssd.engine import grammar
+from ssd.engine.request import GenerationRequest, Processing
 from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
 from ssd.serve.options import ServeOptions
-from ssd.serve.request import ChatMessage, Request, Speculation
+from ssd.serve.request import ChatMessage, Request, Speculation, Structured
 
 MAX_REQUEST_ID_CHARS = 128
 SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**64 - 1
+RANDOM_SEED_BITS = 63  # a fresh seed per request that omits one: any stream of the generator
+# OpenAI's defaults for what a request omits, unless serve_defaults sets the server's own.
+OPENAI_TEMPERATURE = 1.0
+OPENAI_TOP_P = 1.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI: -100..100
+MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in -2..2
 
 
 class InvalidArgument(ValueError):
@@ -49,13 +63,26 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
     info = backend.info
     request_id = _request_id(request)
     mode = _mode(request, info)
-    generation = _generation(request, info, options)
+    max_new = _max_new_tokens(request, info, options)
+    stop = _stop(request, options)
     sampling = _sampling(request, info)
     speculation = _speculation(request, info, options, mode)
+    processing = _processing(request, backend)
     prompt_ids = _prompt(request, backend, options)
-    _check_context(request, len(prompt_ids), generation.max_new_tokens, info)
+    if max_new is None:
+        max_new = _context_default(request, len(prompt_ids), info, options)
+    _check_context(request, len(prompt_ids), max_new, info)
+    generation = GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos)
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
-                             logprobs=request.logprobs)
+                             logprobs=request.logprobs, processing=processing)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded `seed` (n > 1, best_of): choice 0 runs
+    with the seed itself (n = 1 is unchanged), choice i with seed + i * 0x9E3779B97F4A7C15
+    mod 2**64 (the 64-bit golden-ratio increment of SplitMix64), so each choice is
+    reproducible alone and the choices' generators are distinct."""
+    return (seed + choice * 0x9E3779B97F4A7C15) % 2**64
 
 
 def max_new_tokens_limit(info: BackendInfo, options: ServeOptions) -> int:
@@ -83,28 +110,48 @@ def _mode(request: Request, info: BackendInfo) -> str:
 
 
 def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
-    default = info.defaults.sampling
-    temperature = _given(request.temperature, default.temperature)
+    default = info.defaults.serve_defaults
+    temperature = _given(request.temperature, _given(default.temperature, OPENAI_TEMPERATURE))
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
-    top_k = _given(request.top_k, default.top_k)
+    top_k = _given(request.top_k, _given(default.top_k, 0))
     if not 0 <= top_k <= MAX_INT32:
         raise InvalidArgument("top_k", f"must be in 0..{MAX_INT32} (0: off), got {top_k}")
-    top_p = _given(request.top_p, default.top_p)
+    top_p = _given(request.top_p, _given(default.top_p, OPENAI_TOP_P))
     if not 0 < top_p <= 1:  # also refuses NaN
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
     seed = _given(request.seed, default.seed)
+    if seed is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
+        seed = secrets.randbits(RANDOM_SEED_BITS)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
+    seed = choice_seed(seed, request.choice)
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-def _generation(request: Request, info: BackendInfo, options: ServeOptions) -> GenerationConfig:
+def _max_new_tokens(request: Request, info: BackendInfo, options: ServeOptions) -> int | None:
+    """The given or configured max_new_tokens, checked; None: up to the context (known with the prompt)."""
     limit = max_new_tokens_limit(info, options)
-    default = min(info.defaults.generation.max_new_tokens, limit)
-    max_new = _given(request.max_new_tokens, default)
-    if not 1 <= max_new <= limit:
+    configured = info.defaults.serve_defaults.max_new_tokens
+    max_new = _given(request.max_new_tokens, None if configured is None else min(configured, limit))
+    if max_new is not None and not 1 <= max_new <= limit:
         raise InvalidArgument("max_new_tokens", f"must be in 1..{limit}, got {max_new}")
+    return max_new
+
+
+def _context_default(request: Request, prompt_tokens: int, info: BackendInfo, options: ServeOptions) -> int:
+    """OpenAI's omitted max_tokens: whatever the context leaves after the prompt (within --max-new-tokens)."""
+    room = info.max_context_tokens - prompt_tokens
+    if room < 1:
+        raise InvalidArgument(
+            request.prompt_field(),
+            f"prompt of {prompt_tokens} tokens leaves no room in the model's context of "
+            f"{info.max_context_tokens} tokens",
+        )
+    return min(room, max_new_tokens_limit(info, options))
+
+
+def _stop(request: Request, options: ServeOptions) -> list[str]:
     stop = list(request.stop)
     if len(stop) > options.max_stop_strings:
         raise InvalidArgument("stop", f"at most {options.max_stop_strings} strings, got {len(stop)}")
@@ -113,7 +160,62 @@ def _generation(request: Request, info: BackendInfo, options: ServeOptions) -> G
             raise InvalidArgument(
                 f"stop[{i}]", f"must be 1..{options.max_stop_chars} characters, got {len(text)}"
             )
-    return GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos)
+    return stop
+
+
+def _processing(request: Request, backend: Backend) -> Processing | None:
+    """logit_bias, penalties and structured output, checked; None when the request asks for none."""
+    info = backend.info
+    bias = tuple(sorted(_logit_bias(request.logit_bias or {}, info.vocab_size).items()))
+    presence = _penalty("presence_penalty", request.presence_penalty)
+    frequency = _penalty("frequency_penalty", request.frequency_penalty)
+    compiled = _grammar(request.structured, backend) if request.structured is not None else None
+    if compiled is not None and request.ignore_eos:
+        raise InvalidArgument("ignore_eos", "cannot be combined with structured output (the grammar ends the text)")
+    spec = Processing(bias, presence, frequency, compiled)
+    return spec if spec.active else None
+
+
+def _logit_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
+    for token, value in bias.items():
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument("logit_bias", f"token id {token} is outside the vocabulary 0..{vocab_size - 1}")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"logit_bias", f"bias of token {token} must be in -100..100, got {value}")
+    return {token: float(value) for token, value in bias.items() if value != 0}
+
+
+def _penalty(name: str, value: float | None) -> float:
+    if value is None:
+        return 0.0
+    if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+        raise InvalidArgument(name, f"must be in -2..2, got {value}")
+    return float(value)
+
+
+def _grammar(structured: Structured, backend: Backend) -> str:
+    """llguidance's grammar for the request's structured output; its refusal, or a first token
+    the model's vocabulary cannot spell, names the field."""
+    build = {"json_object": lambda v: grammar.json_object(), "json_schema": grammar.json_schema,
+             "regex": grammar.regex, "lark": grammar.lark}.get(structured.kind)
+    if build is None:
+        raise InvalidArgument(structured.field, f"unknown kind {structured.kind!r}")
+    try:
+        compiled = build(structured.value)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(structured.field, f"not a valid {structured.kind}: {exc}") from None
+    message = grammar.error(compiled)
+    if message is not None:
+        raise InvalidArgument(structured.field, f"not a valid {structured.kind}: {message}")
+    tokenizer = getattr(backend, "tokenizer", None)  # a remote backend's engine checks it at admission
+    try:
+        startable = tokenizer is None or grammar.can_start(compiled, tokenizer, backend.info.eos_token_ids,
+                                                           backend.info.vocab_size)
+    except ValueError as exc:
+        raise InvalidArgument(structured.field, f"not a valid {structured.kind}: {exc}") from None
+    if not startable:
+        raise InvalidArgument(structured.field, "no token of this model's vocabulary can start it")
+    return compiled
 
 
 def _speculation(request: Request, info: BackendInfo, options: ServeOptions, mode: str) -> SpeculationConfig:
@@ -173,7 +275,7 @@ def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[i
         return _text_prompt(request.text, backend)
     if which == "token_ids":
         return _id_prompt(list(request.token_ids), backend.info.vocab_size)
-    return _chat_prompt(request.chat, backend, options)
+    return _chat_prompt(request.chat, backend, options, request.tools)
 
 
 def _text_prompt(text: str, backend: Backend) -> list[int]:
@@ -201,7 +303,8 @@ def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOptions) -> list[int]:
+def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOptions,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     if not messages:
         raise InvalidArgument("chat", "must hold at least one message")
     if len(messages) > options.max_chat_messages:
@@ -210,7 +313,9 @@ def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOp
         if not message.role:
             raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
     try:
-        ids = backend.apply_chat([{"role": m.role, "content": m.content} for m in messages])
+        rendered = [m.template_dict() for m in messages]
+        # Only a request with tools passes them: a backend may take messages alone.
+        ids = backend.apply_chat(rendered, tools=tools) if tools else backend.apply_chat(rendered)
     except (UnsupportedRequest, ValueError) as exc:
         raise InvalidArgument("chat", str(exc)) from None
     except Exception as exc:  # a template's own complaint (e.g. roles must alternate)
