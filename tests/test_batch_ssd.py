@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import Counter
 from typing import Callable, Iterator
 
@@ -154,16 +155,33 @@ def greedy_rows(tokenizer, target, adaptive: bool = False) -> list[GenerationReq
     ]
 
 
-def test_greedy_rows_equal_ar_with_anytime_builds_and_ngram_entries(tiny_models, tiny_tokenizer):
-    """The defaults, rows together: builds the next round cuts short and free
-    n-gram entries (they serve hits: the repeated prompt) leave every row's output AR's."""
+def test_greedy_rows_equal_ar_with_anytime_builds_and_ngram_entries(tiny_models, tiny_tokenizer, monkeypatch):
+    """The defaults, rows together: builds that the next round cuts short (every
+    row's at the same step; the draft slowed here so that cuts happen) and free
+    n-gram entries leave every row's output AR's."""
+    import ssd.saguaro.builder as builder_module
+    import ssd.saguaro.speculator as speculator_module
+
     target, draft = tiny_models
+    cuts = []
+    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
+
+    def slow_draw(self, *args):
+        time.sleep(0.004)
+        return real_draw(self, *args)
+
+    def seen_call(self):
+        cuts.append(real_call(self))
+        return cuts[-1]
+
+    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
+    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
     rows = greedy_rows(tiny_tokenizer, target, adaptive=True)
     with linked(target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=16)) as (engine, _, _):
         outs = [ok(f) for f in run_batch(engine, rows)]
     for r, out in zip(rows, outs):
         assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
-    assert sum(out.stats.spec.ngram_hits for out in outs) > 0
+    assert any(cuts) and sum(out.stats.spec.hits for out in outs) > 0
 
 
 def test_greedy_rows_equal_ar_with_one_exchange_per_step(tiny_models, tiny_tokenizer, monkeypatch):
