@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import BACKENDS, GLUES, MODES, Config, ConfigError, load_config
+from ssd.config import BACKENDS, COUPLINGS, GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -44,6 +44,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="override sampling.top_k")
     parser.add_argument("--top-p", type=float, help="override sampling.top_p")
     parser.add_argument("--seed", type=int, help="override sampling.seed")
+    parser.add_argument("--coupling", choices=COUPLINGS,
+                        help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
     for role in ("target", "draft"):
@@ -76,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("sampling", "top_k", args.top_k),
         ("sampling", "top_p", args.top_p),
         ("sampling", "seed", args.seed),
+        ("sampling", "coupling", args.coupling),
         ("runtime", "threads", args.threads),
         # launch/cluster.py's placement flags (other scripts do not take them)
         ("cluster", "replicas", getattr(args, "replicas", None)),

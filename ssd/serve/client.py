@@ -67,7 +67,7 @@ def build_request(
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
 
-    numbers: max_new_tokens, temperature, top_k, top_p, seed, and the
+    numbers: max_new_tokens, temperature, top_k, top_p, seed, coupling, and the
     speculation settings k, fanout_budget, fanout_kind, saguaro_c, backup.
     """
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos)

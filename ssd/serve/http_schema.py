@@ -8,7 +8,7 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
-`ignore_eos`, and `speculation` {mode, k, fanout_budget, fanout_kind,
+`ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), and `speculation` {mode, k, fanout_budget, fanout_kind,
 saguaro_c, backup}.
 """
 
@@ -63,6 +63,7 @@ class _Common(_Body):
     frequency_penalty: float | None = None
     # Extensions.
     top_k: int | None = None
+    coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     speculation: Speculation | None = None
 
@@ -165,7 +166,7 @@ def to_request(body: _Common) -> Request:
     request = Request(
         max_new_tokens=getattr(body, max_tokens_field(body)),
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        coupling=body.coupling, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         ignore_eos=body.ignore_eos, logprobs=top_logprobs(body),
     )
     if isinstance(body, ChatBody):

@@ -127,6 +127,7 @@ class Defaults:
     top_k: int
     top_p: float
     seed: int
+    coupling: str
     k: int
     fanout_budget: int
     fanout_kind: str
@@ -323,7 +324,8 @@ class GenerationService:
         defaults = Defaults(
             mode=d.speculation.mode, max_new_tokens=min(d.generation.max_new_tokens, max_new),
             temperature=d.sampling.temperature, top_k=d.sampling.top_k, top_p=d.sampling.top_p,
-            seed=d.sampling.seed, k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
+            seed=d.sampling.seed, coupling=d.sampling.coupling,
+            k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 from ssd.config import (
     BACKUPS,
+    COUPLINGS,
     FANOUT_KINDS,
     MODES,
     ConfigError,
@@ -96,7 +97,10 @@ def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     seed = _given(request.seed, default.seed)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
-    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    coupling = request.coupling or default.coupling
+    if coupling not in COUPLINGS:
+        raise InvalidArgument("coupling", f"must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
 
 
 def _generation(request: Request, info: BackendInfo, options: ServeOptions) -> GenerationConfig:
