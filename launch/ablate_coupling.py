@@ -6,8 +6,10 @@
 
 Runs SSD in process (its K, budget and glue from the config and flags) and
 AR over the same prompts and seeds for each temperature: standard sampling,
-coupled sampling, and coupled sampling with t* guessed by raw logits. The
-study lives in ssd/tools/ablation/coupling.py; the table names the machine.
+coupled sampling, and coupled sampling with t* guessed by raw logits (part
+"ssd"); and both samplers' acceptance probability on the same contexts,
+coupled AR's outputs (part "contexts"). The study lives in
+ssd/tools/ablation/coupling.py; the tables name the machine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.7, 1.0])
+    parser.add_argument("--parts", nargs="+", choices=["ssd", "contexts"], default=["ssd", "contexts"])
+    parser.add_argument("--noise-draws", type=int, default=16, help="contexts: noise seeds per position")
     parser.add_argument("--shared", action="store_true", help="say in the header that the machine was shared")
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
     parser.add_argument("--txt", type=Path, help="write the table here")
@@ -45,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def machine_line(shared: bool) -> str:
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
+    lscpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
+    cpu = lscpu.partition(":")[2].strip()
     return (f"{cpu or hardware.cpu_model()}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
             f"{hardware.describe()['cores']} cores" + ("; machine shared with other jobs: tok/s is noisy" if shared else ""))
 
@@ -56,23 +61,32 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair(config)
     texts = yaml.safe_load(args.prompt_file.read_text())[: args.prompts]
     prompts = [encode_prompt(pair.tokenizer, p) for p in texts]
-    runs = len(args.temperatures) * len(prompts) * (len(coupling.VARIANTS) + 2)
-    with tqdm(total=runs, desc="coupling", file=sys.stderr) as bar:
-        rows = coupling.run(config, pair, prompts, args.temperatures, bar)
+    rows, contexts = [], []
+    if "ssd" in args.parts:
+        runs = len(args.temperatures) * len(prompts) * (len(coupling.VARIANTS) + 2)
+        with tqdm(total=runs, desc="coupling", file=sys.stderr) as bar:
+            rows = coupling.run(config, pair, prompts, args.temperatures, bar)
+    if "contexts" in args.parts:
+        contexts = coupling.same_contexts(config, pair, prompts, args.temperatures, args.noise_draws)
     s = config.speculation
     header = (f"{machine_line(args.shared)}\n{config.target.name} / {config.draft.name}, SSD in process, "
               f"K={s.k}, budget {s.fanout.budget} {s.fanout.kind}, glue {s.glue}, "
               f"{len(prompts)} prompts x {config.generation.max_new_tokens} tokens")
-    text = header + "\n" + coupling.table(rows)
+    text = header
+    if rows:
+        text += "\n" + coupling.table(rows)
+    if contexts:
+        text += "\n\nacceptance per drafted position on the same contexts (coupled AR's outputs):\n"
+        text += coupling.contexts_table(contexts)
     print(text)
     if args.txt:
         args.txt.write_text(text + "\n")
     if args.json:
         meta = {"header": header, "machine": hardware.describe(), "shared": args.shared, "k": s.k,
                 "budget": s.fanout.budget, "kind": s.fanout.kind, "glue": s.glue, "prompts": len(prompts),
-                "max_new_tokens": config.generation.max_new_tokens}
-        args.json.write_text(json.dumps(coupling.as_json(rows, meta), indent=2) + "\n")
-    if args.plot:
+                "max_new_tokens": config.generation.max_new_tokens, "parts": args.parts}
+        args.json.write_text(json.dumps(coupling.as_json(rows, contexts, meta), indent=2) + "\n")
+    if args.plot and rows:
         coupling.plot(rows, args.plot)
 
 

@@ -529,3 +529,5 @@ def test_the_ablation_runs_every_variant_and_coupled_ssd_is_ar(tiny_models, tiny
     assert builder_module.guess_scores.__name__ == "guess_scores"  # the raw-guess variant put it back
     assert "gumbel-raw-guesses" in coupling.table(rows)
     assert coupling.plot(rows, tmp_path / "c.png").stat().st_size > 0
+    (same,) = coupling.same_contexts(config, LoadedPair(target, draft, tiny_tokenizer), PROMPTS[:2], [1.0], 4)
+    assert same.positions == 24 and 0 < same.bound <= same.standard <= 1 and 0 < same.coupled <= 1

@@ -11,6 +11,14 @@ and AR with each coupling, the reference: a row says how many SSD outputs
 equal AR's for the same seed (all of them under coupling; by chance only
 under standard sampling). Acceptance and hit rate do not depend on timing;
 tokens/s does, and the two roles share this process's cores.
+
+Realised acceptance compares runs whose outputs differ (the samplers draw
+differently), so `same_contexts` also compares the two samplers on the same
+contexts, coupled AR's outputs: per drafted position, the standard sampler's
+acceptance probability 1 - TV(p, q), the coupling's P(argmax(log p + g) =
+argmax(log q + g)) over many noise seeds, and the bound (1 - TV) / (1 + TV)
+that Gumbel sampling never falls below (Daliri, Musco and Suresh,
+arXiv:2408.07978).
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import ssd.saguaro.builder as builder
 from ssd.config import Config, SamplingConfig
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
 from ssd.factory import LoadedPair, make_engine
+from ssd.models.backend import new_sequence, release
+from ssd.sampling import GumbelNoise, coupled_ids, probs_from_logits
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +60,16 @@ class Row:
     ssd_tok_s: float
     ar_tok_s: float
     equal_to_ar: int  # SSD outputs identical to AR's at the same seed
+
+
+@dataclass(frozen=True)
+class SameContexts:
+    temperature: float
+    positions: int  # drafted positions averaged over
+    noise_draws: int
+    standard: float  # mean 1 - TV(p, q): rejection sampling's acceptance probability
+    coupled: float  # mean P(argmax(log p + g) = argmax(log q + g)) over noise_draws seeds
+    bound: float  # mean (1 - TV) / (1 + TV)
 
 
 @contextlib.contextmanager
@@ -77,6 +99,41 @@ def run(config: Config, pair: LoadedPair, prompts: Sequence[list[int]], temperat
                     outs = _generate(ssd, prompts, sampling, config, progress)
                 rows.append(_row(temperature, variant, outs, reference[coupling], config.speculation.k))
     return rows
+
+
+def same_contexts(config: Config, pair: LoadedPair, prompts: Sequence[list[int]], temperatures: Sequence[float],
+                  noise_draws: int = 16) -> list[SameContexts]:
+    """Both samplers' acceptance per drafted position on the same contexts: coupled AR's outputs."""
+    out = []
+    with make_engine("ar", pair, config.speculation) as ar:
+        for temperature in temperatures:
+            sampling = dataclasses.replace(config.sampling, temperature=temperature, coupling="gumbel")
+            outputs = _generate(ar, prompts, sampling, config, None)
+            sums = [0.0, 0.0, 0.0]
+            positions = 0
+            for prompt, result in zip(prompts, outputs):
+                ids = [*prompt, *result.token_ids]
+                p, q = (probs_from_logits(_scored(model, ids, len(prompt)), sampling) for model in (pair.target, pair.draft))
+                vocab = min(p.shape[-1], q.shape[-1])  # the draft's head may be padded
+                p, q = p[:, :vocab], q[:, :vocab]
+                tv = 0.5 * (p - q).abs().sum(dim=-1)
+                where = tuple(range(len(prompt), len(ids)))
+                agree = sum((coupled_ids(p, GumbelNoise(s, where)) == coupled_ids(q, GumbelNoise(s, where))).double()
+                            for s in range(noise_draws)) / noise_draws
+                for i, part in enumerate((1 - tv, agree, (1 - tv) / (1 + tv))):
+                    sums[i] += float(part.sum())
+                positions += len(where)
+            out.append(SameContexts(temperature, positions, noise_draws, *(x / positions for x in sums)))
+    return out
+
+
+def _scored(model, ids: list[int], start: int) -> torch.Tensor:
+    """The model's logits for the tokens at positions start .. len(ids) - 1, in float64 on the host."""
+    sequence = new_sequence(model)
+    try:
+        return sequence.forward(ids[:-1])[start - 1 :].to(torch.float64).cpu()
+    finally:
+        release(sequence)
 
 
 def _generate(engine, prompts, sampling: SamplingConfig, config: Config, progress) -> list:
@@ -128,6 +185,13 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def contexts_table(rows: Sequence[SameContexts]) -> str:
+    lines = [f"{'T':>4} {'positions':>9} {'standard 1-TV':>13} {'coupled':>8} {'(1-TV)/(1+TV)':>13} {'noise seeds':>11}"]
+    lines += [f"{r.temperature:>4.1f} {r.positions:>9} {r.standard:>13.3f} {r.coupled:>8.3f} {r.bound:>13.3f} "
+              f"{r.noise_draws:>11}" for r in rows]
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[Row], path: Path) -> Path:
     """Hit rate against acceptance, one point per (variant, T): beside the Saguaro C trade-off plots."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -151,5 +215,6 @@ def plot(rows: Sequence[Row], path: Path) -> Path:
     return path
 
 
-def as_json(rows: Sequence[Row], meta: dict[str, Any]) -> dict[str, Any]:
-    return {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}
+def as_json(rows: Sequence[Row], contexts: Sequence[SameContexts], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows],
+            "same_contexts": [dataclasses.asdict(c) for c in contexts]}
