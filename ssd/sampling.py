@@ -234,14 +234,16 @@ def coupled_scores(probs: torch.Tensor, noise: GumbelNoise) -> torch.Tensor:
 
 
 def gumbel_noise(
-    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu", ids: torch.Tensor | None = None,
+    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu",
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Standard Gumbel noise [len(positions), V] (or at `ids`), float64: -log(-log u) of `keyed_uniforms`."""
     return keyed_uniforms(seed, positions, vocab, device, ids).log_().neg_().log_().neg_()
 
 
 def keyed_uniforms(
-    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu", ids: torch.Tensor | None = None,
+    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu",
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """U(0, 1) [len(positions), V] in float64, a pure function of (seed, position,
     token); with `ids` [len(positions), m], at those token ids only (the same values).

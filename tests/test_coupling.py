@@ -270,7 +270,8 @@ def test_a_draft_restricted_to_few_candidates_still_gives_ar_s_output(tiny_model
     sd = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3))
     for p in PROMPTS:
         for s in SEEDS:
-            assert sd.generate(coupled_request(p, seeded(T1, s))).token_ids == ar_ids(target, tiny_tokenizer, p, seeded(T1, s))
+            sampling = seeded(T1, s)
+            assert sd.generate(coupled_request(p, sampling)).token_ids == ar_ids(target, tiny_tokenizer, p, sampling)
     assert_ar(target, tiny_tokenizer, ssd_outputs(target, draft, tiny_tokenizer, ssd_spec(3, 6)))
 
 

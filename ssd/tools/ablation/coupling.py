@@ -113,7 +113,8 @@ def same_contexts(config: Config, pair: LoadedPair, prompts: Sequence[list[int]]
             positions = 0
             for prompt, result in zip(prompts, outputs):
                 ids = [*prompt, *result.token_ids]
-                p, q = (probs_from_logits(_scored(model, ids, len(prompt)), sampling) for model in (pair.target, pair.draft))
+                p, q = (probs_from_logits(_scored(model, ids, len(prompt)), sampling)
+                        for model in (pair.target, pair.draft))
                 vocab = min(p.shape[-1], q.shape[-1])  # the draft's head may be padded
                 p, q = p[:, :vocab], q[:, :vocab]
                 tv = 0.5 * (p - q).abs().sum(dim=-1)
