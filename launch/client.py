@@ -22,7 +22,7 @@ import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
 
-from ssd.config import MODES  # noqa: E402
+from ssd.config import COUPLINGS, MODES  # noqa: E402
 from ssd.serve.client import Completion, GenerationClient  # noqa: E402
 
 log = logging.getLogger("ssd.client")
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--coupling", choices=list(COUPLINGS), help="standard | gumbel: the seed's output in every mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-k", type=int, help="drafted tokens per round (sd, ssd)")
     p.add_argument("--budget", type=int, help="fan-out budget (ssd)")
@@ -96,7 +97,7 @@ def request_args(args: argparse.Namespace) -> dict:
     return dict(
         prompt, request_id=args.request_id, mode=args.mode, stop=args.stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, k=args.k, fanout_budget=args.budget,
+        top_p=args.top_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
         fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup,
     )
 

@@ -32,6 +32,11 @@ BACKENDS = ("torch", "llamacpp", AUTO)
 # re-feeds t* and all K drafted tokens (the build before reuse, for ablations).
 GLUES = ("fold", "reuse", "full")
 PLANNED = ("k", "budget", "glue", "k_policy", "batch_budget")  # what the start-up plan chooses
+# How a sampled token is drawn (ssd.sampling): "standard" draws from a seeded
+# generator and verifies by rejection sampling (Leviathan et al. 2023);
+# "gumbel" takes argmax(log p + g) with Gumbel noise g keyed by (seed,
+# position, token), so the output equals AR's for the seed in every mode.
+COUPLINGS = ("standard", "gumbel")
 
 
 class ConfigError(ValueError):
@@ -113,8 +118,11 @@ class SamplingConfig:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int = 0
+    coupling: str = "standard"  # standard | gumbel: see COUPLINGS and docs/exactness.md
 
     def __post_init__(self) -> None:
+        if self.coupling not in COUPLINGS:
+            raise ConfigError(f"sampling.coupling must be one of {COUPLINGS}, got {self.coupling!r}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -125,6 +133,18 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled tokens are Gumbel-max draws under the request's keyed noise (greedy is greedy either way)."""
+        return self.coupling == "gumbel" and not self.greedy
+
+    @property
+    def needs_q(self) -> bool:
+        """Verification reads the draft's q rows: only the standard sampler's
+        ratio test does; greedy and coupled drafts are checked against the
+        target's own choice."""
+        return not (self.greedy or self.coupled)
 
 
 @dataclass

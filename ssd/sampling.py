@@ -4,7 +4,9 @@ logits -> probabilities under temperature, top-k and top-p; temperature 0 is
 greedy and yields a one-hot distribution on the argmax, so greedy decoding is
 the same code path as sampling (a one-hot q or p verifies exactly like any
 other distribution). Draws come from a per-request torch.Generator so a seed
-fixes the output.
+fixes the output; under coupled sampling (`sampling.coupling: gumbel`) from
+noise keyed by (seed, position, token) instead, so a seed fixes the output of
+AR, SD and SSD alike (see "Coupled sampling" below and docs/exactness.md).
 
 Devices: probabilities stay where the logits are (a GPU's, in the cluster);
 the generator stays on the CPU, so a seed gives the same draws on any device.
@@ -15,6 +17,8 @@ ids come back to the host, once per call.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -121,11 +125,14 @@ def _mask_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample_ids(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def sample_ids(probs: torch.Tensor, gen: Draws) -> torch.Tensor:
     """Token ids on probs' device: one per row of [..., V] (rows need not be normalised).
 
-    One uniform per row from the CPU generator; nothing is read back to the host.
+    One uniform per row from the CPU generator; nothing is read back to the
+    host. With a GumbelNoise, each row's Gumbel-max token at its position.
     """
+    if isinstance(gen, GumbelNoise):
+        return coupled_ids(probs, gen)
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     # r <= 1 - 2**-53 (torch draws float64 uniforms as multiples of 2**-53), so
     # u = r * total stays strictly below total after rounding: some cdf entry exceeds it.
@@ -134,7 +141,7 @@ def sample_ids(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
+def sample(probs: torch.Tensor, gen: Draws) -> int:
     """Draw one token id from a probability row [V] (need not be normalised): one host read."""
     token = int(sample_ids(probs, gen))
     if token >= probs.shape[-1]:
@@ -142,7 +149,7 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
     return token
 
 
-def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
+def sample_rows(probs: torch.Tensor, gen: Draws) -> list[int]:
     """One draw per row of [B, V]; the same inverse-CDF rule as `sample`, one host read."""
     tokens = sample_ids(probs, gen).tolist()
     if any(t >= probs.shape[-1] for t in tokens):
@@ -153,3 +160,170 @@ def sample_rows(probs: torch.Tensor, gen: torch.Generator) -> list[int]:
 def uniforms(gen: torch.Generator, shape: int | Sequence[int] = ()) -> torch.Tensor:
     """U[0, 1) draws in float64 from the request's generator, always on the CPU."""
     return torch.rand(shape, generator=gen, dtype=torch.float64)
+
+
+# --- Coupled sampling ----------------------------------------------------------------
+#
+# Gumbel-max (Gumbel 1954; Maddison et al. 2014): argmax_v (log p(v) + g_v)
+# with g_v i.i.d. standard Gumbel is an exact draw from p. Keying g by
+# (seed, position, token) alone makes the token at a position a function of
+# the prefix and the seed: whoever computes it (AR, the verifier, a draft
+# proposing with its own q) and whenever (a cache hit or a miss, any batch)
+# gets the same noise. The noise comes from a counter-based hash in integer
+# tensor ops, no generator state, so it is the same on every device; see
+# docs/exactness.md for what that buys and what it costs.
+
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_GOLDEN32 = 0x9E3779B1  # floor(2^32 / phi), odd: t -> t * _GOLDEN32 is a bijection mod 2^32
+_TOKEN_SALTS = (0x68E31DA4, 0xB5297A4D)  # one per lane, so the two lanes hash tokens differently
+
+
+# A draft's coupled proposal may be approximate: verification keeps the output
+# AR's whatever the draft proposes, so a draft lets only the DRAFT_CANDIDATES
+# most likely tokens of each row compete. It differs from the full
+# Gumbel-max only when the winner lies outside them, which happens with the
+# row's mass outside them: below 1 % for an LLM at T <= 1 with 64. It saves
+# hashing the whole vocabulary for every branch of every cache build.
+DRAFT_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class GumbelNoise:
+    """A request's coupled randomness for the rows it draws: row i's token is
+    argmax(log p_i + g(seed, positions[i], .)). Positions are absolute
+    indices in the request's sequence (prompt included) of the token drawn.
+    `candidates`: only that many most likely tokens per row compete (a
+    draft's proposals, see DRAFT_CANDIDATES); None: all do (the target's own
+    tokens, which must be exact)."""
+
+    seed: int
+    positions: tuple[int, ...]
+    candidates: int | None = None
+
+    def rows(self, vocab: int, device: torch.device | str = "cpu", ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The noise [len(positions), V] in float64 on `device`; at `ids` [len(positions), m] only, if given."""
+        return gumbel_noise(self.seed, self.positions, vocab, device, ids)
+
+
+# What a draw consumes: the request's generator (standard) or its keyed noise (coupled).
+Draws = torch.Generator | GumbelNoise
+
+
+def draws_at(
+    sampling: SamplingConfig, gen: torch.Generator, positions: Sequence[int], candidates: int | None = None,
+) -> Draws:
+    """The randomness for tokens at `positions` (one per row drawn): the
+    request's generator, or under coupling its noise there. The one place a
+    drawing site asks which sampler the request runs."""
+    if sampling.coupled:
+        return GumbelNoise(sampling.seed, tuple(positions), candidates)
+    return gen
+
+
+def coupled_ids(probs: torch.Tensor, noise: GumbelNoise) -> torch.Tensor:
+    """Gumbel-max ids on probs' device, one per row of [..., V] (rows need not be
+    normalised: the argmax ignores a row's scale). A row without mass gets V,
+    out of range, as sample_ids' inverse CDF does."""
+    scores = coupled_scores(probs, noise)
+    ids = scores.argmax(dim=-1)
+    return torch.where(scores.amax(dim=-1) > float("-inf"), ids, probs.shape[-1])
+
+
+def coupled_scores(probs: torch.Tensor, noise: GumbelNoise) -> torch.Tensor:
+    """log p + g per row of [..., V] in float64: masked tokens (p = 0), and
+    with `noise.candidates` the tokens outside each row's top ones, score -inf."""
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab).to(torch.float64)
+    if len(noise.positions) != flat.shape[0]:
+        raise ValueError(f"noise for {len(noise.positions)} positions, probabilities of shape {tuple(probs.shape)}")
+    if noise.candidates is None or noise.candidates >= vocab:
+        return noise.rows(vocab, flat.device).add_(flat.log()).view(probs.shape)
+    values, ids = torch.topk(flat, noise.candidates, dim=-1)
+    top = noise.rows(vocab, flat.device, ids).add_(values.log())
+    return torch.full_like(flat, float("-inf")).scatter_(-1, ids, top).view(probs.shape)
+
+
+def gumbel_noise(
+    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu",
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard Gumbel noise [len(positions), V] (or at `ids`), float64: -log(-log u) of `keyed_uniforms`."""
+    return keyed_uniforms(seed, positions, vocab, device, ids).log_().neg_().log_().neg_()
+
+
+def keyed_uniforms(
+    seed: int, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu",
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """U(0, 1) [len(positions), V] in float64, a pure function of (seed, position,
+    token); with `ids` [len(positions), m], at those token ids only (the same values).
+
+    Two 32-bit lanes, each the murmur3 finalizer over (row code ^ token
+    code); their top 26 bits each make a 52-bit integer n, and u = (n + 0.5)
+    / 2^52 is exact in float64, never 0 or 1. Integer ops only up to there,
+    with no product above 2^48, so every device computes the same bits.
+    In place where it can: a [K + 1, 152k] call passes over 6 MB tensors
+    some forty times, and fresh allocations would fault their pages in each time.
+    """
+    if any(not 0 <= p <= _M32 for p in positions):
+        raise ValueError(f"positions must be in 0..2^32-1, got {list(positions)[:8]}")
+    keys = _seed_keys(seed)
+    pos = torch.tensor(list(positions), dtype=torch.int64, device=device).unsqueeze(1)  # [R, 1]
+    tokens = _token_codes(vocab, str(device))
+    if ids is not None:
+        tokens = tokens[:, ids.to(device=device, dtype=torch.long)]  # [2, R, m]
+    hi = _fmix32(_fmix32(pos ^ keys[0]) ^ keys[1]) ^ tokens[0]  # row code ^ token code: [R, V]
+    lo = _fmix32(_fmix32(pos ^ keys[2]) ^ keys[3]) ^ tokens[1]
+    scratch = torch.empty_like(hi)
+    _fmix32(hi, scratch)
+    _fmix32(lo, scratch)
+    hi >>= 6
+    hi *= 1 << 26
+    lo >>= 6
+    hi += lo
+    return hi.to(torch.float64).add_(0.5).mul_(2.0**-52)
+
+
+def _seed_keys(seed: int) -> tuple[int, int, int, int]:
+    """Four 32-bit keys from the seed: two splitmix64 outputs (Steele et al. 2014)."""
+    state, keys = seed & _M64, []
+    for _ in range(2):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
+        keys += [z & _M32, z >> 32]
+    return tuple(keys)  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=8)
+def _token_codes(vocab: int, device: str) -> torch.Tensor:
+    """[2, V] per-lane codes of the token ids (bijective in the id), computed once per vocabulary and device."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    _mul32(ids, _GOLDEN32, torch.empty_like(ids))
+    return torch.stack([_fmix32(ids ^ salt) for salt in _TOKEN_SALTS])
+
+
+def _fmix32(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """murmur3's 32-bit finalizer (Appleby), a bijection on 0..2^32-1 with full
+    avalanche; in place on `h` given a scratch tensor of its shape."""
+    if scratch is None:
+        h, scratch = h.clone(), torch.empty_like(h)
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h ^= torch.bitwise_right_shift(h, shift, out=scratch)
+        _mul32(h, multiplier, scratch)
+    h ^= torch.bitwise_right_shift(h, 16, out=scratch)
+    return h
+
+
+def _mul32(x: torch.Tensor, c: int, scratch: torch.Tensor) -> torch.Tensor:
+    """x = (x * c) mod 2^32 in place, for x in 0..2^32-1, without an int64 product
+    above 2^48 (signed overflow is undefined in the kernels): c in 16-bit halves."""
+    torch.mul(x, c >> 16, out=scratch)
+    scratch &= 0xFFFF
+    scratch <<= 16
+    x *= c & 0xFFFF
+    x += scratch
+    x &= _M32
+    return x

@@ -7,6 +7,13 @@ adds — a correction drawn from norm(max(0, p - q)) after a rejection, or a
 bonus token drawn from p at position K+1 when every draft passed. The output is
 distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
 
+Coupled sampling (a GumbelNoise in place of the generator) needs no ratio
+test: the target's token at every position is its Gumbel-max under the
+request's keyed noise, so a drafted token is accepted iff it is that token,
+and t* is the target's token at the first mismatch (or the bonus). The
+outcome is then the one AR sampling with the seed produces, whatever the
+draft proposed (docs/exactness.md).
+
 It runs where p is (the target's device): the K ratio tests are one gather
 and one comparison, the first rejection one reduction, and the host reads
 two small results per round, the stopping position and the drawn token.
@@ -19,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from ssd.sampling import sample, uniforms
+from ssd.sampling import Draws, GumbelNoise, coupled_ids, sample, uniforms
 
 # A residual with less mass than this is rounding noise: it only arises when
 # p <= q everywhere, i.e. p == q up to rounding, where rejection has
@@ -45,18 +52,26 @@ def verify(
     drafted: Sequence[int],
     q: torch.Tensor | None,
     p: torch.Tensor,
-    gen: torch.Generator,
+    gen: Draws,
     greedy: bool = False,
 ) -> Outcome:
     """Outcome of verifying `drafted` (K ids) with q [K, V] and p [K+1, V].
 
     greedy: p rows are one-hot argmaxes; accept while the draft matches them.
-    q is then not needed (None is allowed, nor is its device looked at), and
-    no random numbers are drawn. Otherwise q must be on p's device.
+    gen a GumbelNoise (coupled sampling, for the K + 1 positions of p's
+    rows): accept while the draft matches the target's Gumbel-max tokens. In
+    both, q is not needed (None is allowed, nor is its device looked at), and
+    no generator is drawn from. Otherwise q must be on p's device.
     """
     if greedy:
         _check_shapes(drafted, q, p)
-        return _verify_greedy(drafted, p)
+        return _verify_choices(drafted, p.argmax(dim=-1).tolist())
+    if isinstance(gen, GumbelNoise):
+        _check_shapes(drafted, q, p)
+        best = coupled_ids(p, gen).tolist()
+        if max(best) >= p.shape[-1]:
+            raise ValueError("cannot verify against a row of p without probability mass")
+        return _verify_choices(drafted, best)
     if q is None:
         raise ValueError("stochastic verification needs the draft distributions q")
     _check_shapes(drafted, q, p)
@@ -129,10 +144,11 @@ def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > RESIDUAL_EPS, r, p)
 
 
-def _verify_greedy(drafted: Sequence[int], p: torch.Tensor) -> Outcome:
-    # One argmax where p is and one host read of its K + 1 ids; comparing them
-    # with the (host) drafted ids there needs no upload of the draft.
-    best = p.argmax(dim=-1).tolist()
+def _verify_choices(drafted: Sequence[int], best: list[int]) -> Outcome:
+    """Accept while the draft matches the target's own K + 1 choices `best`
+    (greedy: argmax; coupled: Gumbel-max), then take the target's choice.
+    One argmax where p is and one host read of its K + 1 ids (the caller's);
+    comparing them with the (host) drafted ids needs no upload of the draft."""
     for i, x in enumerate(drafted):
         if x != best[i]:
             return Outcome(i, best[i])

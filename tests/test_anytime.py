@@ -139,11 +139,11 @@ def test_the_speculator_cuts_its_build_when_the_outcome_waits(draft, monkeypatch
     steps = []
     real = builder._Grower._draw
 
-    def draw_and_send_the_outcome(self, logits, step, early):
+    def draw_and_send_the_outcome(self, logits, step, *args):
         steps.append(step)
         if step == 1:  # the target's next round arrives while the build is on its second step
             speculator.channel._inbox.put(Message(protocol.ROUNDS, {"rows": []}))
-        return real(self, logits, step, early)
+        return real(self, logits, step, *args)
 
     monkeypatch.setattr(builder._Grower, "_draw", draw_and_send_the_outcome)
     speculator._rounds(protocol.rounds([protocol.RoundRow(0, 0, 9)]))
@@ -198,14 +198,14 @@ def test_ngram_candidates_fill_what_the_draft_left_and_never_the_drafted_token()
     context = [7, 1, 2, 3, 4, 5, 1, 2]
     drafted = [3, 9]  # k=0: after [.., 1, 2] the text says 3, which is drafted[0]: no entry
     built = {(1, 4)}  # k=1: after [.., 1, 2, 3] the text says 4, which the draft built
-    entries = ngram_candidates(context, drafted, 2, 16, greedy=False, taken=lambda k, t: (k, t) in built)
+    entries = ngram_candidates(context, drafted, 2, 16, needs_q=True, taken=lambda k, t: (k, t) in built)
     assert entries == {}  # and k=2: [.., 2, 3, 9] never occurred
     context = [7, 1, 2, 3, 4, 5, 6, 2, 3]
-    entries = ngram_candidates(context, [8], 2, 16, greedy=False, taken=lambda k, t: False)
+    entries = ngram_candidates(context, [8], 2, 16, needs_q=True, taken=lambda k, t: False)
     assert list(entries) == [(0, 4)] and entries[(0, 4)].tokens == [5, 6]
     q = entries[(0, 4)].q
     assert q.shape == (2, 16) and q[0, 5] == 1 and q[1, 6] == 1 and q.sum() == 2
-    assert ngram_candidates(context, [8], 2, 16, greedy=True, taken=lambda k, t: False)[(0, 4)].q is None
+    assert ngram_candidates(context, [8], 2, 16, needs_q=False, taken=lambda k, t: False)[(0, 4)].q is None
 
 
 def test_the_bench_variants_turn_off_what_they_name():

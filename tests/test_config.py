@@ -66,6 +66,7 @@ def test_overrides_merge_into_sections(tmp_path):
         ("draft: {quantization: int4}", "model.quantization"),
         ("generation: {max_new_tokens: 0}", "max_new_tokens"),
         ("sampling: {top_p: 0}", "top_p"),
+        ("sampling: {coupling: philox}", "sampling.coupling"),
         ("target: 3", "target must be a mapping"),
     ],
 )

@@ -245,6 +245,21 @@ def test_seed_fixes_the_output_in_ar_and_sd(client, grpc_client, backend, mode):
     assert len(others | {first}) > 1  # the seed matters
 
 
+def test_coupling_travels_as_an_extra_field_and_gives_ar_s_text_in_every_mode(client, grpc_client):
+    """coupling "gumbel" over HTTP and gRPC: one seed, one text, whatever the mode;
+    standard sampling in SD does not give AR's text for some seed (the power)."""
+    def text(mode: str, coupling: str, seed: int) -> str:
+        return complete(client, False, False, max_tokens=24, temperature=1.0, seed=seed,
+                        extra_body={"coupling": coupling, "speculation": {"mode": mode}})["text"]
+
+    for seed in (1, 2):
+        coupled = {text(mode, "gumbel", seed) for mode in MODES}
+        coupled.add(grpc_client.generate(text=PROMPT, mode="ssd", temperature=1.0, seed=seed, max_new_tokens=24,
+                                         coupling="gumbel").text)
+        assert len(coupled) == 1, coupled
+    assert any(text("sd", "standard", s) != text("ar", "standard", s) for s in (1, 2, 3))
+
+
 def test_top_k_travels_as_an_extra_field(client):
     """top_k 1 keeps only the argmax: sampling at temperature 1 then is greedy decoding."""
     greedy = complete(client, False, False, max_tokens=24, temperature=0)["text"]
@@ -544,6 +559,8 @@ BAD = [
     (C, _ok(top_p=0), 400, "top_p"),
     (C, _ok(top_p=1.5), 400, "top_p"),
     (C, _ok(top_k=-1), 400, "top_k"),
+    (C, _ok(coupling="philox"), 400, "coupling"),
+    (C, _ok(coupling=1), 400, "coupling"),
     (C, _ok(max_tokens=0), 400, "max_tokens"),
     (C, _ok(max_tokens=10**6), 400, "max_tokens"),
     (C, _ok(max_tokens=2**40), 400, "max_tokens"),
@@ -684,9 +701,9 @@ def test_both_front_ends_make_the_same_neutral_request():
     pb, _ = protos.load()
     grpc_side = from_proto(build_request(
         pb, messages=[{"role": "user", "content": "ab"}], mode="ssd", stop=["x"], max_new_tokens=8,
-        temperature=0.5, top_k=3, top_p=0.9, seed=7, k=2, fanout_budget=4, saguaro_c=0.5))
+        temperature=0.5, top_k=3, top_p=0.9, seed=7, coupling="gumbel", k=2, fanout_budget=4, saguaro_c=0.5))
     http_side = schema.to_request(schema.parse(schema.ChatBody, {
         "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}],
         "stop": "x", "max_completion_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 7,
-        "speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4, "saguaro_c": 0.5}}))
+        "coupling": "gumbel", "speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4, "saguaro_c": 0.5}}))
     assert grpc_side == http_side

@@ -447,3 +447,20 @@ def test_a_tiny_model_on_llamacpp_loads_from_its_config(tmp_path, monkeypatch):
     assert lm.generation_config.eos_token_id == []  # the tiny config names none (llama.cpp would assume one)
     want = _torch_logits(build_tiny_model(cfg.tiny, torch.float32), PROMPT)
     assert _rel(LlamaCppSequence(lm).forward(PROMPT), want) < REL_TOL
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_coupled_rows_equal_coupled_ar(pair, draft_pair, mode):
+    """Coupled sampling (sampling.coupling: gumbel) on llama.cpp: rows batched
+    in SD or SSD give AR's tokens for their seeds (the sampling is the backends' one pipeline)."""
+    _, lm = pair
+    _, draft = draft_pair
+    samplings = [SamplingConfig(temperature=1.0, seed=s, coupling="gumbel") for s in range(len(PROMPTS))]
+    spec = _ssd(3, budget=6) if mode == "ssd" else SpeculationConfig(mode="sd", k=3)
+    requests = [dataclasses.replace(_request(p, s), speculation=spec) for p, s in zip(PROMPTS, samplings)]
+    engine = SSDEngine.in_process(lm, draft, TOKENIZER, spec) if mode == "ssd" else SDEngine(lm, draft, TOKENIZER)
+    try:
+        got = _run_batch(engine, requests)
+    finally:
+        engine.close()
+    assert got == [AREngine(lm, TOKENIZER).generate(_request(p, s)).token_ids for p, s in zip(PROMPTS, samplings)]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import BACKENDS, BACKUPS, GLUES, MODES, Config, ConfigError, load_config
+from ssd.config import BACKENDS, BACKUPS, COUPLINGS, GLUES, MODES, Config, ConfigError, load_config
 from ssd.serve.options import ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -50,6 +50,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default too")
     parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default too")
     parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default too")
+    parser.add_argument("--coupling", choices=COUPLINGS,
+                        help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
     for role in ("target", "draft"):
@@ -91,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("serve_defaults", "top_p", args.top_p),
         ("serve_defaults", "seed", args.seed),
         ("serve_defaults", "max_new_tokens", args.max_new_tokens),
+        ("sampling", "coupling", args.coupling),
         ("runtime", "threads", args.threads),
         # launch/cluster.py's placement flags (other scripts do not take them)
         ("cluster", "replicas", getattr(args, "replicas", None)),

@@ -48,7 +48,7 @@ from ssd.models.backend import (
 )
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
-from ssd.sampling import make_generator, probs_from_logits, sample, token_logprobs
+from ssd.sampling import draws_at, make_generator, probs_from_logits, sample, token_logprobs
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
@@ -343,26 +343,32 @@ class BatchedEngine(Engine):
 
     @staticmethod
     def _next_token(req: SequenceState, logits: torch.Tensor) -> int:
-        """Sample the token after `logits` [V] with the request's settings, processing and generator."""
+        """Sample the token after `logits` [V] with the request's settings, processing and
+        generator (coupled: its noise at the token's position, len(sequence))."""
         bias = req.processor.bias(logits.shape[-1]) if req.processor is not None else None
-        return sample(probs_from_logits(logits, req.sampling, bias), req.gen)
+        draws = draws_at(req.sampling, req.gen, [len(req.sequence)])
+        return sample(probs_from_logits(logits, req.sampling, bias), draws)
 
     def _judge(self, req: SequenceState, drafted: list[int], q: torch.Tensor | None, logits: torch.Tensor) -> Outcome:
         """Verify `drafted` against the target's logits [K+1, V] at the scored positions.
 
         p stays on the target's device; sampled q rows are moved there (over a
         host link they arrive in host memory). With logits processing, row i of p
-        is the processed law after drafted[:i] (ssd.engine.processing): the law verified against.
+        is the processed law after drafted[:i] (ssd.engine.processing): the law verified
+        against. Coupled requests verify with their noise at the K + 1 positions p
+        scores, from len(sequence) on.
         """
         bias = req.processor.rows(drafted, logits.shape[-1]) if req.processor is not None else None
         p = probs_from_logits(logits, req.sampling, bias)
-        if not req.sampling.greedy:  # greedy verification never reads q
+        if req.sampling.needs_q:  # greedy and coupled verification never read q
             if q is None:
                 if drafted:
                     raise ValueError("a sampled speculation arrived without its q rows")
                 q = p.new_zeros(0, p.shape[-1])
             q = to_device(q, p.device)
-        outcome = self.verifier(drafted, q, p, req.gen, greedy=req.sampling.greedy)
+        start = len(req.sequence)
+        draws = draws_at(req.sampling, req.gen, range(start, start + len(drafted) + 1))
+        outcome = self.verifier(drafted, q, p, draws, greedy=req.sampling.greedy)
         sync(p)  # the round's timer covers the device's work
         return outcome
 

@@ -10,7 +10,7 @@ import torch
 
 from ssd.config import SamplingConfig
 from ssd.models.backend import AnySequence, forward_rows
-from ssd.sampling import as_drawn, probs_from_logits, sample
+from ssd.sampling import DRAFT_CANDIDATES, as_drawn, draws_at, probs_from_logits, sample
 
 
 
@@ -57,13 +57,20 @@ class Chain:
         return list(self.sequence[self.kv.length :])
 
     def take(self, logits: torch.Tensor) -> None:
-        """Draw the next drafted token from the draft's logits [V] after the fed tokens."""
+        """Draw the next drafted token from the draft's logits [V] after the fed tokens.
+
+        Coupled: the Gumbel-max of q under the request's noise at the token's
+        position, the noise the target's own token there uses, over q's
+        DRAFT_CANDIDATES likeliest tokens; Saguaro's reshaping is for the
+        ratio test and is not applied. With logits processing, q is the draft's
+        processed law (the target's is verified against)."""
         bias = self.processor.bias(logits.shape[-1]) if self.processor is not None else None
         q = probs_from_logits(logits, self.sampling, bias)
-        if self.saguaro is not None and not self.sampling.greedy:
+        if self.saguaro is not None and self.sampling.needs_q:
             q = self.saguaro.apply(q, len(self.tokens))
         q = as_drawn(q)
-        self.tokens.append(sample(q, self.gen))
+        draws = draws_at(self.sampling, self.gen, [len(self.sequence) + len(self.tokens)], DRAFT_CANDIDATES)
+        self.tokens.append(sample(q, draws))
         if self.processor is not None:
             self.processor.push(self.tokens[-1])
         self.q_rows.append(q)

@@ -53,7 +53,8 @@ class SDEngine(BatchedEngine):
 
     def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
         chain, state = row.chain, row.state
-        q = torch.stack(chain.q_rows) if chain.q_rows and not state.sampling.greedy else None  # greedy never reads q
+        # greedy and coupled verification never read q
+        q = torch.stack(chain.q_rows) if chain.q_rows and state.sampling.needs_q else None
         self._settle_speculation(row, chain.tokens, q, logits, forward_s)
 
 

@@ -1,6 +1,10 @@
 """Backup speculators for cache misses. Each is exact: every proposed token
 comes with the distribution q it was drawn from (a deterministic proposal is
-a one-hot q), so verification stays lossless whichever backup runs."""
+a one-hot q), so verification stays lossless whichever backup runs. Under
+coupled sampling no q is shipped (verification compares with the target's own
+tokens) and the sampled backups draw with the request's keyed noise: the
+neural one exactly as SD's draft, the random one the Gumbel-max of the
+uniform law."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from ssd.models.kv import KVSequence
 from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.engine.drafting import drafted_chain
 from ssd.saguaro.sampling import Saguaro
-from ssd.sampling import Q_DTYPE
+from ssd.sampling import Q_DTYPE, draws_at, sample_rows
 
 
 class Backup(Protocol):
@@ -33,7 +37,7 @@ class NeuralBackup:
 
     def propose(self, kv, context, k, sampling, gen, saguaro):
         chain = drafted_chain(kv, context, k, sampling, gen, saguaro)
-        q = None if sampling.greedy else torch.stack(chain.q_rows)
+        q = torch.stack(chain.q_rows) if sampling.needs_q else None
         return Proposal(chain.tokens, q, self.kind, DraftWork(chain.logit_rows))
 
 
@@ -49,7 +53,7 @@ class NgramBackup:
 
     def propose(self, kv, context, k, sampling, gen, saguaro):
         tokens = ngram_continuation(context, k, self.max_n)
-        q = None if sampling.greedy else one_hot_rows(tokens, self.vocab_size)
+        q = one_hot_rows(tokens, self.vocab_size) if sampling.needs_q else None
         return Proposal(tokens, q, self.kind)
 
 
@@ -67,18 +71,19 @@ class LookupBackup:
         follow = ngram_match(context, k, self.max_n, self.min_n)
         if len(follow) < k:
             return NeuralBackup().propose(kv, context, k, sampling, gen, saguaro)
-        q = None if sampling.greedy else one_hot_rows(follow, self.vocab_size)
+        q = one_hot_rows(follow, self.vocab_size) if sampling.needs_q else None
         return Proposal(follow, q, "ngram")
 
 
 def ngram_candidates(
-    context: Sequence[int], drafted: Sequence[int], depth: int, vocab_size: int, greedy: bool,
+    context: Sequence[int], drafted: Sequence[int], depth: int, vocab_size: int, needs_q: bool,
     taken: Callable[[int, int], bool], max_n: int = 3, min_n: int = 2,
 ) -> dict[tuple[int, int], Proposal]:
     """Free cache entries: for each acceptance length k, the outcome t* that
     the text so far predicts (what followed the latest earlier occurrence of
     context + drafted[:k]) with the `depth` tokens that followed it, where the
-    draft built nothing for (k, t*) (`taken`). No model cost; q one-hot."""
+    draft built nothing for (k, t*) (`taken`). No model cost; q one-hot where
+    verification reads q (`needs_q`: not greedy, not coupled)."""
     entries: dict[tuple[int, int], Proposal] = {}
     for k in range(len(drafted) + 1):
         follow = ngram_match([*context, *drafted[:k]], depth + 1, max_n, min_n)
@@ -87,7 +92,7 @@ def ngram_candidates(
         t_star, tokens = follow[0], follow[1:]
         if (k < len(drafted) and t_star == drafted[k]) or taken(k, t_star):
             continue  # a rejection never yields the drafted token; the draft's own entry is better
-        q = None if greedy else one_hot_rows(tokens, vocab_size)
+        q = one_hot_rows(tokens, vocab_size) if needs_q else None
         entries[(k, t_star)] = Proposal(tokens, q, "ngram")
     return entries
 
@@ -101,9 +106,12 @@ class RandomBackup:
         self.vocab_size = vocab_size
 
     def propose(self, kv, context, k, sampling, gen, saguaro):
-        tokens = torch.randint(self.vocab_size, (k,), generator=gen).tolist()
-        q = None if sampling.greedy else torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=Q_DTYPE)
-        return Proposal(tokens, q, self.kind)
+        uniform = torch.full((k, self.vocab_size), 1.0 / self.vocab_size, dtype=Q_DTYPE)
+        if sampling.coupled:  # the same noise as the target's: uniform draws, coupled
+            tokens = sample_rows(uniform, draws_at(sampling, gen, range(len(context), len(context) + k)))
+        else:
+            tokens = torch.randint(self.vocab_size, (k,), generator=gen).tolist()
+        return Proposal(tokens, uniform if sampling.needs_q else None, self.kind)
 
 
 def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:

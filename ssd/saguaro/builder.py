@@ -13,6 +13,15 @@ step (`build_cache`): a build is K draft forwards, not K + 1.
 Everything stays on the draft's device: each step's sampled ids feed the next
 step from there, and the host reads the guesses once and every branch's
 tokens once, at the end.
+
+Coupled sampling (sampling.coupling: gumbel): a branch draws each token as
+the Gumbel-max of q under the request's noise at that token's position, as
+the target will; and the guesses of t* are ranked by the same perturbed
+scores log q + g at their positions, not by raw logits. Under shared noise t*
+is the target's argmax of log p + g; with p close to q the draft's own
+argmax of log q + g is its best single guess for the bonus, and after a
+rejection (t* differs from the draft's argmax there) its runner-up, and so
+on down the perturbed ranking (docs/exactness.md, docs/results/coupling.md).
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import torch
 from ssd.config import SamplingConfig
 from ssd.models.backend import feed_rows
 from ssd.models.kv import Feed, KVSequence, token_tensor
-from ssd.sampling import as_drawn, probs_from_logits, sample_ids
+from ssd.sampling import (
+    DRAFT_CANDIDATES, GumbelNoise, as_drawn, coupled_scores, draws_at, probs_from_logits, sample_ids,
+)
 from ssd.saguaro.branches import BranchDecoder, TreeBranchDecoder
 from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.saguaro.fanout import fanout_for
@@ -59,6 +70,18 @@ def guessed_outcomes(glue_logits: torch.Tensor, drafted: Sequence[int], fanout: 
         else:
             branches += [(k, t) for t in ranked[k][: min(f, vocab)]]
     return branches
+
+
+def guess_scores(logits: torch.Tensor, sampling: SamplingConfig, first: int) -> torch.Tensor:
+    """What the guesses of t* are ranked by, rows [n, V] after the draft's
+    logits for the tokens at positions first .. first + n - 1: the raw logits,
+    or under coupling the perturbed scores log q + g at those positions (the
+    Gumbel-max that picks t* is taken over the same noise), over each row's
+    DRAFT_CANDIDATES likeliest tokens (-inf elsewhere)."""
+    if not sampling.coupled:
+        return logits
+    noise = GumbelNoise(sampling.seed, tuple(range(first, first + logits.shape[0])), DRAFT_CANDIDATES)
+    return coupled_scores(probs_from_logits(logits, sampling), noise)
 
 
 def glue_pass(kv: KVSequence, committed: Sequence[int], drafted: Sequence[int]) -> torch.Tensor:
@@ -192,11 +215,12 @@ def _build_steps(job: BuildJob) -> Generator[Feed, torch.Tensor, Entries]:
     kv, decoder, committed, drafted = job.kv, job.decoder, job.committed, job.drafted
     depth = len(drafted) if job.depth is None else job.depth
     fanout = fanout_for(job.fanout, len(drafted))
+    base = len(committed)  # the position of t* after 0 accepted drafts
     keep = isinstance(decoder, TreeBranchDecoder) and kv.lean
-    grower = _Grower(job.sampling, job.gen, job.saguaro, keep=keep, stop=job.stop)
+    grower = _Grower(job.sampling, job.gen, job.saguaro, base, keep=keep, stop=job.stop)
     known = None if job.glue == "full" else resume(kv, committed, drafted, job.work)
     if known is not None and job.glue == "fold" and depth >= 2 and grower.keep:
-        early = guessed_outcomes(known, drafted, fanout[:-1])
+        early = guessed_outcomes(guess_scores(known, job.sampling, base), drafted, fanout[:-1])
         if early:
             return (yield from grower.folded(kv, decoder, committed, drafted, fanout[-1], early, depth))
     if known is not None:
@@ -205,7 +229,7 @@ def _build_steps(job: BuildJob) -> Generator[Feed, torch.Tensor, Entries]:
         kv.trim_to_prefix_of(committed)
         sequence = [*committed, *drafted]
         glue = (yield Feed(kv, sequence[kv.length :], len(sequence) - kv.length))[-(len(drafted) + 1) :]
-    branches = guessed_outcomes(glue, drafted, fanout)
+    branches = guessed_outcomes(guess_scores(glue, job.sampling, base), drafted, fanout)
     if not branches:
         return {}
     prefixes, firsts = [len(committed) + k for k, _ in branches], [t for _, t in branches]
@@ -238,10 +262,14 @@ class _Grower:
     """
 
     def __init__(
-        self, sampling: SamplingConfig, gen: torch.Generator, saguaro: Saguaro | None, keep: bool,
+        self, sampling: SamplingConfig, gen: torch.Generator, saguaro: Saguaro | None, base: int, keep: bool,
         stop: Callable[[], bool] | None = None,
     ) -> None:
+        """`base`: the position of t* after 0 accepted drafts (len(committed)); a
+        branch (k, t*) draws its tokens from position base + k + 1 on. `stop`: the
+        anytime build's (see build_caches)."""
         self.sampling, self.gen, self.saguaro, self.keep = sampling, gen, saguaro, keep
+        self.base = base
         self.stop = stop
         self.cut = False  # the build ended early (stop said so)
 
@@ -252,7 +280,8 @@ class _Grower:
         prefixes, firsts = [len(committed) + k for k, _ in early], [t for _, t in early]
         first = yield from _step(decoder, lambda: decoder.open(kv, prefixes, firsts, lead=drafted[-1]), None)
         k = len(drafted)
-        bonus = guessed_outcomes(first[:1], (), [bonus_fanout]) if bonus_fanout > 0 else []
+        scores = guess_scores(first[:1], self.sampling, self.base + k)
+        bonus = guessed_outcomes(scores, (), [bonus_fanout]) if bonus_fanout > 0 else []
         bonus = [(k, t) for _, t in bonus]
         return (yield from self.grow(decoder, first[1:], early, depth, late=bonus, late_prefix=len(committed) + k))
 
@@ -273,7 +302,7 @@ class _Grower:
                     tokens = ids[-1]
                     logits = yield from _step(decoder, lambda: decoder.next(tokens), lambda: decoder.step(tokens))
                 rows.append(logits)
-                step_ids, step_q = self._draw(logits, step, len(branches))
+                step_ids, step_q = self._draw(logits, step, len(branches), self._positions(step, branches, late))
                 ids.append(step_ids)
                 if step_q is not None:
                     q.append(step_q)
@@ -285,11 +314,22 @@ class _Grower:
         late = list(late) if len(ids) > 1 else []  # cut before they joined: nothing of theirs
         return self._entries(list(branches), late, ids, q, rows, fed)
 
-    def _draw(self, logits: torch.Tensor, step: int, early: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next ids of the active branches, and the q rows they were drawn from (None: greedy)."""
+    def _positions(self, step: int, early, late) -> list[int]:
+        """The positions of the tokens each active branch draws at `step` (late
+        branches, joined at step 1, are one token behind)."""
+        positions = [self.base + k + 1 + step for k, _ in early]
+        return positions + ([self.base + k + step for k, _ in late] if step else [])
+
+    def _draw(
+        self, logits: torch.Tensor, step: int, early: int, positions: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next ids of the active branches, and the q rows they were drawn from
+        (None: greedy, or coupled, whose verification reads no q)."""
         if self.sampling.greedy:
             return logits.argmax(dim=-1), None
         q = probs_from_logits(logits, self.sampling)
+        if self.sampling.coupled:
+            return sample_ids(q, draws_at(self.sampling, self.gen, positions, DRAFT_CANDIDATES)), None
         if self.saguaro is not None:  # token positions: `step` for the early branches, one less for late ones
             parts = [self.saguaro.apply_rows(q[:early], step)]
             if q.shape[0] > early:

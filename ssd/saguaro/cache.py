@@ -26,7 +26,7 @@ class DraftWork:
 class Proposal:
     """K proposed tokens and the exact distributions they were drawn from.
 
-    q is None under greedy decoding, where verification needs no q.
+    q is None under greedy decoding and coupled sampling, where verification needs no q.
     """
 
     tokens: list[int]

@@ -11,7 +11,7 @@ request is a batch of one), so a round costs one message each way whatever
 the batch size:
 
     rounds     header {"rows": [{"seq", "k", "token"}, ...]}, no tensors
-    proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy)
+    proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy or coupled)
                row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
                       "q": [start, stop] | None}   q rows = q_all[start:stop]
                    | {"seq", "error"}              this row alone failed

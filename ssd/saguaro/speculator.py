@@ -206,7 +206,7 @@ class Speculator:
     def _free_candidates(self, seq: DraftSequence, drafted: list[int], built: dict) -> dict:
         """Outcomes the text so far predicts and the build did not prepare, with
         their n-gram continuations (ssd.saguaro.backups.ngram_candidates)."""
-        return ngram_candidates(seq.committed, drafted, len(drafted), self.vocab_size, seq.sampling.greedy,
+        return ngram_candidates(seq.committed, drafted, len(drafted), self.vocab_size, seq.sampling.needs_q,
                                 taken=lambda k, t: (k, t) in built)
 
     def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> tuple[list[int], list[int]]:

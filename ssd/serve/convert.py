@@ -24,7 +24,7 @@ def from_proto(message: Any) -> Request:
     An unknown Mode value is InvalidArgument("mode")."""
     request = Request(
         request_id=message.request_id, stop=list(message.stop), ignore_eos=message.ignore_eos,
-        mode=_mode(message.mode),
+        mode=_mode(message.mode), coupling=message.coupling or None,
         **{name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)},
     )
     which = message.WhichOneof("prompt")

@@ -71,6 +71,7 @@ class Request:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    coupling: str | None = None  # standard | gumbel (sampling.coupling)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     mode: str | None = None  # ar | sd | ssd

@@ -134,6 +134,7 @@ class Defaults:
     top_k: int
     top_p: float
     seed: int
+    coupling: str
     k: int
     fanout_budget: int
     fanout_kind: str
@@ -334,6 +335,7 @@ class GenerationService:
             max_new_tokens=max_new if r.max_new_tokens is None else min(r.max_new_tokens, max_new),
             temperature=_or(r.temperature, OPENAI_TEMPERATURE), top_k=_or(r.top_k, 0),
             top_p=_or(r.top_p, OPENAI_TOP_P), seed=_or(r.seed, 0), random_seed=r.seed is None,
+            coupling=d.sampling.coupling,
             k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,

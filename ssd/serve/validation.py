@@ -24,6 +24,7 @@ from typing import Any
 
 from ssd.config import (
     BACKUPS,
+    COUPLINGS,
     FANOUT_KINDS,
     MODES,
     ConfigError,
@@ -126,7 +127,10 @@ def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     if not 0 <= seed <= MAX_SEED:
         raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
     seed = choice_seed(seed, request.choice)
-    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    coupling = request.coupling or info.defaults.sampling.coupling
+    if coupling not in COUPLINGS:
+        raise InvalidArgument("coupling", f"must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
 
 
 def _max_new_tokens(request: Request, info: BackendInfo, options: ServeOptions) -> int | None:

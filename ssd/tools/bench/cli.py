@@ -242,7 +242,8 @@ def _settings(args: argparse.Namespace, config, plan: BenchPlan | None) -> dict:
         **{role: {"name": m.name, "dtype": m.dtype, "quantization": m.quantization}
            for role, m in (("target", config.target), ("draft", config.draft))},
         "max_new_tokens": config.generation.max_new_tokens,
-        "sampling": {"top_k": config.sampling.top_k, "top_p": config.sampling.top_p, "seed": config.sampling.seed},
+        "sampling": {"top_k": config.sampling.top_k, "top_p": config.sampling.top_p, "seed": config.sampling.seed,
+                     "coupling": config.sampling.coupling},
         "fanout": {"kind": config.speculation.fanout.kind, "budget": config.speculation.fanout.budget},
     }
 
