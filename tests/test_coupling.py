@@ -36,6 +36,7 @@ keyed without the seed, fail the same test at the same seeds.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import pytest
@@ -83,8 +84,11 @@ def ar_ids(target, tokenizer, prompt, sampling: SamplingConfig, n: int = N) -> l
         GenerationRequest(prompt, sampling, GenerationConfig(max_new_tokens=n))).token_ids
 
 
-def ssd_spec(k: int = 3, budget: int = 8, kind: str = "geometric", **kw) -> SpeculationConfig:
-    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget), **kw)
+def ssd_spec(k: int = 3, budget: int = 8, kind: str = "geometric", anytime: bool = False, **kw) -> SpeculationConfig:
+    """Builds to the budget with the draft's entries only, so that each test knows which
+    lookups hit; test_coupled_ssd_with_anytime_builds_and_ngram_entries_equals_ar runs the defaults."""
+    kw.setdefault("ngram_candidates", False)
+    return SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(kind=kind, budget=budget, anytime=anytime), **kw)
 
 
 def coupled_request(prompt, sampling=T1, n=N, speculation=None, **kw) -> GenerationRequest:
@@ -329,12 +333,37 @@ def test_coupled_ssd_with_a_partial_cache_equals_ar(tiny_models, tiny_tokenizer,
     assert 0 < hits < sum(out.stats.spec.lookups for *_, out in runs)  # hits and misses both ran
 
 
-@pytest.mark.parametrize("backup", ["neural", "ngram", "random"])
+def test_coupled_ssd_with_anytime_builds_and_ngram_entries_equals_ar(tiny_models, tiny_tokenizer, monkeypatch):
+    """The defaults: builds cut short (a slowed draft, so that the outcome arrives
+    mid-build) and free n-gram entries (one-hot, no noise of their own) leave coupled
+    SSD's output AR's."""
+    target, draft = tiny_models
+    cuts = []
+    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
+
+    def slow_draw(self, *args):
+        time.sleep(0.004)
+        return real_draw(self, *args)
+
+    def seen_call(self):
+        cuts.append(real_call(self))
+        return cuts[-1]
+
+    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
+    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    runs = ssd_outputs(target, draft, tiny_tokenizer, ssd_spec(4, 6, anytime=True, ngram_candidates=True))
+    assert_ar(target, tiny_tokenizer, runs)
+    assert any(cuts) and sum(out.stats.spec.hits for *_, out in runs) > 0
+
+
+@pytest.mark.parametrize("backup", ["neural", "lookup", "ngram", "random"])
 def test_coupled_ssd_on_every_backup_with_forced_misses_equals_ar(tiny_models, tiny_tokenizer, always_miss, backup):
     target, draft = tiny_models
     runs = ssd_outputs(target, draft, tiny_tokenizer, ssd_spec(3, 8, backup=backup))
     assert_ar(target, tiny_tokenizer, runs)
-    assert all(out.stats.spec.hits == 0 and out.stats.spec.backups.get(backup, 0) > 0 for *_, out in runs)
+    used = {"lookup": ("ngram", "neural")}.get(backup, (backup,))  # lookup: its n-gram match, else neural
+    assert all(out.stats.spec.hits == 0 and sum(out.stats.spec.backups.get(b, 0) for b in used) > 0
+               for *_, out in runs)
 
 
 def perfect_draft_spec() -> SpeculationConfig:
