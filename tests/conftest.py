@@ -151,7 +151,8 @@ LANE_OF = {name: kind for kind, names in LANES.items() for name in names}
 # Ordinary files that take a minute or so start first, longest first, so that
 # neither worker is left running one alone at the end; the rest keep pytest's order.
 LONGEST_FIRST = (
-    "test_ssd_distribution.py", "test_batch_ssd.py", "test_ssd.py", "test_http.py", "test_threads.py",
+    "test_ssd_distribution.py", "test_coupling.py", "test_openai_api.py", "test_batch_ssd.py", "test_ssd.py",
+    "test_http.py", "test_processing.py", "test_threads.py",
     "test_llamacpp_distribution.py", "test_distribution.py", "test_tp.py", "test_gpu_smoke.py", "test_quant.py",
     "test_ablation.py",
 )
