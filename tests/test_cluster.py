@@ -240,7 +240,12 @@ def test_openai_http_api_over_the_cluster(cluster):
                             stream_options={"include_usage": True})
     want = local_ar(CONFIG, cluster.encode(PROMPT), 30)
     assert whole["text"] == streamed["text"] == load_tokenizer(CONFIG.target).decode(want)
-    assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"]) and whole["logprobs"] == streamed["logprobs"]
+    assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"])
+    # The same tokens and log-probabilities; the values to fp32 rounding only: an anytime build's
+    # length depends on timing, and a verification's logits on how many rows it scores.
+    assert [(t, top.keys()) for t, _, top in whole["logprobs"]] == [(t, top.keys()) for t, _, top in streamed["logprobs"]]
+    for (_, a, _), (_, b, _) in zip(whole["logprobs"], streamed["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-5)
     assert whole["stats"]["mode"] == "ssd" and streamed["usage"].completion_tokens == 30
 
 
