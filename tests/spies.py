@@ -6,12 +6,14 @@ nothing is replaced."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+import ssd.saguaro.builder as builder_module
 import ssd.saguaro.speculator as speculator_module
 from ssd.config import SamplingConfig
 from ssd.saguaro.branches import BRANCH_DECODERS
@@ -131,3 +133,23 @@ class WorkClock:
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:  # the models are session fixtures: leave them unhooked
             handle.remove()
+
+
+def slow_draft_counting_cuts(monkeypatch: pytest.MonkeyPatch, step_s: float = 0.004) -> list[bool]:
+    """Every branch step of the draft's builds `step_s` slower (so that the target's
+    outcome arrives mid-build and anytime builds get cut); returns what each anytime
+    stop check answered, in order."""
+    answers: list[bool] = []
+    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
+
+    def slow_draw(self, *args):
+        time.sleep(step_s)
+        return real_draw(self, *args)
+
+    def seen_call(self):
+        answers.append(real_call(self))
+        return answers[-1]
+
+    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
+    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    return answers

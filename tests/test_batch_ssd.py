@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import time
 from collections import Counter
 from typing import Callable, Iterator
 
@@ -34,6 +33,7 @@ from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 from tests.test_distribution import SMALL, small_models
 from tests.test_speculator_batch import BackupSpy
+from tests.spies import slow_draft_counting_cuts
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -159,23 +159,8 @@ def test_greedy_rows_equal_ar_with_anytime_builds_and_ngram_entries(tiny_models,
     """The defaults, rows together: builds that the next round cuts short (every
     row's at the same step; the draft slowed here so that cuts happen) and free
     n-gram entries leave every row's output AR's."""
-    import ssd.saguaro.builder as builder_module
-    import ssd.saguaro.speculator as speculator_module
-
     target, draft = tiny_models
-    cuts = []
-    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
-
-    def slow_draw(self, *args):
-        time.sleep(0.004)
-        return real_draw(self, *args)
-
-    def seen_call(self):
-        cuts.append(real_call(self))
-        return cuts[-1]
-
-    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
-    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    cuts = slow_draft_counting_cuts(monkeypatch)
     rows = greedy_rows(tiny_tokenizer, target, adaptive=True)
     with linked(target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=16)) as (engine, _, _):
         outs = [ok(f) for f in run_batch(engine, rows)]

@@ -36,7 +36,6 @@ keyed without the seed, fail the same test at the same seeds.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import pytest
@@ -62,6 +61,7 @@ from tests.test_batch_ssd import fail_row_once, linked, ok, run_batch
 from tests.test_distribution import CASES as LAW_CASES, K as LAW_K, N_TOKENS, POSITIONS, PROMPT as LAW_PROMPT
 from tests.test_distribution import draw as sd_draw, exact_joint, small_models
 from tests.test_ssd_distribution import LATE, draw as ssd_draw, exact as ssd_exact, spec as full_spec
+from tests.spies import slow_draft_counting_cuts
 
 SETTINGS = {
     "t1.0": SamplingConfig(temperature=1.0, coupling="gumbel"),
@@ -338,19 +338,7 @@ def test_coupled_ssd_with_anytime_builds_and_ngram_entries_equals_ar(tiny_models
     mid-build) and free n-gram entries (one-hot, no noise of their own) leave coupled
     SSD's output AR's."""
     target, draft = tiny_models
-    cuts = []
-    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
-
-    def slow_draw(self, *args):
-        time.sleep(0.004)
-        return real_draw(self, *args)
-
-    def seen_call(self):
-        cuts.append(real_call(self))
-        return cuts[-1]
-
-    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
-    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    cuts = slow_draft_counting_cuts(monkeypatch)
     runs = ssd_outputs(target, draft, tiny_tokenizer, ssd_spec(4, 6, anytime=True, ngram_candidates=True))
     assert_ar(target, tiny_tokenizer, runs)
     assert any(cuts) and sum(out.stats.spec.hits for *_, out in runs) > 0

@@ -6,7 +6,6 @@ import time
 import pytest
 import torch
 
-import ssd.saguaro.builder as builder_module
 import ssd.saguaro.speculator as speculator_module
 from ssd.config import GLUES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine
@@ -16,7 +15,7 @@ from ssd.models import build_tiny_model
 from ssd.saguaro.builder import guessed_outcomes
 from ssd.verify import verify
 from tests.conftest import TINY
-from tests.spies import QPRIME_TOL, count_decoder_starts, record_builds, saguaro_errors
+from tests.spies import QPRIME_TOL, count_decoder_starts, record_builds, saguaro_errors, slow_draft_counting_cuts
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
@@ -63,20 +62,7 @@ def test_ssd_greedy_equals_ar_adaptive(tiny_models, tiny_tokenizer, references, 
     arrives mid-build and cuts them) and free n-gram entries; greedy output is AR's,
     builds were cut, and the n-gram entries served hits."""
     target, draft = tiny_models
-    cuts = []
-    real_draw, real_call = builder_module._Grower._draw, speculator_module._Cut.__call__
-
-    def slow_draw(self, *args):
-        time.sleep(0.004)  # a draft step slower than the target's verification
-        return real_draw(self, *args)
-
-    def seen_call(self):
-        fired = real_call(self)
-        cuts.append(fired)
-        return fired
-
-    monkeypatch.setattr(builder_module._Grower, "_draw", slow_draw)
-    monkeypatch.setattr(speculator_module._Cut, "__call__", seen_call)
+    cuts = slow_draft_counting_cuts(monkeypatch)
     spec = SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(budget=budget), glue=glue)
     assert spec.fanout.anytime and spec.ngram_candidates
     ngram_hits = 0
