@@ -203,8 +203,8 @@ class TargetWorker:
         widen = bool(self.spare_cores) and not (ssd is not None and ssd.speculating())
         if widen != self._widened:
             self._widened = widen
-            log.info("the draft's cores %s %s this target's while speculation is off", self.spare_cores,
-                     "join" if widen else "leave")
+            log.info("the draft's cores %s %s", self.spare_cores,
+                     "join this target's: speculation is off" if widen else "go back to the draft: speculation resumes")
         return [*self.cores, *self.spare_cores] if widen else self.cores
 
     def plan_probe(self) -> dict[str, Any]:
