@@ -271,7 +271,6 @@ class _Grower:
         self.sampling, self.gen, self.saguaro, self.keep = sampling, gen, saguaro, keep
         self.base = base
         self.stop = stop
-        self.cut = False  # the build ended early (stop said so)
 
     def folded(self, kv, decoder: TreeBranchDecoder, committed, drafted, bonus_fanout: int, early, depth: int) -> Entries:
         """The first step feeds drafted[-1] (committed) and the early branches'
@@ -295,8 +294,7 @@ class _Grower:
             for step in range(steps):
                 if step:
                     if step >= MIN_CUT_STEPS and self.stop is not None and self.stop():
-                        self.cut = True
-                        break
+                        break  # the outcome arrived: answer from the branches as they are
                     if step == 1 and late:
                         decoder.join([late_prefix] * len(late), [t for _, t in late])
                     tokens = ids[-1]
