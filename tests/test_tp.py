@@ -114,11 +114,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(out_dir: Path, scenario: str) -> list[int | None]:
-    """Spawn the TP world; exit codes per rank, None for a rank killed at the deadline."""
+def run_world(out_dir: Path, scenario: str, worker=None) -> list[int | None]:
+    """Spawn the TP world running `worker(rank, port, out_dir, scenario)` (default: this
+    module's); exit codes per rank, None for a rank killed at the deadline."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out_dir), scenario)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker or _worker, args=(r, port, str(out_dir), scenario)) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + DEADLINE_S

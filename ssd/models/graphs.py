@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from ssd.models.fast import FastForward, StaticKV
-from ssd.models.quant import project_qkv
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,7 @@ def static_forward(
     cos, sin = fast.inner.rotary_emb(x, positions[None])
     for index, layer in enumerate(fast.inner.layers):
         attn = layer.self_attn
-        q, k, v = project_qkv(attn, layer.input_layernorm(x))
-        q = q.reshape(1, m, fast.heads, fast.head_dim).transpose(1, 2)
-        k = k.reshape(1, m, fast.kv_heads, fast.head_dim).transpose(1, 2)
-        v = v.reshape(1, m, fast.kv_heads, fast.head_dim).transpose(1, 2)
-        q, k = fast._rotary(q, k, cos, sin)
+        q, k, v = fast.qkv(attn, layer.input_layernorm(x), cos, sin)
         cache.keys[index].index_copy_(1, slots, k[0])
         cache.values[index].index_copy_(1, slots, v[0])
         out = F.scaled_dot_product_attention(
