@@ -4,51 +4,25 @@ Tiny random qwen2, qwen3, llama and mistral models (tests.families) in fp64:
 every cache operation the engines use (tests.test_gpu_paths.script: prefill,
 decode, verification, rollback, a long prefill, tree-masked rows) gives
 transformers' logits on the lean carrier, its one-call attention and its
-static-shape (CUDA graph) twin; greedy SD equals AR. Then the same on a
-tensor-parallel target (TP = 2, gloo, one spawned world for all families):
-the sharded lean forward, with transformers' all-reduces inside o_proj and
-down_proj, gives the unsharded model's logits and the same greedy tokens.
-A model the lean path cannot take is named at load, once.
+static-shape (CUDA graph) twin; greedy SD equals AR. (The same on a
+tensor-parallel target: tests/test_tp.py, in its spawned world.) A model the lean path cannot take is named at load, once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
-from ssd.engine import AREngine, SDEngine
-from ssd.engine.request import GenerationRequest
-from ssd.models import TinyTokenizer
 from ssd.models import fast as fast_module
 from ssd.models.fast import FastForward, lean_refusal, note_lean_path
 from ssd.models.graphs import GraphedForward, causal_mask, padded_mask
 from ssd.models.kv import KVSequence
-from tests.families import FAMILIES, TOKENIZER, build_family
+from tests.families import DRAFT_NOISE, FAMILIES, NEW_TOKENS, PROMPTS, build_family, generations, reference
 from tests.test_gpu_paths import script, sequence
 
 TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: only summation order may differ
-PROMPTS = [[1, 2, 3], [7, 7, 0, 1, 9, 12, 15]]
-NEW_TOKENS = 24
-REORDER_ULPS = 2**16  # as tests/test_tp.py: TP's partial sums in another order
-
-
-def reference(model) -> list[torch.Tensor]:
-    return script(KVSequence(model, fast=False))
-
-
-def generations(target, draft) -> list[list[int]]:
-    """Greedy tokens of AR then SD (K = 3) on every prompt."""
-    tok = TinyTokenizer.from_config(TOKENIZER)
-    engines = [AREngine(target, tok), SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3))]
-    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    greedy = SamplingConfig(temperature=0.0)
-    return [engine.generate(GenerationRequest(p, greedy, gen)).token_ids for engine in engines for p in PROMPTS]
 
 
 def static_script(model) -> list[torch.Tensor]:
@@ -97,7 +71,7 @@ def test_qwen3_without_its_head_norms_fails_the_comparison(monkeypatch) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_sd_equals_ar(family: str) -> None:
-    target, draft = build_family(family), build_family(family, noise=0.05)
+    target, draft = build_family(family), build_family(family, noise=DRAFT_NOISE)
     tokens = generations(target, draft)
     half = len(PROMPTS)
     assert tokens[:half] == tokens[half:]
