@@ -49,10 +49,12 @@ class KVSequence:
         if self._fast is None:
             _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
         # On CUDA, decode, verification and tree steps replay CUDA graphs of
-        # the static-shape forward (ssd.models.graphs; see _graph_shaped).
-        self._static = self._fast is not None and use_cuda_graphs(model.device)
+        # the static-shape forward (ssd.models.graphs; see _graph_shaped),
+        # unless the model is refused for capture (its pool says why, once).
+        pool = pool_for(model) if self._fast is not None and use_cuda_graphs(model.device) else None
+        self._static = pool is not None and pool.disabled is None
         # A cache with its graphs, from the model's pool and back to it when this sequence goes.
-        self._graphed: GraphedForward | None = pool_for(model).attach(self, self._fast) if self._static else None
+        self._graphed: GraphedForward | None = pool.attach(self, self._fast) if self._static else None
         self._clear()
 
     @property
@@ -205,7 +207,8 @@ class KVSequence:
         start = self.cached
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=device)
-        if self._static and _graph_shaped(len(ids), last_only):
+        # A failed capture turns the pool's graphs off: the lean forward then runs over the same cache.
+        if self._static and self._graphed.pool.disabled is None and _graph_shaped(len(ids), last_only):
             logits = self._run_static(input_ids, positions.to(device), start, _on(mask, device), keep)
         elif self._fast is not None:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)
