@@ -77,6 +77,7 @@ def test_smoke_in_process(cli_run, tmp_path):
     branches = report.checks["branches"]
     assert {"fp32/math", "fp32/flash"} <= set(branches["ran"])  # the CPU's two SDPA backends
     assert all(branches["results"][key]["token_mismatches"] == 0 for key in branches["ran"])
+    assert list(report.checks["graphs"]["devices"]) == ["cpu"]  # another index only on a multi-GPU machine
     costs = load_costs(tmp_path / "costs.json")
     assert set(costs.verify_s) == set(KS) and set(costs.backup_s) == set(KS)
     assert set(costs.build_s) == {(k, b) for k in KS for b in BUDGETS}

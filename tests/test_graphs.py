@@ -89,8 +89,8 @@ def test_a_failed_capture_turns_graphs_off_for_the_model_once(on_cuda, monkeypat
     assert len(graph_warnings(caplog)) == 1
 
 
-def captured_with(replay, logits: torch.Tensor) -> _Captured:
-    return _Captured(type("Graph", (), {"replay": staticmethod(replay)})(), (), logits)
+def captured_with(replay, logits: torch.Tensor, inputs: tuple[torch.Tensor, ...] = ()) -> _Captured:
+    return _Captured(type("Graph", (), {"replay": staticmethod(replay)})(), inputs, logits)
 
 
 def test_an_empty_graph_is_an_error_not_a_result() -> None:
@@ -148,3 +148,34 @@ def test_timings_say_when_no_graph_ran(monkeypatch, tiny_models) -> None:
     runner = GraphedForward(FastForward(tiny_models[0]), FastForward(tiny_models[0]).new_cache(), graphs=True)
     runner.replays = 3
     assert hot_path.variant_label("graph", runner) == "graph" and hot_path.variant_label("static", runner) == "static"
+
+
+def stand_in_capture(stale: bool):
+    """A `_capture` whose 'graph' replays the static forward on its buffers, or (stale) replays nothing."""
+    def capture(self, key, *inputs):
+        static = tuple(t.clone() for t in inputs)
+        logits = graphs.static_forward(self.fast, self.cache, *static)
+
+        def replay():
+            if not stale:
+                logits.copy_(graphs.static_forward(self.fast, self.cache, *static))
+
+        self._captured[key] = captured_with(replay, logits, static)
+        return self._captured[key]
+    return capture
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_smoke_graph_check_passes_replays_and_catches_stale_ones(on_cuda, monkeypatch, stale: bool) -> None:
+    """launch/gpu_smoke.py's graph check, with stand-in graphs: faithful ones pass, and
+    one that returns its capture-time logits (an empty graph, unchecked) fails it."""
+    from ssd.tools.bench import graph_check
+    from ssd.tools.bench.smoke import SmokeSettings, model_specs
+
+    monkeypatch.setattr(graph_check, "use_cuda_graphs", lambda device: True)
+    monkeypatch.setattr(GraphedForward, "_capture", stand_in_capture(stale))
+    result = graph_check.check_graphs_on(model_specs(SmokeSettings())["real pair"][1], "cpu")
+    assert result["graph_replays"] > 0
+    assert result["passed"] is not stale, str(result)
+    if stale:
+        assert result["repeated_outputs"] > 0 and result["max_rel_diff"] > 0.1
