@@ -6,14 +6,17 @@ again). Engines feed whatever the cache lacks (`catch_up`), score several
 tokens in one forward, and roll back to the accepted length after verification.
 
 Two carriers behind one interface: the lean forward over a preallocated cache
-(ssd.models.fast) for the Llama-layout models it supports, transformers'
-forward over a DynamicCache for every other model (and tensor-parallel shards).
+(ssd.models.fast) for the Llama-layout models it supports (tensor-parallel
+shards included), transformers' forward over a DynamicCache for every other
+model.
 
 On CUDA the lean carrier's decode and all-rows forwards (verification, the
 draft's glue pass and tree steps) replay CUDA graphs of its static-shape
 twin (ssd.models.graphs), per (rows, capacity) bucket; the cache and its
 graphs come from the model's pool and return to it with the sequence, so a
-new request's sequence replays graphs an earlier one captured.
+new request's sequence replays graphs an earlier one captured. A model the
+pool refuses (ssd.models.graphs.graph_refusal), or whose capture failed,
+runs the lean forward eagerly over the same cache.
 
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
