@@ -98,6 +98,10 @@ def test_a_tensor_parallel_plan_the_lean_forward_cannot_take_is_refused() -> Non
     model = build_family("llama")
     standard = {f"model.layers.*.{k}": v for k, v in fast_module.TP_LAYER_PLAN.items()}
     model._tp_size, model._tp_plan = 2, standard
+    assert "holds 32 output rows, not heads / 2 = 16" in lean_refusal(model)  # not actually sharded
+    for name in ("q_proj", "k_proj", "v_proj"):  # as a rank's shards would be
+        proj = getattr(model.model.layers[0].self_attn, name)
+        proj.weight = torch.nn.Parameter(proj.weight[: proj.weight.shape[0] // 2])
     assert lean_refusal(model) is None
     model._tp_plan = {**standard, "model.layers.*.self_attn.o_proj": "colwise"}
     assert "tensor-parallel plan" in lean_refusal(model)

@@ -122,6 +122,22 @@ def _tp_refusal(model: torch.nn.Module, size: int) -> str | None:
     missing = [k for k in TP_LAYER_PLAN if k not in layers]
     if wrong or missing:
         return f"tensor-parallel plan {layers} (the lean forward takes {TP_LAYER_PLAN})"
+    return _shard_refusal(model, size)
+
+
+def _shard_refusal(model: torch.nn.Module, size: int) -> str | None:
+    """Whether layer 0's projections hold the shards the lean forward assumes (heads / size each)."""
+    config, attn = model.config, model.model.layers[0].self_attn
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = {"q_proj": config.num_attention_heads * head_dim // size,
+                "k_proj": config.num_key_value_heads * head_dim // size,
+                "v_proj": config.num_key_value_heads * head_dim // size}
+    for name, rows in expected.items():
+        weight = getattr(getattr(attn, name, None), "weight", None)
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        if local is None or local.shape[0] != rows:
+            got = None if local is None else local.shape[0]
+            return f"tensor-parallel shard of {name} holds {got} output rows, not heads / {size} = {rows}"
     return None
 
 
