@@ -11,6 +11,7 @@ model alive, and timings labelled by what ran.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import logging
 import weakref
@@ -93,17 +94,25 @@ def captured_with(replay, logits: torch.Tensor, inputs: tuple[torch.Tensor, ...]
     return _Captured(type("Graph", (), {"replay": staticmethod(replay)})(), inputs, logits)
 
 
-def test_an_empty_graph_is_an_error_not_a_result() -> None:
-    eager = torch.randn(3, 16, dtype=torch.float64)
+def test_an_empty_or_stale_graph_is_an_error_not_a_result() -> None:
+    """check_replay replays on the capture's inputs and on other token ids: a graph that
+    writes nothing, or that always returns its capture-time logits, is refused."""
     cpu = torch.device("cpu")
-    good = torch.empty_like(eager)
-    check_replay(captured_with(lambda: good.copy_(eager), good), eager, cpu)
-    empty = eager.clone()  # the capture-time values, which an empty graph never rewrites
+
+    def eager(ids: torch.Tensor) -> torch.Tensor:
+        return torch.outer(ids.double(), torch.arange(16.0, dtype=torch.float64)) + 1
+
+    ids = torch.tensor([3, 5, 7])
+    logits = eager(ids)  # what the capture itself computed
+    good = captured_with(lambda: logits.copy_(eager(good.inputs[0])), logits, (ids,))
+    check_replay(good, eager, cpu)
+    assert torch.equal(good.inputs[0], ids)  # the capture's inputs are back in the buffers
     with pytest.raises(EmptyGraphError, match="unwritten"):
-        check_replay(captured_with(lambda: None, empty), eager, cpu)
-    wrong = torch.empty_like(eager)
+        check_replay(captured_with(lambda: None, logits.clone(), (ids.clone(),)), eager, cpu)
+    frozen = eager(ids)
+    stale = captured_with(lambda: stale.logits.copy_(frozen), frozen.clone(), (ids.clone(),))
     with pytest.raises(EmptyGraphError, match="differs"):
-        check_replay(captured_with(lambda: wrong.copy_(eager + 1), wrong), eager, cpu)
+        check_replay(stale, eager, cpu)
 
 
 def test_an_empty_capture_falls_back_like_a_failed_one(on_cuda, monkeypatch, tiny_models) -> None:
@@ -112,9 +121,8 @@ def test_an_empty_capture_falls_back_like_a_failed_one(on_cuda, monkeypatch, tin
 
     def empty(self, key, *inputs):
         static = tuple(t.clone() for t in inputs)
-        eager = graphs.static_forward(self.fast, self.cache, *static)
-        captured = captured_with(lambda: None, eager.clone())
-        check_replay(captured, eager, torch.device("cpu"))
+        captured = captured_with(lambda: None, graphs.static_forward(self.fast, self.cache, *static), static)
+        check_replay(captured, functools.partial(graphs.static_forward, self.fast, self.cache), torch.device("cpu"))
         return captured
 
     monkeypatch.setattr(GraphedForward, "_capture", empty)
