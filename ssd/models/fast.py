@@ -36,8 +36,12 @@ transformers' tensor parallelism. A sharded model is run through its own
 modules: column-wise q/k/v/gate/up give this rank's heads and MLP columns,
 and the row-wise o_proj and down_proj all-reduce inside their forward, where
 transformers' tp_plan puts the collectives; the plan is checked at load and
-any other one is refused. Anything refused keeps transformers' forward, and
-`lean_refusal` names why (`note_lean_path` logs it once per model).
+any other one is refused. RoPE needs no check: the model's own rotary
+module computes cos and sin from the call's positions, as transformers'
+forward does, whatever its rope type (the host-syncing dynamic types are
+refused for CUDA graphs only: ssd.models.graphs.graph_refusal). Anything
+refused keeps transformers' forward, and `lean_refusal` names why
+(`note_lean_path` logs it once per model).
 """
 
 from __future__ import annotations
