@@ -192,6 +192,47 @@ def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
     assert set(health.since(killed)) == {"SERVING"}  # the other replica served throughout
 
 
+def test_a_slow_replica_holds_only_its_own_rows_and_past_its_step_deadline_is_lost(stack):
+    """Replica 0's steps made slow (an injected sleep): replica 1's rows finish at full rate
+    meanwhile, long before replica 0's first step could have returned; once that step passes
+    the deadline, replica 0 is lost and its rows (which streamed nothing) move to replica 1.
+    Every row ends with its own right output; health stays SERVING; replica 0 restarts."""
+    import ray
+
+    replicas, _, _, health = stack
+    wait_until(lambda: all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
+    slow = replicas.clusters[0]
+    restarts, moved = slow.target_restarts, replicas.counts[0].moved
+    engine = replicas.batch_engine("ar")
+    engine.deadline_s = 4.0
+    try:
+        prompts = [replicas.encode(t) for t in TEXTS[:4]]
+        requests = [greedy(p, 30, "ar") for p in prompts]
+        for request in requests:
+            assert engine.can_admit(request)
+            engine.admit(request)
+        assert [e.rows for e in engine.engines] == [2, 2]  # alternately: 0, 2 on replica 0; 1, 3 on replica 1
+        ray.get(slow.targets[0].inject_step_delay.remote(120.0))
+        started = time.monotonic()
+        results, done_after = {}, {}
+        while engine.rows:
+            for row in engine.step():
+                assert row.error is None, row.error
+                results[id(row.request)] = row.result.token_ids
+                done_after[id(row.request)] = time.monotonic() - started
+    finally:
+        engine.close()
+    assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
+    fast = [done_after[id(r)] for r in requests[1::2]]
+    assert max(fast) < engine.deadline_s, (fast, done_after)  # not held by replica 0's sleeping step
+    assert min(done_after[id(r)] for r in requests[::2]) > engine.deadline_s  # ran on replica 1 once moved
+    assert replicas.counts[0].moved == moved + 2
+    wait_until(lambda: slow.target_restarts == restarts + 1 and slow.serving, RECOVERY_S,
+               "replica 0 did not come back")
+    time.sleep(0.3)
+    assert set(health.since(started)) == {"SERVING"}
+
+
 def test_a_replicas_target_killed_under_load_loses_no_request(stack):
     """Eight clients streaming; replica 1's target SIGKILLed once a request on it
     has streamed tokens (not merely once any request has: all the first ones may

@@ -7,8 +7,10 @@ room and share one where it does not.
 
 Routing: a request goes to the serving replica with the most free batch
 capacity (the fewest rows running); each replica keeps its own continuous
-batch on its target rank 0, and the replicas step side by side (one Ray call
-each per step, all sent before any is awaited).
+batch on its target rank 0, and each replica steps on its own schedule: a
+step goes to every replica with rows and no step on its way, and each result
+is taken as it comes back (ray.wait), so a slow replica holds only its own
+rows. A replica whose step passes cluster.step_deadline_s is lost.
 
 Faults: each replica heals itself as one Cluster does (a lost draft is
 re-linked, a lost target restarted). Meanwhile the others serve: the rows
@@ -33,7 +35,7 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ssd.cluster.batch import RemoteBatchEngine, TargetLost
+from ssd.cluster.batch import RemoteBatchEngine, StepCall, TargetLost
 from ssd.cluster.devices import Placement
 from ssd.cluster.healing import RECOVERY_WAIT_S, HealthListener
 from ssd.cluster.placing import start_ray
@@ -45,6 +47,7 @@ from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUna
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.2  # how long a step with only moving rows waits for a replica to take them
+POLL_S = 0.02  # how long a step waits for a replica's step while another replica could take new rows
 
 
 def start_cluster(
@@ -113,6 +116,7 @@ class Replicas:
         self.counts = [ReplicaCounts() for _ in self.clusters]
         self._lock = threading.Lock()
         self._engines: list[ReplicaBatchEngine] = []
+        self._steps: dict[int, Stepping] = {}  # replica -> its step on its way (one at a time per target)
         self._listeners: list[HealthListener] = []
         self._serving = True
         for i, cluster in enumerate(self.clusters):
@@ -206,8 +210,37 @@ class Replicas:
         return engine
 
     def forget(self, engine: "ReplicaBatchEngine") -> None:
-        if engine in self._engines:
-            self._engines.remove(engine)
+        with self._lock:
+            if engine in self._engines:
+                self._engines.remove(engine)
+            for index in [i for i, s in self._steps.items() if s.engine is engine]:
+                del self._steps[index]  # its late result is dropped with it
+
+    # ------------------------------------------------------------------ steps
+
+    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> None:
+        """Send `remote`'s step to replica `index` unless a step is on its way there."""
+        with self._lock:
+            if index in self._steps:
+                return
+            self._steps[index] = Stepping(engine, remote.start_step(), time.monotonic())
+
+    def stepping(self, index: int) -> bool:
+        with self._lock:
+            return index in self._steps
+
+    def steps_of(self, engine: "ReplicaBatchEngine") -> dict[int, Stepping]:
+        with self._lock:
+            return {i: s for i, s in self._steps.items() if s.engine is engine}
+
+    def step_done(self, index: int) -> None:
+        with self._lock:
+            self._steps.pop(index, None)
+
+    def idle_serving(self) -> bool:
+        """Some serving replica has no step on its way (new rows could go there now)."""
+        with self._lock:
+            return any(c.serving and i not in self._steps for i, c in enumerate(self.clusters))
 
     def metrics_collector(self) -> Collector:
         return ReplicaCollector(self)
@@ -234,13 +267,29 @@ class Replicas:
         self.shutdown()
 
 
+@dataclass
+class Stepping:
+    """A replica's step on its way: the batch engine that sent it, the call, when it went."""
+
+    engine: "ReplicaBatchEngine"
+    call: StepCall
+    sent: float
+
+
 class ReplicaBatchEngine(Engine):
-    """One mode's continuous batch on every replica, as one Engine for the serving worker."""
+    """One mode's continuous batch on every replica, as one Engine for the serving worker.
+
+    Each replica steps on its own schedule: a step goes to every replica with
+    rows and none on its way (one step at a time per target, whichever mode
+    sent it), and `step` returns what the steps that came back by then
+    finished. A replica whose step passes cluster.step_deadline_s is lost.
+    """
 
     def __init__(self, replicas: Replicas, mode: str) -> None:
         self.replicas = replicas
         self.mode = mode
         self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False) for c in replicas.clusters]
+        self.deadline_s = replicas.config.cluster.step_deadline_s
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
 
@@ -249,7 +298,8 @@ class ReplicaBatchEngine(Engine):
         return sum(e.rows for e in self.engines) + len(self._moving)
 
     def can_admit(self, request: GenerationRequest) -> bool:
-        """Room on some serving replica (waiting, as one Cluster does, while every one restarts)."""
+        """Room on some serving replica between its steps (waiting, as one Cluster does,
+        while every one restarts)."""
         self.replicas.wait_any_serving(request)
         index = self._find_room(request)
         self._fit = (request, index) if index is not None else None
@@ -262,28 +312,65 @@ class ReplicaBatchEngine(Engine):
             self._moving.append((request, time.monotonic()))  # taken at the next step, by whichever has room
 
     def step(self) -> list[Finished]:
+        """Send a step to each replica free to take one; wait for the first of this engine's to
+        come back (briefly, while some replica could take new rows); collect every one back."""
         finished = self._place_moving()
-        calls = [(i, e.start_step()) for i, e in enumerate(self.engines) if e.rows]  # every replica steps at once
-        for index, call in calls:
-            for row in self.engines[index].finish_step(call):
-                if self._movable(row):
-                    self.replicas.count(index, moved=1)
-                    log.warning("request %s moves off replica %d: %s", row.request.request_id, index, row.error)
-                    self._moving.append((row.request, time.monotonic()))
-                    continue
-                if row.result is not None:
-                    self.replicas.count(index, tokens=len(row.result.token_ids))
-                finished.append(row)
-        if not calls and self._moving:
-            time.sleep(IDLE_WAIT_S)  # no replica can take them yet: don't spin
+        for index, engine in enumerate(self.engines):
+            if engine.rows:
+                self.replicas.send_step(index, self, engine)
+        mine = self.replicas.steps_of(self)
+        if not mine:
+            if self._moving:
+                time.sleep(IDLE_WAIT_S)  # no replica can take them yet: don't spin
+            return finished
+        for index, ended in self._collect(mine):
+            finished += self._settle(index, ended)
         return finished
 
     def close(self) -> None:
         self.replicas.forget(self)
 
+    def _collect(self, mine: dict[int, Stepping]) -> Iterator[tuple[int, list[Finished]]]:
+        """(replica, its rows that ended) for each of `mine` back by the wait, or past its deadline."""
+        refs = {s.call[0]: i for i, s in mine.items() if not isinstance(s.call, GeneratorUnavailable)}
+        now = time.monotonic()
+        wait = min(s.sent + self.deadline_s for s in mine.values()) - now
+        if self.replicas.idle_serving():
+            wait = min(wait, POLL_S)  # a replica is free for new rows: let the worker admit soon
+        if len(refs) == len(mine) and refs:
+            ray.wait(list(refs), num_returns=1, timeout=max(wait, 0.0))
+        back = set(ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]) if refs else set()
+        now = time.monotonic()
+        for index, stepping in mine.items():
+            engine = self.engines[index]
+            if isinstance(stepping.call, GeneratorUnavailable) or stepping.call[0] in back:
+                self.replicas.step_done(index)
+                yield index, engine.finish_step(stepping.call)
+            elif now - stepping.sent > self.deadline_s:
+                self.replicas.step_done(index)
+                why = f"{engine.cluster.name}: a step ran past cluster.step_deadline_s ({self.deadline_s:g} s)"
+                engine.cluster.target_lost(why)  # the watcher restarts it
+                yield index, engine.drop_rows(why)
+
+    def _settle(self, index: int, ended: list[Finished]) -> list[Finished]:
+        """The rows that left replica `index`: those lost unstreamed move, the rest finish."""
+        finished = []
+        for row in ended:
+            if self._movable(row):
+                self.replicas.count(index, moved=1)
+                log.warning("request %s moves off replica %d: %s", row.request.request_id, index, row.error)
+                self._moving.append((row.request, time.monotonic()))
+                continue
+            if row.result is not None:
+                self.replicas.count(index, tokens=len(row.result.token_ids))
+            finished.append(row)
+        return finished
+
     def _find_room(self, request: GenerationRequest) -> int | None:
-        """The roomiest serving replica whose batch admits `request` now."""
+        """The roomiest serving replica, between its steps, whose batch admits `request` now."""
         for index in self.replicas.by_room():
+            if self.replicas.stepping(index):
+                continue  # its target is mid-step: ask it once the step is back
             try:
                 if self.engines[index].can_admit(request):
                     return index

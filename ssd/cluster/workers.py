@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,6 +111,7 @@ class TargetWorker:
             self._row_keys: dict[int, str] = {}  # id(request) -> row
             self._cancelled_rows: set[str] = set()
             self._served = False  # a request came: the speculation defaults are fixed from here on
+            self._step_delay_s = 0.0  # fault injection (inject_step_delay): a slow host, for drills and tests
 
     def ready(self) -> int:
         return os.getpid()
@@ -180,6 +182,8 @@ class TargetWorker:
     def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
         """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
         pin_to_cores(self._step_cores())  # every step: Ray may run this call on a thread not pinned yet
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
         self._cancelled_rows.update(cancelled)
         left = self._engine(mode).step()
         emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
@@ -193,6 +197,11 @@ class TargetWorker:
             error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
             ended.append((key, finished.result, error))
         return emitted, ended
+
+    def inject_step_delay(self, seconds: float) -> None:
+        """Fault injection: every batched step from now on first sleeps `seconds` (a slow or
+        hung host); for drills and tests of ssd.cluster.replicas' step deadline."""
+        self._step_delay_s = seconds
 
     def _step_cores(self) -> list[int] | None:
         """This step's cores: the rank's own, and the draft's too while SSD gives the
