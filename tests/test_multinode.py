@@ -336,3 +336,69 @@ def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_
     assert replicas.node_of(1) == new.node_id
     out = replicas.clusters[1].generate(greedy(replicas.encode(TEXTS[0]), 30))
     assert out.token_ids == expected_ar(replicas, TEXTS[0], 30) and out.stats.spec.hits > 0
+
+
+def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(stack, nodes):
+    """A node with 4 CPUs joins while the two 2-CPU nodes are taken (by `stack`): two more
+    replicas both land on it, replica 0 on cores 0, 1 and replica 1 on cores 2, 3 (what each
+    actor was told; pinned so where the core exists on this host). Over HTTP they give the
+    completion gRPC gives, whose tokens equal AR's."""
+    import httpx
+    import ray
+
+    from ssd.cluster.replicas import Replicas
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    ray_cluster, _ = nodes
+    big = ray_cluster.add_node(num_cpus=4)
+    ray_cluster.wait_for_nodes()
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=2),
+                                 runtime=dataclasses.replace(CONFIG.runtime, plan=False))  # no start-up plan: faster
+    started = time.monotonic()
+    with Replicas(config, PLACEMENT) as replicas:
+        logging.getLogger(__name__).info("2 replicas started in %.1f s", time.monotonic() - started)
+        told = []
+        for cluster in replicas.clusters:
+            where = ray.get([cluster.targets[0].whereabouts.remote(), cluster.draft.whereabouts.remote()])
+            assert {w["node_id"] for w in where} == {big.node_id}
+            told.append([w["cores"] for w in where])
+            for w in where:
+                if max(w["cores"]) < os.cpu_count():
+                    assert w["affinity"] == w["cores"], w
+        assert sorted(told) == [[[0], [1]], [[2], [3]]], told  # (which replica takes which slot: whichever is first)
+        server = GenerationServer(ServeOptions(port=0, http_port=0, grace_s=2.0), lambda: ClusterBackend(replicas))
+        server.start()
+        client = GenerationClient(f"127.0.0.1:{server.port}")
+        try:
+            assert server.wait_ready(60)
+            out = client.generate(text=TEXTS[0], max_new_tokens=30, timeout=RECOVERY_S)
+            assert out.token_ids == expected_ar(replicas, TEXTS[0], 30)
+            body = {"model": CONFIG.target.name, "prompt": TEXTS[0], "max_tokens": 30, "temperature": 0}
+            reply = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json=body, timeout=RECOVERY_S)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == out.text
+        finally:
+            client.close()
+            server.stop()
+
+
+def test_replicas_on_one_node_take_disjoint_slots_and_a_full_node_is_refused_by_name():
+    """ssd.cluster.devices.NodeSlots, without Ray: the k-th replica on a node runs k spans up,
+    a slot freed on one node is taken again, and a node without a free slot is named."""
+    from ssd.cluster.devices import NodeSlots, groups_per_node
+
+    gpus = plan_placement("0-1", "2", 8, "cuda")
+    assert groups_per_node(PLACEMENT, cpus=4, gpus=0) == 2 and groups_per_node(PLACEMENT, cpus=5, gpus=0) == 2
+    assert groups_per_node(gpus, cpus=64, gpus=8) == 2 and groups_per_node(gpus, cpus=4, gpus=8) == 1
+    slots = NodeSlots(PLACEMENT)
+    first, second = slots.take(0, "a", 4, 0), slots.take(1, "a", 4, 0)
+    assert (first.target, first.draft, second.target, second.draft) == ((0,), (1,), (2,), (3,))
+    assert slots.take(2, "b", 2, 0).target == (0,)  # another node: from core 0 again
+    with pytest.raises(ConfigError, match=r"cluster.replicas \(--replicas\): node a .* holds 2 replica\(s\)"):
+        slots.take(3, "a", 4, 0)
+    assert slots.take(0, "b", 4, 0).target == (2,) and slots.take(3, "a", 4, 0).target == (0,)  # 0 moved: freed
+    on_gpus = NodeSlots(gpus)
+    assert on_gpus.take(0, "a", 64, 8).target == (0, 1) and on_gpus.take(1, "a", 64, 8).target == (3, 4)

@@ -9,14 +9,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
-from ssd.cluster.placing import actor_env
+from ssd.cluster.placing import actor_env, group_node
 from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config
 from ssd.transport.distributed import free_port
@@ -43,6 +43,8 @@ class Actors:
     _followers: list
     _start_timeouts: dict[str, float]
     _stopping: threading.Event
+    _place: Callable[[str], Placement] | None
+    _placed_on: str | None
 
     def _devices(self) -> list[int]:
         """The device of each bundle: target ranks first, then the draft (unless it has a node of its own)."""
@@ -103,7 +105,20 @@ class Actors:
             return None
         return list(self.placement.draft) or None
 
+    def _place_on_node(self) -> None:
+        """With `_place` (replicas): this group's devices on the node its placement group is
+        on now (again after Ray moved the group to another node), disjoint from the others there."""
+        if self._place is None:
+            return
+        self._await([self._pg.ready()], self._start_timeouts["target"])
+        node = group_node(self._pg)
+        if node != self._placed_on:
+            self.placement, self._placed_on = self._place(node), node
+            log.info("%s on node %s: target %s, draft %s (%s)", self.name, node, self.placement.target,
+                     self.placement.draft, "GPUs" if self.placement.kind == "cuda" else "cores")
+
     def _start_targets(self) -> list:
+        self._place_on_node()
         config = dataclasses.asdict(self.config)
         world, tp_port = self.placement.tp_size, free_port()
         targets = [

@@ -3,7 +3,10 @@
 Placement: each replica is a Cluster with its own placement group, packed on
 one node (STRICT_PACK); replica i asks for the i-th node (roomiest first) as
 Ray's soft target, so the replicas spread over the nodes while a node has
-room and share one where it does not.
+room and share one where it does not. Replicas on one node never share a
+device: the k-th there runs on the given devices shifted k spans up (cores
+0-1 -> 2-3; ssd.cluster.devices.NodeSlots), as many as the node's CPUs (GPUs)
+make whole groups of; a count the nodes cannot hold is refused up front.
 
 Routing: a request goes to the serving replica with the most free batch
 capacity (the fewest rows running); each replica keeps its own continuous
@@ -25,6 +28,7 @@ Health is SERVING while at least one replica serves.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor, wait
 import logging
 import threading
 import time
@@ -36,9 +40,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ssd.cluster.batch import RemoteBatchEngine, StepCall, TargetLost
-from ssd.cluster.devices import Placement
+from ssd.cluster.devices import NodeSlots, Placement, groups_per_node, span
 from ssd.cluster.healing import RECOVERY_WAIT_S, HealthListener
-from ssd.cluster.placing import start_ray
+from ssd.cluster.placing import node_resources, start_ray
 from ssd.cluster.runtime import Cluster
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
@@ -59,16 +63,28 @@ def start_cluster(
     return Cluster(config, placement, address)
 
 
-def check_room(placements: Sequence[Placement]) -> None:
-    """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving)."""
+def check_room(placements: Sequence[Placement], slotted: bool) -> None:
+    """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving).
+
+    `slotted`: the replicas share one placement, shifted per node (ssd.cluster.devices.NodeSlots),
+    so each node holds as many as its devices make whole groups of."""
     need = {"CPU": sum(len(p.target + p.draft) for p in placements)}  # a bundle per role, each with one CPU
     if placements[0].kind == "cuda":
         need["GPU"] = sum(len(set(p.target + p.draft)) for p in placements)  # colocated roles share a GPU
     have = ray.cluster_resources()
     replicas = len(placements)
+    held = {name: have.get(name, 0) for name in need}
     if any(have.get(name, 0) < amount for name, amount in need.items()):
-        held = {name: have.get(name, 0) for name in need}
         raise ConfigError(f"cluster.replicas (--replicas) {replicas} needs {need} in all; the Ray cluster has {held}")
+    if slotted:
+        fits = {n["NodeID"]: groups_per_node(placements[0], n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0))
+                for n in ray.nodes() if n["Alive"]}
+        if sum(fits.values()) < replicas:
+            noun = "GPUs" if placements[0].kind == "cuda" else "cores"
+            raise ConfigError(
+                f"cluster.replicas (--replicas) {replicas} needs {need} in all, {span(placements[0])} {noun} "
+                f"per replica on one node; the Ray cluster's nodes hold {sum(fits.values())} replica(s): {fits}"
+            )
 
 
 def spread_nodes(replicas: int, kind: str) -> list[str]:
@@ -94,10 +110,12 @@ class Replicas:
     def __init__(
         self, config: Config, placement: Placement | Sequence[Placement], address: str | None = None,
     ) -> None:
-        """`placement`: every replica's devices on its node, or one Placement per replica
-        (e.g. other cores for each of several simulated nodes on one machine)."""
+        """`placement`: every replica's devices on a node of its own (replicas that share a
+        node get them shifted, disjoint: NodeSlots), or one Placement per replica, taken as
+        given (e.g. other cores for each of several simulated nodes on one machine)."""
         n = config.cluster.replicas
-        placements = [placement] * n if isinstance(placement, Placement) else list(placement)
+        slotted = isinstance(placement, Placement)
+        placements = [placement] * n if slotted else list(placement)
         if len(placements) != n:
             raise ConfigError(f"cluster.replicas (--replicas) is {n} but {len(placements)} placements were given")
         self.placement = placements[0]  # the backend reads the kind and the TP size, the same for every replica
@@ -105,16 +123,16 @@ class Replicas:
         if self._started_ray:
             start_ray(address)
         self.clusters: list[Cluster] = []
+        self._lock = threading.Lock()
+        self._slots = NodeSlots(self.placement)
         try:
-            check_room(placements)
-            for i, node in enumerate(spread_nodes(n, self.placement.kind)):
-                self.clusters.append(Cluster(config, placements[i], node=node, name=f"replica {i}"))
+            check_room(placements, slotted)
+            self.clusters = self._start(config, placements, slotted)
         except BaseException:
             self.shutdown()
             raise
         self.config = self.clusters[0].config  # with the start-up plan's speculation, where one ran
         self.counts = [ReplicaCounts() for _ in self.clusters]
-        self._lock = threading.Lock()
         self._engines: list[ReplicaBatchEngine] = []
         self._steps: dict[int, Stepping] = {}  # replica -> its step on its way (one at a time per target)
         self._listeners: list[HealthListener] = []
@@ -122,6 +140,25 @@ class Replicas:
         for i, cluster in enumerate(self.clusters):
             cluster.add_health_listener(functools.partial(self._replica_health, i))
         log.info("%d replicas on nodes %s", n, [self.node_of(i) for i in range(n)])
+
+    def _start(self, config: Config, placements: list[Placement], slotted: bool) -> list[Cluster]:
+        """Start the replicas side by side (each mostly waits for its actors' processes);
+        if one fails, the others that started are shut down and the first failure raised."""
+        nodes = spread_nodes(len(placements), self.placement.kind)
+
+        def start(i: int) -> Cluster:
+            place = functools.partial(self._place, i) if slotted else None
+            return Cluster(config, placements[i], node=nodes[i], name=f"replica {i}", place=place)
+
+        with ThreadPoolExecutor(len(placements), thread_name_prefix="ssd-replica-start") as pool:
+            futures = [pool.submit(start, i) for i in range(len(placements))]
+            wait(futures)
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            self.clusters = started  # shut down by the caller
+            raise failed[0]
+        return started
 
     # ------------------------------------------------------------------ health
 
@@ -133,6 +170,12 @@ class Replicas:
     def draft(self) -> Any:
         """Replica 0's speculator (None: no replica has one); the backend asks which modes run."""
         return self.clusters[0].draft
+
+    def _place(self, index: int, node: str) -> Placement:
+        """Replica `index`'s devices on `node`, disjoint from the other replicas there."""
+        have = node_resources(node)
+        with self._lock:
+            return self._slots.take(index, node, have.get("CPU", 0), have.get("GPU", 0))
 
     def node_of(self, index: int) -> str | None:
         """The node replica `index`'s target rank 0 runs on."""

@@ -40,7 +40,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -63,12 +63,14 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
     """One target (its TP ranks) and its speculator, and what keeps them serving.
 
     `node`: the Ray node (hex ID) to pack the group on where it has room (the
-    replicas spread over nodes this way); `name` tells replicas apart in logs.
+    replicas spread over nodes this way); `name` tells replicas apart in logs;
+    `place(node)`: the group's devices on the node Ray packed it on (replicas
+    sharing a node get disjoint ones), else `placement` as given.
     """
 
     def __init__(
         self, config: Config, placement: Placement, address: str | None = None, node: str | None = None,
-        name: str = "cluster",
+        name: str = "cluster", place: Callable[[str], Placement] | None = None,
     ) -> None:
         refuse_unworkable(config, placement)
         self.config = config
@@ -84,6 +86,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
         wanted = config.cluster.draft_node if placement.draft else None
         self.draft_node = resolve_node(wanted) if wanted else None
         self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
+        self._place, self._placed_on = place, None
         self._pg = self._reserve(node)
         self.targets = self._start_targets()
         self.draft = self._start_draft() if placement.draft else None

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "ssd")  # the modes the cluster serves
+_WARNED: list[list[int]] = []  # the absent cores already logged in this process
 LOOPBACK = "127.0.0.1"
 
 
@@ -49,6 +50,15 @@ def pin_to_cores(cores: list[int] | None) -> None:
     """
     if not cores:
         return
+    host = os.cpu_count() or 1
+    if any(core >= host for core in cores):
+        absent, cores = [c for c in cores if c >= host], [c for c in cores if c < host]
+        if absent not in _WARNED:
+            _WARNED.append(absent)
+            log.warning("cores %s do not exist on this host (%d cores; simulated nodes share one machine): "
+                        "pinned to %s", absent, host, cores or "no core in particular")
+        if not cores:
+            return
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), cores)
@@ -117,7 +127,7 @@ class TargetWorker:
         return os.getpid()
 
     def whereabouts(self) -> dict[str, Any]:
-        return whereabouts(self.device) | {"rank": self.rank, "world": self.world}
+        return whereabouts(self.device) | {"rank": self.rank, "world": self.world, "cores": self.cores}
 
     def run_follower(self) -> int:
         """Ranks > 0: mirror rank 0's forwards until it stops them."""
@@ -293,7 +303,7 @@ class DraftWorker:
         return os.getpid()
 
     def whereabouts(self) -> dict[str, Any]:
-        return whereabouts(self.device)
+        return whereabouts(self.device) | {"cores": self.cores}
 
     def plan_probe(self, sequences: list[list[int]], starts: list[int]) -> dict[str, Any]:
         """SSD's start-up plan, the draft's half (ssd.saguaro.startup.draft_probe)."""
