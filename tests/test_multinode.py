@@ -81,6 +81,30 @@ def test_the_draft_on_another_node_links_over_tcp_and_greedy_equals_ar(nodes):
             assert out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0, out.stats.summary()
 
 
+def test_a_draft_node_that_leaves_leaves_its_target_serving_alone_with_unchanged_output(nodes):
+    """The speculator on a node of its own (one that joins for this test); that node leaves
+    the Ray cluster, its processes with it. The target serves on alone: greedy output still
+    AR's, the rounds degraded, health SERVING."""
+    import ray
+
+    ray_cluster, (a, _) = nodes
+    c = ray_cluster.add_node(num_cpus=NODE_CPUS)
+    ray_cluster.wait_for_nodes()
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node=c.node_id,
+                                                                     draft_timeout_s=2.0))
+    with Cluster(config, PLACEMENT, node=a.node_id) as cluster:
+        prompt = cluster.encode(TEXTS[0])
+        assert cluster.generate(greedy(prompt, 20)).stats.spec.hits > 0
+        draft = ray.get(cluster.draft.whereabouts.remote())
+        assert draft["node_id"] == c.node_id
+        ray_cluster.remove_node(c, allow_graceful=False)
+        os.kill(draft["pid"], signal.SIGKILL)  # a lost machine's processes go with it (see the node removal test)
+        for _ in range(2):
+            out = cluster.generate(greedy(prompt, 40))
+            assert out.token_ids == local_ar(CONFIG, prompt, 40)
+        assert out.stats.spec.degraded_rounds > 0 and cluster.serving, out.stats.summary()
+
+
 def test_a_draft_node_that_does_not_exist_is_refused_naming_the_field(nodes):
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node="10.9.9.9"))
     with pytest.raises(ConfigError, match=r"cluster.draft_node \(--draft-node\) '10.9.9.9' names no alive Ray node"):
