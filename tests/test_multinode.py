@@ -103,6 +103,8 @@ def test_a_draft_node_that_leaves_leaves_its_target_serving_alone_with_unchanged
             out = cluster.generate(greedy(prompt, 40))
             assert out.token_ids == local_ar(CONFIG, prompt, 40)
         assert out.stats.spec.degraded_rounds > 0 and cluster.serving, out.stats.summary()
+    wait_until(lambda: not any(n["NodeID"] == c.node_id and n["Alive"] for n in ray.nodes()), RECOVERY_S,
+               "Ray did not mark the removed node dead")  # the tests after count the nodes' resources
 
 
 def test_a_draft_node_that_does_not_exist_is_refused_naming_the_field(nodes):

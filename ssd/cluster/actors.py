@@ -137,14 +137,28 @@ class Actors:
         self._followers = [t.run_follower.remote() for t in targets[1:]]
         return targets
 
-    def _start_draft(self):
+    def _start_actors(self) -> None:
+        """The target ranks and the speculator, loading side by side (each mostly waits for its
+        process to start and import); if either fails, neither is left running."""
+        self._place_on_node()
+        draft = self._launch_draft() if self.placement.draft else None
+        try:
+            self.targets = self._start_targets()
+            if draft is not None:
+                ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
+        except BaseException:
+            if draft is not None:
+                ray.kill(draft, no_restart=True)
+            raise
+        self.draft = draft
+
+    def _launch_draft(self):
+        """The speculator's actor, started (not waited for)."""
         device = self.placement.draft[0]
         bundle = len(self.placement.target) if self.draft_node is None else None
-        draft = RemoteDraft.options(**self._options(bundle, device)).remote(
+        return RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
-        ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
-        return draft
 
     def _await(self, refs: list, timeout: float) -> list:
         """ray.get(refs) within `timeout`, given up at once on shutdown (an actor

@@ -91,8 +91,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
         self._place, self._placed_on = place, None
         self._standby, self._standby_lock = None, threading.Lock()  # cluster.warm_standby's target
         self._pg = self._reserve(node)
-        self.targets = self._start_targets()
-        self.draft = self._start_draft() if placement.draft else None
+        self._start_actors()
         self.actor_niceness = self._check_priority()
         self._serving = None
         self._draft_pid: int | None = None  # the speculator process last asked to link
