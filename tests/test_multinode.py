@@ -187,6 +187,30 @@ def test_two_replicas_on_two_nodes_share_the_requests(stack, nodes):
         assert f'ssd:replica_serving{{replica="{index}"}} 1.0' in metrics
 
 
+def admit_alternately(replicas, engine) -> tuple[list[list[int]], list[GenerationRequest]]:
+    """Four greedy AR rows of 30 tokens admitted before any step, the most room first:
+    alternately, rows 0 and 2 on replica 0, rows 1 and 3 on replica 1."""
+    prompts = [replicas.encode(t) for t in TEXTS[:4]]
+    requests = [greedy(p, 30, "ar") for p in prompts]
+    for request in requests:
+        assert engine.can_admit(request)
+        engine.admit(request)
+    assert [e.rows for e in engine.engines] == [2, 2]
+    return prompts, requests
+
+
+def run_out(engine) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Step `engine` until no row is left, none failing: each request's output and the
+    seconds until it finished, by id(request)."""
+    started, results, done_after = time.monotonic(), {}, {}
+    while engine.rows:
+        for row in engine.step():
+            assert row.error is None, row.error
+            results[id(row.request)] = row.result.token_ids
+            done_after[id(row.request)] = time.monotonic() - started
+    return results, done_after
+
+
 def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
     """Rows admitted on replica 0 that have streamed nothing when its target dies
     run on replica 1 instead; every row ends with its own right output."""
@@ -195,19 +219,10 @@ def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
     replicas, _, _, health = stack
     engine = replicas.batch_engine("ar")
     try:
-        prompts = [replicas.encode(t) for t in TEXTS[:4]]
-        requests = [greedy(p, 30, "ar") for p in prompts]
-        for request in requests:
-            assert engine.can_admit(request)
-            engine.admit(request)
-        assert [e.rows for e in engine.engines] == [2, 2]  # the most room first: alternately
+        prompts, requests = admit_alternately(replicas, engine)
         killed = time.monotonic()
         ray.kill(replicas.clusters[0].targets[0], no_restart=True)
-        results = {}
-        while engine.rows:
-            for row in engine.step():
-                assert row.error is None, row.error
-                results[id(row.request)] = row.result.token_ids
+        results, _ = run_out(engine)
     finally:
         engine.close()
     assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
@@ -232,20 +247,10 @@ def test_a_slow_replica_holds_only_its_own_rows_and_past_its_step_deadline_is_lo
     engine = replicas.batch_engine("ar")
     engine.deadline_s = 4.0
     try:
-        prompts = [replicas.encode(t) for t in TEXTS[:4]]
-        requests = [greedy(p, 30, "ar") for p in prompts]
-        for request in requests:
-            assert engine.can_admit(request)
-            engine.admit(request)
-        assert [e.rows for e in engine.engines] == [2, 2]  # alternately: 0, 2 on replica 0; 1, 3 on replica 1
+        prompts, requests = admit_alternately(replicas, engine)
         ray.get(slow.targets[0].inject_step_delay.remote(120.0))
         started = time.monotonic()
-        results, done_after = {}, {}
-        while engine.rows:
-            for row in engine.step():
-                assert row.error is None, row.error
-                results[id(row.request)] = row.result.token_ids
-                done_after[id(row.request)] = time.monotonic() - started
+        results, done_after = run_out(engine)
     finally:
         engine.close()
     assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
