@@ -280,6 +280,10 @@ class Replicas:
         with self._lock:
             self._steps.pop(index, None)
 
+    def any_stepping(self) -> bool:
+        with self._lock:
+            return bool(self._steps)
+
     def idle_serving(self) -> bool:
         """Some serving replica has no step on its way (new rows could go there now)."""
         with self._lock:
@@ -346,6 +350,8 @@ class ReplicaBatchEngine(Engine):
         self.replicas.wait_any_serving(request)
         index = self._find_room(request)
         self._fit = (request, index) if index is not None else None
+        if index is None and not self.rows and self.replicas.any_stepping():
+            return True  # every replica mid-step (another mode's): admit() holds it until one is free
         return index is not None
 
     def admit(self, request: GenerationRequest) -> None:
@@ -363,8 +369,8 @@ class ReplicaBatchEngine(Engine):
                 self.replicas.send_step(index, self, engine)
         mine = self.replicas.steps_of(self)
         if not mine:
-            if self._moving:
-                time.sleep(IDLE_WAIT_S)  # no replica can take them yet: don't spin
+            if self._moving:  # no replica can take them yet: don't spin
+                time.sleep(POLL_S if self.replicas.any_stepping() else IDLE_WAIT_S)
             return finished
         for index, ended in self._collect(mine):
             finished += self._settle(index, ended)
