@@ -322,7 +322,7 @@ def test_a_draft_killed_mid_batch_loses_no_row(stack):
 def test_a_warm_standby_takes_over_a_killed_target_within_seconds(stack):
     """cluster.warm_standby: the module's cluster given a standby now (cheaper than a
     cluster of its own). SIGKILL the idle target: health is SERVING again within 5 s,
-    the standby's process is the target, greedy output is still AR's; a new standby loads."""
+    the standby's process is the target, greedy output is still AR's."""
     import ray
 
     cluster, client, health, pids = stack
@@ -338,5 +338,5 @@ def test_a_warm_standby_takes_over_a_killed_target_within_seconds(stack):
     assert ray.get(cluster.targets[0].ready.remote()) == standby
     out = client.generate(text=CONFIG.prompt, max_new_tokens=40, timeout=RECOVERY_S)
     assert out.token_ids == local_ar(CONFIG, cluster.encode(CONFIG.prompt), 40)
-    wait_until(lambda: cluster._standby is not None, RECOVERY_S, "no new standby loaded")
-    pids.add(ray.get(cluster._standby.ready.remote()))
+    # A new standby now loads in the background (not waited for here: launch/recovery.py's
+    # second --warm-standby trial is taken over by it); shutdown stops it.

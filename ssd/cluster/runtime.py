@@ -90,6 +90,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
         self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
         self._place, self._placed_on = place, None
         self._standby, self._standby_lock = None, threading.Lock()  # cluster.warm_standby's target
+        self._standby_loading: threading.Thread | None = None
         self._pg = self._reserve(node)
         self._start_actors()
         self.actor_niceness = self._check_priority()

@@ -54,6 +54,7 @@ class Standby:
     _stopping: threading.Event
     _standby: Any
     _standby_lock: threading.Lock
+    _standby_loading: threading.Thread | None  # the background load after a takeover
 
     def _start_standby(self) -> None:
         """Load a standby target (blocking) unless one is there or the cluster stops."""
@@ -94,7 +95,8 @@ class Standby:
                     log.warning("%s: loading a new warm standby failed", self.name, exc_info=True)
 
         if self.config.cluster.warm_standby:
-            threading.Thread(target=load, name="ssd-standby", daemon=True).start()
+            self._standby_loading = threading.Thread(target=load, name="ssd-standby", daemon=True)
+            self._standby_loading.start()
 
     def _take_standby(self) -> Any | None:
         """The standby, if one is loaded and answers, now the target (and no longer the standby)."""
@@ -111,6 +113,10 @@ class Standby:
         return standby
 
     def _stop_standby(self) -> None:
+        """Stop a standby loading (it gives up within a second once the cluster stops: it must
+        not outlive Ray) and the loaded one."""
+        if self._standby_loading is not None:
+            self._standby_loading.join(timeout=30)
         with self._standby_lock:
             standby, self._standby = self._standby, None
         if standby is not None:
