@@ -14,11 +14,17 @@ the int8 cache (ssd.models.qcache) is what shortens it. Before and after:
 
     python launch/recovery.py --config configs/qwen2.5-coder-cpu.yaml --roles target --trials 2 --no-quant-cache
     python launch/recovery.py --config configs/qwen2.5-coder-cpu.yaml --roles target --trials 2
+
+With a warm standby (cluster.warm_standby: a second target, loaded and idle,
+takes over), each target trial first waits for the standby to be loaded:
+
+    python launch/recovery.py --config configs/qwen2.5-coder-cpu.yaml --roles target --trials 2 --warm-standby
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -35,6 +41,7 @@ from ssd.cluster.devices import plan_placement  # noqa: E402
 from ssd.cluster.runtime import Cluster  # noqa: E402
 from ssd.config import GenerationConfig, SamplingConfig, load_config  # noqa: E402
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable  # noqa: E402
+from ssd.models.loading import resolve_backend  # noqa: E402
 
 
 def relinked_after(cluster: Cluster, before: int | None, started: float) -> float:
@@ -73,11 +80,19 @@ def health_marks(cluster: Cluster) -> list[tuple[float, bool]]:
     return marks
 
 
-def target_trial(cluster: Cluster, marks: list[tuple[float, bool]]) -> str:
+def standby_loaded(cluster: Cluster) -> None:
+    """With cluster.warm_standby: wait until the standby is loaded (after a takeover it loads anew)."""
+    while cluster.config.cluster.warm_standby and cluster._standby is None:
+        time.sleep(0.2)
+
+
+def target_trial(cluster: Cluster, marks: list[tuple[float, bool]]) -> dict[str, float]:
     assert cluster.wait_linked(120)
+    standby_loaded(cluster)
     killed = time.monotonic()
     os.kill(ray.get(cluster.targets[0].ready.remote()), signal.SIGKILL)
     down, up = serving_again(cluster, marks, killed)
+    standby_loaded(cluster)
     rounds: list[list[int]] = []
     kill: dict[str, float] = {}
 
@@ -95,8 +110,13 @@ def target_trial(cluster: Cluster, marks: list[tuple[float, bool]]) -> str:
     except GeneratorUnavailable:
         told = time.monotonic() - kill["at"]
     _, up_mid = serving_again(cluster, marks, kill["at"])
-    return (f"killed idle -> NOT_SERVING {down:.2f} s, -> SERVING {up:.1f} s; killed mid-request -> "
-            f"UNAVAILABLE {told:.2f} s, -> SERVING {up_mid:.1f} s")
+    return {"idle_not_serving_s": down, "idle_serving_s": up, "mid_unavailable_s": told, "mid_serving_s": up_mid}
+
+
+def describe_target_trial(times: dict[str, float]) -> str:
+    return (f"killed idle -> NOT_SERVING {times['idle_not_serving_s']:.2f} s, -> SERVING {times['idle_serving_s']:.1f} s; "
+            f"killed mid-request -> UNAVAILABLE {times['mid_unavailable_s']:.2f} s, "
+            f"-> SERVING {times['mid_serving_s']:.1f} s")
 
 
 def serving_again(cluster: Cluster, marks: list[tuple[float, bool]], since: float) -> tuple[float, float]:
@@ -116,27 +136,42 @@ def build_parser() -> argparse.ArgumentParser:
                         help="whose kills to time")
     parser.add_argument("--no-quant-cache", action="store_true",
                         help="int8 models quantize from the checkpoint at every (re)start")
+    parser.add_argument("--json", type=Path, help="write the target trials' times here")
+    parser.add_argument("--warm-standby", action="store_true",
+                        help="cluster.warm_standby: a loaded idle target takes over a killed one")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    print(f"{hardware.summary()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"{hardware.summary()}; load average {load_before:.2f}; {hardware.uptime()}", flush=True)
     cached = {"cache_quantized": not args.no_quant_cache}
     # SSD, as the cluster serves it; no start-up plan: it times the host (minutes with the
     # real pair) and does not change what is measured.
     config = load_config(args.config, {"target": cached, "draft": cached, "runtime": {"plan": False},
-                                       "speculation": {"mode": "ssd"}})
+                                       "speculation": {"mode": "ssd"},
+                                       "cluster": {"warm_standby": args.warm_standby}})
     started = time.monotonic()
     with Cluster(config, plan_placement("0", "1", 2, "cpu")) as cluster:
         print(f"started in {time.monotonic() - started:.1f} s", flush=True)
         marks = health_marks(cluster)
         for n in range(args.trials if "draft" in args.roles else 0):
             print(f"draft trial {n}: {trial(cluster)}", flush=True)
+        rows = []
         for n in range(args.trials if "target" in args.roles else 0):
-            print(f"target trial {n}: {target_trial(cluster, marks)}; load average {os.getloadavg()[0]:.2f}",
-                  flush=True)
+            times = target_trial(cluster, marks)
+            load = os.getloadavg()[0]
+            rows.append(times | {"trial": n, "load_average": load})
+            print(f"target trial {n}: {describe_target_trial(times)}; load average {load:.2f}", flush=True)
+    if args.json:
+        backends = {role: resolve_backend(model) for role, model in (("target", config.target), ("draft", config.draft))}
+        summary = {"machine": hardware.summary(), "config": str(args.config), "backends": backends,
+                   "warm_standby": args.warm_standby,
+                   "quant_cache": not args.no_quant_cache, "load_average_before": load_before,
+                   "uptime": hardware.uptime(), "target_trials": rows}
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -365,8 +365,21 @@ class ClusterConfig:
     # in hex, or its IP address); the link then runs over TCP between the hosts.
     # None: beside the target, in its placement group.
     draft_node: str | None = None
+    # With replicas: a replica whose batched step has not returned within this
+    # time is treated as lost (its target restarts; its rows that streamed
+    # nothing move to another replica), while the others step on.
+    step_deadline_s: float = 60.0
+    # A second target, loaded and idle, per replica (tensor-parallel size 1):
+    # it takes over when the target dies, so serving resumes in seconds rather
+    # than a model load. Costs the target's memory twice; a new standby loads
+    # in the background after each takeover.
+    warm_standby: bool = False
 
     def __post_init__(self) -> None:
+        if not self.step_deadline_s > 0:
+            raise ConfigError(f"cluster.step_deadline_s must be > 0, got {self.step_deadline_s}")
+        if not isinstance(self.warm_standby, bool):
+            raise ConfigError(f"cluster.warm_standby must be true or false, got {self.warm_standby!r}")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"cluster.replicas (--replicas) must be an integer >= 1, got {self.replicas!r}")
         if self.draft_node is not None and not str(self.draft_node).strip():

@@ -80,6 +80,16 @@ def summary() -> str:
     return f"{d['cpu_model']} ({d['cores']} cores, torch CPU capability {d['torch_cpu_capability']}, {bf16}){gpus}"
 
 
+def uptime() -> str:
+    """`uptime`'s line (how busy the host is, for the record with any figure), or the load average."""
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 # --- devices ---------------------------------------------------------------------
 
 

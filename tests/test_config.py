@@ -86,6 +86,21 @@ def test_the_draft_link_is_gloo_only():
         ClusterConfig(compute_device="cuda:1")
 
 
+def test_the_replicas_step_deadline_and_the_warm_standby_are_checked_by_name():
+    from ssd.cluster.devices import plan_placement
+    from ssd.cluster.standby import refuse_standby
+    from ssd.config import ClusterConfig, Config
+
+    with pytest.raises(ConfigError, match="cluster.step_deadline_s must be > 0"):
+        ClusterConfig(step_deadline_s=0)
+    with pytest.raises(ConfigError, match="cluster.warm_standby must be true or false"):
+        ClusterConfig(warm_standby="yes")
+    config = Config(cluster=ClusterConfig(warm_standby=True))
+    refuse_standby(config, plan_placement("0", "1", 2, "cpu"))  # one rank: fine
+    with pytest.raises(ConfigError, match="cluster.warm_standby takes over from a target of one rank"):
+        refuse_standby(config, plan_placement("0-1", "2", 3, "cpu"))
+
+
 def test_backend_auto_picks_llamacpp_for_a_shipped_gguf_at_auto_precision(monkeypatch, tmp_path):
     """llama.cpp on a CPU for the offline pair (or a .gguf path) at precision auto, when
     installed; an explicit torch precision, a GPU, a model without a GGUF, or no

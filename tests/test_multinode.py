@@ -81,6 +81,32 @@ def test_the_draft_on_another_node_links_over_tcp_and_greedy_equals_ar(nodes):
             assert out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0, out.stats.summary()
 
 
+def test_a_draft_node_that_leaves_leaves_its_target_serving_alone_with_unchanged_output(nodes):
+    """The speculator on a node of its own (one that joins for this test); that node leaves
+    the Ray cluster, its processes with it. The target serves on alone: greedy output still
+    AR's, the rounds degraded, health SERVING."""
+    import ray
+
+    ray_cluster, (a, _) = nodes
+    c = ray_cluster.add_node(num_cpus=NODE_CPUS)
+    ray_cluster.wait_for_nodes()
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node=c.node_id,
+                                                                     draft_timeout_s=2.0))
+    with Cluster(config, PLACEMENT, node=a.node_id) as cluster:
+        prompt = cluster.encode(TEXTS[0])
+        assert cluster.generate(greedy(prompt, 20)).stats.spec.hits > 0
+        draft = ray.get(cluster.draft.whereabouts.remote())
+        assert draft["node_id"] == c.node_id
+        ray_cluster.remove_node(c, allow_graceful=False)
+        os.kill(draft["pid"], signal.SIGKILL)  # a lost machine's processes go with it (see the node removal test)
+        for _ in range(2):
+            out = cluster.generate(greedy(prompt, 40))
+            assert out.token_ids == local_ar(CONFIG, prompt, 40)
+        assert out.stats.spec.degraded_rounds > 0 and cluster.serving, out.stats.summary()
+    wait_until(lambda: not any(n["NodeID"] == c.node_id and n["Alive"] for n in ray.nodes()), RECOVERY_S,
+               "Ray did not mark the removed node dead")  # the tests after count the nodes' resources
+
+
 def test_a_draft_node_that_does_not_exist_is_refused_naming_the_field(nodes):
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node="10.9.9.9"))
     with pytest.raises(ConfigError, match=r"cluster.draft_node \(--draft-node\) '10.9.9.9' names no alive Ray node"):
@@ -161,6 +187,30 @@ def test_two_replicas_on_two_nodes_share_the_requests(stack, nodes):
         assert f'ssd:replica_serving{{replica="{index}"}} 1.0' in metrics
 
 
+def admit_alternately(replicas, engine) -> tuple[list[list[int]], list[GenerationRequest]]:
+    """Four greedy AR rows of 30 tokens admitted before any step, the most room first:
+    alternately, rows 0 and 2 on replica 0, rows 1 and 3 on replica 1."""
+    prompts = [replicas.encode(t) for t in TEXTS[:4]]
+    requests = [greedy(p, 30, "ar") for p in prompts]
+    for request in requests:
+        assert engine.can_admit(request)
+        engine.admit(request)
+    assert [e.rows for e in engine.engines] == [2, 2]
+    return prompts, requests
+
+
+def run_out(engine) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Step `engine` until no row is left, none failing: each request's output and the
+    seconds until it finished, by id(request)."""
+    started, results, done_after = time.monotonic(), {}, {}
+    while engine.rows:
+        for row in engine.step():
+            assert row.error is None, row.error
+            results[id(row.request)] = row.result.token_ids
+            done_after[id(row.request)] = time.monotonic() - started
+    return results, done_after
+
+
 def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
     """Rows admitted on replica 0 that have streamed nothing when its target dies
     run on replica 1 instead; every row ends with its own right output."""
@@ -169,19 +219,10 @@ def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
     replicas, _, _, health = stack
     engine = replicas.batch_engine("ar")
     try:
-        prompts = [replicas.encode(t) for t in TEXTS[:4]]
-        requests = [greedy(p, 30, "ar") for p in prompts]
-        for request in requests:
-            assert engine.can_admit(request)
-            engine.admit(request)
-        assert [e.rows for e in engine.engines] == [2, 2]  # the most room first: alternately
+        prompts, requests = admit_alternately(replicas, engine)
         killed = time.monotonic()
         ray.kill(replicas.clusters[0].targets[0], no_restart=True)
-        results = {}
-        while engine.rows:
-            for row in engine.step():
-                assert row.error is None, row.error
-                results[id(row.request)] = row.result.token_ids
+        results, _ = run_out(engine)
     finally:
         engine.close()
     assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
@@ -190,6 +231,37 @@ def test_a_replicas_lost_target_moves_its_unstreamed_rows_to_the_other(stack):
                "replica 0 did not come back")
     time.sleep(0.3)
     assert set(health.since(killed)) == {"SERVING"}  # the other replica served throughout
+
+
+def test_a_slow_replica_holds_only_its_own_rows_and_past_its_step_deadline_is_lost(stack):
+    """Replica 0's steps made slow (an injected sleep): replica 1's rows finish at full rate
+    meanwhile, long before replica 0's first step could have returned; once that step passes
+    the deadline, replica 0 is lost and its rows (which streamed nothing) move to replica 1.
+    Every row ends with its own right output; health stays SERVING; replica 0 restarts."""
+    import ray
+
+    replicas, _, _, health = stack
+    wait_until(lambda: all(c.serving for c in replicas.clusters), RECOVERY_S, "not settled")
+    slow = replicas.clusters[0]
+    restarts, moved = slow.target_restarts, replicas.counts[0].moved
+    engine = replicas.batch_engine("ar")
+    engine.deadline_s = 4.0
+    try:
+        prompts, requests = admit_alternately(replicas, engine)
+        ray.get(slow.targets[0].inject_step_delay.remote(120.0))
+        started = time.monotonic()
+        results, done_after = run_out(engine)
+    finally:
+        engine.close()
+    assert [results[id(r)] for r in requests] == [local_ar(CONFIG, p, 30) for p in prompts]
+    fast = [done_after[id(r)] for r in requests[1::2]]
+    assert max(fast) < engine.deadline_s, (fast, done_after)  # not held by replica 0's sleeping step
+    assert min(done_after[id(r)] for r in requests[::2]) > engine.deadline_s  # ran on replica 1 once moved
+    assert replicas.counts[0].moved == moved + 2
+    wait_until(lambda: slow.target_restarts == restarts + 1 and slow.serving, RECOVERY_S,
+               "replica 0 did not come back")
+    time.sleep(0.3)
+    assert set(health.since(started)) == {"SERVING"}
 
 
 def test_a_replicas_target_killed_under_load_loses_no_request(stack):
@@ -295,3 +367,69 @@ def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_
     assert replicas.node_of(1) == new.node_id
     out = replicas.clusters[1].generate(greedy(replicas.encode(TEXTS[0]), 30))
     assert out.token_ids == expected_ar(replicas, TEXTS[0], 30) and out.stats.spec.hits > 0
+
+
+def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(stack, nodes):
+    """A node with 4 CPUs joins while the two 2-CPU nodes are taken (by `stack`): two more
+    replicas both land on it, replica 0 on cores 0, 1 and replica 1 on cores 2, 3 (what each
+    actor was told; pinned so where the core exists on this host). Over HTTP they give the
+    completion gRPC gives, whose tokens equal AR's."""
+    import httpx
+    import ray
+
+    from ssd.cluster.replicas import Replicas
+    from ssd.serve.client import GenerationClient
+    from ssd.serve.cluster_backend import ClusterBackend
+    from ssd.serve.options import ServeOptions
+    from ssd.serve.server import GenerationServer
+
+    ray_cluster, _ = nodes
+    big = ray_cluster.add_node(num_cpus=4)
+    ray_cluster.wait_for_nodes()
+    config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=2),
+                                 runtime=dataclasses.replace(CONFIG.runtime, plan=False))  # no start-up plan: faster
+    started = time.monotonic()
+    with Replicas(config, PLACEMENT) as replicas:
+        logging.getLogger(__name__).info("2 replicas started in %.1f s", time.monotonic() - started)
+        told = []
+        for cluster in replicas.clusters:
+            where = ray.get([cluster.targets[0].whereabouts.remote(), cluster.draft.whereabouts.remote()])
+            assert {w["node_id"] for w in where} == {big.node_id}
+            told.append([w["cores"] for w in where])
+            for w in where:
+                if max(w["cores"]) < os.cpu_count():
+                    assert w["affinity"] == w["cores"], w
+        assert sorted(told) == [[[0], [1]], [[2], [3]]], told  # (which replica takes which slot: whichever is first)
+        server = GenerationServer(ServeOptions(port=0, http_port=0, grace_s=2.0), lambda: ClusterBackend(replicas))
+        server.start()
+        client = GenerationClient(f"127.0.0.1:{server.port}")
+        try:
+            assert server.wait_ready(60)
+            out = client.generate(text=TEXTS[0], max_new_tokens=30, timeout=RECOVERY_S)
+            assert out.token_ids == expected_ar(replicas, TEXTS[0], 30)
+            body = {"model": CONFIG.target.name, "prompt": TEXTS[0], "max_tokens": 30, "temperature": 0}
+            reply = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json=body, timeout=RECOVERY_S)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == out.text
+        finally:
+            client.close()
+            server.stop()
+
+
+def test_replicas_on_one_node_take_disjoint_slots_and_a_full_node_is_refused_by_name():
+    """ssd.cluster.devices.NodeSlots, without Ray: the k-th replica on a node runs k spans up,
+    a slot freed on one node is taken again, and a node without a free slot is named."""
+    from ssd.cluster.devices import NodeSlots, groups_per_node
+
+    gpus = plan_placement("0-1", "2", 8, "cuda")
+    assert groups_per_node(PLACEMENT, cpus=4, gpus=0) == 2 and groups_per_node(PLACEMENT, cpus=5, gpus=0) == 2
+    assert groups_per_node(gpus, cpus=64, gpus=8) == 2 and groups_per_node(gpus, cpus=4, gpus=8) == 1
+    slots = NodeSlots(PLACEMENT)
+    first, second = slots.take(0, "a", 4, 0), slots.take(1, "a", 4, 0)
+    assert (first.target, first.draft, second.target, second.draft) == ((0,), (1,), (2,), (3,))
+    assert slots.take(2, "b", 2, 0).target == (0,)  # another node: from core 0 again
+    with pytest.raises(ConfigError, match=r"cluster.replicas \(--replicas\): node a .* holds 2 replica\(s\)"):
+        slots.take(3, "a", 4, 0)
+    assert slots.take(0, "b", 4, 0).target == (2,) and slots.take(3, "a", 4, 0).target == (0,)  # 0 moved: freed
+    on_gpus = NodeSlots(gpus)
+    assert on_gpus.take(0, "a", 64, 8).target == (0, 1) and on_gpus.take(1, "a", 64, 8).target == (3, 4)

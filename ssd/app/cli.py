@@ -98,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         # launch/cluster.py's placement flags (other scripts do not take them)
         ("cluster", "replicas", getattr(args, "replicas", None)),
         ("cluster", "draft_node", getattr(args, "draft_node", None)),
+        ("cluster", "warm_standby", getattr(args, "warm_standby", None)),
     ]:
         if value is not None:
             overrides.setdefault(section, {})[key] = value

@@ -9,6 +9,7 @@ on separate devices, linked by torch.distributed, behind the gRPC frontend.
     python launch/cluster.py --cpu --http-port 8000         # + the OpenAI-compatible API at :8000/v1
     python launch/cluster.py --address auto --replicas 2 --target-gpus 0 --draft-gpu 1   # two nodes, one endpoint
     python launch/cluster.py --address auto --target-gpus 0 --draft-node 10.0.0.7        # the draft on another host
+    python launch/cluster.py --cpu --warm-standby                                        # a lost target back in seconds
 
 With no GPU, CPU mode is automatic: the target on core 0, the draft on core 1
 (override with --target-cores / --draft-core). With no prompt it serves
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int,
                         help="independent target + draft groups behind one endpoint, spread over the Ray "
                              "cluster's nodes (override cluster.replicas; default 1)")
+    parser.add_argument("--warm-standby", action="store_true", default=None,
+                        help="keep a second target loaded and idle that takes over a lost one in seconds "
+                             "(the target's memory twice; override cluster.warm_standby)")
     parser.add_argument("--draft-node",
                         help="run the draft on this Ray node (node ID or IP address), apart from the target; "
                              "the link runs over TCP between the hosts (override cluster.draft_node)")

@@ -9,14 +9,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ssd.cluster.devices import Placement
-from ssd.cluster.placing import actor_env
+from ssd.cluster.placing import actor_env, group_node
 from ssd.cluster.workers import DraftWorker, TargetWorker
 from ssd.config import Config
 from ssd.transport.distributed import free_port
@@ -43,6 +43,8 @@ class Actors:
     _followers: list
     _start_timeouts: dict[str, float]
     _stopping: threading.Event
+    _place: Callable[[str], Placement] | None
+    _placed_on: str | None
 
     def _devices(self) -> list[int]:
         """The device of each bundle: target ranks first, then the draft (unless it has a node of its own)."""
@@ -103,7 +105,20 @@ class Actors:
             return None
         return list(self.placement.draft) or None
 
+    def _place_on_node(self) -> None:
+        """With `_place` (replicas): this group's devices on the node its placement group is
+        on now (again after Ray moved the group to another node), disjoint from the others there."""
+        if self._place is None:
+            return
+        self._await([self._pg.ready()], self._start_timeouts["target"])
+        node = group_node(self._pg)
+        if node != self._placed_on:
+            self.placement, self._placed_on = self._place(node), node
+            log.info("%s on node %s: target %s, draft %s (%s)", self.name, node, self.placement.target,
+                     self.placement.draft, "GPUs" if self.placement.kind == "cuda" else "cores")
+
     def _start_targets(self) -> list:
+        self._place_on_node()
         config = dataclasses.asdict(self.config)
         world, tp_port = self.placement.tp_size, free_port()
         targets = [
@@ -122,14 +137,28 @@ class Actors:
         self._followers = [t.run_follower.remote() for t in targets[1:]]
         return targets
 
-    def _start_draft(self):
+    def _start_actors(self) -> None:
+        """The target ranks and the speculator, loading side by side (each mostly waits for its
+        process to start and import); if either fails, neither is left running."""
+        self._place_on_node()
+        draft = self._launch_draft() if self.placement.draft else None
+        try:
+            self.targets = self._start_targets()
+            if draft is not None:
+                ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
+        except BaseException:
+            if draft is not None:
+                ray.kill(draft, no_restart=True)
+            raise
+        self.draft = draft
+
+    def _launch_draft(self):
+        """The speculator's actor, started (not waited for)."""
         device = self.placement.draft[0]
         bundle = len(self.placement.target) if self.draft_node is None else None
-        draft = RemoteDraft.options(**self._options(bundle, device)).remote(
+        return RemoteDraft.options(**self._options(bundle, device)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
-        ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
-        return draft
 
     def _await(self, refs: list, timeout: float) -> list:
         """ray.get(refs) within `timeout`, given up at once on shutdown (an actor

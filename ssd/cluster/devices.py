@@ -1,4 +1,4 @@
-"""Device lists for the launcher: parse, validate, place. Pure; no Ray, no torch.
+"""Device lists for the launcher: parse, validate, place; the slots of one node's replicas. Pure; no Ray, no torch.
 
 GPU mode: ids are CUDA device ordinals. CPU mode: ids are cores, and each
 role is pinned to its own (so "separate devices" holds on a laptop).
@@ -7,6 +7,8 @@ role is pinned to its own (so "separate devices" holds on a laptop).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ssd.config import ConfigError
 
 
 class DeviceError(ValueError):
@@ -83,3 +85,49 @@ def default_cpu_placement(cores: int, with_draft: bool) -> Placement:
     if with_draft and cores < 2:
         raise DeviceError("SSD on CPU needs at least 2 cores: one for the target, one for the draft")
     return plan_placement("0", "1" if with_draft else None, cores, "cpu")
+
+
+def span(placement: Placement) -> int:
+    """How many devices of its node one group's placement takes, counted from 0 (cores 0-1: 2)."""
+    return max(placement.target + placement.draft) + 1
+
+
+def shifted(placement: Placement, slot: int) -> Placement:
+    """The placement of the `slot`-th group on one node: each device moved `slot` spans up
+    (cores 0, 1 -> 2, 3 for slot 1), so the groups on a node never share a device."""
+    step = slot * span(placement)
+    return Placement(placement.kind, tuple(d + step for d in placement.target),
+                     tuple(d + step for d in placement.draft), placement.colocate)
+
+
+def groups_per_node(placement: Placement, cpus: float, gpus: float) -> int:
+    """How many groups placed so fit on a node with `cpus` and `gpus` (Ray's count of them):
+    whole spans of its cores (CPU mode) or GPUs, and a CPU per role (each actor holds one)."""
+    roles = len(placement.target) + len(placement.draft)
+    by_cpu = int(cpus) // (span(placement) if placement.kind == "cpu" else roles)
+    return by_cpu if placement.kind == "cpu" else min(by_cpu, int(gpus) // span(placement))
+
+
+class NodeSlots:
+    """Which slot of its node each replica holds, so that replicas on one node get disjoint
+    devices (ssd.cluster.replicas): slot k runs on `shifted(placement, k)`. Not thread-safe:
+    the caller serializes."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.held: dict[int, tuple[str, int]] = {}  # replica -> (node, slot)
+
+    def take(self, replica: int, node: str, cpus: float, gpus: float) -> Placement:
+        """Replica `replica`'s devices on `node` (its lowest free slot), leaving the slot it held."""
+        self.held.pop(replica, None)
+        room = groups_per_node(self.placement, cpus, gpus)
+        used = {slot for where, slot in self.held.values() if where == node}
+        free = [slot for slot in range(room) if slot not in used]
+        if not free:
+            noun = "GPUs" if self.placement.kind == "cuda" else "cores"
+            raise ConfigError(
+                f"cluster.replicas (--replicas): node {node} ({cpus:g} CPUs, {gpus:g} GPUs) holds {room} "
+                f"replica(s) of {span(self.placement)} {noun} each, all taken; replica {replica} has no devices there"
+            )
+        self.held[replica] = (node, free[0])
+        return shifted(self.placement, free[0])

@@ -10,11 +10,13 @@ from typing import Any, Callable
 
 import ray
 
+from ssd.config import Config
 from ssd.engine.request import GeneratorUnavailable
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 2.0  # how often the watcher checks the actors between requests
+STANDBY_WATCH_S = 0.5  # ... with a warm standby to take over: a lost target is worth finding early
 RECOVERY_WAIT_S = 600.0  # how long a queued request waits for a lost target to come back
 
 # (serving, why not): called when the cluster goes down or comes back.
@@ -24,6 +26,7 @@ HealthListener = Callable[[bool, str | None], None]
 class Healing:
     """Watches and restarts the actors of one Cluster (the attributes are the Cluster's)."""
 
+    config: Config
     name: str
     targets: list
     draft: Any
@@ -42,7 +45,7 @@ class Healing:
         down meanwhile); a lost draft is re-linked while requests run degraded
         and pick the new link up at their next round."""
         while not self._stopping.is_set():
-            self._watching.wait(WATCH_INTERVAL_S)
+            self._watching.wait(STANDBY_WATCH_S if self.config.cluster.warm_standby else WATCH_INTERVAL_S)
             self._watching.clear()
             if self._stopping.is_set():
                 return
@@ -129,20 +132,24 @@ class Healing:
                 log.exception("a health listener failed")
 
     def restart_targets(self) -> None:
-        """Start every target rank again (a TP group cannot take one new rank),
-        re-link the draft, and report SERVING."""
+        """Start every target rank again (a TP group cannot take one new rank), or
+        hand over to the warm standby where one is loaded, re-link the draft, and
+        report SERVING."""
         self._down(self._why_down or "a target rank does not answer")
         started = time.monotonic()
         for target in self.targets:
             ray.kill(target, no_restart=True)
-        self.targets = self._start_targets()
+        standby = self._take_standby()
+        self.targets = [standby] if standby is not None else self._start_targets()
         if self.draft is not None:
             self._relink_after_target_loss()
         self.target_restarts += 1
         self._why_down = None
         self._up.set()
-        log.info("%s: target restarted in %.1f s; serving", self.name, time.monotonic() - started)
+        log.info("%s: target %s in %.1f s; serving", self.name,
+                 "taken over by the warm standby" if standby is not None else "restarted", time.monotonic() - started)
         self._tell(True, None)
+        self._standby_in_background()  # the next one (cluster.warm_standby)
 
     def wait_serving(self) -> None:
         """Block while the target restarts (GeneratorUnavailable past RECOVERY_WAIT_S)."""

@@ -5,6 +5,7 @@ restarted target (a part of ssd.cluster.runtime.Cluster)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Iterator
 
@@ -30,6 +31,7 @@ class DraftLink:
     _draft_pid: int | None
     _linked_pid: int | None
     _start_timeouts: dict[str, float]
+    _stopping: threading.Event
 
     def link(self) -> None:
         """(Re)connect target rank 0 and the speculator over a fresh two-rank group.
@@ -114,5 +116,7 @@ class DraftLink:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 if time.monotonic() > deadline:
                     raise
+                if self._stopping.is_set():  # e.g. its --draft-node left: shut down without it
+                    return
                 time.sleep(0.5)
         self.link()

@@ -31,6 +31,16 @@ def resolve_node(name: str) -> str:
     raise ConfigError(f"cluster.draft_node (--draft-node) {name!r} names no alive Ray node; the nodes: {known}")
 
 
+def node_resources(node: str) -> dict[str, float]:
+    """What Ray node `node` (hex ID) has in all: {"CPU": 4.0, "GPU": 2.0, ...} (empty once it left)."""
+    return next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node and n["Alive"]), {})
+
+
+def group_node(pg) -> str:
+    """The node a placement group packed on one node (STRICT_PACK) is on now."""
+    return ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+
+
 def compute_device(config: Config, placement: Placement) -> str:
     """Where the actors compute: as placed, unless the config keeps them on the CPU."""
     return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"

@@ -3,12 +3,17 @@
 Placement: each replica is a Cluster with its own placement group, packed on
 one node (STRICT_PACK); replica i asks for the i-th node (roomiest first) as
 Ray's soft target, so the replicas spread over the nodes while a node has
-room and share one where it does not.
+room and share one where it does not. Replicas on one node never share a
+device: the k-th there runs on the given devices shifted k spans up (cores
+0-1 -> 2-3; ssd.cluster.devices.NodeSlots), as many as the node's CPUs (GPUs)
+make whole groups of; a count the nodes cannot hold is refused up front.
 
 Routing: a request goes to the serving replica with the most free batch
 capacity (the fewest rows running); each replica keeps its own continuous
-batch on its target rank 0, and the replicas step side by side (one Ray call
-each per step, all sent before any is awaited).
+batch on its target rank 0, and each replica steps on its own schedule: a
+step goes to every replica with rows and no step on its way, and each result
+is taken as it comes back (ray.wait), so a slow replica holds only its own
+rows. A replica whose step passes cluster.step_deadline_s is lost.
 
 Faults: each replica heals itself as one Cluster does (a lost draft is
 re-linked, a lost target restarted). Meanwhile the others serve: the rows
@@ -23,6 +28,7 @@ Health is SERVING while at least one replica serves.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor, wait
 import logging
 import threading
 import time
@@ -33,10 +39,10 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ssd.cluster.batch import RemoteBatchEngine, TargetLost
-from ssd.cluster.devices import Placement
+from ssd.cluster.batch import RemoteBatchEngine, StepCall, TargetLost
+from ssd.cluster.devices import NodeSlots, Placement, groups_per_node, span
 from ssd.cluster.healing import RECOVERY_WAIT_S, HealthListener
-from ssd.cluster.placing import start_ray
+from ssd.cluster.placing import node_resources, start_ray
 from ssd.cluster.runtime import Cluster
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
@@ -45,6 +51,7 @@ from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUna
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.2  # how long a step with only moving rows waits for a replica to take them
+POLL_S = 0.02  # how long a step waits for a replica's step while another replica could take new rows
 
 
 def start_cluster(
@@ -56,16 +63,28 @@ def start_cluster(
     return Cluster(config, placement, address)
 
 
-def check_room(placements: Sequence[Placement]) -> None:
-    """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving)."""
+def check_room(placements: Sequence[Placement], slotted: bool) -> None:
+    """Refuse a replica count the Ray cluster cannot hold, up front (rather than time out reserving).
+
+    `slotted`: the replicas share one placement, shifted per node (ssd.cluster.devices.NodeSlots),
+    so each node holds as many as its devices make whole groups of."""
     need = {"CPU": sum(len(p.target + p.draft) for p in placements)}  # a bundle per role, each with one CPU
     if placements[0].kind == "cuda":
         need["GPU"] = sum(len(set(p.target + p.draft)) for p in placements)  # colocated roles share a GPU
     have = ray.cluster_resources()
     replicas = len(placements)
+    held = {name: have.get(name, 0) for name in need}
     if any(have.get(name, 0) < amount for name, amount in need.items()):
-        held = {name: have.get(name, 0) for name in need}
         raise ConfigError(f"cluster.replicas (--replicas) {replicas} needs {need} in all; the Ray cluster has {held}")
+    if slotted:
+        fits = {n["NodeID"]: groups_per_node(placements[0], n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0))
+                for n in ray.nodes() if n["Alive"]}
+        if sum(fits.values()) < replicas:
+            noun = "GPUs" if placements[0].kind == "cuda" else "cores"
+            raise ConfigError(
+                f"cluster.replicas (--replicas) {replicas} needs {need} in all, {span(placements[0])} {noun} "
+                f"per replica on one node; the Ray cluster's nodes hold {sum(fits.values())} replica(s): {fits}"
+            )
 
 
 def spread_nodes(replicas: int, kind: str) -> list[str]:
@@ -91,10 +110,12 @@ class Replicas:
     def __init__(
         self, config: Config, placement: Placement | Sequence[Placement], address: str | None = None,
     ) -> None:
-        """`placement`: every replica's devices on its node, or one Placement per replica
-        (e.g. other cores for each of several simulated nodes on one machine)."""
+        """`placement`: every replica's devices on a node of its own (replicas that share a
+        node get them shifted, disjoint: NodeSlots), or one Placement per replica, taken as
+        given (e.g. other cores for each of several simulated nodes on one machine)."""
         n = config.cluster.replicas
-        placements = [placement] * n if isinstance(placement, Placement) else list(placement)
+        slotted = isinstance(placement, Placement)
+        placements = [placement] * n if slotted else list(placement)
         if len(placements) != n:
             raise ConfigError(f"cluster.replicas (--replicas) is {n} but {len(placements)} placements were given")
         self.placement = placements[0]  # the backend reads the kind and the TP size, the same for every replica
@@ -102,22 +123,42 @@ class Replicas:
         if self._started_ray:
             start_ray(address)
         self.clusters: list[Cluster] = []
+        self._lock = threading.Lock()
+        self._slots = NodeSlots(self.placement)
         try:
-            check_room(placements)
-            for i, node in enumerate(spread_nodes(n, self.placement.kind)):
-                self.clusters.append(Cluster(config, placements[i], node=node, name=f"replica {i}"))
+            check_room(placements, slotted)
+            self.clusters = self._start(config, placements, slotted)
         except BaseException:
             self.shutdown()
             raise
         self.config = self.clusters[0].config  # with the start-up plan's speculation, where one ran
         self.counts = [ReplicaCounts() for _ in self.clusters]
-        self._lock = threading.Lock()
         self._engines: list[ReplicaBatchEngine] = []
+        self._steps: dict[int, Stepping] = {}  # replica -> its step on its way (one at a time per target)
         self._listeners: list[HealthListener] = []
         self._serving = True
         for i, cluster in enumerate(self.clusters):
             cluster.add_health_listener(functools.partial(self._replica_health, i))
         log.info("%d replicas on nodes %s", n, [self.node_of(i) for i in range(n)])
+
+    def _start(self, config: Config, placements: list[Placement], slotted: bool) -> list[Cluster]:
+        """Start the replicas side by side (each mostly waits for its actors' processes);
+        if one fails, the others that started are shut down and the first failure raised."""
+        nodes = spread_nodes(len(placements), self.placement.kind)
+
+        def start(i: int) -> Cluster:
+            place = functools.partial(self._place, i) if slotted else None
+            return Cluster(config, placements[i], node=nodes[i], name=f"replica {i}", place=place)
+
+        with ThreadPoolExecutor(len(placements), thread_name_prefix="ssd-replica-start") as pool:
+            futures = [pool.submit(start, i) for i in range(len(placements))]
+            wait(futures)
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            self.clusters = started  # shut down by the caller
+            raise failed[0]
+        return started
 
     # ------------------------------------------------------------------ health
 
@@ -129,6 +170,12 @@ class Replicas:
     def draft(self) -> Any:
         """Replica 0's speculator (None: no replica has one); the backend asks which modes run."""
         return self.clusters[0].draft
+
+    def _place(self, index: int, node: str) -> Placement:
+        """Replica `index`'s devices on `node`, disjoint from the other replicas there."""
+        have = node_resources(node)
+        with self._lock:
+            return self._slots.take(index, node, have.get("CPU", 0), have.get("GPU", 0))
 
     def node_of(self, index: int) -> str | None:
         """The node replica `index`'s target rank 0 runs on."""
@@ -206,8 +253,41 @@ class Replicas:
         return engine
 
     def forget(self, engine: "ReplicaBatchEngine") -> None:
-        if engine in self._engines:
-            self._engines.remove(engine)
+        with self._lock:
+            if engine in self._engines:
+                self._engines.remove(engine)
+            for index in [i for i, s in self._steps.items() if s.engine is engine]:
+                del self._steps[index]  # its late result is dropped with it
+
+    # ------------------------------------------------------------------ steps
+
+    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> None:
+        """Send `remote`'s step to replica `index` unless a step is on its way there."""
+        with self._lock:
+            if index in self._steps:
+                return
+            self._steps[index] = Stepping(engine, remote.start_step(), time.monotonic())
+
+    def stepping(self, index: int) -> bool:
+        with self._lock:
+            return index in self._steps
+
+    def steps_of(self, engine: "ReplicaBatchEngine") -> dict[int, Stepping]:
+        with self._lock:
+            return {i: s for i, s in self._steps.items() if s.engine is engine}
+
+    def step_done(self, index: int) -> None:
+        with self._lock:
+            self._steps.pop(index, None)
+
+    def any_stepping(self) -> bool:
+        with self._lock:
+            return bool(self._steps)
+
+    def idle_serving(self) -> bool:
+        """Some serving replica has no step on its way (new rows could go there now)."""
+        with self._lock:
+            return any(c.serving and i not in self._steps for i, c in enumerate(self.clusters))
 
     def metrics_collector(self) -> Collector:
         return ReplicaCollector(self)
@@ -234,13 +314,29 @@ class Replicas:
         self.shutdown()
 
 
+@dataclass
+class Stepping:
+    """A replica's step on its way: the batch engine that sent it, the call, when it went."""
+
+    engine: "ReplicaBatchEngine"
+    call: StepCall
+    sent: float
+
+
 class ReplicaBatchEngine(Engine):
-    """One mode's continuous batch on every replica, as one Engine for the serving worker."""
+    """One mode's continuous batch on every replica, as one Engine for the serving worker.
+
+    Each replica steps on its own schedule: a step goes to every replica with
+    rows and none on its way (one step at a time per target, whichever mode
+    sent it), and `step` returns what the steps that came back by then
+    finished. A replica whose step passes cluster.step_deadline_s is lost.
+    """
 
     def __init__(self, replicas: Replicas, mode: str) -> None:
         self.replicas = replicas
         self.mode = mode
         self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False) for c in replicas.clusters]
+        self.deadline_s = replicas.config.cluster.step_deadline_s
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
 
@@ -249,10 +345,13 @@ class ReplicaBatchEngine(Engine):
         return sum(e.rows for e in self.engines) + len(self._moving)
 
     def can_admit(self, request: GenerationRequest) -> bool:
-        """Room on some serving replica (waiting, as one Cluster does, while every one restarts)."""
+        """Room on some serving replica between its steps (waiting, as one Cluster does,
+        while every one restarts)."""
         self.replicas.wait_any_serving(request)
         index = self._find_room(request)
         self._fit = (request, index) if index is not None else None
+        if index is None and not self.rows and self.replicas.any_stepping():
+            return True  # every replica mid-step (another mode's): admit() holds it until one is free
         return index is not None
 
     def admit(self, request: GenerationRequest) -> None:
@@ -262,28 +361,65 @@ class ReplicaBatchEngine(Engine):
             self._moving.append((request, time.monotonic()))  # taken at the next step, by whichever has room
 
     def step(self) -> list[Finished]:
+        """Send a step to each replica free to take one; wait for the first of this engine's to
+        come back (briefly, while some replica could take new rows); collect every one back."""
         finished = self._place_moving()
-        calls = [(i, e.start_step()) for i, e in enumerate(self.engines) if e.rows]  # every replica steps at once
-        for index, call in calls:
-            for row in self.engines[index].finish_step(call):
-                if self._movable(row):
-                    self.replicas.count(index, moved=1)
-                    log.warning("request %s moves off replica %d: %s", row.request.request_id, index, row.error)
-                    self._moving.append((row.request, time.monotonic()))
-                    continue
-                if row.result is not None:
-                    self.replicas.count(index, tokens=len(row.result.token_ids))
-                finished.append(row)
-        if not calls and self._moving:
-            time.sleep(IDLE_WAIT_S)  # no replica can take them yet: don't spin
+        for index, engine in enumerate(self.engines):
+            if engine.rows:
+                self.replicas.send_step(index, self, engine)
+        mine = self.replicas.steps_of(self)
+        if not mine:
+            if self._moving:  # no replica can take them yet: don't spin
+                time.sleep(POLL_S if self.replicas.any_stepping() else IDLE_WAIT_S)
+            return finished
+        for index, ended in self._collect(mine):
+            finished += self._settle(index, ended)
         return finished
 
     def close(self) -> None:
         self.replicas.forget(self)
 
+    def _collect(self, mine: dict[int, Stepping]) -> Iterator[tuple[int, list[Finished]]]:
+        """(replica, its rows that ended) for each of `mine` back by the wait, or past its deadline."""
+        refs = {s.call[0]: i for i, s in mine.items() if not isinstance(s.call, GeneratorUnavailable)}
+        now = time.monotonic()
+        wait = min(s.sent + self.deadline_s for s in mine.values()) - now
+        if self.replicas.idle_serving():
+            wait = min(wait, POLL_S)  # a replica is free for new rows: let the worker admit soon
+        if len(refs) == len(mine) and refs:
+            ray.wait(list(refs), num_returns=1, timeout=max(wait, 0.0))
+        back = set(ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]) if refs else set()
+        now = time.monotonic()
+        for index, stepping in mine.items():
+            engine = self.engines[index]
+            if isinstance(stepping.call, GeneratorUnavailable) or stepping.call[0] in back:
+                self.replicas.step_done(index)
+                yield index, engine.finish_step(stepping.call)
+            elif now - stepping.sent > self.deadline_s:
+                self.replicas.step_done(index)
+                why = f"{engine.cluster.name}: a step ran past cluster.step_deadline_s ({self.deadline_s:g} s)"
+                engine.cluster.target_lost(why)  # the watcher restarts it
+                yield index, engine.drop_rows(why)
+
+    def _settle(self, index: int, ended: list[Finished]) -> list[Finished]:
+        """The rows that left replica `index`: those lost unstreamed move, the rest finish."""
+        finished = []
+        for row in ended:
+            if self._movable(row):
+                self.replicas.count(index, moved=1)
+                log.warning("request %s moves off replica %d: %s", row.request.request_id, index, row.error)
+                self._moving.append((row.request, time.monotonic()))
+                continue
+            if row.result is not None:
+                self.replicas.count(index, tokens=len(row.result.token_ids))
+            finished.append(row)
+        return finished
+
     def _find_room(self, request: GenerationRequest) -> int | None:
-        """The roomiest serving replica whose batch admits `request` now."""
+        """The roomiest serving replica, between its steps, whose batch admits `request` now."""
         for index in self.replicas.by_room():
+            if self.replicas.stepping(index):
+                continue  # its target is mid-step: ask it once the step is back
             try:
                 if self.engines[index].can_admit(request):
                     return index

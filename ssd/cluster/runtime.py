@@ -40,7 +40,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -51,6 +51,7 @@ from ssd.cluster.healing import Healing, HealthListener
 from ssd.cluster.link import DraftLink
 from ssd.cluster.placing import compute_device, prefetch_models, refuse_unworkable, resolve_node, start_ray
 from ssd.cluster.planning import StartupPlan
+from ssd.cluster.standby import Standby, refuse_standby
 from ssd.config import Config
 from ssd.engine.request import GenerationRequest, GenerationResult
 
@@ -59,18 +60,21 @@ __all__ = ["Cluster"]
 log = logging.getLogger(__name__)
 
 
-class Cluster(Actors, DraftLink, StartupPlan, Healing):
+class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
     """One target (its TP ranks) and its speculator, and what keeps them serving.
 
     `node`: the Ray node (hex ID) to pack the group on where it has room (the
-    replicas spread over nodes this way); `name` tells replicas apart in logs.
+    replicas spread over nodes this way); `name` tells replicas apart in logs;
+    `place(node)`: the group's devices on the node Ray packed it on (replicas
+    sharing a node get disjoint ones), else `placement` as given.
     """
 
     def __init__(
         self, config: Config, placement: Placement, address: str | None = None, node: str | None = None,
-        name: str = "cluster",
+        name: str = "cluster", place: Callable[[str], Placement] | None = None,
     ) -> None:
         refuse_unworkable(config, placement)
+        refuse_standby(config, placement)
         self.config = config
         self.placement = placement
         self.name = name
@@ -84,9 +88,11 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
         wanted = config.cluster.draft_node if placement.draft else None
         self.draft_node = resolve_node(wanted) if wanted else None
         self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
+        self._place, self._placed_on = place, None
+        self._standby, self._standby_lock = None, threading.Lock()  # cluster.warm_standby's target
+        self._standby_loading: threading.Thread | None = None
         self._pg = self._reserve(node)
-        self.targets = self._start_targets()
-        self.draft = self._start_draft() if placement.draft else None
+        self._start_actors()
         self.actor_niceness = self._check_priority()
         self._serving = None
         self._draft_pid: int | None = None  # the speculator process last asked to link
@@ -106,6 +112,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
             self.link()
             if probes is not None:
                 self._plan(*probes)
+        self._start_standby()
         self._up.set()
         self._watcher = threading.Thread(target=self._watch, name="ssd-cluster-watcher", daemon=True)
         self._watcher.start()
@@ -140,6 +147,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing):
         self._watching.set()
         if self._watcher is not None:
             self._watcher.join(timeout=60)
+        self._stop_standby()
         self._stop_actors()
         if self._started_ray:
             ray.shutdown()

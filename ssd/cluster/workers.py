@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "ssd")  # the modes the cluster serves
+_WARNED: list[list[int]] = []  # the absent cores already logged in this process
 LOOPBACK = "127.0.0.1"
 
 
@@ -48,6 +50,15 @@ def pin_to_cores(cores: list[int] | None) -> None:
     """
     if not cores:
         return
+    host = os.cpu_count() or 1
+    if any(core >= host for core in cores):
+        absent, cores = [c for c in cores if c >= host], [c for c in cores if c < host]
+        if absent not in _WARNED:
+            _WARNED.append(absent)
+            log.warning("cores %s do not exist on this host (%d cores; simulated nodes share one machine): "
+                        "pinned to %s", absent, host, cores or "no core in particular")
+        if not cores:
+            return
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), cores)
@@ -110,12 +121,13 @@ class TargetWorker:
             self._row_keys: dict[int, str] = {}  # id(request) -> row
             self._cancelled_rows: set[str] = set()
             self._served = False  # a request came: the speculation defaults are fixed from here on
+            self._step_delay_s = 0.0  # fault injection (inject_step_delay): a slow host, for drills and tests
 
     def ready(self) -> int:
         return os.getpid()
 
     def whereabouts(self) -> dict[str, Any]:
-        return whereabouts(self.device) | {"rank": self.rank, "world": self.world}
+        return whereabouts(self.device) | {"rank": self.rank, "world": self.world, "cores": self.cores}
 
     def run_follower(self) -> int:
         """Ranks > 0: mirror rank 0's forwards until it stops them."""
@@ -180,6 +192,8 @@ class TargetWorker:
     def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
         """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
         pin_to_cores(self._step_cores())  # every step: Ray may run this call on a thread not pinned yet
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
         self._cancelled_rows.update(cancelled)
         left = self._engine(mode).step()
         emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
@@ -193,6 +207,11 @@ class TargetWorker:
             error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
             ended.append((key, finished.result, error))
         return emitted, ended
+
+    def inject_step_delay(self, seconds: float) -> None:
+        """Fault injection: every batched step from now on first sleeps `seconds` (a slow or
+        hung host); for drills and tests of ssd.cluster.replicas' step deadline."""
+        self._step_delay_s = seconds
 
     def _step_cores(self) -> list[int] | None:
         """This step's cores: the rank's own, and the draft's too while SSD gives the
@@ -284,7 +303,7 @@ class DraftWorker:
         return os.getpid()
 
     def whereabouts(self) -> dict[str, Any]:
-        return whereabouts(self.device)
+        return whereabouts(self.device) | {"cores": self.cores}
 
     def plan_probe(self, sequences: list[list[int]], starts: list[int]) -> dict[str, Any]:
         """SSD's start-up plan, the draft's half (ssd.saguaro.startup.draft_probe)."""
