@@ -406,6 +406,30 @@ def test_metrics_endpoint_serves_prometheus_text():
         assert "ssd:request_admitted_total 3.0\n" in text and "ssd:batch_size_bucket" in text
 
 
+class PollingBatchEngine(FakeBatchEngine):
+    """Replicas' engine's shape (ssd.cluster.replicas): every other call sends no step, only
+    waits (`sent_steps` []), the others one step of all rows."""
+
+    polls = 0
+
+    def step(self) -> list[Finished]:
+        self.polls += 1
+        if self.polls % 2:
+            self.sent_steps = []
+            return []
+        self.sent_steps = [self.rows]
+        return super().step()
+
+
+def test_batch_size_counts_the_steps_an_engine_sent_not_its_polls():
+    fake = FakeBackend()
+    fake.batch_engine = lambda mode: PollingBatchEngine(mode, fake)
+    with running(lambda: fake, metrics_port=0) as (server, client):
+        assert client.generate(text=PROMPT, mode="ar", seed=1, max_new_tokens=6).finish_reason == "length"
+        m = scrape(server.metrics_port)
+    assert m["ssd:batch_size_count"] == len(fake.log.steps) == 6
+
+
 def test_two_servers_have_their_own_registries_and_metrics_are_off_by_default():
     with running(lambda: FakeBackend(), metrics_port=0) as (first, first_client), \
             running(lambda: FakeBackend(), metrics_port=0) as (second, _):

@@ -261,12 +261,13 @@ class Replicas:
 
     # ------------------------------------------------------------------ steps
 
-    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> None:
-        """Send `remote`'s step to replica `index` unless a step is on its way there."""
+    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> bool:
+        """Send `remote`'s step to replica `index` unless a step is on its way there; whether it was sent."""
         with self._lock:
             if index in self._steps:
-                return
+                return False
             self._steps[index] = Stepping(engine, remote.start_step(), time.monotonic())
+            return True
 
     def stepping(self, index: int) -> bool:
         with self._lock:
@@ -337,6 +338,7 @@ class ReplicaBatchEngine(Engine):
         self.mode = mode
         self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False) for c in replicas.clusters]
         self.deadline_s = replicas.config.cluster.step_deadline_s
+        self.sent_steps: list[int] = []  # rows of each replica step the last `step` sent (for /metrics)
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
 
@@ -364,9 +366,8 @@ class ReplicaBatchEngine(Engine):
         """Send a step to each replica free to take one; wait for the first of this engine's to
         come back (briefly, while some replica could take new rows); collect every one back."""
         finished = self._place_moving()
-        for index, engine in enumerate(self.engines):
-            if engine.rows:
-                self.replicas.send_step(index, self, engine)
+        self.sent_steps = [engine.rows for index, engine in enumerate(self.engines)
+                           if engine.rows and self.replicas.send_step(index, self, engine)]
         mine = self.replicas.steps_of(self)
         if not mine:
             if self._moving:  # no replica can take them yet: don't spin

@@ -287,13 +287,16 @@ class GenerationWorker:
             self._fail_orphans()
             return
         engine = self._engines[mode]
-        self.metrics.stepped(engine.rows)
+        rows = engine.rows
         try:
             finished = engine.step()
         except Exception as exc:
             log.exception("a %s batch step failed; its %d row(s) fail with it", mode, engine.rows)
             self._drop_engine(mode, exc)
             return
+        # Replicas step on their own: a call sends a step to each free replica and may send none.
+        for stepped in getattr(engine, "sent_steps", [rows]):
+            self.metrics.stepped(stepped)
         for row in finished:
             self._finish_row(row)
 
