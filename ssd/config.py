@@ -244,6 +244,27 @@ class FanoutConfig:
 
 
 @dataclass
+class DraftVocabConfig:
+    """The draft's LM head over the `size` most frequent tokens (FR-Spec; ssd.models.vocab).
+
+    q is zero outside the subset and verification uses that q, so the output
+    law is unchanged; the draft's step reads size / V of its head. size 0
+    (or >= the vocabulary): the full head. source: a token ranking file
+    written by `python launch/vocab_rank.py` (configs/vocab/*.json).
+    Torch drafts only (llama.cpp computes the full head).
+    """
+
+    size: int = 0
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ConfigError(f"speculation.draft_vocab.size must be an integer >= 0, got {self.size!r}")
+        if self.size and not self.source:
+            raise ConfigError("speculation.draft_vocab.source must name a token ranking file when size > 0")
+
+
+@dataclass
 class SpeculationConfig:
     mode: str = "sd"
     k: int = 4  # drafted tokens per round
@@ -267,6 +288,8 @@ class SpeculationConfig:
     # batch size its rows leave the draft and run plain target steps, and come
     # back (prefilled on the draft again) when the batch shrinks.
     k_policy: dict[int, int] = field(default_factory=dict)
+    # The draft's LM head over a frequency-ranked vocabulary subset (FR-Spec); size 0: full.
+    draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
