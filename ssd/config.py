@@ -288,6 +288,12 @@ class SpeculationConfig:
     # batch size its rows leave the draft and run plain target steps, and come
     # back (prefilled on the draft again) when the batch shrinks.
     k_policy: dict[int, int] = field(default_factory=dict)
+    # SSD: K follows the measured round (ssd.saguaro.adaptive_k): the target picks
+    # each round's K in 1..max_k from its rounds' times and acceptance, starting
+    # at k (the config's or the start-up plan's), and tells the draft in each
+    # rounds message. Off: every round drafts k.
+    adaptive_k: bool = False
+    max_k: int = 8
     # The draft's LM head over a frequency-ranked vocabulary subset (FR-Spec); size 0: full.
     draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
 
@@ -296,6 +302,8 @@ class SpeculationConfig:
             raise ConfigError(f"speculation.mode must be one of {MODES}, got {self.mode!r}")
         if not 1 <= self.k <= 64:
             raise ConfigError(f"speculation.k must be in 1..64, got {self.k}")
+        if not 1 <= self.max_k <= 64:
+            raise ConfigError(f"speculation.max_k must be in 1..64, got {self.max_k}")
         if not 0 <= self.saguaro_c <= 1:
             raise ConfigError(f"speculation.saguaro_c must be in [0, 1], got {self.saguaro_c}")
         for name in [self.backup, *self.backup_policy.values()]:
@@ -318,6 +326,11 @@ class SpeculationConfig:
         """The draft length at this batch size: the rule with the largest threshold <= it."""
         rules = [n for n in self.k_policy if n <= batch_size]
         return self.k_policy[max(rules)] if rules else self.k
+
+    @property
+    def k_ceiling(self) -> int:
+        """The longest speculation a round may draft: max_k under adaptive_k (never below k), else k."""
+        return max(self.k, self.max_k) if self.adaptive_k else self.k
 
     def backup_for(self, batch_size: int) -> str:
         """The backup for this batch size: the rule with the largest threshold <= it."""

@@ -1,0 +1,150 @@
+"""Token frequencies on text the project ships, for the draft's vocabulary subset (FR-Spec).
+
+    python launch/vocab_rank.py                      # the draft's tokenizer over DEFAULT_SOURCES
+    python launch/vocab_rank.py --sources 'docs/*.md' --out ranking.json
+    python launch/vocab_rank.py --sweep --backend torch --target-precision int8 --draft-precision int8
+
+--sweep: acceptance against the subset's size on the shipped prompt sets
+(configs/prompts code and chat): the target's greedy continuation of each
+prompt (--max-new-tokens), then, teacher-forced on it, the draft's top-1
+agreement with the target (greedy acceptance) and sum min(p, q) at T = 0.7
+(sampled acceptance, Leviathan et al. 2023) with q restricted to each size's
+subset (restricted logits are the full head's rows: ssd.models.vocab).
+
+Counts the tokens of every file the source globs match (relative to the
+repository root) with the draft's tokenizer, one file at a time under a
+progress bar, and writes the ids most frequent first
+(ssd.models.vocab.write_ranking). The prompt sets (configs/prompts) are left
+out by default: the subset's size is chosen by acceptance on them
+(`launch/vocab_rank.py --sweep`), so they stay out of the ranking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ssd.app.cli import ROOT, add_config_args, config_from_args
+from ssd.models import load_tokenizer
+from ssd.models.kv import KVSequence
+from ssd.models.vocab import model_eos_ids, read_ranking, subset_ids, write_ranking
+
+log = logging.getLogger("vocab_rank")
+
+# The project's own code and prose: Python in the package, tests and launch
+# scripts; the docs and README. Code and English, the two kinds of text the
+# shipped prompt sets ask for.
+DEFAULT_SOURCES = ("ssd/**/*.py", "launch/*.py", "tests/*.py", "docs/**/*.md", "README.md")
+DEFAULT_OUT = ROOT / "configs" / "vocab" / "qwen2.5-coder.json"
+KEEP = 32768  # ids written: more than any subset the sweep considers
+
+
+def source_files(patterns: Sequence[str], root: Path = ROOT) -> list[Path]:
+    files = sorted({p for pattern in patterns for p in root.glob(pattern) if p.is_file()})
+    if not files:
+        raise SystemExit(f"no file matches {list(patterns)} under {root}")
+    return files
+
+
+def count_tokens(tokenizer: Any, files: Iterable[Path]) -> Counter:
+    """Token counts over the files' text, one progress-bar step per file."""
+    counts: Counter = Counter()
+    files = list(files)
+    for path in tqdm(files, desc="counting tokens", unit="file"):
+        counts.update(tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False))
+    return counts
+
+
+def ranking_of(counts: Counter, keep: int = KEEP) -> list[int]:
+    """Ids most frequent first (ties: lower id first), at most `keep`."""
+    return [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:keep]]
+
+
+SWEEP_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_TEMPERATURE = 0.7
+
+
+def continuations(target: Any, prompts: Sequence[list[int]], n: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's greedy continuation by the target: (ids, the target's logits before each) [n, V]."""
+    out = []
+    for prompt in tqdm(prompts, desc="target continuations", unit="prompt"):
+        seq = KVSequence(target)
+        row = seq.forward(prompt, last_only=True)[-1]
+        ids, rows = [], []
+        for _ in range(n):
+            rows.append(row.float())
+            ids.append(int(row.argmax()))
+            row = seq.forward([ids[-1]])[-1]
+        out.append((ids, torch.stack(rows)))
+    return out
+
+
+def acceptance_by_size(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, subsets: dict[str, list[int] | None],
+) -> dict[str, tuple[float, float]]:
+    """{size: (greedy agreement, mean sum min(p, q) at SWEEP_TEMPERATURE)} over the rows."""
+    p = torch.softmax(target_logits.double() / SWEEP_TEMPERATURE, dim=-1)
+    result = {}
+    for name, ids in subsets.items():
+        logits = draft_logits.double()
+        if ids is not None:
+            masked = torch.full_like(logits, float("-inf"))
+            masked[:, ids] = logits[:, ids]
+            logits = masked
+        greedy = float((logits.argmax(dim=-1) == tokens).double().mean())
+        q = torch.softmax(logits / SWEEP_TEMPERATURE, dim=-1)
+        result[name] = (greedy, float(torch.minimum(p, q).sum(dim=-1).mean()))
+    return result
+
+
+def sweep(config: Any, ranking: list[int], n_tokens: int) -> dict[str, tuple[float, float]]:
+    from ssd.factory import load_pair
+    from ssd.tools.prompts import load_prompt_set
+
+    pair = load_pair(config)
+    prompts = [p.encode(pair.tokenizer) for name in ("code", "chat")
+               for p in load_prompt_set(ROOT / "configs" / "prompts" / f"{name}.yaml")]
+    vocab = pair.draft.config.vocab_size
+    subsets: dict[str, list[int] | None] = {
+        str(n): subset_ids(ranking, n, vocab, model_eos_ids(pair.draft)) for n in SWEEP_SIZES if n < vocab
+    }
+    subsets["full"] = None
+    drafts, targets, tokens = [], [], []
+    for prompt, (ids, rows) in zip(prompts, continuations(pair.target, prompts, n_tokens)):
+        logits = KVSequence(pair.draft).forward(prompt + ids[:-1])[len(prompt) - 1 :]
+        drafts.append(logits.float())
+        targets.append(rows)
+        tokens.append(torch.tensor(ids))
+    return acceptance_by_size(torch.cat(drafts), torch.cat(targets), torch.cat(tokens), subsets)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="globs under the repository root")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the ranking file to write (read by --sweep)")
+    parser.add_argument("--sweep", action="store_true", help="acceptance against the subset size on the prompt sets")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = config_from_args(args)
+    if args.sweep:
+        rows = sweep(config, read_ranking(args.out), config.generation.max_new_tokens)
+        print(f"{'size':>6}  greedy agreement  sum min(p,q) T={SWEEP_TEMPERATURE}")
+        for name, (greedy, sampled) in rows.items():
+            print(f"{name:>6}  {greedy:16.3f}  {sampled:18.3f}")
+        return
+    tokenizer = load_tokenizer(config.draft)
+    files = source_files(args.sources)
+    counts = count_tokens(tokenizer, files)
+    ranking = ranking_of(counts)
+    write_ranking(args.out, ranking, tokenizer=config.draft.name, vocab=len(tokenizer),
+                  counted=sum(counts.values()), distinct=len(counts), sources=list(args.sources))
+    top = sum(counts[t] for t in ranking[:4096]) / max(1, sum(counts.values()))
+    log.info("%d tokens, %d distinct, from %d files; the top 4096 cover %.1f%%; wrote %s",
+             sum(counts.values()), len(counts), len(files), 100 * top, args.out)
