@@ -250,12 +250,13 @@ class DraftVocabConfig:
     q is zero outside the subset and verification uses that q, so the output
     law is unchanged; the draft's step reads size / V of its head. size 0
     (or >= the vocabulary): the full head. source: a token ranking file
-    written by `python launch/vocab_rank.py` (configs/vocab/*.json).
-    Torch drafts only (llama.cpp computes the full head).
+    written by `python launch/vocab_rank.py` (relative paths: from the
+    repository root if absent here); the shipped one ranks Qwen2.5's tokens.
+    Torch drafts only (llama.cpp computes the full head; it is ignored there).
     """
 
     size: int = 0
-    source: str | None = None
+    source: str = "configs/vocab/qwen2.5-coder.json"
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:

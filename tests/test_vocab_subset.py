@@ -85,6 +85,7 @@ def test_ranking_file_round_trip_and_errors(tmp_path):
     path = tmp_path / "rank.json"
     write_ranking(path, [4, 2], tokenizer="tiny")
     assert read_ranking(path) == [4, 2]
+    assert len(read_ranking("configs/vocab/qwen2.5-coder.json")) > 4096  # the shipped ranking, from any directory
     (tmp_path / "bad.json").write_text(json.dumps({"ids": [1]}))
     with pytest.raises(ConfigError, match="ranking"):
         read_ranking(tmp_path / "bad.json")
@@ -92,13 +93,14 @@ def test_ranking_file_round_trip_and_errors(tmp_path):
         read_ranking(tmp_path / "missing.json")
 
 
-def test_config_refuses_a_size_without_a_source_and_a_llamacpp_draft(tmp_path):
+def test_config_refuses_a_size_without_a_source_and_a_llamacpp_draft_keeps_its_head(tmp_path, caplog):
     with pytest.raises(ConfigError, match="draft_vocab.source"):
-        DraftVocabConfig(size=10)
+        DraftVocabConfig(size=10, source="")
     with pytest.raises(ConfigError, match="draft_vocab.size"):
         DraftVocabConfig(size=-1)
-    with pytest.raises(ConfigError, match="torch draft"):
-        apply_draft_vocab(object(), DraftVocabConfig(size=10, source="x.json"))
+    not_torch = object()
+    assert apply_draft_vocab(not_torch, DraftVocabConfig(size=10, source="x.json")) is not_torch
+    assert "ignored on a llama.cpp draft" in caplog.text
     path = tmp_path / "rank.json"
     write_ranking(path, [14, 12, 10, 8, 7, 5])
     model = apply_draft_vocab(build_tiny_model(TINY), DraftVocabConfig(size=10, source=str(path)), [15])

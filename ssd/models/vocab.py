@@ -122,9 +122,21 @@ def write_ranking(path: Path, ranking: Sequence[int], **meta: Any) -> None:
     path.write_text(json.dumps({**meta, "ranking": list(map(int, ranking))}) + "\n")
 
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def ranking_path(path: Path | str) -> Path:
+    """`path` as given, or under the repository root when relative and absent
+    here (configs/vocab/... from any working directory)."""
+    given = Path(path).expanduser()
+    if given.is_absolute() or given.exists():
+        return given
+    return REPOSITORY / given
+
+
 def read_ranking(path: Path | str) -> list[int]:
     try:
-        data = json.loads(Path(path).expanduser().read_text())
+        data = json.loads(ranking_path(path).read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"speculation.draft_vocab.source: cannot read a token ranking from {path}: {error}") from error
     ranking = data.get("ranking") if isinstance(data, dict) else None
@@ -151,11 +163,10 @@ def apply_draft_vocab(model: Any, cfg: DraftVocabConfig, eos_ids: Sequence[int] 
     """The draft `model` with its head restricted as `cfg` says (size 0: as it is)."""
     if not cfg.size:
         return model
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            "speculation.draft_vocab needs a torch draft: llama.cpp computes the full output "
-            "head inside llama_decode (set speculation.draft_vocab.size to 0 or draft.backend to torch)"
-        )
+    if not isinstance(model, nn.Module):  # a config may name both backends (backend: auto)
+        log.warning("speculation.draft_vocab is ignored on a llama.cpp draft: llama.cpp computes the full "
+                    "output head inside llama_decode (draft.backend: torch uses the subset)")
+        return model
     vocab = model.config.vocab_size
     if cfg.size >= vocab:
         return model

@@ -3,6 +3,7 @@
     python launch/vocab_rank.py                      # the draft's tokenizer over DEFAULT_SOURCES
     python launch/vocab_rank.py --sources 'docs/*.md' --out ranking.json
     python launch/vocab_rank.py --sweep --backend torch --target-precision int8 --draft-precision int8
+    python launch/vocab_rank.py --step 8192 16384 32768 --backend torch --draft-precision int8 --threads 1
 
 --sweep: acceptance against the subset's size on the shipped prompt sets
 (configs/prompts code and chat): the target's greedy continuation of each
@@ -10,6 +11,11 @@ prompt (--max-new-tokens), then, teacher-forced on it, the draft's top-1
 agreement with the target (greedy acceptance) and sum min(p, q) at T = 0.7
 (sampled acceptance, Leviathan et al. 2023) with q restricted to each size's
 subset (restricted logits are the full head's rows: ssd.models.vocab).
+
+--step: the draft's one-token decode step with the full head and with each
+subset size, against its weights-read floor: the bytes of weights a step
+reads (every Linear's, the norms', one embedding row) over one thread's
+read bandwidth (the max of a 512 MB int8 buffer).
 
 Counts the tokens of every file the source globs match (relative to the
 repository root) with the draft's tokenizer, one file at a time under a
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -33,7 +41,7 @@ from tqdm import tqdm
 from ssd.app.cli import ROOT, add_config_args, config_from_args
 from ssd.models import load_tokenizer
 from ssd.models.kv import KVSequence
-from ssd.models.vocab import model_eos_ids, read_ranking, subset_ids, write_ranking
+from ssd.models.vocab import SubsetHead, model_eos_ids, read_ranking, subset_ids, write_ranking
 
 log = logging.getLogger("vocab_rank")
 
@@ -124,15 +132,94 @@ def sweep(config: Any, ranking: list[int], n_tokens: int) -> dict[str, tuple[flo
     return acceptance_by_size(torch.cat(drafts), torch.cat(targets), torch.cat(tokens), subsets)
 
 
+STEP_CONTEXT = 200  # cached tokens before the timed steps
+STEP_REPEATS = 40  # timed steps per variant
+STEP_ROUNDS = 8
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every Linear's (int8 or float),
+    the norms'; the embedding table contributes one row."""
+    from ssd.models.quant import FusedInt8Linear, Int8Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.out_features * module.in_features
+        elif isinstance(module, FusedInt8Linear):
+            continue  # its parts are Int8Linear modules, counted above
+        elif isinstance(module, torch.nn.Embedding):
+            total += module.weight.shape[1] * module.weight.element_size()
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second one thread reads (the max of an int8 buffer, best of `repeats`)."""
+    buffer = torch.ones(megabytes << 20, dtype=torch.int8)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.max()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() / best
+
+
+def step_table(config: Any, ranking: list[int], sizes: Sequence[int]) -> list[tuple[str, float, int]]:
+    """(head, median step seconds, weight bytes read) for the full head and each subset size.
+
+    One model, its head swapped between the variants; the variants' steps
+    interleave (STEP_ROUNDS rounds of a few steps each), so a load that
+    moves during the run moves every variant alike.
+    """
+    from ssd.models import load_model
+
+    model = load_model(config.draft)
+    vocab, full = model.config.vocab_size, model.lm_head
+    heads = {"full": full}
+    for size in sizes:
+        heads[str(size)] = SubsetHead(full, subset_ids(ranking, size, vocab, model_eos_ids(model)), vocab)
+    seq = KVSequence(model)
+    seq.forward(list(range(1000, 1000 + STEP_CONTEXT)), last_only=True)
+    times: dict[str, list[float]] = {name: [] for name in heads}
+    for round_index in range(STEP_ROUNDS):
+        for name, head in heads.items():
+            model.lm_head = head
+            for i in range(STEP_REPEATS // STEP_ROUNDS):
+                started = time.perf_counter()
+                seq.forward([2000 + i])
+                times[name].append(time.perf_counter() - started)
+                seq.rollback(STEP_CONTEXT)
+    rows = []
+    for name, head in heads.items():
+        model.lm_head = head
+        rows.append((name, statistics.median(times[name]), weight_bytes(model)))
+    model.lm_head = full
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="globs under the repository root")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the ranking file to write (read by --sweep)")
     parser.add_argument("--sweep", action="store_true", help="acceptance against the subset size on the prompt sets")
+    parser.add_argument("--step", type=int, nargs="*", metavar="SIZE",
+                        help="time the draft's decode step with the full head and these subset sizes, against "
+                             "its weights-read floor (bytes read / one thread's read bandwidth)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = config_from_args(args)
+    if args.step is not None:
+        bandwidth = read_bandwidth()
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (one thread); step after {STEP_CONTEXT} tokens, "
+              f"median of {STEP_REPEATS}")
+        print(f"{'head':>6}  {'step ms':>8}  {'weights MB':>10}  {'floor ms':>8}  {'x floor':>7}")
+        for name, seconds, nbytes in step_table(config, read_ranking(args.out), args.step):
+            floor = nbytes / bandwidth
+            print(f"{name:>6}  {1e3 * seconds:8.1f}  {nbytes / 1e6:10.0f}  {1e3 * floor:8.1f}  {seconds / floor:7.2f}")
+        return
     if args.sweep:
         rows = sweep(config, read_ranking(args.out), config.generation.max_new_tokens)
         print(f"{'size':>6}  greedy agreement  sum min(p,q) T={SWEEP_TEMPERATURE}")
