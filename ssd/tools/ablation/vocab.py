@@ -14,8 +14,9 @@ subset (restricted logits are the full head's rows: ssd.models.vocab).
 
 --step: the draft's one-token decode step with the full head and with each
 subset size, against its weights-read floor: the bytes of weights a step
-reads (every Linear's, the norms', one embedding row) over one thread's
-read bandwidth (the max of a 512 MB int8 buffer).
+reads (every Linear's, the norms', one embedding row) over the read
+bandwidth of the same threads (--threads, default 1: the max of a 512 MB
+int8 buffer).
 
 Counts the tokens of every file the source globs match (relative to the
 repository root) with the draft's tokenizer, one file at a time under a
@@ -133,7 +134,7 @@ def sweep(config: Any, ranking: list[int], n_tokens: int) -> dict[str, tuple[flo
 
 
 STEP_CONTEXT = 200  # cached tokens before the timed steps
-STEP_REPEATS = 40  # timed steps per variant
+STEP_REPEATS = 80  # timed steps per variant
 STEP_ROUNDS = 8
 
 
@@ -156,7 +157,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second one thread reads (the max of an int8 buffer, best of `repeats`)."""
+    """Bytes per second torch's threads read (the max of an int8 buffer, best of `repeats`)."""
     buffer = torch.ones(megabytes << 20, dtype=torch.int8)
     best = float("inf")
     for _ in range(repeats):
@@ -212,8 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = config_from_args(args)
     if args.step is not None:
+        torch.set_num_threads(config.runtime.threads or 1)  # the bandwidth and the steps on the same threads
         bandwidth = read_bandwidth()
-        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (one thread); step after {STEP_CONTEXT} tokens, "
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads); step after {STEP_CONTEXT} tokens, "
               f"median of {STEP_REPEATS}")
         print(f"{'head':>6}  {'step ms':>8}  {'weights MB':>10}  {'floor ms':>8}  {'x floor':>7}")
         for name, seconds, nbytes in step_table(config, read_ranking(args.out), args.step):
