@@ -7,7 +7,9 @@ room. Exactness with K forced to vary: a stub controller cycling K through
 1..4 round by round (every row, every round: the draft's cache keyed by
 (k, t*) then holds speculations of another length than the one verified
 before), greedy SSD == AR on the 16-token tiny pair, and the chi-square of
-test_ssd_distribution (tokens 5-7 of 8, T = 1) on the 4-token pair. Power,
+test_ssd_distribution (tokens 5-7 of 8, T = 0.6) on the 4-token pair, with
+the draft's vocabulary subset, anytime builds and free n-gram entries on
+too (the one sampled test of them all together). Power,
 same seeds: a K chosen after seeing the target's p (the drafts its argmax
 agrees with, then a draw from p: `k_from_the_targets_choices`) must fail.
 """
@@ -31,6 +33,7 @@ from ssd.saguaro.speculator import _draft_k
 from ssd.saguaro.target import SSDEngine
 from ssd.verify import Outcome, verify
 from tests import test_ssd_distribution as ssd_dist
+from tests.test_vocab_subset import small_subset_pair
 from tests.stats import ALPHA
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -155,7 +158,7 @@ def k_from_the_targets_choices(drafted, q, p, gen, greedy=False):
     return Outcome(k, sample(p[k], gen))
 
 
-def cycling_draws(pair, samples: int, verifier=verify) -> ssd_dist.Draws:
+def cycling_draws(pair, samples: int, verifier=verify, **spec) -> ssd_dist.Draws:
     class Engine(SSDEngine):
         @classmethod
         def in_process(cls, *args, **kwargs):
@@ -168,16 +171,19 @@ def cycling_draws(pair, samples: int, verifier=verify) -> ssd_dist.Draws:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ssd_dist, "SSDEngine", Engine)
         patch.setattr(ssd_dist, "ALONE", 0)
-        draws = ssd_dist.draw(pair, varying(ssd_dist.spec()), T06, ssd_dist.LATE, samples)
+        draws = ssd_dist.draw(pair, varying(ssd_dist.spec(**spec)), T06, ssd_dist.LATE, samples)
     # round 1 (no cache) ends by token 5 when it drafts 4: most tested tokens still come from hit rounds
     assert draws.lookups > 0 and draws.hits > 0.5 * draws.lookups and draws.tested_from_round_1 < 0.1 * 3 * samples
     return draws
 
 
-def test_sampled_ssd_with_k_moving_matches_the_target(small_pair, cycling_k):
-    draws = cycling_draws(small_pair, ssd_dist.STRONG_SAMPLES)
-    assert set(draws.slots) >= {0, 1, 2, 3, 4}  # tested tokens from rounds of every K
-    p = ssd_dist.pvalue(small_pair, draws, T06, ssd_dist.LATE, ("K cycling 1..4", "t0.6", "exact"))
+def test_sampled_ssd_with_k_moving_a_vocabulary_subset_and_anytime_ngram_builds_matches_the_target(cycling_k):
+    """Everything at once: K cycling, the draft's head over {0, 2, 3}
+    (test_vocab_subset), anytime builds and free n-gram entries."""
+    pair = small_subset_pair()
+    draws = cycling_draws(pair, ssd_dist.STRONG_SAMPLES, anytime=True, ngram_candidates=True)
+    assert set(draws.slots) >= {0, 1, 2}  # deeper slots too, as far as the timing-dependent cuts leave them
+    p = ssd_dist.pvalue(pair, draws, T06, ssd_dist.LATE, ("K cycling 1..4, subset, anytime, n-gram", "t0.6", "exact"))
     assert p > ALPHA
 
 
