@@ -206,3 +206,21 @@ def test_the_ssd_subset_test_rejects_full_q_shipped_for_subset_draws(monkeypatch
     cache_draws_subset_ships_full_q(monkeypatch)
     p = ssd_pvalue(sd_dist.small_models(), "cache: subset draws, full q shipped", ssd_dist.STRONG_SAMPLES)
     assert p < ALPHA
+
+
+def test_the_ranking_command_counts_tokens_most_frequent_first(tmp_path):
+    from collections import Counter
+
+    from ssd.tools.ablation.vocab import count_tokens, ranking_of, source_files
+
+    class Chars:  # one token per character: its code point
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    (tmp_path / "a.py").write_text("aab")
+    (tmp_path / "b.md").write_text("bbc")
+    files = source_files(["*.py", "*.md"], root=tmp_path)
+    counts = count_tokens(Chars(), files)
+    assert counts == Counter({ord("b"): 3, ord("a"): 2, ord("c"): 1})
+    assert ranking_of(counts) == [ord("b"), ord("a"), ord("c")]
+    assert ranking_of(Counter({5: 1, 3: 1}), keep=1) == [3]  # ties: the lower id first

@@ -200,7 +200,7 @@ def step_table(config: Any, ranking: list[int], sizes: Sequence[int]) -> list[tu
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="globs under the repository root")
@@ -209,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--step", type=int, nargs="*", metavar="SIZE",
                         help="time the draft's decode step with the full head and these subset sizes, against "
                              "its weights-read floor (bytes read / one thread's read bandwidth)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = config_from_args(args)
