@@ -9,7 +9,9 @@ this repository has to reach the machine. Checks: fp32 greedy AR = SD = SSD
 with SSD's draft side in a second process over the host link (gloo on
 127.0.0.1), on the real pair and on a pair whose draft is a noisy copy of
 its target; tree-masked branch decoding = sequential decoding under each
-SDPA backend the device runs. Timings: target step, verify(K) for K + 1
+SDPA backend the device runs; CUDA graph replays = the lean forward, on the
+device and on another index when the machine has several GPUs; SD at T = 1
+in batched rows samples the target's exact law (chi-square, 4-token vocabulary). Timings: target step, verify(K) for K + 1
 tokens, backup, build, one draft tree step per budget, link round trips.
 
 Writes OUT/costs.json ("ssd-ablation-costs/1": `launch/ablate.py plan
@@ -33,6 +35,7 @@ import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 import torch  # noqa: E402
 
 from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS  # noqa: E402
+from ssd.tools.bench.sampling_check import SAMPLES  # noqa: E402
 from ssd.tools.bench.smoke import SmokeSettings, run_smoke, summary_text  # noqa: E402
 
 # Per --shapes: enough tokens to cross many rounds, little enough to stay in minutes.
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--branch-dtypes", nargs="+", choices=["fp32", "bf16"],
                         help="dtypes of the branch check (default: fp32, plus bf16 on a GPU)")
     parser.add_argument("--link-rounds", type=int, help="round trips per message in the link timing")
+    parser.add_argument("--sampling-samples", type=int, default=SAMPLES,
+                        help="seeded SD requests in the T > 0 distribution check")
     parser.add_argument("--trace", type=Path, help="a recorded trace of the real pair: also plan from it")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: 1 on a CPU)")
     parser.add_argument("--noise", type=float, default=0.03, help="the noisy pair's relative weight noise")
@@ -82,7 +87,8 @@ def settings_from_args(args: argparse.Namespace) -> SmokeSettings:
         device=args.device, shapes=shapes, out=args.out, k=args.k, budget=args.budget, ks=tuple(args.ks),
         budgets=tuple(args.budgets), repeats=args.repeats, prefix=args.prefix, timing_dtype=args.timing_dtype,
         branch_dtypes=tuple(args.branch_dtypes) if args.branch_dtypes else None, trace=args.trace,
-        threads=args.threads, noise=args.noise, seed=args.seed, timeout_s=args.timeout_s, **sized,
+        threads=args.threads, noise=args.noise, seed=args.seed, timeout_s=args.timeout_s,
+        sampling_samples=args.sampling_samples, **sized,
     )
 
 

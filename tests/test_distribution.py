@@ -48,6 +48,7 @@ from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.sampling import sample
 from ssd.verify import Outcome, residual, verify
 from ssd.engine.request import GenerationRequest
+from ssd.tools.bench.sampling_check import run_rows
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 
@@ -118,18 +119,6 @@ def draw(pair, sampling: SamplingConfig, verifier=verify, samples: int = SAMPLES
         draws.samples.append(tuple(out.token_ids[i] for i in POSITIONS))
         draws.first_round_accepted[len(seed_rounds[1]) - 1] += 1
     return draws
-
-
-def run_rows(engine, requests: list[GenerationRequest]) -> list:
-    """Every request's result, the requests admitted in order as rows free up."""
-    results, queue = {}, list(reversed(requests))
-    while queue or engine.rows:
-        while queue and engine.can_admit(queue[-1]):
-            engine.admit(queue.pop())
-        for finished in engine.step():
-            assert finished.error is None, finished.error
-            results[id(finished.request)] = finished.result
-    return [results[id(r)] for r in requests]
 
 
 def sd_samples(pair, sampling: SamplingConfig, verifier=verify) -> list[tuple[int, ...]]:

@@ -28,7 +28,8 @@ from tests.conftest import ROOT
 
 KS, BUDGETS = (1, 2), (4, 8)
 # Small and quick: two K, two budgets, one timed repeat, short sequences.
-SMALL = {"max_new_tokens": 16, "prompts": 2, "prompt_len": 12, "repeats": 1, "prefix": 32, "link_rounds": 10}
+SMALL = {"max_new_tokens": 16, "prompts": 2, "prompt_len": 12, "repeats": 1, "prefix": 32, "link_rounds": 10,
+         "sampling_samples": 200}
 CLI_ARGS = ["--device", "cpu", "--shapes", "small", "--ks", *map(str, KS), "--budgets", *map(str, BUDGETS),
             *[arg for name, value in SMALL.items() for arg in (f"--{name.replace('_', '-')}", str(value))]]
 # Any `import ray` (here or in the spawned draft process) raises ImportError.
@@ -77,6 +78,8 @@ def test_smoke_in_process(cli_run, tmp_path):
     branches = report.checks["branches"]
     assert {"fp32/math", "fp32/flash"} <= set(branches["ran"])  # the CPU's two SDPA backends
     assert all(branches["results"][key]["token_mismatches"] == 0 for key in branches["ran"])
+    assert list(report.checks["graphs"]["devices"]) == ["cpu"]  # another index only on a multi-GPU machine
+    assert report.checks["sampling"]["samples"] == 200
     costs = load_costs(tmp_path / "costs.json")
     assert set(costs.verify_s) == set(KS) and set(costs.backup_s) == set(KS)
     assert set(costs.build_s) == {(k, b) for k in KS for b in BUDGETS}
@@ -125,6 +128,19 @@ def test_random_models_rebuild_identically_and_noise_changes_them():
     target, draft = model_specs(SmokeSettings())["noisy pair"]
     assert fingerprint(build_random_model(draft)) == fingerprint(build_random_model(draft))
     assert fingerprint(build_random_model(target)) != fingerprint(build_random_model(draft))
+
+
+def test_sampling_check_catches_a_broken_verifier():
+    """The T > 0 check has power: a verifier that accepts every draft fails it."""
+    from ssd.sampling import sample
+    from ssd.tools.bench.sampling_check import check_sampling
+    from ssd.verify import Outcome
+
+    def accept_all(drafted, q, p, gen, greedy=False):
+        return Outcome(len(drafted), sample(p[-1], gen))
+
+    result = check_sampling("cpu", samples=200, verifier=accept_all)
+    assert not result["passed"] and result["pvalue"] < 1e-6
 
 
 def test_branch_check_catches_a_wrong_prefix():

@@ -21,7 +21,7 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
 from ssd.config import (  # noqa: E402
-    FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig,
+    BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig, TinyModelConfig,
 )
 from ssd.engine import AREngine, SDEngine  # noqa: E402
 from ssd.engine.request import GenerationRequest  # noqa: E402
@@ -211,15 +211,15 @@ def _request(prompt, sampling=GREEDY, k=None):
     return GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=N), speculation)
 
 
-def _run_batch(engine, requests):
-    """Admit every request, step until all left; token ids per request."""
+def _run_batch(engine, requests, what=lambda result: result.token_ids):
+    """Admit every request, step until all left; token ids (or `what` of the result) per request."""
     for r in requests:
         engine.admit(r)
     out = {}
     while engine.rows:
         for finished in engine.step():
             assert finished.error is None, finished.error
-            out[id(finished.request)] = finished.result.token_ids
+            out[id(finished.request)] = what(finished.result)
     return [out[id(r)] for r in requests]
 
 
@@ -485,3 +485,78 @@ def test_coupled_rows_equal_coupled_ar(pair, draft_pair, mode):
     finally:
         engine.close()
     assert got == [AREngine(lm, TOKENIZER).generate(_request(p, s)).token_ids for p, s in zip(PROMPTS, samplings)]
+
+
+# --- prompt chunks: whole ubatches, at fixed positions -----------------------------------------
+# A K-quant model wide enough for llama.cpp's K-quant kernels (hidden 256) behaves as the real
+# q4_k_m pair does: ubatches of more than a few tokens take another matmul kernel, so a prompt's
+# keys and values depend on how its chunks fell. Prompt chunks run as whole ubatches (fast), in
+# calls of their own, from fixed positions; everything else in the invariant ubatches.
+K_QUANT = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512)
+LONG = [(5 * i + 3) % CFG.vocab_size for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def k_quant_pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquant")
+    target = _quantized(export_gguf(_model(K_QUANT), path / "t.gguf"), path / "tq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+    draft = _quantized(export_gguf(_model(dataclasses.replace(K_QUANT, noise=0.03)), path / "d.gguf"),
+                       path / "dq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+    return target, draft
+
+
+def _next_logits(model, feeds, packed_with=None):
+    """Logits after `feeds` (last_only forwards, in turn) and one more token, on a fresh two-slot context;
+    `packed_with`: ids another sequence feeds in the first forward."""
+    context = LlamaCppContext(model, n_seq=2)
+    row, other = LlamaCppSequence(context), LlamaCppSequence(context)
+    for i, ids in enumerate(feeds):
+        if i == 0 and packed_with:
+            forward_rows([row, other], [ids, packed_with], [True, False])
+        else:
+            row.forward(ids, last_only=True)
+    return row.forward([7, 8])[-1]
+
+
+def test_a_prompt_chunk_is_one_call_of_its_own_whatever_else_runs(k_quant_pair):
+    target, _ = k_quant_pair
+    assert target.invariant_options()["n_ubatch"] < 16  # the kernels change within a chunk's length
+    whole = _next_logits(target, [LONG])
+    assert torch.equal(whole, _next_logits(target, [LONG], packed_with=[1, 2, 3, 4, 5]))
+    # The premise: the same tokens in short chunks (the invariant ubatches) give other keys and values.
+    assert not torch.equal(whole, _next_logits(target, [LONG[i : i + 4] for i in range(0, 40, 4)]))
+
+
+def _tokens_and_logprobs(result):
+    return result.token_ids, [t.logprob for t in result.logprobs]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_long_prompts_in_a_tight_batch_equal_each_alone(k_quant_pair, mode):
+    """Prompts of 40 tokens in chunks of 16 beside other rows, a budget that makes chunks wait:
+    every row's tokens and logprobs equal AR's alone, bit for bit. Power: cutting chunks to fit
+    the budget (what the engine did before chunks started at fixed positions) fails it, on
+    logprobs ~1e-11 apart; chunks of 4 tokens throughout change them by more than 1e-4."""
+    target, draft = k_quant_pair
+    tok = TinyTokenizer(CFG.vocab_size)
+    batching = BatchingConfig(prefill_chunk=16, max_batched_tokens=21)
+    prompts = [LONG, LONG[::-1], [(3 * i + 1) % CFG.vocab_size for i in range(37)]]
+    requests = [GenerationRequest(p, SamplingConfig(), GenerationConfig(max_new_tokens=12), logprobs=0)
+                for p in prompts]
+    want = [_tokens_and_logprobs(AREngine(target, tok, batching).generate(r)) for r in requests]
+    if mode == "ar":
+        engine = AREngine(target, tok, batching)
+    elif mode == "sd":
+        engine = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3), batching=batching)
+    else:
+        engine = SSDEngine.in_process(target, draft, tok, SpeculationConfig(mode="ssd", k=3), batching=batching)
+    try:
+        got = _run_batch(engine, requests, _tokens_and_logprobs)
+    finally:
+        getattr(engine, "close", lambda: None)()
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want):
+        assert ids == want_ids and logprobs == want_logprobs
+    # The premise: chunks cut short (to 4 tokens: the invariant ubatches) change the logprobs.
+    other = AREngine(target, tok, BatchingConfig(prefill_chunk=4, max_batched_tokens=21))
+    cut = [_tokens_and_logprobs(other.generate(r))[1] for r in requests]
+    assert max(abs(a - b) for c, (_, w) in zip(cut, want) for a, b in zip(c, w)) > 1e-4

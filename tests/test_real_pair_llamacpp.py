@@ -9,6 +9,7 @@ that the probed options hold on the models users run.
 import dataclasses
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("llama_cpp")
@@ -72,3 +73,19 @@ def test_ssd_greedy_equals_ar_and_hits(pair):
 def test_batched_ar_rows_equal_each_alone(pair):
     target, _, tokenizer, ids, want = pair
     assert _run_batch(AREngine(target, tokenizer), [_request(i) for i in ids]) == want
+
+
+def test_logits_do_not_depend_on_the_thread_count(pair):
+    """The cluster's target takes the draft's core while SSD idles and gives it back
+    (ssd.cluster.workers), so a request's forwards run on 1 or 2 threads: a prompt
+    chunk, a verification and a decode step give the same logits, bit for bit."""
+    from ssd.models.llamacpp import LlamaCppContext, LlamaCppSequence
+
+    target, *_ = pair
+    ids = [(7 * i + 3) % 1000 + 100 for i in range(60)]
+    runs = []
+    for threads in (1, 2):
+        seq = LlamaCppSequence(LlamaCppContext(target, n_threads=threads, n_ctx_seq=128))
+        runs.append((seq.forward(ids, last_only=True), seq.forward([7, 8, 9]), seq.forward([4])))
+        seq.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -2,7 +2,10 @@
 
 TP=2 must reproduce TP=1: the same logits (up to summation order, in fp64) and
 the same greedy tokens through the AR and SD engines, with rank 1 mirroring
-rank 0's cache operations. Every spawned world has a hard deadline, after
+rank 0's cache operations; both ranks run the lean forward sharded
+(ssd.models.fast). The same world then checks every family the lean forward
+takes (tests.families: qwen2, qwen3, llama, mistral) sharded against its
+unsharded self and transformers' sharded forward. Every spawned world has a hard deadline, after
 which its processes are killed, so a hang fails the test instead of the suite.
 """
 
@@ -27,6 +30,8 @@ from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence
 from ssd.models.loading import load_model
+from tests.families import DRAFT_NOISE, FAMILIES, build_family, reference, tp_family_results
+from tests.families import generations as family_generations
 from ssd.models.tp import (
     TPLeaderSequence,
     init_tp_world,
@@ -85,6 +90,7 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
     model = load_tp_model(TARGET)
     if rank != 0:
         run_tp_follower(model)
+        tp_family_results(rank)
         dist.destroy_process_group()
         return
     leader = TPLeaderSequence(model)
@@ -98,8 +104,11 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
                 bad()
         logits = cache_script(leader)
         tokens = generations(leader)
+        lean = leader.lean
     shards = {name: tuple(local_tensor(p).shape) for name, p in model.named_parameters()}
-    torch.save({"logits": logits, "tokens": tokens, "shards": shards}, Path(out_dir) / "rank0.pt")
+    families = tp_family_results(rank)
+    torch.save({"logits": logits, "tokens": tokens, "shards": shards, "lean": lean, "families": families},
+               Path(out_dir) / "rank0.pt")
     dist.destroy_process_group()
 
 
@@ -114,11 +123,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(out_dir: Path, scenario: str) -> list[int | None]:
-    """Spawn the TP world; exit codes per rank, None for a rank killed at the deadline."""
+def run_world(out_dir: Path, scenario: str, worker=None) -> list[int | None]:
+    """Spawn the TP world running `worker(rank, port, out_dir, scenario)` (default: this
+    module's); exit codes per rank, None for a rank killed at the deadline."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out_dir), scenario)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker or _worker, args=(r, port, str(out_dir), scenario)) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + DEADLINE_S
@@ -155,6 +165,7 @@ def test_tp_ranks_hold_shards(tp_run: dict) -> None:
 
 
 def test_tp_logits_equal_tp1(tp_run: dict) -> None:
+    assert tp_run["lean"]  # the sharded target runs the lean forward
     reference = cache_script(KVSequence(load_model(TARGET)))
     assert len(tp_run["logits"]) == len(reference)
     for got, want in zip(tp_run["logits"], reference):
@@ -167,6 +178,25 @@ def test_tp_greedy_generation_equals_tp1(tp_run: dict) -> None:
     reference = generations(load_model(TARGET))
     assert all(len(t) == NEW_TOKENS for t in reference)
     assert tp_run["tokens"] == reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_lean_forward_gives_the_unsharded_logits(tp_run: dict, family: str) -> None:
+    """Every family the lean forward takes, sharded: transformers' all-reduces inside
+    the row-wise o_proj and down_proj, this rank's heads from the column-wise q/k/v."""
+    seen = tp_run["families"][family]
+    assert seen["lean"] and seen["leader_lean"] and seen["heads"] == 2  # 4 heads, 2 per rank: sharded
+    want = reference(build_family(family))
+    for got, hf, ref in zip(seen["logits"], seen["hf"], want, strict=True):
+        tol = REORDER_ULPS * torch.finfo(torch.float64).eps * float(ref.abs().max())
+        torch.testing.assert_close(got, ref, rtol=0, atol=tol)
+        torch.testing.assert_close(got, hf, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_greedy_sd_equals_ar_and_tp1(tp_run: dict, family: str) -> None:
+    want = family_generations(build_family(family), build_family(family, noise=DRAFT_NOISE))
+    assert tp_run["families"][family]["tokens"] == want
 
 
 def test_follower_fails_fast_when_the_leader_dies(tmp_path: Path) -> None:

@@ -447,18 +447,25 @@ class BatchedEngine(Engine):
         return left
 
     def _chunks(self, decoding: list[Row]) -> list[tuple[Row, list[int]]]:
-        """Prompt chunks for this step, oldest rows first, within the budget the rounds leave."""
+        """Prompt chunks for this step, oldest rows first, within the budget the rounds leave.
+
+        A chunk runs from a multiple of prefill_chunk to the next (or the prompt's
+        end) and is never cut to fit: a prompt's chunks are the same whatever else
+        a step runs, so are its keys and values where a backend computes a chunk as
+        a whole (llama.cpp, ssd.models.llamacpp). A chunk that does not fit waits.
+        """
+        size = self.batching.prefill_chunk
         budget = self.batching.max_batched_tokens - sum(self._round_cost(r) for r in decoding)
         chunks = []
         for row in self._rows:
             if row.decoding:
                 continue
             prompt = row.request.prompt_ids
-            n = min(self.batching.prefill_chunk, len(prompt) - row.prefilled, budget)
-            if n <= 0:
+            end = min(len(prompt), (row.prefilled // size + 1) * size)
+            if end - row.prefilled > budget:
                 break
-            chunks.append((row, prompt[row.prefilled : row.prefilled + n]))
-            budget -= n
+            chunks.append((row, prompt[row.prefilled : end]))
+            budget -= end - row.prefilled
         return chunks
 
     def _score(self, jobs: list[tuple[Row, list[int], bool]]) -> list[torch.Tensor]:

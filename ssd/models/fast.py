@@ -30,13 +30,25 @@ they buy matters for int8 activations, which run on the CPU only. Grouped
 query heads are folded into query rows (`_attend_one_call`), so the call is
 plain multi-head attention that CUDA's fused kernels take.
 
-Supported: Qwen2, Llama and Mistral layouts without sliding windows, on one
-device; anything else (and tensor-parallel shards) keeps transformers' forward.
+Supported: Qwen2, Qwen3 (per-head q_norm / k_norm before RoPE), Llama and
+Mistral layouts without sliding windows, on one device or sharded by
+transformers' tensor parallelism. A sharded model is run through its own
+modules: column-wise q/k/v/gate/up give this rank's heads and MLP columns,
+and the row-wise o_proj and down_proj all-reduce inside their forward, where
+transformers' tp_plan puts the collectives; the plan is checked at load and
+any other one is refused. RoPE needs no check: the model's own rotary
+module computes cos and sin from the call's positions, as transformers'
+forward does, whatever its rope type (the host-syncing dynamic types are
+refused for CUDA graphs only: ssd.models.graphs.graph_refusal). Anything
+refused keeps transformers' forward, and `lean_refusal` names why
+(`note_lean_path` logs it once per model).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,25 +57,112 @@ import torch.nn.functional as F
 from ssd.models.invariant import ROW_LIMIT
 from ssd.models.quant import project_qkv
 
-SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 INITIAL_CAPACITY = 256
+# What the lean forward's sharded layers must be in a tensor-parallel plan:
+# column-wise in, row-wise (all-reduce after) out; Qwen3's per-head norms are replicated.
+TP_LAYER_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+TP_REPLICATED = {"self_attn.q_norm", "self_attn.k_norm"}
+
+
+def tp_size(model: torch.nn.Module) -> int:
+    """How many ranks transformers' tensor parallelism shards `model` over (1: not sharded)."""
+    return int(getattr(model, "_tp_size", None) or 1)
+
+
+def lean_refusal(model: torch.nn.Module) -> str | None:
+    """Why `FastForward` cannot run `model` with transformers' numerics, or None when it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        return f"architecture {model_type or type(model).__name__} (the lean forward takes {', '.join(SUPPORTED_TYPES)})"
+    if _sliding(config):
+        return f"{model_type} with sliding-window attention"
+    inner = getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, n)]
+    if missing:
+        return f"{type(model).__name__}.model has no {', '.join(missing)}"
+    if tp_size(model) > 1:
+        return _tp_refusal(model, tp_size(model))
+    if getattr(model, "_device_mesh", None) is not None:
+        return "a device mesh without a tensor-parallel size"
+    return None
 
 
 def fast_supported(model: torch.nn.Module) -> bool:
-    """Whether `FastForward` can run `model` with transformers' numerics."""
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
-        return False
-    if config.model_type == "qwen2":
-        sliding = getattr(config, "use_sliding_window", False)
+    """Whether `FastForward` can run `model` with transformers' numerics (`lean_refusal` says why not)."""
+    return lean_refusal(model) is None
+
+
+def _sliding(config) -> bool:
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return True
+    if config.model_type in ("qwen2", "qwen3"):
+        return bool(getattr(config, "use_sliding_window", False))
+    return getattr(config, "sliding_window", None) is not None
+
+
+def _tp_refusal(model: torch.nn.Module, size: int) -> str | None:
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, name) % size:
+            return f"tensor-parallel size {size} does not divide {name} = {getattr(config, name)}"
+    plan = getattr(model, "_tp_plan", None)
+    if not isinstance(plan, dict):
+        return "a tensor-parallel model without a readable tp_plan"
+    layers = {}
+    for pattern, style in plan.items():
+        rest = pattern.partition("layers.*.")[2]
+        if rest:
+            layers[rest] = style
+    wrong = {k: v for k, v in layers.items()
+             if TP_LAYER_PLAN.get(k) != v and not (k in TP_REPLICATED and "replicate" in v)}
+    missing = [k for k in TP_LAYER_PLAN if k not in layers]
+    if wrong or missing:
+        return f"tensor-parallel plan {layers} (the lean forward takes {TP_LAYER_PLAN})"
+    return _shard_refusal(model, size)
+
+
+def _shard_refusal(model: torch.nn.Module, size: int) -> str | None:
+    """Whether layer 0's projections hold the shards the lean forward assumes (heads / size each)."""
+    config, attn = model.config, model.model.layers[0].self_attn
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = {"q_proj": config.num_attention_heads * head_dim // size,
+                "k_proj": config.num_key_value_heads * head_dim // size,
+                "v_proj": config.num_key_value_heads * head_dim // size}
+    for name, rows in expected.items():
+        weight = getattr(getattr(attn, name, None), "weight", None)
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        if local is None or local.shape[0] != rows:
+            got = None if local is None else local.shape[0]
+            return f"tensor-parallel shard of {name} holds {got} output rows, not heads / {size} = {rows}"
+    return None
+
+
+_NOTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def note_lean_path(model: torch.nn.Module) -> str | None:
+    """Log once per model, at load, whether the lean forward takes it, and why not; the reason or None."""
+    why = lean_refusal(model)
+    try:
+        if model in _NOTED:
+            return why
+        _NOTED.add(model)
+    except TypeError:  # not weak-referenceable: log every time rather than never
+        pass
+    if why is None:
+        log.info("%s runs the lean forward%s", type(model).__name__,
+                 f" sharded over {tp_size(model)} ranks" if tp_size(model) > 1 else "")
     else:
-        sliding = getattr(config, "sliding_window", None) is not None
-    if sliding:
-        return False
-    if getattr(model, "_tp_size", None) or getattr(model, "_device_mesh", None) is not None:
-        return False
-    inner = getattr(model, "model", None)
-    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+        log.warning("%s keeps transformers' forward (no lean forward, no CUDA graphs): %s", type(model).__name__, why)
+    return why
 
 
 class StaticKV:
@@ -112,13 +211,15 @@ class FastForward:
 
     def __init__(self, model: torch.nn.Module, one_call: bool | None = None) -> None:
         """one_call: attention as one SDPA call per segment (None: `one_call_attention` decides)."""
-        if not fast_supported(model):
-            raise ValueError(f"the lean forward does not support {type(model).__name__}")
+        why = lean_refusal(model)
+        if why is not None:
+            raise ValueError(f"the lean forward does not support {type(model).__name__}: {why}")
         config = model.config
         self.model = model
         self.inner = model.model
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        # This rank's heads: column-wise q/k/v hold heads / tp of them each.
+        self.heads = config.num_attention_heads // tp_size(model)
+        self.kv_heads = config.num_key_value_heads // tp_size(model)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # The model's own rotary function, so Llama/Qwen2/Mistral variants agree with transformers.
         self._rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
@@ -170,14 +271,26 @@ class FastForward:
         x = self.inner.norm(x)[0]
         return self.model.lm_head(x if keep is None else x[keep])
 
+    def qkv(self, attn: torch.nn.Module, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [1, heads, N, D] and keys, values [1, kv heads, N, D] of `h` [1, N, H], rotated.
+
+        In transformers' order: project, split the heads, Qwen3's per-head
+        RMSNorm (q_norm, k_norm) where the model has it, then RoPE.
+        """
+        n = h.shape[1]
+        q, k, v = project_qkv(attn, h)
+        q = q.reshape(1, n, self.heads, self.head_dim)
+        k = k.reshape(1, n, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = v.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v
+
     def _attention(self, layer, h, cos, sin, segments: list[Segment], index: int) -> torch.Tensor:
         attn = layer.self_attn
         n = h.shape[1]
-        q, k, v = project_qkv(attn, h)
-        q = q.reshape(1, n, self.heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self._rotary(q, k, cos, sin)
+        q, k, v = self.qkv(attn, h, cos, sin)
         outs, offset = [], 0
         for s in segments:
             rows = slice(offset, offset + s.length)

@@ -6,14 +6,17 @@ again). Engines feed whatever the cache lacks (`catch_up`), score several
 tokens in one forward, and roll back to the accepted length after verification.
 
 Two carriers behind one interface: the lean forward over a preallocated cache
-(ssd.models.fast) for the Llama-layout models it supports, transformers'
-forward over a DynamicCache for every other model (and tensor-parallel shards).
+(ssd.models.fast) for the Llama-layout models it supports (tensor-parallel
+shards included), transformers' forward over a DynamicCache for every other
+model.
 
 On CUDA the lean carrier's decode and all-rows forwards (verification, the
 draft's glue pass and tree steps) replay CUDA graphs of its static-shape
 twin (ssd.models.graphs), per (rows, capacity) bucket; the cache and its
 graphs come from the model's pool and return to it with the sequence, so a
-new request's sequence replays graphs an earlier one captured.
+new request's sequence replays graphs an earlier one captured. A model the
+pool refuses (ssd.models.graphs.graph_refusal), or whose capture failed,
+runs the lean forward eagerly over the same cache.
 
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
@@ -49,10 +52,12 @@ class KVSequence:
         if self._fast is None:
             _cache_name(type(model))  # refuse an unsupported transformers now, not at the first forward
         # On CUDA, decode, verification and tree steps replay CUDA graphs of
-        # the static-shape forward (ssd.models.graphs; see _graph_shaped).
-        self._static = self._fast is not None and use_cuda_graphs(model.device)
+        # the static-shape forward (ssd.models.graphs; see _graph_shaped),
+        # unless the model is refused for capture (its pool says why, once).
+        pool = pool_for(model) if self._fast is not None and use_cuda_graphs(model.device) else None
+        self._static = pool is not None and pool.disabled is None
         # A cache with its graphs, from the model's pool and back to it when this sequence goes.
-        self._graphed: GraphedForward | None = pool_for(model).attach(self, self._fast) if self._static else None
+        self._graphed: GraphedForward | None = pool.attach(self, self._fast) if self._static else None
         self._clear()
 
     @property
@@ -205,7 +210,8 @@ class KVSequence:
         start = self.cached
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=device)
-        if self._static and _graph_shaped(len(ids), last_only):
+        # A failed capture turns the pool's graphs off: the lean forward then runs over the same cache.
+        if self._static and self._graphed.pool.disabled is None and _graph_shaped(len(ids), last_only):
             logits = self._run_static(input_ids, positions.to(device), start, _on(mask, device), keep)
         elif self._fast is not None:
             logits = self._fast(self.cache, input_ids, positions.to(device), start, _on(mask, device), keep)

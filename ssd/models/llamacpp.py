@@ -31,7 +31,8 @@ many positions share its forward) come from `LlamaCppModel.invariant_options`:
 F32/F16 weights keep flash attention off, an F32 KV cache and `pad_single`
 (logits within ~2e-6 of the fp32 torch model); quantized weights get the
 fastest options a probe finds bit-invariant (the real q4_k_m pair: flash
-attention, F16 KV, ubatches of at most 7 tokens). Repacked weight layouts
+attention, F16 KV, at most 7 tokens a call; prompt chunks run alone, as
+whole ubatches, from fixed positions: `LlamaCppContext.decode`). Repacked weight layouts
 (`use_extra_bufts`) stay off. The draft's shared pool needs no invariance.
 docs/llamacpp.md has the measurements.
 """
@@ -57,7 +58,11 @@ log = logging.getLogger(__name__)
 
 GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
+PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
 _init_lock = threading.Lock()
+# A share of one llama_decode call: (job index, seq, start position, ids, which rows
+# give logits: "all", "last" or "none").
+_Piece = tuple[int, int, int, list[int], str]
 _initialised = False
 
 
@@ -221,9 +226,11 @@ class LlamaCppContext:
         # Not shared: one KV stream per sequence, so a row's attention never sees another's entries.
         params.kv_unified = self.shared
         params.n_batch = n_batch
-        # A forward longer than n_ubatch runs as several ubatches: the model's invariant_options
-        # say how long a ubatch may be before ggml picks another matmul kernel.
-        params.n_ubatch = max(1, min(n_batch, n_ubatch))
+        # The model's invariant_options say how many tokens a ubatch may hold before
+        # ggml picks another matmul kernel: `decode` packs at most that many a call,
+        # and gives llama.cpp longer ubatches only for prompt chunks, in calls of their own.
+        self.n_ubatch = max(1, min(n_batch, n_ubatch))
+        params.n_ubatch = min(n_batch, max(self.n_ubatch, PREFILL_UBATCH))
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -279,35 +286,80 @@ class LlamaCppContext:
             raise LlamaCppError(f"llama.cpp could not remove positions >= {start} of sequence {seq}")
 
     def decode(self, jobs: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[torch.Tensor]:
-        """One llama_decode over jobs (seq, start position, ids, last_only); logits per job.
+        """Logits per job (seq, start position, ids, last_only), in as few llama_decode calls as exactness allows.
 
-        With pad_single, a forward never has a single output row: ggml's
-        matmuls take another kernel for one row than for several (measured:
-        a token's logits differ by ~1e-6 relative between a one-token and a
-        two-token forward, while every forward of >= 2 rows agrees to the
-        bit). A last_only job of several tokens then also outputs its
-        next-to-last row; a forward of one token in all gets a padding token
-        on the scratch slot, removed again after the call.
+        A prompt chunk (a last_only job longer than `n_ubatch`) runs in a call of
+        its own, as whole ubatches: its keys and values then depend on its tokens
+        and start only, never on what else the step ran, because the engine starts
+        chunks at fixed positions (ssd.engine.batch). That is 4-10x faster per token
+        than the invariant ubatches. Every other job is packed, at most `n_ubatch`
+        tokens a call, where a token's logits do not depend on the call's size.
 
         On failure every job's sequence is cut back to its start, so the
         cache holds what it held before the call.
         """
         total = sum(len(ids) for _, _, ids, _ in jobs)
-        pad = self.pad_single and total == 1
-        if total + pad > self.n_batch:
+        if total + (self.pad_single and total == 1) > self.n_batch:
             raise ValueError(f"{total} tokens in one forward: more than n_batch={self.n_batch}")
-        batch, outputs, i, n_out = self._batch, [], 0, 0
-        for seq, start, ids, last_only in jobs:
+        for _, start, ids, _ in jobs:
             if start + len(ids) > self.n_ctx_seq:
                 raise ValueError(f"sequence of {start + len(ids)} tokens: more than n_ctx_seq={self.n_ctx_seq}")
+        pieces: list[list[torch.Tensor]] = [[] for _ in jobs]
+        try:
+            for call in self._calls(jobs):
+                for (index, *_), logits in zip(call, self._decode_call(call)):
+                    pieces[index].append(logits)
+        except LlamaCppError:
+            for seq, start, _, _ in jobs:
+                L.llama_memory_seq_rm(self._memory, seq, start, -1)
+            raise
+        return [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
+
+    def _calls(self, jobs: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[list[_Piece]]:
+        """The llama_decode calls `decode` makes: each prompt chunk alone, the rest packed `n_ubatch` tokens a call."""
+        calls: list[list[_Piece]] = []
+        packed: list[_Piece] = []
+        room = self.n_ubatch
+        for index, (seq, start, ids, last_only) in enumerate(jobs):
+            ids = [int(t) for t in ids]
+            if last_only and len(ids) > self.n_ubatch:
+                calls.append([(index, seq, start, ids, "last")])
+                continue
+            at = 0
+            while at < len(ids):
+                end = at + min(room, len(ids) - at)
+                outputs = "all" if not last_only else "last" if end == len(ids) else "none"
+                packed.append((index, seq, start + at, ids[at:end], outputs))
+                room -= end - at
+                at = end
+                if room == 0:
+                    calls.append(packed)
+                    packed, room = [], self.n_ubatch
+        return calls + [packed] if packed else calls
+
+    def _decode_call(self, pieces: list[_Piece]) -> list[torch.Tensor]:
+        """One llama_decode over `pieces`; the logits of each piece's output rows.
+
+        With pad_single, a forward never has a single output row: ggml's
+        matmuls take another kernel for one row than for several (measured:
+        a token's logits differ by ~1e-6 relative between a one-token and a
+        two-token forward, while every forward of >= 2 rows agrees to the
+        bit). A piece with one output row among several tokens then also outputs
+        its next-to-last row; a forward of one token in all gets a padding token
+        on the scratch slot, removed again after the call.
+        """
+        total = sum(len(ids) for *_, ids, _ in pieces)
+        pad = self.pad_single and total == 1
+        batch, outputs, i, n_out = self._batch, [], 0, 0
+        for _, seq, start, ids, wanted in pieces:
             rows = []
             for j, token in enumerate(ids):
-                batch.token[i] = int(token)
+                batch.token[i] = token
                 batch.pos[i] = start + j
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = seq
-                out = not last_only or j == len(ids) - 1
-                batch.logits[i] = out or (self.pad_single and j == len(ids) - 2)
+                out = wanted == "all" or (wanted == "last" and j == len(ids) - 1)
+                batch.logits[i] = out or (self.pad_single and wanted == "last" and j == len(ids) - 2)
                 n_out += batch.logits[i]
                 if out:
                     rows.append(i)
@@ -330,8 +382,6 @@ class LlamaCppContext:
         if pad:
             L.llama_memory_seq_rm(self._memory, self._scratch, -1, -1)
         if rc != 0:
-            for seq, start, _, _ in jobs:
-                L.llama_memory_seq_rm(self._memory, seq, start, -1)
             raise LlamaCppError(f"llama_decode returned {rc}")
         V = self.vocab_size
         result = []

@@ -31,6 +31,7 @@ from ssd import hardware
 from ssd.config import AUTO, ConfigError, ModelConfig, TinyModelConfig
 from ssd.models.qcache import cached_int8, weight_files
 from ssd.models.qcache import enabled as quant_cache_enabled
+from ssd.models.fast import note_lean_path
 from ssd.models.invariant import use_row_attention
 from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, cache_dir, ensure_offline_gguf, ensure_offline_model
@@ -82,6 +83,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> Any:
     if cfg.quantization == INT8:  # CPU only (refused above elsewhere)
         # Both halves of batch invariance: verified positions score as decoded ones.
         model = use_row_attention(pack_int8(fuse_projections(model)))
+    note_lean_path(model)
     return _frozen(model)
 
 

@@ -30,12 +30,13 @@ import os
 import shutil
 import tempfile
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ssd.config import AUTO, ConfigError, ModelConfig
+from ssd.models.fast import note_lean_path
 from ssd.models.kv import KVSequence
 from ssd.models.loading import TINY, TORCH_DTYPES, build_tiny_model, load_model, resolve_precision, resolve_source
 
@@ -143,25 +144,31 @@ def _from_pretrained_tp(source: str, dtype: torch.dtype, world: int) -> torch.nn
     )
     model.eval()
     model.requires_grad_(False)
+    note_lean_path(model)
     return model
 
 
 def _load_tiny_sharded(cfg: ModelConfig, world: int) -> torch.nn.Module:
-    """Tiny models have no checkpoint: rank 0 saves one, every rank loads it sharded,
-    so TP runs on exactly the weights `load_model(cfg)` builds."""
+    """Tiny models have no checkpoint: TP runs on exactly the weights `load_model(cfg)` builds."""
     tcfg = cfg.tiny
     if tcfg.num_attention_heads % world or tcfg.num_key_value_heads % world:
         raise ConfigError(
             f"tiny model heads ({tcfg.num_attention_heads} q / {tcfg.num_key_value_heads} kv) "
             f"must divide by the tensor-parallel size {world}"
         )
+    return load_built_sharded(lambda: build_tiny_model(tcfg, TORCH_DTYPES[cfg.dtype]), TORCH_DTYPES[cfg.dtype], world)
+
+
+def load_built_sharded(build: Callable[[], torch.nn.Module], dtype: torch.dtype, world: int) -> torch.nn.Module:
+    """A model made in memory (`build()`, run on rank 0 only), sharded over the world:
+    rank 0 saves it as a checkpoint, every rank loads that sharded, and the files go."""
     path = ""
     if dist.get_rank() == 0:
         path = tempfile.mkdtemp(prefix="ssd-tp-tiny-")
-        build_tiny_model(tcfg, TORCH_DTYPES[cfg.dtype]).save_pretrained(path)
+        build().save_pretrained(path)
     path = _broadcast_str(path)
     try:
-        return _from_pretrained_tp(path, TORCH_DTYPES[cfg.dtype], world)
+        return _from_pretrained_tp(path, dtype, world)
     finally:
         dist.barrier()  # everyone has read the files
         if dist.get_rank() == 0:

@@ -6,7 +6,8 @@ Each forward writes its rows at the same cache slots after `prefix` context
 tokens, so every repeat times the same shape. Variants:
 - target decode (1 row) and verification (K + 1 rows), causal:
   per_row, one_call (ssd.models.fast), static (ssd.models.graphs, eager) and,
-  on CUDA, graph (the static forward replayed);
+  on CUDA, graph (the static forward replayed; labelled "graph failed: eager"
+  when the capture failed and what was timed ran eagerly);
 - a draft tree step of B rows under a tree mask: lean (the lean forward: one
   call with a mask on every device), static and, on CUDA, graph.
 """
@@ -69,8 +70,20 @@ def time_rows(model: torch.nn.Module, rows: int, prefix: int, repeats: int, tree
         cache = _cache_after(fast, prefix, rows, device)
         full = causal_mask(prefix, rows, cache.capacity, device) if mask is None else padded_mask(mask, cache.capacity)
         runner = GraphedForward(fast, cache, graphs=graphs)
-        out[name] = _median_s(lambda: runner(ids, positions, slots, full), device, repeats)
+        seconds = _median_s(lambda: runner(ids, positions, slots, full), device, repeats)
+        out[variant_label(name, runner)] = seconds
     return out
+
+
+FAILED_GRAPH = "graph failed: eager"
+
+
+def variant_label(name: str, runner: GraphedForward) -> str:
+    """`name`, except for a "graph" variant whose forwards did not all replay a graph
+    (its capture failed: what was timed ran eagerly) -- labelled FAILED_GRAPH."""
+    if name == "graph" and (not runner.replays or runner.eager_runs):
+        return FAILED_GRAPH
+    return name
 
 
 def time_hot_path(target: torch.nn.Module, draft: torch.nn.Module, k: int, budgets: tuple[int, ...],

@@ -11,7 +11,11 @@ them (`shapes="small"`, for CPU and CI). What it does, in order:
    a noisy copy of its target (drafts are accepted, so acceptance and cache
    hits are exercised too).
 2. branches: tree-masked branch decoding agrees with sequential decoding
-   under each SDPA backend this device runs (ssd.tools.bench.branch_check).
+   under each SDPA backend this device runs (ssd.tools.bench.branch_check);
+   graphs: CUDA graph replays compute the lean forward's logits, on this
+   device and on another index when there is one (ssd.tools.bench.graph_check);
+   sampling: at T = 1, SD's batched rows sample the target's exact law on a
+   4-token vocabulary (chi-square; ssd.tools.bench.sampling_check).
 3. link: round trips of the protocol's messages over the host link.
 4. timings: the planner's costs (ssd.saguaro.costs.measure_costs: target
    step, verify(K) for K + 1 tokens, backup, build) plus one draft tree step
@@ -44,6 +48,8 @@ from ssd import hardware
 from ssd.tools.ablation import planner
 from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.tools.bench.branch_check import branch_case, check_branches
+from ssd.tools.bench.graph_check import check_graphs
+from ssd.tools.bench.sampling_check import SAMPLES, check_sampling
 from ssd.tools.bench.hot_path import time_hot_path
 from ssd.tools.bench.draft_process import DraftProcess, exact_fp32
 from ssd.tools.bench.link import summarize_ms
@@ -99,6 +105,7 @@ class SmokeSettings:
     timing_dtype: str | None = None  # None: bf16 on a GPU (what the pair runs in there), fp32 on a CPU
     branch_dtypes: tuple[str, ...] | None = None  # None: fp32, and bf16 too on a GPU
     link_rounds: int = 100
+    sampling_samples: int = SAMPLES  # seeded requests in the T > 0 distribution check
     trace: Path | None = None  # a recorded trace of the real pair: plan from it with the measured costs
     threads: int | None = None  # torch threads per process (None: 1 on a CPU, torch's default on a GPU)
     timeout_s: float = 180.0  # bound on every wait for the second process
@@ -115,7 +122,8 @@ class SmokeSettings:
             self.branch_dtypes = ("fp32", "bf16") if self.on_gpu else ("fp32",)
         if self.threads is None and not self.on_gpu:
             self.threads = 1
-        for name in ("max_new_tokens", "prompts", "prompt_len", "k", "budget", "repeats", "prefix", "link_rounds"):
+        for name in ("max_new_tokens", "prompts", "prompt_len", "k", "budget", "repeats", "prefix", "link_rounds",
+                     "sampling_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -410,6 +418,8 @@ def run_checks(report: Report, specs: dict[str, tuple[RandomModelSpec, RandomMod
     draft_spec = specs["real pair"][1]
     case = branch_case(draft_spec.config["vocab_size"], BRANCH_CONTEXT, branches=s.budget, steps=s.k, seed=s.seed)
     check(report, "branches", lambda: check_branches(branch_models(draft_spec, s), case))
+    check(report, "graphs", lambda: check_graphs(draft_spec, s.device))
+    check(report, "sampling", lambda: check_sampling(s.device, s.sampling_samples))
     for name, (target, draft) in models.items():
         run = functools.partial(check_generation, target, draft, specs[name][1], host, s,
                                 need_acceptance=name == "noisy pair")
@@ -503,6 +513,13 @@ def _timing_lines(t: dict[str, Any]) -> list[str]:
 def _check_line(name: str, check: dict[str, Any]) -> str:
     if name == "branches":
         return f"ran {', '.join(check['ran']) or 'none'}; skipped {', '.join(check['skipped']) or 'none'}"
+    if name == "sampling":
+        return (f"SD at T = {check['temperature']:g}, {check['samples']} samples in rows of {check['rows']}: "
+                f"p = {check['pvalue']:.2g} against the target's exact law")
+    if name == "graphs":
+        return "; ".join(f"{d}: max rel diff {r['max_rel_diff']:.1e}, {r['graph_replays']} replays"
+                         + (f", graphs off: {r['graphs_off']}" if r["graphs_off"] else "")
+                         for d, r in check["devices"].items())
     equal = " ".join(f"{m}={'=' if v else '!='}AR" for m, v in check["equal_to_ar"].items())
     return (f"{equal}, acceptance SD {check['acceptance_rate']['sd']:.2f} SSD {check['acceptance_rate']['ssd']:.2f}, "
             f"SSD hit rate {check['ssd_hit_rate']:.2f}, degraded rounds {check['ssd_degraded_rounds']}, "
