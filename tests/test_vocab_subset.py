@@ -31,6 +31,7 @@ from ssd.models.kv import KVSequence
 from ssd.models.quant import int8_supported, pack_int8, quantize_int8
 from ssd.models.vocab import FILL, apply_draft_vocab, read_ranking, restrict_head, subset_ids, subset_of, write_ranking
 from ssd.saguaro.target import SSDEngine
+from ssd.verify import verify
 from tests.conftest import TINY, tiny_pair
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 from tests import test_distribution as sd_dist
@@ -137,6 +138,21 @@ def test_greedy_sd_and_ssd_with_a_subset_equal_ar(subset_pair, tiny_tokenizer):
             out = ssd.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == ar, "SSD"
     assert outside >= 3, "AR's output never left the subset: the rejection paths it forces did not run"
+
+
+def test_verification_gets_full_vocabulary_q_rows_zero_outside_the_subset(subset_pair, tiny_tokenizer):
+    target, draft = subset_pair
+    seen = []
+
+    def spy(drafted, q, p, gen, greedy=False):
+        seen.append(q)
+        return verify(drafted, q, p, gen, greedy)
+
+    engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3), verifier=spy)
+    engine.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=3), GenerationConfig(max_new_tokens=12)))
+    outside = sorted(set(range(16)) - set(SUBSET16))
+    assert seen and all(q.shape[-1] == 16 and (q[:, outside] == 0).all() for q in seen if q is not None)
+    assert all(torch.allclose(q.double().sum(-1), torch.ones(q.shape[0], dtype=torch.float64)) for q in seen)
 
 
 # --- chi-square ---------------------------------------------------------------------------
