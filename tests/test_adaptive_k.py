@@ -29,7 +29,7 @@ from ssd.engine.request import GenerationRequest
 from ssd.sampling import sample
 from ssd.saguaro import protocol
 from ssd.saguaro.adaptive_k import KController, expected_tokens
-from ssd.saguaro.speculator import _draft_k
+from ssd.saguaro.speculator import requested_k
 from ssd.saguaro.target import SSDEngine
 from ssd.verify import Outcome, verify
 from tests import test_ssd_distribution as ssd_dist
@@ -100,10 +100,10 @@ def test_rounds_carry_k_and_the_draft_checks_it():
     row = protocol.RoundRow(3, 1, 7, 4)
     assert protocol.parse_rounds(protocol.rounds([row])) == [row]
     spec = SpeculationConfig(k=2, adaptive_k=True, max_k=4)
-    assert _draft_k(protocol.RoundRow(0, 0, 0, None), spec) == 2
-    assert _draft_k(row, spec) == 4
+    assert requested_k(protocol.RoundRow(0, 0, 0, None), spec) == 2
+    assert requested_k(row, spec) == 4
     with pytest.raises(ValueError, match="draft_k 5"):
-        _draft_k(protocol.RoundRow(0, 0, 0, 5), spec)
+        requested_k(protocol.RoundRow(0, 0, 0, 5), spec)
 
 
 # --- exactness with K forced to vary --------------------------------------------------------

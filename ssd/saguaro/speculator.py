@@ -149,7 +149,7 @@ class Speculator:
         seq = self.sequences[row.seq]
         if seq.failed is not None:
             raise protocol.DraftError(seq.failed)
-        seq.k = _draft_k(row, seq.speculation)
+        seq.k = requested_k(row, seq.speculation)
         cached = self._commit(seq, row.k, row.token)
         if cached is not None:
             return protocol.ProposalReply(row.seq, True, cached, 0.0, seq.build_s)
@@ -268,7 +268,7 @@ class _Cut:
         return self.fired
 
 
-def _draft_k(row: protocol.RoundRow, speculation: SpeculationConfig) -> int:
+def requested_k(row: protocol.RoundRow, speculation: SpeculationConfig) -> int:
     """The speculation length the target asks for this round (adaptive K), within 1..k_ceiling."""
     if row.draft_k is None:
         return speculation.k
