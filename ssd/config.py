@@ -244,6 +244,28 @@ class FanoutConfig:
 
 
 @dataclass
+class DraftVocabConfig:
+    """The draft's LM head over the `size` most frequent tokens (FR-Spec; ssd.models.vocab).
+
+    q is zero outside the subset and verification uses that q, so the output
+    law is unchanged; the draft's step reads size / V of its head. size 0
+    (or >= the vocabulary): the full head. source: a token ranking file
+    written by `python launch/vocab_rank.py` (relative paths: from the
+    repository root if absent here); the shipped one ranks Qwen2.5's tokens.
+    Torch drafts only (llama.cpp computes the full head; it is ignored there).
+    """
+
+    size: int = 0
+    source: str = "configs/vocab/qwen2.5-coder.json"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ConfigError(f"speculation.draft_vocab.size must be an integer >= 0, got {self.size!r}")
+        if self.size and not self.source:
+            raise ConfigError("speculation.draft_vocab.source must name a token ranking file when size > 0")
+
+
+@dataclass
 class SpeculationConfig:
     mode: str = "sd"
     k: int = 4  # drafted tokens per round
@@ -267,12 +289,22 @@ class SpeculationConfig:
     # batch size its rows leave the draft and run plain target steps, and come
     # back (prefilled on the draft again) when the batch shrinks.
     k_policy: dict[int, int] = field(default_factory=dict)
+    # SSD: K follows the measured round (ssd.saguaro.adaptive_k): the target picks
+    # each round's K in 1..max_k from its rounds' times and acceptance, starting
+    # at k (the config's or the start-up plan's), and tells the draft in each
+    # rounds message. Off: every round drafts k.
+    adaptive_k: bool = False
+    max_k: int = 8
+    # The draft's LM head over a frequency-ranked vocabulary subset (FR-Spec); size 0: full.
+    draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"speculation.mode must be one of {MODES}, got {self.mode!r}")
         if not 1 <= self.k <= 64:
             raise ConfigError(f"speculation.k must be in 1..64, got {self.k}")
+        if not 1 <= self.max_k <= 64:
+            raise ConfigError(f"speculation.max_k must be in 1..64, got {self.max_k}")
         if not 0 <= self.saguaro_c <= 1:
             raise ConfigError(f"speculation.saguaro_c must be in [0, 1], got {self.saguaro_c}")
         for name in [self.backup, *self.backup_policy.values()]:
@@ -295,6 +327,11 @@ class SpeculationConfig:
         """The draft length at this batch size: the rule with the largest threshold <= it."""
         rules = [n for n in self.k_policy if n <= batch_size]
         return self.k_policy[max(rules)] if rules else self.k
+
+    @property
+    def k_ceiling(self) -> int:
+        """The longest speculation a round may draft: max_k under adaptive_k (never below k), else k."""
+        return max(self.k, self.max_k) if self.adaptive_k else self.k
 
     def backup_for(self, batch_size: int) -> str:
         """The backup for this batch size: the rule with the largest threshold <= it."""

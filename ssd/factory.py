@@ -19,6 +19,7 @@ from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
 from ssd.models.kv import KVSequence
 from ssd.models.backend import precision_of
+from ssd.models.vocab import apply_draft_vocab, model_eos_ids
 from ssd.saguaro.target import SSDEngine
 from ssd.verify import verify
 
@@ -82,7 +83,7 @@ def load_pair(config: Config, with_draft: bool = True) -> LoadedPair:
         torch.set_num_threads(config.runtime.threads)
     tokenizer = load_tokenizer(config.target)
     target = _timed_load("target", config)
-    draft = _timed_load("draft", config) if with_draft else None
+    draft = draft_with_vocab(_timed_load("draft", config), config) if with_draft else None
     return LoadedPair(target, draft, tokenizer)
 
 
@@ -102,3 +103,8 @@ def _timed_load(role: str, config: Config) -> torch.nn.Module:
     model = load_model(model_config)
     log.info("loaded %s %s (%s) in %.1f s", role, model_config.name, precision_of(model), time.perf_counter() - started)
     return model
+
+
+def draft_with_vocab(draft: Any, config: Config) -> Any:
+    """The draft with its head over `speculation.draft_vocab`'s subset (ssd.models.vocab)."""
+    return apply_draft_vocab(draft, config.speculation.draft_vocab, model_eos_ids(draft))

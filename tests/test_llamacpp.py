@@ -361,6 +361,27 @@ def test_greedy_ssd_engine_equals_ar(pair, draft_pair, k):
     assert 0 < hits < rounds, (hits, rounds)
 
 
+def test_greedy_ssd_with_k_moving_equals_ar(pair, draft_pair, monkeypatch):
+    """Adaptive K on llama.cpp: K cycling 1..4 round by round (test_adaptive_k's
+    stub controller), the draft building each K's cache with LlamaCppBranches."""
+    import ssd.saguaro.target as target_module
+    from tests.test_adaptive_k import CYCLE, Cycling
+
+    monkeypatch.setattr(target_module, "KController", Cycling)
+    _, lm = pair
+    _, draft = draft_pair
+    spec = dataclasses.replace(_ssd(2, budget=6), adaptive_k=True, max_k=max(CYCLE), ngram_candidates=False,
+                               fanout=FanoutConfig(budget=6, anytime=False))
+    engine = SSDEngine.in_process(lm, draft, TOKENIZER, spec)
+    try:
+        for prompt in PROMPTS:
+            got = engine.generate(dataclasses.replace(_request(prompt), speculation=spec))
+            assert got.token_ids == AREngine(lm, TOKENIZER).generate(_request(prompt)).token_ids
+        assert set(engine.k_control.observed) >= set(CYCLE)
+    finally:
+        engine.close()
+
+
 def test_batched_ssd_rows_equal_ar(pair, draft_pair):
     """Three greedy SSD rows at once on llama.cpp (each draft row its own context) give AR's tokens."""
     _, lm = pair

@@ -39,6 +39,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                              "and the budget follows the round)")
     parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
                         help="override speculation.ngram_candidates (free n-gram entries in SSD's cache)")
+    parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
+                        help="override speculation.adaptive_k (SSD: each round's K from the measured rounds, "
+                             "up to speculation.max_k)")
+    parser.add_argument("--draft-vocab", type=int, metavar="SIZE",
+                        help="override speculation.draft_vocab.size: the draft's LM head over the SIZE most "
+                             "frequent tokens of speculation.draft_vocab.source (torch drafts; 0: full)")
     parser.add_argument("--glue", choices=GLUES, help="override speculation.glue (how an SSD cache build starts)")
     parser.add_argument("--no-plan", action="store_true",
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
@@ -77,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("speculation", "saguaro_c", args.saguaro_c),
         ("speculation", "backup", args.backup),
         ("speculation", "ngram_candidates", args.ngram_candidates),
+        ("speculation", "adaptive_k", args.adaptive_k),
         ("speculation", "mode", args.mode),
         ("speculation", "k", args.k),
         ("speculation", "glue", args.glue),
@@ -107,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides.setdefault("runtime", {})["plan_keeps"] = keeps
     if args.no_plan:
         overrides.setdefault("runtime", {})["plan"] = False
+    if args.draft_vocab is not None:
+        overrides.setdefault("speculation", {})["draft_vocab"] = {"size": args.draft_vocab}
     for role in ("target", "draft"):
         precision = getattr(args, f"{role}_precision")
         if precision:

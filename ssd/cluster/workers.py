@@ -291,12 +291,13 @@ class DraftWorker:
     def __init__(self, config: dict[str, Any], cores: list[int] | None, device: str = "cpu") -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(name)s: %(message)s")
         pin_to_cores(cores)
+        from ssd.factory import draft_with_vocab
         from ssd.models import load_model
 
         self.config: Config = from_dict(Config, config)
         self.cores = cores
         self.device = device
-        self.model = load_model(self.config.draft, device)
+        self.model = draft_with_vocab(load_model(self.config.draft, device), self.config)
         self._serving: threading.Thread | None = None
 
     def ready(self) -> int:

@@ -484,9 +484,12 @@ def make_planner(speculation: SpeculationConfig, vocab_size: int) -> FanoutPlann
     trace replay (ssd.tools.ablation), which must plan exactly as the speculator does.
 
     Caps: at most V-1 guesses where the drafted token is excluded, V at k = K.
+    K: the longest speculation a round may have (speculation.k_ceiling: with
+    adaptive K, shorter ones take their schedule's head, `fanout_for`).
     """
     fanout = speculation.fanout
+    k = speculation.k_ceiling
     return FanoutPlanner(
-        fanout.kind, speculation.k, fanout.budget, caps=[vocab_size - 1] * speculation.k + [vocab_size],
+        fanout.kind, k, fanout.budget, caps=[vocab_size - 1] * k + [vocab_size],
         refresh_every=fanout.refresh_every, prior_a=fanout.initial_a, prior_r=fanout.initial_r,
     )

@@ -1,7 +1,7 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
-Ops target -> draft: prefill(seq, prompt, settings, epoch), rounds([(seq, k, t*),
-...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
+Ops target -> draft: prefill(seq, prompt, settings, epoch), rounds([(seq, k, t*,
+draft_k), ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
 rounds message with one row per round row, in order; error(seq, text) is a
 whole message failing. Headers hold only plain data (msgpack-able); q rows
 travel as a tensor.
@@ -10,7 +10,10 @@ Every round is one rounds/proposals exchange, one row per sequence (a lone
 request is a batch of one), so a round costs one message each way whatever
 the batch size:
 
-    rounds     header {"rows": [{"seq", "k", "token"}, ...]}, no tensors
+    rounds     header {"rows": [{"seq", "k", "token", "draft_k"}, ...]}, no tensors
+               draft_k: the length of the speculations the draft makes for
+               this message (a miss's backup, the cache it builds next);
+               None: the row's speculation.k (ssd.saguaro.adaptive_k sets it)
     proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy or coupled)
                row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
                       "q": [start, stop] | None}   q rows = q_all[start:stop]
@@ -76,11 +79,13 @@ def parse_prefill(msg: Message) -> Prefill:
 
 @dataclass(frozen=True)
 class RoundRow:
-    """One sequence's verification outcome: k drafts accepted, then token t*."""
+    """One sequence's verification outcome: k drafts accepted, then token t*;
+    and the K the draft's next speculations have (None: the row's speculation.k)."""
 
     seq: int
     k: int
     token: int
+    draft_k: int | None = None
 
 
 def rounds(rows: Sequence[RoundRow]) -> Message:
@@ -92,12 +97,12 @@ def parse_rounds(msg: Message) -> list[RoundRow]:
     return [_round_row(h) for h in msg.header["rows"]]
 
 
-def _round_header(row: RoundRow) -> dict[str, int]:
-    return {"seq": row.seq, "k": row.k, "token": row.token}
+def _round_header(row: RoundRow) -> dict[str, int | None]:
+    return {"seq": row.seq, "k": row.k, "token": row.token, "draft_k": row.draft_k}
 
 
 def _round_row(h: dict[str, Any]) -> RoundRow:
-    return RoundRow(h["seq"], h["k"], h["token"])
+    return RoundRow(h["seq"], h["k"], h["token"], h.get("draft_k"))
 
 
 def release(seq: int) -> Message:

@@ -79,6 +79,7 @@ class DraftSequence:
     build_s: float = 0.0
     decoder: BranchDecoder | None = None  # its own: the rows' builds run in lockstep
     failed: str | None = None  # why this row failed in a batched round; it answers only that
+    k: int = 0  # this round's speculation length (the rounds message's draft_k, else speculation.k)
 
 
 class Speculator:
@@ -148,6 +149,7 @@ class Speculator:
         seq = self.sequences[row.seq]
         if seq.failed is not None:
             raise protocol.DraftError(seq.failed)
+        seq.k = requested_k(row, seq.speculation)
         cached = self._commit(seq, row.k, row.token)
         if cached is not None:
             return protocol.ProposalReply(row.seq, True, cached, 0.0, seq.build_s)
@@ -173,7 +175,7 @@ class Speculator:
     def _backup(self, seq: DraftSequence, batch_size: int) -> Proposal:
         backup = make_backup(seq.speculation.backup_for(batch_size), self.vocab_size)
         saguaro = Saguaro(seq.speculation.saguaro_c, seq.planner.schedule(after_hit=False))
-        return backup.propose(seq.kv, seq.committed, seq.speculation.k, seq.sampling, seq.gen, saguaro)
+        return backup.propose(seq.kv, seq.committed, seq.k, seq.sampling, seq.gen, saguaro)
 
     def _build_all(self, replies: list[protocol.ProposalReply]) -> None:
         """Build the cache of every answered row at once (one packed draft forward
@@ -206,7 +208,7 @@ class Speculator:
     def _free_candidates(self, seq: DraftSequence, drafted: list[int], built: dict) -> dict:
         """Outcomes the text so far predicts and the build did not prepare, with
         their n-gram continuations (ssd.saguaro.backups.ngram_candidates)."""
-        return ngram_candidates(seq.committed, drafted, len(drafted), self.vocab_size, seq.sampling.needs_q,
+        return ngram_candidates(seq.committed, drafted, seq.k, self.vocab_size, seq.sampling.needs_q,
                                 taken=lambda k, t: (k, t) in built)
 
     def _budgets(self, seqs: list[DraftSequence], hits: list[bool]) -> tuple[list[int], list[int]]:
@@ -245,7 +247,7 @@ class Speculator:
         fanout = seq.planner.schedule(after_hit=hit, budget=budget)
         saguaro = Saguaro(spec.saguaro_c, seq.planner.schedule(after_hit=True, budget=budget))
         return BuildJob(seq.kv, seq.decoder, seq.committed, proposal.tokens, fanout, seq.sampling, seq.gen,
-                        saguaro, proposal.work, spec.k, spec.glue, stop)
+                        saguaro, proposal.work, seq.k, spec.glue, stop)
 
     def _release(self, msg: Message) -> None:
         seq = self.sequences.pop(msg.header["seq"], None)
@@ -264,6 +266,15 @@ class _Cut:
     def __call__(self) -> bool:
         self.fired = self.fired or protocol.ROUNDS in self.channel.pending()
         return self.fired
+
+
+def requested_k(row: protocol.RoundRow, speculation: SpeculationConfig) -> int:
+    """The speculation length the target asks for this round (adaptive K), within 1..k_ceiling."""
+    if row.draft_k is None:
+        return speculation.k
+    if not 1 <= row.draft_k <= speculation.k_ceiling:
+        raise ValueError(f"draft_k {row.draft_k} outside 1..{speculation.k_ceiling}")
+    return row.draft_k
 
 
 def _describe(exc: BaseException) -> str:

@@ -30,11 +30,11 @@ import torch
 from ssd.config import BatchingConfig, SpeculationConfig
 from ssd.engine.batch import BatchedEngine, Finished, Row, SequenceState, Verifier
 from ssd.engine.request import GenerationRequest
-from ssd.engine.sd import draft_length
 from ssd.models.kv import KVSequence
 from ssd.models.backend import precision_of
 from ssd.models.tokenizer import Tokenizer
 from ssd.saguaro import protocol
+from ssd.saguaro.adaptive_k import KController
 from ssd.saguaro.host import DraftThread
 from ssd.saguaro.protocol import ProposalReply, RowError, RowReply
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
@@ -65,8 +65,8 @@ class DraftCursor:
         """The acceptance length the next round looks up (None: the first round looks nothing up)."""
         return None if self.first_round else self.outcome.k
 
-    def round_row(self) -> protocol.RoundRow:
-        return protocol.RoundRow(self.seq, self.outcome.k, self.outcome.token)
+    def round_row(self, draft_k: int | None = None) -> protocol.RoundRow:
+        return protocol.RoundRow(self.seq, self.outcome.k, self.outcome.token, draft_k)
 
     def advance(self, outcome: Outcome) -> None:
         self.outcome, self.first_round = outcome, False
@@ -145,6 +145,9 @@ class SSDEngine(BatchedEngine):
         self._pending: Channel | None = None  # a new link, adopted before the next step
         self._pending_lock = threading.Lock()
         self._seq_ids = itertools.count()
+        # Adaptive K (speculation.adaptive_k): one controller for the engine's
+        # rounds, made at the first row that asks for it (ssd.saguaro.adaptive_k).
+        self.k_control: KController | None = None
 
     @classmethod
     def in_process(
@@ -275,7 +278,7 @@ class SSDEngine(BatchedEngine):
 
     def _exchange(self, rows: list[Row]) -> list[RowReply]:
         """One rounds message for `rows`, one proposals reply, its rows in the same order."""
-        self.channel.send(protocol.rounds([row.link.cursor.round_row() for row in rows]))
+        self.channel.send(protocol.rounds([row.link.cursor.round_row(self._draft_k(row)) for row in rows]))
         msg = self.channel.recv(self.draft_timeout_s)
         try:
             replies = protocol.parse_proposals(msg)
@@ -291,7 +294,18 @@ class SSDEngine(BatchedEngine):
     # --- what the mode says -------------------------------------------------------------
 
     def _round_cost(self, row: Row) -> int:
-        return draft_length(row.state) + 1
+        """The most tokens a round of the row scores: its longest speculation, never past max_new_tokens."""
+        return min(row.state.speculation.k_ceiling, row.state.output.remaining - 1) + 1
+
+    def _draft_k(self, row: Row) -> int | None:
+        """The K the row's next speculations have: the controller's under
+        speculation.adaptive_k, else None (the draft uses the row's speculation.k)."""
+        spec = row.state.speculation
+        if not spec.adaptive_k:
+            return None
+        if self.k_control is None:
+            self.k_control = KController(spec.k, spec.k_ceiling)
+        return min(max(1, self.k_control.next_k()), spec.k_ceiling)
 
     def _draft(self, rows: list[Row]) -> None:
         """Every decoding row's speculation for this step, from one exchange; a link
@@ -345,6 +359,8 @@ class SSDEngine(BatchedEngine):
         outcome, verify_s = self._settle_speculation(row, link.drafted, link.q, logits, forward_s)
         link.cursor.advance(outcome)
         record_speculation(row.state, link.reply, lookup_k, outcome, link.wait_s, verify_s)
+        if row.state.speculation.adaptive_k and self.k_control is not None:
+            self.k_control.observe(len(link.drafted), outcome.k, link.wait_s + verify_s)
 
     def _degraded_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
         """A round without the draft (counted degraded); a row the draft failed is prefilled again after it."""
