@@ -226,28 +226,22 @@ def probe_pair(target: Model, draft: Model, prompts: Sequence[Sequence[int]]) ->
 
 
 def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
-    """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations."""
-    matches, rejected, bonus = 0, [], []
-    lengths = [len(seq) for seq in sequences]  # the sequences forward together (one llama.cpp context)
-    source = backend.sequence_source(draft, len(sequences), sum(lengths), max(lengths))
-    rows = [backend.new_sequence(source) for _ in sequences]
-    try:
+    """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations
+    (one intra-op thread: it runs beside the target's probes)."""
+    def ranks(made: list[AnySequence]) -> list[int]:
+        lengths = [len(seq) for seq in sequences]  # the sequences forward together (one llama.cpp context)
+        source = backend.sequence_source(draft, len(sequences), sum(lengths), max(lengths))
+        made.extend(backend.new_sequence(source) for _ in sequences)
         with torch.inference_mode():
-            outs = backend.forward_rows(rows, [list(seq) for seq in sequences], last_only=False)
-            outs = [out[start - 1 : len(seq) - 1].float() for seq, start, out in zip(sequences, starts, outs)]
-    finally:
-        for row in rows:
-            backend.release(row)
-    for seq, start, logits in zip(sequences, starts, outs):
-        for row, token in zip(logits, seq[start:]):
-            rank = int((row > row[token]).sum())
-            bonus.append(rank)
-            if rank == 0:
-                matches += 1
-            else:
-                rejected.append(rank - 1)  # among the draft's tokens other than its rejected top choice
+            outs = backend.forward_rows(made, [list(seq) for seq in sequences], last_only=False)
+            return [int((row > row[token]).sum())
+                    for seq, start, out in zip(sequences, starts, outs)
+                    for row, token in zip(out[start - 1 : len(seq) - 1].float(), seq[start:])]
+
+    bonus = _single_thread(ranks)
+    rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
     positions = len(bonus)
-    return Agreement(min(matches / max(positions, 1), 0.99), rejected, bonus, positions)
+    return Agreement(min((positions - len(rejected)) / max(positions, 1), 0.99), rejected, bonus, positions)
 
 
 def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], meta: dict[str, Any],
