@@ -60,10 +60,10 @@ BACKUP_KS = (1, 3, 6)
 BUILD_KS = (1, 3)
 BUILD_BUDGETS = (2, 8)
 PROBE_ROWS = (4,)  # batch sizes of the batched probes; one row's are the single-row probes' (the rest interpolated)
-REPEATS = 1  # timed passes, after one warm-up pass
+REPEATS = 1  # timed passes; after one warm-up pass on torch (llama.cpp's first pass times as its second)
 CONTINUATION = 16  # target tokens per prompt the draft is scored against
-PREFIX = 64
-ROWS_PREFIX = 16  # batched probes: b rows of this context each (a shorter prefill)
+PREFIX = 32
+ROWS_PREFIX = 8  # batched probes: b rows of this context each (a shorter prefill)
 ROWS_TOKENS = (1, 3)  # tokens a row in the batched verification probes (one row: ar_step_s, verify_s[2])
 ROWS_CHAIN = (1, 3)  # draft tokens a row in the batched backup-chain probes (one row: backup_s[1], [3])
 BUSY_TOKENS = 4  # a role that finished its timing keeps forwarding this many tokens a step
@@ -124,7 +124,7 @@ def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = RE
             made.extend(primed)
             for n in ROWS_TOKENS:
                 probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, vocab, gen)
-        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, target probes")
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, target probes", _warm_up(target))
         one_row = [[1, n, timed[n - 1]] for n in ROWS_TOKENS]
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": one_row + [[b, n, timed[("rows", b, n)]] for b in PROBE_ROWS for n in ROWS_TOKENS]}
@@ -163,7 +163,7 @@ def draft_probe(draft: Model, ks: Sequence[int] = BACKUP_KS, budgets: Sequence[i
             for k in BUILD_KS:
                 for b in budgets:
                     probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
-        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, draft probes")
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, draft probes", _warm_up(draft))
         builds: dict[str, list[list]] = {glue: [] for glue in timed_glues}
         for key, seconds in timed.items():
             if key[0] in builds:
@@ -229,14 +229,16 @@ def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence
     """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations
     (one intra-op thread: it runs beside the target's probes)."""
     def ranks(made: list[AnySequence]) -> list[int]:
-        lengths = [len(seq) for seq in sequences]  # the sequences forward together (one llama.cpp context)
-        source = backend.sequence_source(draft, len(sequences), sum(lengths), max(lengths))
+        cut = min(starts) - 1  # the logits from here on: the prompts' heads forward without them
+        source = backend.sequence_source(draft, len(sequences), sum(map(len, sequences)), max(map(len, sequences)))
         made.extend(backend.new_sequence(source) for _ in sequences)
         with torch.inference_mode():
-            outs = backend.forward_rows(made, [list(seq) for seq in sequences], last_only=False)
+            if cut > 0:
+                backend.forward_rows(made, [list(seq[:cut]) for seq in sequences], last_only=True)
+            outs = backend.forward_rows(made, [list(seq[cut:-1]) for seq in sequences], last_only=False)
             return [int((row > row[token]).sum())
                     for seq, start, out in zip(sequences, starts, outs)
-                    for row, token in zip(out[start - 1 : len(seq) - 1].float(), seq[start:])]
+                    for row, token in zip(out[start - 1 - cut :].float(), seq[start:])]
 
     bonus = _single_thread(ranks)
     rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
@@ -380,6 +382,13 @@ def report(plan: Plan) -> None:
 def _device_name(model: Model) -> str:
     """Where a model runs, for the plan's key (llama.cpp: "cpu")."""
     return str(backend.device_of(model)) if backend.is_llamacpp(model) else str(getattr(model, "device", "?"))
+
+
+def _warm_up(model: Model) -> bool:
+    """Whether the probes' timed pass needs a warm-up pass first: torch's first forwards of a
+    shape pay for kernel choices and allocations; llama.cpp's (the weights already read by
+    the prefill) time as its later ones."""
+    return not backend.is_llamacpp(model)
 
 
 def _primed(model: Model, room: int = 0, branches: int = 0) -> tuple[torch.Generator, list[int], AnySequence]:
