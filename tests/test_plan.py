@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import threading
 import time
@@ -260,6 +261,7 @@ def test_each_role_is_timed_while_the_other_computes(pair, monkeypatch):
     target, draft = pair
     started = {role: threading.Event() for role in ("target", "draft")}
     polls = {"target": 0, "draft": 0}
+    threads = set()  # intra-op threads each role computes with, on its own thread
     real_busy = startup.keep_busy
 
     def keep_busy(model, done):
@@ -267,6 +269,7 @@ def test_each_role_is_timed_while_the_other_computes(pair, monkeypatch):
 
         def polled():
             polls[role] += 1
+            threads.add(torch.get_num_threads())
             return done()
         return real_busy(model, polled)
 
@@ -286,7 +289,7 @@ def test_each_role_is_timed_while_the_other_computes(pair, monkeypatch):
     monkeypatch.setattr(startup, "target_probe", probe("target", target_part))
     monkeypatch.setattr(startup, "draft_probe", probe("draft", {"backup_s": {}}))
     got_target, got_draft = startup.probe_pair(target, draft, [[1, 2]])
-    assert polls["draft"] >= 3  # the draft's forwards ran while the target timed
+    assert polls["draft"] >= 3 and threads == {1}  # the draft's forwards ran while the target timed
     assert got_target == target_part | {"sequences": startup._continue_rows(target, [[1, 2]], startup.CONTINUATION)}
     assert got_draft["agreement"]["positions"] == startup.CONTINUATION  # scored on the target's continuation
 
@@ -329,3 +332,15 @@ def test_the_plan_reaches_a_local_server_s_engines(pair, tiny_tokenizer, tmp_pat
 
 def _devices(target, draft):
     return [str(target.device), str(draft.device), "in-process"]
+
+
+def test_round_robin_logs_a_progress_line_per_pass_and_times_after_the_warm_up(caplog):
+    runs = []
+    probes = {"a": (lambda: runs.append("a"), lambda: None), "b": (lambda: runs.append("b"), lambda: None)}
+    with caplog.at_level(logging.INFO, logger="ssd.saguaro.costs"):
+        timed = startup.round_robin(probes, 1, lambda: None, "SSD plan, test probes")
+        cold = startup.round_robin(probes, 1, lambda: None, "SSD plan, cold probes", warm_up=False)
+    assert set(timed) == set(cold) == {"a", "b"} and runs == ["a", "b"] * 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(" over")[0] for line in lines] == [
+        "SSD plan, test probes: pass 1 of 2", "SSD plan, test probes: pass 2 of 2", "SSD plan, cold probes: pass 1 of 1"]
