@@ -230,10 +230,10 @@ Probe = tuple[Callable[[], Any], Callable[[], Any]]
 
 def round_robin(
     probes: dict[Any, Probe], repeats: int, tick: Callable[[], None], progress: str | None = None,
-    warm_up: bool = True,
+    warm_up: bool = True, pick: Callable[[list[float]], float] = statistics.median,
 ) -> dict[Any, float]:
-    """Median seconds of each probe over `repeats` passes, after one warm-up pass unless
-    `warm_up` is False (where the caches' prefill already ran every weight once).
+    """The median (or `pick`) seconds of each probe over `repeats` passes, after one warm-up
+    pass unless `warm_up` is False (where the caches' prefill already ran every weight once).
 
     Each pass times every probe once, so a machine that speeds up or slows
     down over minutes (a shared host does) shifts all of them alike instead of
@@ -257,7 +257,7 @@ def round_robin(
                      len(probes), time.perf_counter() - started_all)
     for _, reset in probes.values():
         reset()
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: pick(values) for key, values in times.items()}
 
 
 def probe_sequence(model: Model, tokens: int, branches: int = 0) -> AnySequence:
