@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -134,8 +135,10 @@ def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = RE
 def continuations(target: Model, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Each prompt + the target's greedy continuation of CONTINUATION tokens (what the draft is
     scored against: `agreement`), and where each continuation starts."""
-    return _single_thread(lambda made: {"sequences": _continue_rows(target, prompts, CONTINUATION),
-                                        "starts": [len(p) for p in prompts]})
+    started = time.perf_counter()
+    sequences = _single_thread(lambda made: _continue_rows(target, prompts, CONTINUATION))
+    log.info("SSD plan, target probes: %d sample prompts continued (%.0f s)", len(prompts), time.perf_counter() - started)
+    return {"sequences": sequences, "starts": [len(p) for p in prompts]}
 
 
 def draft_probe(draft: Model, ks: Sequence[int] = BACKUP_KS, budgets: Sequence[int] = BUILD_BUDGETS,
