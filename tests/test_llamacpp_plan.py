@@ -41,8 +41,9 @@ def probes(pairs):
     """Both probes on the llama.cpp pair, as plan_in_process runs them (one timed pass)."""
     _, (lt, ld) = pairs
     prompts = startup.sample_prompt_ids(TinyTokenizer(CFG.vocab_size))
-    target_part = startup.target_probe(lt, prompts, repeats=1)
-    draft_part = startup.draft_probe(ld, target_part["sequences"], [len(p) for p in prompts], repeats=1)
+    target_part = startup.target_probe(lt, repeats=1) | {"sequences": startup.continuations(lt, prompts)["sequences"]}
+    draft_part = startup.draft_probe(ld, repeats=1)
+    draft_part["agreement"] = startup.agreement(ld, target_part["sequences"], [len(p) for p in prompts]).to_json()
     return prompts, target_part, draft_part
 
 
@@ -53,7 +54,8 @@ def _positive(seconds) -> bool:
 def test_probes_time_every_cost(probes):
     _, target_part, draft_part = probes
     assert set(target_part) == startup.TARGET_PART and set(draft_part) == startup.DRAFT_PART
-    assert sorted(target_part["verify_s"]) == list(DEFAULT_KS) == sorted(draft_part["backup_s"])
+    assert sorted(target_part["verify_s"]) == list(startup.VERIFY_KS)
+    assert sorted(draft_part["backup_s"]) == list(startup.BACKUP_KS)
     assert _positive([target_part["ar_step_s"], *target_part["verify_s"].values(), *draft_part["backup_s"].values()])
     assert _positive(s for _, _, s in target_part["rows_verify_s"])
     assert _positive(s for _, _, s in draft_part["rows_chain_s"])

@@ -1,6 +1,6 @@
 """SSD's start-up plan through a cluster: each half of the probes timed on
-its own actor (or read from the cache), then the plan, with the link's round
-trip on every round (a part of ssd.cluster.runtime.Cluster)."""
+its own actor, both at once (or read from the cache), then the plan, with
+the link's round trip on every round (a part of ssd.cluster.runtime.Cluster)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,25 @@ class StartupPlan:
     link_round_trip_s: float | None
 
     def _probe(self) -> tuple[dict, dict, dict] | None:
-        """SSD's start-up probes (ssd.saguaro.startup), each half timed on its own actor
-        (or read from the cache), where a plan is wanted: (target part, draft part, meta)."""
+        """SSD's start-up probes (ssd.saguaro.startup), each half timed on its own actor while
+        the other's computes (or read from the cache), where a plan is wanted: (target part,
+        draft part, meta). The role done first keeps its core busy until the other is done."""
         from ssd.saguaro import startup
 
         if not startup.wanted(self.config, world=len(self.targets)):
             return None
 
         def measure() -> tuple[dict, dict]:
-            target_part = ray.get(self.targets[0].plan_probe.remote())
-            starts = target_part.pop("starts")
-            draft_part = ray.get(self.draft.plan_probe.remote(target_part["sequences"], starts))
+            target, draft = self.targets[0], self.draft
+            continued = target.plan_continuations.remote()
+            # the target times once its continuations are done (an argument: awaited); the draft
+            # times at once, then scores them (in a list: not awaited before the call)
+            parts = [target.plan_probe.remote(continued), draft.plan_probe.remote([continued])]
+            [first], _ = ray.wait(parts)
+            other = parts[1] if first == parts[0] else parts[0]
+            busy = (target if first == parts[0] else draft).plan_busy.remote([other])
+            target_part, draft_part = ray.get(parts)
+            ray.get(busy)
             return target_part, draft_part
 
         device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key

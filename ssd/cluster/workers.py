@@ -67,6 +67,17 @@ def pin_to_cores(cores: list[int] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
+def plan_busy(model, cores: list[int] | None, until: list) -> int:
+    """Keep this role's cores computing (ssd.saguaro.startup.keep_busy) until the task in
+    `until` (the other role's start-up probe, its ref in a list so that it is not awaited) is done."""
+    import ray
+
+    from ssd.saguaro.startup import keep_busy
+
+    pin_to_cores(cores)
+    return keep_busy(model, lambda: bool(ray.wait(until, timeout=0)[0]))
+
+
 def whereabouts(device: str) -> dict[str, Any]:
     """What this actor process sees: for logs and the orchestration tests."""
     return {
@@ -226,14 +237,23 @@ class TargetWorker:
                      "join this target's: speculation is off" if widen else "go back to the draft: speculation resumes")
         return [*self.cores, *self.spare_cores] if widen else self.cores
 
-    def plan_probe(self) -> dict[str, Any]:
-        """SSD's start-up plan, the target's half (ssd.saguaro.startup.target_probe), with the prompts' lengths."""
-        from ssd.saguaro.startup import sample_prompt_ids, target_probe
+    def plan_continuations(self) -> dict[str, Any]:
+        """SSD's start-up plan: the target's continuations of the sample prompts (ssd.saguaro.startup.continuations)."""
+        from ssd.saguaro.startup import continuations, sample_prompt_ids
 
         pin_to_cores(self.cores)
+        return continuations(self.model, sample_prompt_ids(self.tokenizer))
 
-        ids = sample_prompt_ids(self.tokenizer)
-        return target_probe(self.model, ids) | {"starts": [len(i) for i in ids]}
+    def plan_probe(self, continued: dict[str, Any]) -> dict[str, Any]:
+        """SSD's start-up plan, the target's timed half (ssd.saguaro.startup.target_probe), after
+        its continuations (`continued`, which it hands back with it)."""
+        from ssd.saguaro.startup import target_probe
+
+        pin_to_cores(self.cores)
+        return target_probe(self.model) | {"sequences": continued["sequences"]}
+
+    def plan_busy(self, until: list) -> int:
+        return plan_busy(self.model, self.cores, until)
 
     def set_speculation(self, speculation: dict[str, Any]) -> None:
         """New speculation defaults (the start-up plan's), before the first request."""
@@ -306,13 +326,19 @@ class DraftWorker:
     def whereabouts(self) -> dict[str, Any]:
         return whereabouts(self.device) | {"cores": self.cores}
 
-    def plan_probe(self, sequences: list[list[int]], starts: list[int]) -> dict[str, Any]:
-        """SSD's start-up plan, the draft's half (ssd.saguaro.startup.draft_probe)."""
-        from ssd.saguaro.startup import draft_probe
+    def plan_probe(self, continued: list) -> dict[str, Any]:
+        """SSD's start-up plan, the draft's half: its timed probes (ssd.saguaro.startup.draft_probe),
+        then where the target's continuations (the task in `continued`) rank among its own."""
+        import ray
+
+        from ssd.saguaro.startup import agreement, draft_probe
 
         pin_to_cores(self.cores)
+        part = draft_probe(self.model)
+        return part | {"agreement": agreement(self.model, **ray.get(continued[0])).to_json()}
 
-        return draft_probe(self.model, sequences, starts)
+    def plan_busy(self, until: list) -> int:
+        return plan_busy(self.model, self.cores, until)
 
     def serve(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
         """Join the link to the target at `host`:`port` as rank 1 and answer rounds until shutdown (blocks)."""

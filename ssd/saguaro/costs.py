@@ -230,8 +230,10 @@ Probe = tuple[Callable[[], Any], Callable[[], Any]]
 
 def round_robin(
     probes: dict[Any, Probe], repeats: int, tick: Callable[[], None], progress: str | None = None,
+    warm_up: bool = True, pick: Callable[[list[float]], float] = statistics.median,
 ) -> dict[Any, float]:
-    """Median seconds of each probe over `repeats` passes after one warm-up pass.
+    """The median (or `pick`) seconds of each probe over `repeats` passes, after one warm-up
+    pass unless `warm_up` is False (where the caches' prefill already ran every weight once).
 
     Each pass times every probe once, so a machine that speeds up or slows
     down over minutes (a shared host does) shifts all of them alike instead of
@@ -240,7 +242,8 @@ def round_robin(
     """
     times: dict[Any, list[float]] = {key: [] for key in probes}
     started_all = time.perf_counter()
-    for rep in range(repeats + 1):
+    first = 0 if warm_up else 1
+    for rep in range(first, repeats + 1):
         for key, (run, reset) in probes.items():
             reset()
             started = time.perf_counter()
@@ -250,11 +253,11 @@ def round_robin(
             if rep == repeats:
                 tick()
         if progress is not None:
-            log.info("%s: pass %d of %d over %d probes done (%.0f s)", progress, rep + 1, repeats + 1, len(probes),
-                     time.perf_counter() - started_all)
+            log.info("%s: pass %d of %d over %d probes done (%.0f s)", progress, rep + 1 - first, repeats + 1 - first,
+                     len(probes), time.perf_counter() - started_all)
     for _, reset in probes.values():
         reset()
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: pick(values) for key, values in times.items()}
 
 
 def probe_sequence(model: Model, tokens: int, branches: int = 0) -> AnySequence:

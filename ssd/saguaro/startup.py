@@ -1,20 +1,27 @@
-"""Plan SSD's K, fan-out budget and glue when it starts, on the devices it runs on.
+"""Seed SSD's K, fan-out budget and glue when it starts, on the devices it runs on.
 
 Two probes, one per role, so that each runs where its model lives (in one
-process, or inside the cluster's target and draft actors):
-- `target_probe`: the target's verification of K + 1 tokens for K = 1..6
-  and one decode step, each after a 200-token context; and its own greedy
-  continuation of a few prompts, which the draft is then scored against;
-- `draft_probe`: the draft's backup chain per K and its cache build per
-  (K, budget) for each glue kind, on a small grid (the rest is fitted:
-  ssd.saguaro.costs.Costs); and where the target's tokens rank among the
-  draft's (ssd.saguaro.plan.Agreement).
-Both time with one intra-op thread per role, as SSD runs them, in a few
-seconds each. The models are of either backend (ssd.models.backend: torch
-or llama.cpp, whose sequences the probes hand back when done).
-`plan_from_probes` turns them into ssd.saguaro.plan.Plan; the result is
-cached per host (CPU model and torch's capability, or the GPU), model pair
-and precision, so later starts only read a file.
+process, or inside the cluster's target and draft actors), at the same time,
+as SSD runs them: each role times its own forwards while the other computes
+(`probe_pair`; the cluster's: ssd.cluster.planning), and keeps computing
+(`keep_busy`) until the other's timing is done too:
+- `target_probe`: its greedy continuation of a few prompts (which the draft
+  is then scored against), then the verification of K + 1 tokens for a few
+  K and one decode step, each after a PREFIX-token context, and a packed
+  verification at a few batch sizes;
+- `draft_probe`: the draft's backup chain for a few K and its cache build
+  per (K, budget) for each glue kind, on a small grid, and a batched backup
+  chain at a few batch sizes (the rest is fitted: ssd.saguaro.costs.Costs,
+  ssd.saguaro.plan.RowCosts); then, after both, `agreement`: where the
+  target's tokens rank among the draft's (ssd.saguaro.plan.Agreement).
+Both time with one intra-op thread per role, in about 20 s on a 2-core CPU
+host (docs/configuration.md). The plan only seeds SSD: the anytime build
+and K follow the measured rounds from there. The models are of either
+backend (ssd.models.backend: torch or llama.cpp, whose sequences the probes
+hand back when done). `plan_from_probes` turns them into
+ssd.saguaro.plan.Plan; the result is cached per host (CPU model and torch's
+capability, or the GPU), model pair and precision, so later starts only
+read a file.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,19 +49,25 @@ from ssd.models import backend
 from ssd.models.backend import AnySequence, Model
 from ssd.models.loading import resolve_backend
 from ssd.saguaro.branches import TreeBranchDecoder, make_branch_decoder
-from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, DEFAULT_ROWS, Agreement, Plan, RowCosts, choose
+from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCosts, choose
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ssd-startup-plan/2"  # 2: batched rounds (rows_verify_s, rows_chain_s)
+FORMAT = "ssd-startup-plan/3"  # 3: fewer points, one timed pass, each role timed beside the other
 PLAN_GLUES = ("fold", "reuse")
-BUILD_KS = (1, 2, 4, 6)  # measured; the others fitted (bilinear in K and budget)
-BUILD_BUDGETS = (2, 8, 16)
-CONTINUATION = 32  # target tokens per prompt the draft is scored against
-PREFIX = 200
-ROWS_PREFIX = 64  # batched probes: b rows of this context each (a shorter prefill)
-ROWS_TOKENS = (1, 3)  # tokens a row in the batched verification probes (the rest interpolated)
-ROWS_CHAIN = (1, 3)  # draft tokens a row in the batched backup-chain probes
+# Measured; the others fitted (linear in K, bilinear in K and budget, linear in rows and tokens).
+VERIFY_KS = (1, 2, 4)
+BACKUP_KS = (1, 3, 6)
+BUILD_KS = (1, 3)
+BUILD_BUDGETS = (2, 8)
+PROBE_ROWS = (4,)  # batch sizes of the batched probes; one row's are the single-row probes' (the rest interpolated)
+REPEATS = 2  # timed passes, the fastest kept (a shared host only adds time); after a warm-up pass on torch
+CONTINUATION = 16  # target tokens per prompt the draft is scored against
+PREFIX = 32
+ROWS_PREFIX = 8  # batched probes: b rows of this context each (a shorter prefill)
+ROWS_TOKENS = (1, 3)  # tokens a row in the batched verification probes (one row: ar_step_s, verify_s[2])
+ROWS_CHAIN = (1, 3)  # draft tokens a row in the batched backup-chain probes (one row: backup_s[1], [3])
+BUSY_TOKENS = 4  # a role that finished its timing keeps forwarding this many tokens a step
 TARGET_PART = {"verify_s", "ar_step_s", "rows_verify_s", "sequences"}  # what each probe returns
 DRAFT_PART = {"backup_s", "build_s", "rows_chain_s", "agreement"}
 SAMPLE_PROMPTS = (  # code and chat, as users send
@@ -95,9 +111,9 @@ def _single_thread(fn: Callable[[list[AnySequence]], Any]) -> Any:
             backend.release(sequence)
 
 
-def target_probe(target: Model, prompts: Sequence[Sequence[int]], ks: Sequence[int] = DEFAULT_KS,
-                 repeats: int = 2) -> dict[str, Any]:
-    """Verification and decode costs, and the target's greedy continuation of each prompt."""
+def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = REPEATS) -> dict[str, Any]:
+    """The target's verification and decode costs, alone and in batches (one row's: the
+    decode step and the verification of K + 1 = ROWS_TOKENS tokens)."""
     def run(made: list[AnySequence]) -> dict[str, Any]:
         gen, prefix, kv = _primed(target, max(ks) + 1)
         made.append(kv)
@@ -109,23 +125,29 @@ def target_probe(target: Model, prompts: Sequence[Sequence[int]], ks: Sequence[i
             made.extend(primed)
             for n in ROWS_TOKENS:
                 probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, vocab, gen)
-        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, target probes")
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, target probes", _warm_up(target), min)
+        one_row = [[1, n, timed[n - 1]] for n in ROWS_TOKENS]
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
-                "rows_verify_s": [[b, n, timed[("rows", b, n)]] for b in DEFAULT_ROWS for n in ROWS_TOKENS],
-                "sequences": _continue_rows(target, prompts, CONTINUATION)}
+                "rows_verify_s": one_row + [[b, n, timed[("rows", b, n)]] for b in PROBE_ROWS for n in ROWS_TOKENS]}
     return _single_thread(run)
 
 
-def draft_probe(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-                ks: Sequence[int] = DEFAULT_KS, budgets: Sequence[int] = BUILD_BUDGETS,
-                glues: Sequence[str] = PLAN_GLUES, repeats: int = 2) -> dict[str, Any]:
-    """Backup and build costs, and where the target's tokens rank among the draft's.
+def continuations(target: Model, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Each prompt + the target's greedy continuation of CONTINUATION tokens (what the draft is
+    scored against: `agreement`), and where each continuation starts."""
+    started = time.perf_counter()
+    sequences = _single_thread(lambda made: _continue_rows(target, prompts, CONTINUATION))
+    log.info("SSD plan, target probes: %d sample prompts continued (%.0f s)", len(prompts), time.perf_counter() - started)
+    return {"sequences": sequences, "starts": [len(p) for p in prompts]}
 
-    sequences: prompt + the target's greedy continuation, which starts at `starts`.
-    """
+
+def draft_probe(draft: Model, ks: Sequence[int] = BACKUP_KS, budgets: Sequence[int] = BUILD_BUDGETS,
+                glues: Sequence[str] = PLAN_GLUES, repeats: int = REPEATS) -> dict[str, Any]:
+    """Backup and build costs, alone and in batches (the agreement comes after: `agreement`)."""
     def run(made: list[AnySequence]) -> dict[str, Any]:
         # a build holds the prefix, K drafted tokens and K branch tokens, on up to `budget` branches
-        gen, prefix, kv = _primed(draft, 2 * max(ks) + 1, branches=max(budgets))
+        longest = max(*ks, *BUILD_KS)
+        gen, prefix, kv = _primed(draft, 2 * longest + 1, branches=max(budgets))
         made.append(kv)
         vocab = backend.vocab_size(draft)
         settings = CostSettings(ks=tuple(ks), budgets=tuple(budgets), repeats=repeats)
@@ -141,39 +163,90 @@ def draft_probe(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequen
             timed_glues = [g for g in glues if g != "fold"] or ["reuse"]
         for glue in timed_glues:
             glued = dataclasses.replace(settings, glue=glue)
-            for k in (k for k in BUILD_KS if k in ks):
+            for k in BUILD_KS:
                 for b in budgets:
                     probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
-        timed = round_robin(probes, repeats, lambda: None, progress="SSD plan, draft probes")
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, draft probes", _warm_up(draft), min)
         builds: dict[str, list[list]] = {glue: [] for glue in timed_glues}
         for key, seconds in timed.items():
             if key[0] in builds:
                 builds[key[0]].append([key[1], key[2], seconds])
+        one_row = [[1, k, timed[("backup", k)]] for k in ROWS_CHAIN]
         return {"backup_s": {k: timed[("backup", k)] for k in ks}, "build_s": builds,
-                "rows_chain_s": [[b, k, timed[("rows", b, k)]] for b in DEFAULT_ROWS for k in ROWS_CHAIN],
-                "agreement": agreement(draft, sequences, starts).to_json()}
+                "rows_chain_s": one_row + [[b, k, timed[("rows", b, k)]] for b in PROBE_ROWS for k in ROWS_CHAIN]}
     return _single_thread(run)
 
 
-def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
-    """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations."""
-    matches, rejected, bonus = 0, [], []
-    for seq, start in zip(sequences, starts):
-        kv = probe_sequence(draft, len(seq))
+def keep_busy(model: Model, done: Callable[[], bool]) -> int:
+    """Forward BUSY_TOKENS tokens at a time on a short context, one intra-op thread, until
+    `done()`: a role whose timing is over keeps computing while the other's runs. Steps run."""
+    def run(made: list[AnySequence]) -> int:
+        steps = 0
+        if done():
+            return steps
+        gen = torch.Generator().manual_seed(1)
+        prefix = torch.randint(backend.vocab_size(model), (ROWS_PREFIX,), generator=gen).tolist()
+        kv = probe_sequence(model, ROWS_PREFIX + BUSY_TOKENS)
+        made.append(kv)
+        kv.forward(prefix, last_only=True)
+        step, reset = forward_probe(kv, prefix, BUSY_TOKENS, gen)
+        while not done():
+            reset()
+            step()
+            steps += 1
+        return steps
+    return _single_thread(run)
+
+
+def probe_pair(target: Model, draft: Model, prompts: Sequence[Sequence[int]]) -> tuple[dict, dict]:
+    """Both probes in this process, at once: the draft's on a thread beside the target's (as
+    SSD runs its speculator), each role with one intra-op thread. The target continues the
+    prompts, then times; the draft times, then scores the continuations (`agreement`); each
+    keeps computing until the other is done."""
+    continued: Future = Future()
+    target_done = threading.Event()
+
+    def draft_side() -> dict[str, Any]:
+        part = draft_probe(draft)
+        part["agreement"] = agreement(draft, **continued.result()).to_json()
+        keep_busy(draft, target_done.is_set)
+        return part
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ssd-plan-draft") as pool:
+        drafted = pool.submit(draft_side)
         try:
-            with torch.inference_mode():
-                logits = kv.forward(list(seq))[start - 1 : len(seq) - 1].float()
+            sequences = continuations(target, prompts)
+            continued.set_result(sequences)
+            target_part = target_probe(target) | {"sequences": sequences["sequences"]}
+        except BaseException as exc:
+            if not continued.done():
+                continued.set_exception(exc)
+            raise
         finally:
-            backend.release(kv)
-        for row, token in zip(logits, seq[start:]):
-            rank = int((row > row[token]).sum())
-            bonus.append(rank)
-            if rank == 0:
-                matches += 1
-            else:
-                rejected.append(rank - 1)  # among the draft's tokens other than its rejected top choice
+            target_done.set()
+        keep_busy(target, drafted.done)
+        return target_part, drafted.result()
+
+
+def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> Agreement:
+    """Greedy acceptance and t*'s ranks, teacher-forced on the target's own continuations
+    (one intra-op thread: it runs beside the target's probes)."""
+    def ranks(made: list[AnySequence]) -> list[int]:
+        cut = min(starts) - 1  # the logits from here on: the prompts' heads forward without them
+        source = backend.sequence_source(draft, len(sequences), sum(map(len, sequences)), max(map(len, sequences)))
+        made.extend(backend.new_sequence(source) for _ in sequences)
+        with torch.inference_mode():
+            if cut > 0:
+                backend.forward_rows(made, [list(seq[:cut]) for seq in sequences], last_only=True)
+            outs = backend.forward_rows(made, [list(seq[cut:-1]) for seq in sequences], last_only=False)
+            return [int((row > row[token]).sum())
+                    for seq, start, out in zip(sequences, starts, outs)
+                    for row, token in zip(out[start - 1 - cut :].float(), seq[start:])]
+
+    bonus = _single_thread(ranks)
+    rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
     positions = len(bonus)
-    return Agreement(min(matches / max(positions, 1), 0.99), rejected, bonus, positions)
+    return Agreement(min((positions - len(rejected)) / max(positions, 1), 0.99), rejected, bonus, positions)
 
 
 def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], meta: dict[str, Any],
@@ -186,7 +259,7 @@ def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], me
         for glue, rows in draft_part["build_s"].items()
     }
     rows = RowCosts.from_json({"verify": target_part["rows_verify_s"], "chain": draft_part["rows_chain_s"]})
-    plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=sorted(verify), budgets=DEFAULT_BUDGETS,
+    plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=DEFAULT_KS, budgets=DEFAULT_BUDGETS,
                   rows_costs=rows, link_s=link_s)
     plan.meta = meta
     return plan
@@ -205,7 +278,8 @@ def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict
                 return data["target"], data["draft"]
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
-    log.info("SSD plan: timing verification and cache builds on this host (once; cached at %s)", path)
+    log.info("SSD plan: timing verification and cache builds on this host, each role beside the other "
+             "(once, about 20 s on a 2-core CPU; cached at %s)", path)
     target_part, draft_part = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,9 +299,7 @@ def plan_in_process(target: Model, draft: Model, tokenizer, key: str, meta: dict
                     directory: Path | None = None) -> Plan:
     """Both probes in this process (the local engines and server)."""
     def measure() -> tuple[dict, dict]:
-        prompts = sample_prompt_ids(tokenizer)
-        t = target_probe(target, prompts)
-        return t, draft_probe(draft, t["sequences"], [len(p) for p in prompts])
+        return probe_pair(target, draft, sample_prompt_ids(tokenizer))
     return load_or_measure(key, measure, meta, directory)
 
 
@@ -315,6 +387,13 @@ def _device_name(model: Model) -> str:
     return str(backend.device_of(model)) if backend.is_llamacpp(model) else str(getattr(model, "device", "?"))
 
 
+def _warm_up(model: Model) -> bool:
+    """Whether the probes' timed pass needs a warm-up pass first: torch's first forwards of a
+    shape pay for kernel choices and allocations; llama.cpp's (the weights already read by
+    the prefill) time as its later ones."""
+    return not backend.is_llamacpp(model)
+
+
 def _primed(model: Model, room: int = 0, branches: int = 0) -> tuple[torch.Generator, list[int], AnySequence]:
     """A seeded generator, a random PREFIX-token context and a cache holding it, which
     may take `room` tokens more and decode `branches` branches (llama.cpp sizes its
@@ -330,7 +409,7 @@ def _row_contexts(model: Model, gen: torch.Generator) -> dict[int, list[list[int
     """Random ROWS_PREFIX-token contexts for each batch size the plan covers."""
     vocab = backend.vocab_size(model)
     return {rows: [torch.randint(vocab, (ROWS_PREFIX,), generator=gen).tolist() for _ in range(rows)]
-            for rows in DEFAULT_ROWS}
+            for rows in PROBE_ROWS}
 
 
 def _continue_rows(model: Model, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
