@@ -56,7 +56,7 @@ def start(argv: list[str], config_path) -> Cluster:
     return Cluster(config, launcher.placement_from_args(args, with_draft=True))
 
 
-@pytest.mark.parametrize("target, draft", [("0-3", "4")])  # "0,1" / "2": the launcher test below
+@pytest.mark.parametrize("target, draft", [("0-1", "4")])  # "0,1" / "2": the launcher test below
 def test_each_actor_gets_its_gpu_and_greedy_ssd_equals_ar(logical_gpus, config_path, target, draft):
     cluster = start(["--target-gpus", target, "--draft-gpu", draft], config_path)
     actors = [*cluster.targets, cluster.draft]

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = yaml.safe_load((ROOT / "configs" / "prompts" / "code.yaml").read_text())[:3]
 GREEDY = SamplingConfig(temperature=0.0)
-TOKENS = GenerationConfig(max_new_tokens=32)
+TOKENS = GenerationConfig(max_new_tokens=24)
 
 
 @pytest.fixture(scope="module", params=["fp32", "int8"])
