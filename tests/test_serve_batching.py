@@ -430,6 +430,39 @@ def test_batch_size_counts_the_steps_an_engine_sent_not_its_polls():
     assert m["ssd:batch_size_count"] == len(fake.log.steps) == 6
 
 
+def test_each_server_steps_at_its_own_thread_count_beside_another():
+    """Two servers in one process (the serving bench runs one per thread count): each
+    one's engine steps at its runtime.threads, though torch hands the count set last in
+    the process to threads it initialises."""
+    import torch
+
+    seen: dict[int, list[int]] = {1: [], 2: []}
+
+    def backend(threads: int) -> FakeBackend:
+        fake = FakeBackend()
+        defaults = fake.info.defaults
+        runtime = dataclasses.replace(defaults.runtime, threads=threads)
+        fake.info = dataclasses.replace(fake.info, defaults=dataclasses.replace(defaults, runtime=runtime))
+
+        class Recording(FakeBatchEngine):
+            def step(self) -> list[Finished]:
+                torch.randn(512, 512) @ torch.randn(512, 512)  # intra-op work: torch (re)initialises its threads
+                seen[threads].append(torch.get_num_threads())
+                return super().step()
+
+        fake.batch_engine = lambda mode: Recording(mode, fake)
+        return fake
+
+    before = torch.get_num_threads()
+    try:
+        with running(lambda: backend(1)) as (_, one), running(lambda: backend(2)) as (_, two):
+            for client in (one, two, one, two):
+                assert client.generate(text=PROMPT, mode="ar", seed=1, max_new_tokens=3).finish_reason == "length"
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen[1]) == {1} and set(seen[2]) == {2}, seen
+
+
 def test_two_servers_have_their_own_registries_and_metrics_are_off_by_default():
     with running(lambda: FakeBackend(), metrics_port=0) as (first, first_client), \
             running(lambda: FakeBackend(), metrics_port=0) as (second, _):

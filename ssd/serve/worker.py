@@ -208,10 +208,14 @@ class GenerationWorker:
 
     def _loop(self) -> None:
         threads = self.backend.info.defaults.runtime.threads
-        if threads:  # under OpenMP torch's thread count is per OS thread: set it where the engines run
-            torch.set_num_threads(threads)
         try:
             while self._wait_for_work():
+                # Set where the engines run, before every step: under OpenMP the count is per OS
+                # thread, yet torch also keeps the last count set in the process and hands it to
+                # threads it initialises, so another server in this process (the serving bench
+                # runs one per thread count) would otherwise move this one's.
+                if threads and torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
                 self._admit_queued()
                 self._step_next()
         finally:
