@@ -408,17 +408,20 @@ def test_metrics_endpoint_serves_prometheus_text():
 
 class PollingBatchEngine(FakeBatchEngine):
     """Replicas' engine's shape (ssd.cluster.replicas): every other call sends no step, only
-    waits (`sent_steps` []), the others one step of all rows."""
+    waits (`stepped_rows` []), the others one step of all rows."""
 
     polls = 0
 
     def step(self) -> list[Finished]:
         self.polls += 1
         if self.polls % 2:
-            self.sent_steps = []
+            self.sent = []
             return []
-        self.sent_steps = [self.rows]
+        self.sent = [self.rows]
         return super().step()
+
+    def stepped_rows(self, rows_before: int) -> list[int]:
+        return self.sent
 
 
 def test_batch_size_counts_the_steps_an_engine_sent_not_its_polls():

@@ -338,7 +338,7 @@ class ReplicaBatchEngine(Engine):
         self.mode = mode
         self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False) for c in replicas.clusters]
         self.deadline_s = replicas.config.cluster.step_deadline_s
-        self.sent_steps: list[int] = []  # rows of each replica step the last `step` sent (for /metrics)
+        self._sent_steps: list[int] = []  # rows of each replica step the last `step` sent (for /metrics)
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
 
@@ -366,7 +366,7 @@ class ReplicaBatchEngine(Engine):
         """Send a step to each replica free to take one; wait for the first of this engine's to
         come back (briefly, while some replica could take new rows); collect every one back."""
         finished = self._place_moving()
-        self.sent_steps = [engine.rows for index, engine in enumerate(self.engines)
+        self._sent_steps = [engine.rows for index, engine in enumerate(self.engines)
                            if engine.rows and self.replicas.send_step(index, self, engine)]
         mine = self.replicas.steps_of(self)
         if not mine:
@@ -376,6 +376,10 @@ class ReplicaBatchEngine(Engine):
         for index, ended in self._collect(mine):
             finished += self._settle(index, ended)
         return finished
+
+    def stepped_rows(self, rows_before: int) -> list[int]:
+        """Each replica step the last call sent, however many rows this engine had."""
+        return self._sent_steps
 
     def close(self) -> None:
         self.replicas.forget(self)

@@ -100,6 +100,11 @@ class Engine(ABC):
         request.on_tokens as the round lands.
         """
 
+    def stepped_rows(self, rows_before: int) -> list[int]:
+        """The row count of each step the last `step` call ran (for /metrics): one step of
+        the rows it had. An engine whose call may run none or several says so (replicas)."""
+        return [rows_before]
+
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request alone: a batch of one (the Generator interface)."""
         if self.rows:

@@ -298,8 +298,7 @@ class GenerationWorker:
             log.exception("a %s batch step failed; its %d row(s) fail with it", mode, engine.rows)
             self._drop_engine(mode, exc)
             return
-        # Replicas step on their own: a call sends a step to each free replica and may send none.
-        for stepped in getattr(engine, "sent_steps", [rows]):
+        for stepped in engine.stepped_rows(rows):  # replicas: a call may send no step, or several
             self.metrics.stepped(stepped)
         for row in finished:
             self._finish_row(row)
