@@ -16,6 +16,8 @@ tests/test_ssd_distribution.py (paths "anytime" and "n-gram candidates").
 
 from __future__ import annotations
 
+import dataclasses
+
 import queue
 
 import pytest
@@ -219,3 +221,25 @@ def test_the_bench_variants_turn_off_what_they_name():
     assert ssd_variant(base, "no-ngram").fanout.anytime and not ssd_variant(base, "no-ngram").ngram_candidates
     with pytest.raises(ValueError, match="unknown SSD variant"):
         ssd_variant(base, "fast")
+    planned = dataclasses.replace(base, k_policy={1: 0}, adaptive_k=True)  # a plan that turned speculation off
+    speculating = ssd_variant(planned, "speculating")
+    assert speculating.k_policy == {} and speculating.fanout.anytime and speculating.ngram_candidates
+    assert all(ssd_variant(planned, v).k_policy == {} for v in ("static", "no-anytime", "no-ngram"))
+
+
+def test_a_fixed_grid_point_runs_its_k_and_budget_with_nothing_adaptive():
+    from ssd.tools.bench.cli import build_parser
+    from ssd.tools.bench.runner import fixed_ssd
+
+    planned = SpeculationConfig(mode="ssd", k=1, k_policy={1: 0}, adaptive_k=True)
+    point = fixed_ssd(planned, 3, 4)
+    assert (point.k, point.fanout.budget, point.k_policy, point.adaptive_k) == (3, 4, {}, False)
+    assert not point.fanout.anytime and not point.ngram_candidates
+    assert build_parser().parse_args(["--ssd-grid", "1:1", "3:4"]).ssd_grid == [(1, 1), (3, 4)]
+    from ssd.tools.bench.runner import BenchPlan
+
+    bench = BenchPlan(modes=["ar", "sd", "ssd"], ks=[2], temperatures=[0], prompt_sets={}, sd_ks=[1, 4])
+    assert bench.mode_runs == [("ar", 0), ("sd", 1), ("sd", 4), ("ssd", 2)]
+    for bad in ("3", "0:2", "a:b"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--ssd-grid", bad])

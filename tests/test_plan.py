@@ -92,6 +92,23 @@ def test_speculation_stops_where_batched_verification_turns_compute_bound():
     assert choose({"reuse": costs(0.02)}, GOOD_DRAFT).k_policy == {}  # not measured: nothing by batch size
 
 
+def test_speculation_is_off_at_one_row_where_the_draft_s_core_is_worth_more_to_the_target():
+    """A lone cluster target borrows the draft's core while speculation is off: where AR on
+    both cores beats SSD on one core each at one row, the plan turns speculation off from
+    one row on; otherwise the rows' own rule stands, and one row keeps SSD."""
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    one_row = plan.rows[0].ssd_tokens_per_s
+    rows_rule = plan.k_policy
+    assert rows_rule and 1 not in rows_rule
+    plan.ar_wide_tokens_per_s = 1.01 * one_row
+    assert plan.lends_draft_core and plan.k_policy == {1: 0}
+    assert "on the draft's core too" in plan.summary()
+    plan.ar_wide_tokens_per_s = 0.99 * one_row
+    assert not plan.lends_draft_core and plan.k_policy == rows_rule
+    plan.ar_wide_tokens_per_s = None  # no core lent (in process, TP, a draft on another node)
+    assert plan.k_policy == rows_rule
+
+
 def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification():
     """Every row's branches go into one forward a step: with dear branches, a batch shares
     a cap that leaves one row its planned budget and each of many rows fewer."""

@@ -5,6 +5,7 @@ the link's round trip on every round (a part of ssd.cluster.runtime.Cluster)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import ray
 
@@ -20,6 +21,7 @@ class StartupPlan:
     draft: object
     plan: object
     link_round_trip_s: float | None
+    _spare_cores: Callable[[int], list[int] | None]  # ssd.cluster.actors.Actors'
 
     def _probe(self) -> tuple[dict, dict, dict] | None:
         """SSD's start-up probes (ssd.saguaro.startup), each half timed on its own actor while
@@ -41,10 +43,12 @@ class StartupPlan:
             busy = (target if first == parts[0] else draft).plan_busy.remote([other])
             target_part, draft_part = ray.get(parts)
             ray.get(busy)
-            return target_part, draft_part
+            wide = ray.get(target.plan_wide_probe.remote())  # the draft idle, as while it lends its core
+            return target_part | ({"ar_wide_step_s": wide} if wide else {}), draft_part
 
         device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
-        key, meta = startup.config_key(self.config, [device, "cluster"])
+        lent = ["draft's core lent"] if self._spare_cores(0) else []  # then the probes time AR on both
+        key, meta = startup.config_key(self.config, [device, "cluster", *lent])
         return (*startup.cached_probes(key, measure, meta), meta)
 
     def _plan(self, target_part: dict, draft_part: dict, meta: dict) -> None:

@@ -255,6 +255,20 @@ class TargetWorker:
     def plan_busy(self, until: list) -> int:
         return plan_busy(self.model, self.cores, until)
 
+    def plan_wide_probe(self) -> float | None:
+        """SSD's start-up plan: the decode step on this rank's cores and the draft's, which it
+        borrows while speculation is off (ssd.saguaro.startup.wide_step_probe); None where none
+        are lent. Run while the draft is idle, as it is then."""
+        from ssd.saguaro.startup import wide_step_probe
+
+        if not self.spare_cores:
+            return None
+        pin_to_cores([*self.cores, *self.spare_cores])
+        try:
+            return wide_step_probe(self.model)
+        finally:
+            pin_to_cores(self.cores)
+
     def set_speculation(self, speculation: dict[str, Any]) -> None:
         """New speculation defaults (the start-up plan's), before the first request."""
         if self._served:

@@ -147,15 +147,31 @@ class Plan:
     meta: dict = field(default_factory=dict)
     rows: list[RowsChoice] = field(default_factory=list)  # by batch size; empty when not measured
     batch_budget: int | None = None  # fanout.batch_budget: the branches a batch shares (None: no cap)
+    # AR at one row on the target's cores plus the draft's, lent while speculation is off (a lone
+    # cluster target, CPU mode); None where no core is lent
+    ar_wide_tokens_per_s: float | None = None
 
     @property
     def beats_sd(self) -> bool:
         return self.best.tokens_per_s > self.sd_tokens_per_s
 
     @property
+    def one_row_ssd_tokens_per_s(self) -> float:
+        return self.rows[0].ssd_tokens_per_s if self.rows else self.best.tokens_per_s
+
+    @property
+    def lends_draft_core(self) -> bool:
+        """Whether AR on the target's and the draft's cores beats SSD on one core each at one
+        row: the draft's core is then worth more to the target than the draft's speculation."""
+        return bool(self.ar_wide_tokens_per_s) and self.ar_wide_tokens_per_s > self.one_row_ssd_tokens_per_s
+
+    @property
     def k_policy(self) -> dict[int, int]:
-        """speculation.k_policy: speculation off (K 0) from the first batch size past one row
-        where AR is faster. One row keeps the mode asked for (the start-up report warns)."""
+        """speculation.k_policy: speculation off (K 0) from the first batch size where AR is
+        faster. At one row only against AR on the draft's core too (`lends_draft_core`): on
+        the target's core alone, one row keeps the mode asked for (the start-up report warns)."""
+        if self.lends_draft_core:
+            return {1: 0}
         off = next((c.rows for c in self.rows if c.rows > 1 and not c.speculates), None)
         return {} if off is None else {off: 0}
 
@@ -165,6 +181,9 @@ class Plan:
             return ""
         share = b.link_s / (b.tokens_per_round / b.tokens_per_s)
         return f", link round trip {b.link_s * 1e3:.2f} ms: {100 * share:.1f}% of a round"
+
+    def _wide(self) -> str:
+        return "" if self.ar_wide_tokens_per_s is None else f" ({self.ar_wide_tokens_per_s:.2f} on the draft's core too)"
 
     def rows_summary(self) -> str:
         cells = [f"{c.rows} rows: SSD {c.ssd_tokens_per_s:.2f} (budget {c.budget}) vs AR {c.ar_tokens_per_s:.2f}"
@@ -178,7 +197,7 @@ class Plan:
             f"SSD plan: K={b.k}, budget={b.budget}, glue={b.glue}: predicted {b.tokens_per_s:.2f} tok/s "
             f"(hit rate {b.hit_rate:.2f}, {b.tokens_per_round:.2f} tokens a round, build/verify "
             f"{b.build_s * 1e3:.0f}/{b.verify_s * 1e3:.0f} ms{self._link()}); SD at its best K={self.sd_k}: "
-            f"{self.sd_tokens_per_s:.2f} tok/s, AR {self.ar_tokens_per_s:.2f} tok/s; acceptance a={self.agreement.a:.2f} "
+            f"{self.sd_tokens_per_s:.2f} tok/s, AR {self.ar_tokens_per_s:.2f} tok/s{self._wide()}; acceptance a={self.agreement.a:.2f} "
             f"over {self.agreement.positions} positions"
         )
 

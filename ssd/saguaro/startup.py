@@ -53,7 +53,7 @@ from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCo
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ssd-startup-plan/3"  # 3: fewer points, one timed pass, each role timed beside the other
+FORMAT = "ssd-startup-plan/4"  # 4: AR on the cores a lone target borrows from an idle draft (ar_wide_step_s)
 PLAN_GLUES = ("fold", "reuse")
 # Measured; the others fitted (linear in K, bilinear in K and budget, linear in rows and tokens).
 VERIFY_KS = (1, 2, 4)
@@ -130,6 +130,21 @@ def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = RE
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": one_row + [[b, n, timed[("rows", b, n)]] for b in PROBE_ROWS for n in ROWS_TOKENS]}
     return _single_thread(run)
+
+
+def wide_step_probe(target: Model, repeats: int = REPEATS) -> float:
+    """Seconds of the target's decode step on every core this thread may use (torch's thread count
+    as set by the caller: a cluster target with the draft's cores lent, the draft idle), the
+    fastest of `repeats` after a warm-up: what AR costs when speculation gives the draft's core back."""
+    made: list[AnySequence] = []
+    try:
+        gen, prefix, kv = _primed(target, 1)
+        made.append(kv)
+        timed = round_robin({0: forward_probe(kv, prefix, 1, gen)}, repeats, lambda: None, None, True, min)
+        return timed[0]
+    finally:
+        for sequence in made:
+            backend.release(sequence)
 
 
 def continuations(target: Model, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
@@ -262,6 +277,8 @@ def plan_from_probes(target_part: dict[str, Any], draft_part: dict[str, Any], me
     plan = choose(costs, Agreement.from_json(draft_part["agreement"]), ks=DEFAULT_KS, budgets=DEFAULT_BUDGETS,
                   rows_costs=rows, link_s=link_s)
     plan.meta = meta
+    wide_s = target_part.get("ar_wide_step_s")  # only where a lone target borrows the draft's cores
+    plan.ar_wide_tokens_per_s = 1.0 / wide_s if wide_s else None
     return plan
 
 
@@ -370,7 +387,12 @@ def report(plan: Plan) -> None:
     log.info("%s", plan.summary())
     if plan.rows:
         log.info("%s", plan.rows_summary())
-    if plan.rows and not plan.rows[0].speculates:
+    if plan.lends_draft_core:
+        log.warning("SSD plan: AR on the target's cores and the draft's (lent while speculation is off) is predicted "
+                    "faster than SSD at one row (%.2f vs %.2f tok/s): speculation off at every batch size; "
+                    "speculation.k_policy: {} in the config, or a K in the request, keeps it on",
+                    plan.ar_wide_tokens_per_s, plan.one_row_ssd_tokens_per_s)
+    elif plan.rows and not plan.rows[0].speculates:
         log.warning("SSD plan: AR is predicted faster than SSD even at one row on this host (%.2f vs %.2f tok/s)",
                     plan.rows[0].ar_tokens_per_s, plan.rows[0].ssd_tokens_per_s)
     if not plan.beats_sd:

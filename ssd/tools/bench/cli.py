@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> Results:
         cluster_ssd=args.cluster,
         cluster_planned=args.cluster and not args.ks,
         ssd_variants=args.ssd_variants or (),
+        ssd_grid=args.ssd_grid or (),
+        sd_ks=args.sd_ks or (),
         progress=not args.no_progress,
     )
     pair = load_pair(config, with_draft=any(m not in UNSPECULATIVE for m, _ in plan.local_runs()))
@@ -181,6 +183,16 @@ def hardware_summary() -> str:
     return hardware.summary()
 
 
+def _grid_point(text: str) -> tuple[int, int]:
+    try:
+        k, budget = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a grid point is K:BUDGET (e.g. 2:4), got {text!r}") from None
+    if k < 1 or budget < 1:
+        raise argparse.ArgumentTypeError(f"K and budget are >= 1, got {text!r}")
+    return k, budget
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-sets", dest="prompt_sets", nargs="+", default=["code"],
@@ -188,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-file", type=Path, help="one prompt file (overrides --prompt-sets)")
     parser.add_argument("--prompts", type=int, default=3, help="how many prompts of each set")
     parser.add_argument("--ks", type=int, action="append", help="K values for SD/SSD/HF (repeatable)")
+    parser.add_argument("--sd-ks", dest="sd_ks", nargs="+", type=int,
+                        help="K values for SD only (default: --ks); with --cluster, SSD still plans")
     parser.add_argument("--modes", nargs="+", default=["ar", "sd"], choices=MODES)
     parser.add_argument("--temperatures", nargs="+", type=float,
                         help="sampling temperatures, one table each (default: the config's)")
@@ -197,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ssd-variants", dest="ssd_variants", nargs="+", choices=SSD_VARIANTS,
                         help="with --cluster and no --ks: SSD also with parts of its adaptive build off, in the same "
                              "cluster, interleaved (static: no anytime build, no free n-gram entries)")
+    parser.add_argument("--ssd-grid", dest="ssd_grid", nargs="+", type=_grid_point, metavar="K:BUDGET",
+                        help="with --cluster and no --ks: SSD also at these fixed (K, budget) points, nothing "
+                             "adaptive, in the same cluster, interleaved (e.g. 1:1 2:2 2:4 3:4)")
     parser.add_argument("--json", type=Path, help="write everything (machine, aggregates, per-run stats) here")
     parser.add_argument("--csv", type=Path, help="write the aggregate rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s by mode here")

@@ -104,6 +104,9 @@ class BenchPlan:
     cluster_planned: bool = False
     # ... and, beside it, the same cluster with these SSD_VARIANTS (per-request settings, interleaved)
     ssd_variants: Sequence[str] = ()
+    # ... and these fixed (K, budget) points of SSD (fixed_ssd), likewise
+    ssd_grid: Sequence[tuple[int, int]] = ()
+    sd_ks: Sequence[int] = ()  # SD's K values where they differ from `ks` (the best SD among several)
     progress: bool = True
     mode_runs: list[tuple[str, int]] = field(init=False)
 
@@ -112,7 +115,7 @@ class BenchPlan:
         if unknown:
             raise ValueError(f"unknown modes {sorted(unknown)}; known: {MODES}")
         self.mode_runs = [(m, 0) for m in self.modes if m in UNSPECULATIVE] + [
-            (m, k) for m in self.modes if m not in UNSPECULATIVE for k in self.ks
+            (m, k) for m in self.modes if m not in UNSPECULATIVE for k in (self.sd_ks if m == "sd" else ()) or self.ks
         ]
 
     def local_runs(self) -> list[tuple[str, int]]:
@@ -223,23 +226,37 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
             for variant in plan.ssd_variants:
                 key = RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True, variant=variant)
                 turns.append(Turn(key, cluster, ssd_variant(speculation, variant)))
+            for k, budget in plan.ssd_grid:
+                key = RunKey("", 0.0, "ssd", k, 0, cluster=True, variant=f"B={budget} fixed")
+                turns.append(Turn(key, cluster, fixed_ssd(speculation, k, budget)))
         else:
             for mode, k in plan.cluster_runs():
                 turns.append(Turn(RunKey("", 0.0, mode, k, 0, cluster=True), cluster, speculation_for(config, mode, k)))
     return turns
 
 
-SSD_VARIANTS = ("static", "no-anytime", "no-ngram")  # static: both off, the build as before
+# speculating: the plan's settings, speculation on at every batch size (k_policy {}); the others
+# speculate too, with parts of the adaptive build off (static: both the anytime build and the
+# free n-gram entries, the build as before)
+SSD_VARIANTS = ("speculating", "static", "no-anytime", "no-ngram")
 
 
 def ssd_variant(speculation: SpeculationConfig, variant: str) -> SpeculationConfig:
-    """SSD's settings with some of its adaptive parts off: the anytime build, the free n-gram entries."""
+    """SSD's settings speculating at every batch size, some of its adaptive parts off (SSD_VARIANTS)."""
     if variant not in SSD_VARIANTS:
         raise ValueError(f"unknown SSD variant {variant!r}; known: {SSD_VARIANTS}")
-    anytime = speculation.fanout.anytime and variant == "no-ngram"
-    ngram = speculation.ngram_candidates and variant == "no-anytime"
+    anytime = speculation.fanout.anytime and variant in ("speculating", "no-ngram")
+    ngram = speculation.ngram_candidates and variant in ("speculating", "no-anytime")
     fanout = dataclasses.replace(speculation.fanout, anytime=anytime)
-    return dataclasses.replace(speculation, fanout=fanout, ngram_candidates=ngram)
+    return dataclasses.replace(speculation, fanout=fanout, ngram_candidates=ngram, k_policy={})
+
+
+def fixed_ssd(speculation: SpeculationConfig, k: int, budget: int) -> SpeculationConfig:
+    """A point of the fixed (K, budget) grid the start-up plan and the adaptive build replace:
+    that K and budget every round, nothing adaptive (no anytime build, no n-gram entries, no
+    adaptive K), speculating at every batch size."""
+    static = ssd_variant(speculation, "static")
+    return dataclasses.replace(static, k=k, adaptive_k=False, fanout=dataclasses.replace(static.fanout, budget=budget))
 
 
 def _set_threads(key: RunKey) -> None:
