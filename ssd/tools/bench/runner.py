@@ -222,7 +222,8 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
         cluster = stack.enter_context(Cluster(ssd if plan.cluster_planned else config, placement))
         if plan.cluster_planned:  # the plan ran at start where the config asks for one (runtime.plan)
             speculation = cluster.config.speculation
-            turns.append(Turn(RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True), cluster, speculation))
+            off = "plan: AR on both cores" if speculation.k_for(1) == 0 else ""  # the plan's k_policy
+            turns.append(Turn(RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True, variant=off), cluster, speculation))
             for variant in plan.ssd_variants:
                 key = RunKey("", 0.0, "ssd", speculation.k, 0, cluster=True, variant=variant)
                 turns.append(Turn(key, cluster, ssd_variant(speculation, variant)))
