@@ -423,6 +423,23 @@ def test_the_factory_builds_batched_ssd_with_its_own_speculator_thread(tiny_mode
     assert not engine.host.thread.is_alive()
 
 
+def test_a_row_that_may_not_speculate_leaves_the_draft_idle(tiny_models, tiny_tokenizer):
+    """k_policy {1: 0} (the plan where the draft's core is worth more to the target): the
+    row is never prefilled on the draft nor sent a round, and the engine says it does not
+    speculate (the cluster then lends the draft's core to the target). Output stays AR's."""
+    target, draft = tiny_models
+    r = request([5, 6, 7], 12)
+    r = dataclasses.replace(r, speculation=dataclasses.replace(r.speculation, k_policy={1: 0}))
+    with linked(target, draft, tiny_tokenizer) as (engine, spy, serving):
+        engine.admit(r)
+        assert not engine.speculating()
+        outs = []
+        while engine.rows:
+            outs += engine.step()
+    assert (ok(outs[0]).token_ids, ok(outs[0]).finish_reason) == ar_ids(target, tiny_tokenizer, r)
+    assert spy.sent[protocol_module.PREFILL] == spy.sent[protocol_module.ROUNDS] == 0
+
+
 def test_past_the_k_policy_s_batch_size_rows_run_plain_steps_then_speculate_again(tiny_models, tiny_tokenizer):
     """k_policy {1: 4, 3: 0}: with three rows every row runs plain target steps
     (no rounds message, its draft state released); once one row leaves, the
@@ -441,7 +458,9 @@ def test_past_the_k_policy_s_batch_size_rows_run_plain_steps_then_speculate_agai
         assert out.stats.spec.degraded_rounds == 0  # parked is not degraded: the link was fine
     three = [sent for n, sent in rounds_while_three if n == 3]
     assert len(set(three)) == 1  # no rounds message while three rows ran
-    assert spy.sent[protocol_module.PREFILL] == len(rows) + 2  # the two that stayed, prefilled again
-    assert epochs_by_head(spy) == {1: [0], 5: [0, 1], 7: [0, 1]}  # each on a new draft stream
-    assert spy.sent[protocol_module.RELEASE] == len(rows) + 2 and not serving.speculator.sequences  # parked, then left
+    # the third row, admitted where K is 0, is not prefilled on the draft until it may speculate;
+    # the second, admitted at two rows, is, and again (on a new draft stream) after it was parked
+    assert spy.sent[protocol_module.PREFILL] == 2 + 2
+    assert epochs_by_head(spy) == {1: [0], 5: [0, 1], 7: [0]}
+    assert spy.sent[protocol_module.RELEASE] == 2 + 2 and not serving.speculator.sequences  # parked, then left
     assert sum(out.stats.spec.hits for out in outs[1:]) > 0  # and they hit the cache again

@@ -7,8 +7,9 @@ differently (tests/test_real_pair_bf16.py allows near-ties), fp32 only by
 (ssd.models.quant, ssd.models.invariant), so token-for-token equality is a
 fair demand of both. The draft is int8: its precision only changes
 acceptance, never the output. The int8 target, the default on x86, runs all
-three prompts; the fp32 one (hosts without int8 kernels) the first, which
-keeps this file's share of the suite near two minutes.
+three prompts as rows of one batch (its forwards do not depend on the row
+count), the fp32 one (hosts without int8 kernels) the first prompt alone,
+which keeps this file's share of the suite near a minute and a half.
 """
 
 import pytest
@@ -29,6 +30,7 @@ from ssd.models.offline import TARGET_NAME
 from ssd.models.quant import int8_supported
 from ssd.models.tokenizer import encode_prompt
 from tests.conftest import ROOT
+from tests.test_batch import ok, run_batch
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +52,19 @@ def real_pair(request, real_draft, real_tokenizer):
 @pytest.fixture(scope="module")
 def ar_outputs(real_pair):
     target, _, tokenizer, prompts = real_pair
-    engine = AREngine(target, tokenizer)
-    return [engine.generate(GenerationRequest(encode_prompt(tokenizer, p), GREEDY, TOKENS)).token_ids for p in prompts]
+    return [out.token_ids for out in generate_rows(AREngine(target, tokenizer), tokenizer, prompts)]
+
+
+def generate_rows(engine, tokenizer, prompts: list[str]) -> list:
+    """Every prompt's greedy generation, the prompts as rows of one batch."""
+    requests = [GenerationRequest(encode_prompt(tokenizer, p), GREEDY, TOKENS) for p in prompts]
+    return [ok(finished) for finished in run_batch(engine, requests)]
 
 
 def test_sd_greedy_equals_ar_on_code(real_pair, ar_outputs):
     target, draft, tokenizer, prompts = real_pair
     engine = SDEngine(target, draft, tokenizer, SpeculationConfig(mode="sd", k=4))
-    for prompt, expected in zip(prompts, ar_outputs):
-        sd = engine.generate(GenerationRequest(encode_prompt(tokenizer, prompt), GREEDY, TOKENS))
+    for sd, expected in zip(generate_rows(engine, tokenizer, prompts), ar_outputs, strict=True):
         assert sd.token_ids == expected, sd.text
         assert sd.stats.acceptance_rate > 0.3, sd.stats.summary()  # the pair really speculates
 
@@ -67,7 +73,6 @@ def test_ssd_greedy_equals_ar_on_code(real_pair, ar_outputs):
     target, draft, tokenizer, prompts = real_pair
     spec = SpeculationConfig(mode="ssd", k=4, fanout=FanoutConfig(budget=8))
     with SSDEngine.in_process(target, draft, tokenizer, spec) as ssd:
-        for prompt, expected in zip(prompts, ar_outputs):
-            out = ssd.generate(GenerationRequest(encode_prompt(tokenizer, prompt), GREEDY, TOKENS))
+        for out, expected in zip(generate_rows(ssd, tokenizer, prompts), ar_outputs, strict=True):
             assert out.token_ids == expected, out.text
             assert out.stats.spec.hits > 0, out.stats.summary()

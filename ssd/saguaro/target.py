@@ -174,7 +174,11 @@ class SSDEngine(BatchedEngine):
     def speculating(self) -> bool:
         """Whether the next step gives the draft work: a link, and a row whose
         speculation.k_policy says K > 0 at the current batch size."""
-        return self.link_up and any(row.state.speculation.k_for(len(self._rows)) > 0 for row in self._rows)
+        return self.link_up and any(self._speculates(row) for row in self._rows)
+
+    def _speculates(self, row: Row) -> bool:
+        """Whether speculation.k_policy gives the row a K above 0 at the current batch size."""
+        return row.state.speculation.k_for(len(self._rows)) > 0
 
     def attach(self, channel: Channel) -> None:
         """Use a (new) draft link from the next step on; safe from any thread."""
@@ -225,16 +229,22 @@ class SSDEngine(BatchedEngine):
     # --- rows on the link ---------------------------------------------------------------
 
     def admit(self, request: GenerationRequest) -> None:
-        """Add a row and prefill the draft at once: its prefill overlaps the target's chunked one."""
+        """Add a row and prefill the draft at once: its prefill overlaps the target's chunked one.
+        A row that speculation.k_policy keeps off the draft at this batch size is not (a draft
+        that lent its core to the target would take it back for nothing); `_draft` links it
+        when its K is above 0."""
         super().admit(request)
         row = self._rows[-1]
         row.link = RowLink()
-        self._link_row(row)
+        if self._speculates(row):
+            self._link_row(row)
 
     def step(self) -> list[Finished]:
         if self._adopt():
-            log.info("draft link adopted with %d running rows; each is prefilled on it", len(self._rows))
-            for row in self._rows:
+            linked = [row for row in self._rows if self._speculates(row)]
+            log.info("draft link adopted with %d running rows; %d speculating, each prefilled on it",
+                     len(self._rows), len(linked))
+            for row in linked:
                 self._link_row(row)
         before = list(self._rows)
         left = super().step()
@@ -316,7 +326,7 @@ class SSDEngine(BatchedEngine):
             row.link.clear()
         if self.channel is None or not rows:
             return
-        off = [row for row in rows if row.state.speculation.k_for(len(self._rows)) == 0]
+        off = [row for row in rows if not self._speculates(row)]
         for row in off:
             self._park(row)
         rows = [row for row in rows if not row.link.parked]
