@@ -109,6 +109,21 @@ def test_speculation_is_off_at_one_row_where_the_draft_s_core_is_worth_more_to_t
     assert plan.k_policy == rows_rule
 
 
+def test_always_speculate_keeps_ssd_on_where_the_plan_would_turn_it_off():
+    import argparse
+
+    from ssd.app.cli import add_config_args, config_from_args
+
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    plan.ar_wide_tokens_per_s = 2 * plan.rows[0].ssd_tokens_per_s
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    for flags, policy in (([], {1: 0}), (["--always-speculate"], {})):
+        config = config_from_args(parser.parse_args(["--mode", "ssd", *flags]))
+        applied = startup.apply_plan(config.speculation, plan, config.runtime.plan_keeps)
+        assert applied.k_policy == policy, flags
+
+
 def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification():
     """Every row's branches go into one forward a step: with dear branches, a batch shares
     a cap that leaves one row its planned budget and each of many rows fewer."""

@@ -46,6 +46,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override speculation.draft_vocab.size: the draft's LM head over the SIZE most "
                              "frequent tokens of speculation.draft_vocab.source (torch drafts; 0: full)")
     parser.add_argument("--glue", choices=GLUES, help="override speculation.glue (how an SSD cache build starts)")
+    parser.add_argument("--always-speculate", action="store_true",
+                        help="SSD: speculate at every batch size, even where the start-up plan finds AR faster "
+                             "(speculation.k_policy: {}, kept)")
     parser.add_argument("--no-plan", action="store_true",
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
@@ -110,6 +113,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if value is not None:
             overrides.setdefault(section, {})[key] = value
     keeps = [name for name, value in (("k", args.k), ("budget", args.budget), ("glue", args.glue)) if value is not None]
+    if args.always_speculate:
+        overrides.setdefault("speculation", {})["k_policy"] = {}
+        keeps.append("k_policy")
     if keeps:
         overrides.setdefault("runtime", {})["plan_keeps"] = keeps
     if args.no_plan:
