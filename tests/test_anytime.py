@@ -243,3 +243,22 @@ def test_a_fixed_grid_point_runs_its_k_and_budget_with_nothing_adaptive():
     for bad in ("3", "0:2", "a:b"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--ssd-grid", bad])
+
+
+def test_the_plan_check_s_grid_points_speculate_whatever_the_plan_s_k_policy(tiny_models, tiny_tokenizer):
+    """launch/bench_plan.py's grid: each point is fixed_ssd's (that K and budget, nothing
+    adaptive), speculating even where the plan turned speculation off at one row."""
+    from types import SimpleNamespace
+
+    from ssd.config import Config
+    from ssd.factory import LoadedPair
+    from ssd.tools.bench.plan_check import rows_for
+
+    planned = SpeculationConfig(mode="ssd", k=1, k_policy={1: 0})
+    cluster = SimpleNamespace(config=Config(speculation=planned))
+    rows = rows_for(LoadedPair(*tiny_models, tiny_tokenizer), cluster, Config(), [(2, 3)], threads=(1,))
+    plan_row, grid_row = rows[-2:]
+    assert plan_row.label == "ssd plan" and plan_row.speculation is None  # the cluster's own defaults
+    spec = grid_row.speculation
+    assert grid_row.label == "ssd K=2 B=3" and (spec.k, spec.fanout.budget, spec.k_policy) == (2, 3, {})
+    assert not spec.fanout.anytime and not spec.ngram_candidates

@@ -7,7 +7,8 @@ swings touch every row alike):
   thread is the paper's setting for SSD's target device; two threads is
   equal total hardware: SSD uses two cores);
 - "ssd plan": the cluster's own defaults, which the plan chose at start;
-- "ssd K=k B=b": the grid, through the same cluster, per-request settings.
+- "ssd K=k B=b": the grid, through the same cluster, per-request settings
+  (ssd.tools.bench.runner.fixed_ssd: that K and budget, nothing adaptive).
 Decode tokens/s summed over the prompts (tokens after the first / decode
 time). `background`: one nice-19 busy process for the whole run
 (ssd.tools.bench.background).
@@ -25,6 +26,7 @@ import torch
 from ssd.config import Config, SamplingConfig, SpeculationConfig
 from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest, Generator
+from ssd.tools.bench.runner import fixed_ssd
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,8 @@ def rows_for(pair: LoadedPair, cluster, config: Config, grid: Sequence[tuple[int
         sd = dataclasses.replace(config.speculation, mode="sd", k=4)
         rows.append(Row(f"sd K=4 {t}t", make_engine("sd", pair, sd), sd, t))
     rows.append(Row("ssd plan", cluster, None))
-    for k, b in grid:
-        spec = dataclasses.replace(cluster.config.speculation, k=k, fanout=dataclasses.replace(
-            cluster.config.speculation.fanout, budget=b))
-        rows.append(Row(f"ssd K={k} B={b}", cluster, spec))
+    for k, b in grid:  # that K and budget, nothing adaptive, speculating whatever the plan's k_policy
+        rows.append(Row(f"ssd K={k} B={b}", cluster, fixed_ssd(cluster.config.speculation, k, b)))
     return rows
 
 
