@@ -699,12 +699,41 @@ def relinked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMP
     return draws, window
 
 
+def late_linked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
+    """k_policy {1: 0, 2: K}: the row, admitted alone, is not prefilled on the draft and runs
+    plain target steps; a second request joins after its first plain token and the row is
+    prefilled on the draft for the first time, mid-request. Rounds: the prefill's token, 1
+    (plain), K + 1, ... Read: the plain step's token with the first draft after the link."""
+    target, _ = pair
+    window = Window(K + 4, (1, 2))
+    draws = Draws([], 0, 0, 0, 0, Counter())
+    settings = spec(k_policy={1: 0, 2: K})
+    with SSDEngine.in_process(target, target, TinyTokenizer(V), settings) as engine:
+        for seed in range(samples):
+            rounds: list[list[int]] = []
+            request = GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed),
+                                        GenerationConfig(max_new_tokens=window.n_tokens), on_tokens=rounds.append)
+            joined = []
+
+            def join_after_a_plain_step() -> None:
+                if len(rounds) == 2 and not joined:  # stays past the row's window
+                    joined.append(GenerationRequest([3, 2], SamplingConfig(), GenerationConfig(max_new_tokens=2 * K + 8)))
+                    engine.admit(joined[0])
+
+            out = run_rounds(engine, request, rounds, join_after_a_plain_step)
+            assert [len(r) for r in rounds[:3]] == [1, 1, K + 1], rounds  # linked late, then all accepted
+            draws.add(out, rounds, window.positions, last_early_round=-1)
+            while engine.rows:  # the companion leaves before the next sample
+                engine.step()
+    return draws, window
+
+
 REPREFILLS = {"parked": parked_draws, "re-linked": relinked_draws}
 
 
-@pytest.mark.parametrize("path", REPREFILLS)
+@pytest.mark.parametrize("path", [*REPREFILLS, "linked late"])
 def test_a_row_prefilled_again_keeps_the_target_law(small_pair, path):
-    draws, window = REPREFILLS[path](small_pair, T1)
+    draws, window = {**REPREFILLS, "linked late": late_linked_draws}[path](small_pair, T1)
     p = pvalue(small_pair, draws, T1, window, (f"{path} row, prefilled again", "t1.0", "exact"))
     assert p > ALPHA, f"a {path} row prefilled again: p = {p:.2e}"
 
@@ -715,3 +744,12 @@ def test_the_reprefill_test_rejects_a_replayed_draft_stream(small_pair, monkeypa
     draws, window = REPREFILLS[path](small_pair, T1, STRONG_SAMPLES)
     p = pvalue(small_pair, draws, T1, window, (f"{path} row, prefilled again", "t1.0", "replays_the_first_stream"))
     assert p < ALPHA, f"a replayed draft stream went undetected ({path}): p = {p:.2e}"
+
+
+def test_the_late_link_test_rejects_a_draft_stream_shared_with_the_target(small_pair, monkeypatch):
+    """The row linked late drew its plain step from the target's stream; a draft seeded
+    with the request's seed itself replays those uniforms in its first drafts."""
+    monkeypatch.setattr(speculator_module, "draft_seed", lambda seed, epoch=0: seed)
+    draws, window = late_linked_draws(small_pair, T1, STRONG_SAMPLES)
+    p = pvalue(small_pair, draws, T1, window, ("row linked late", "t1.0", "draft_stream_is_the_target_s"))
+    assert p < ALPHA, f"a draft stream shared with the target went undetected: p = {p:.2e}"

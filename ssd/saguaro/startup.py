@@ -97,16 +97,17 @@ def sample_prompt_ids(tokenizer) -> list[list[int]]:
         return [list(range(1, 9)), list(range(3, 13)), list(range(2, 8))]
 
 
-def _single_thread(fn: Callable[[list[AnySequence]], Any]) -> Any:
-    """fn(made) with one intra-op thread; the sequences it adds to `made` are released after
-    (llama.cpp contexts default to one thread already)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _probing(fn: Callable[[list[AnySequence]], Any], threads: int | None = 1) -> Any:
+    """fn(made) with `threads` intra-op threads (one by default; None: the caller's count);
+    the sequences it adds to `made` are released after (llama.cpp contexts follow torch's count)."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     made: list[AnySequence] = []
     try:
         return fn(made)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
         for sequence in made:
             backend.release(sequence)
 
@@ -129,29 +130,25 @@ def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = RE
         one_row = [[1, n, timed[n - 1]] for n in ROWS_TOKENS]
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": one_row + [[b, n, timed[("rows", b, n)]] for b in PROBE_ROWS for n in ROWS_TOKENS]}
-    return _single_thread(run)
+    return _probing(run)
 
 
 def wide_step_probe(target: Model, repeats: int = REPEATS) -> float:
     """Seconds of the target's decode step on every core this thread may use (torch's thread count
     as set by the caller: a cluster target with the draft's cores lent, the draft idle), the
     fastest of `repeats` after a warm-up: what AR costs when speculation gives the draft's core back."""
-    made: list[AnySequence] = []
-    try:
+    def run(made: list[AnySequence]) -> float:
         gen, prefix, kv = _primed(target, 1)
         made.append(kv)
-        timed = round_robin({0: forward_probe(kv, prefix, 1, gen)}, repeats, lambda: None, None, True, min)
-        return timed[0]
-    finally:
-        for sequence in made:
-            backend.release(sequence)
+        return round_robin({0: forward_probe(kv, prefix, 1, gen)}, repeats, lambda: None, None, True, min)[0]
+    return _probing(run, threads=None)
 
 
 def continuations(target: Model, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Each prompt + the target's greedy continuation of CONTINUATION tokens (what the draft is
     scored against: `agreement`), and where each continuation starts."""
     started = time.perf_counter()
-    sequences = _single_thread(lambda made: _continue_rows(target, prompts, CONTINUATION))
+    sequences = _probing(lambda made: _continue_rows(target, prompts, CONTINUATION))
     log.info("SSD plan, target probes: %d sample prompts continued (%.0f s)", len(prompts), time.perf_counter() - started)
     return {"sequences": sequences, "starts": [len(p) for p in prompts]}
 
@@ -189,7 +186,7 @@ def draft_probe(draft: Model, ks: Sequence[int] = BACKUP_KS, budgets: Sequence[i
         one_row = [[1, k, timed[("backup", k)]] for k in ROWS_CHAIN]
         return {"backup_s": {k: timed[("backup", k)] for k in ks}, "build_s": builds,
                 "rows_chain_s": one_row + [[b, k, timed[("rows", b, k)]] for b in PROBE_ROWS for k in ROWS_CHAIN]}
-    return _single_thread(run)
+    return _probing(run)
 
 
 def keep_busy(model: Model, done: Callable[[], bool]) -> int:
@@ -210,7 +207,7 @@ def keep_busy(model: Model, done: Callable[[], bool]) -> int:
             step()
             steps += 1
         return steps
-    return _single_thread(run)
+    return _probing(run)
 
 
 def probe_pair(target: Model, draft: Model, prompts: Sequence[Sequence[int]]) -> tuple[dict, dict]:
@@ -258,7 +255,7 @@ def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence
                     for seq, start, out in zip(sequences, starts, outs)
                     for row, token in zip(out[start - 1 - cut :].float(), seq[start:])]
 
-    bonus = _single_thread(ranks)
+    bonus = _probing(ranks)
     rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
     positions = len(bonus)
     return Agreement(min((positions - len(rejected)) / max(positions, 1), 0.99), rejected, bonus, positions)
