@@ -631,16 +631,14 @@ def run_rounds(engine, request, rounds: list[list[int]], between: Callable[[], N
         between()
 
 
-def parked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
-    """k_policy {2: 0}: once the row has run one speculative round, a second
-    request joins for one step (the row is parked: released on the draft, a
-    plain target step), leaves, and the row is prefilled on the draft again.
-    Rounds: the prefill's token, K + 1 (all accepted), 1 (parked), K + 1, ..."""
+def joined_draws(pair, sampling: SamplingConfig, samples: int, k_policy: dict[int, int], window: Window,
+                 companion_tokens: int, rounds_first: list[int]) -> Draws:
+    """The row alone under `k_policy`; after its second round a second request of
+    `companion_tokens` tokens joins (the batch size moves the row's K); each sample's
+    first rounds must have the lengths `rounds_first`."""
     target, _ = pair
-    window = Window(2 * K + 4, (1, K + 3))  # round 1's first draft; the first draft after the re-prefill
     draws = Draws([], 0, 0, 0, 0, Counter())
-    settings = spec(k_policy={2: 0})
-    with SSDEngine.in_process(target, target, TinyTokenizer(V), settings) as engine:
+    with SSDEngine.in_process(target, target, TinyTokenizer(V), spec(k_policy=k_policy)) as engine:
         for seed in range(samples):
             rounds: list[list[int]] = []
             request = GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed),
@@ -648,14 +646,27 @@ def parked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLE
             joined = []
 
             def join_after_round_1() -> None:
-                if len(rounds) == 2 and not joined:  # one request of one token: it leaves in the step it joins
-                    joined.append(GenerationRequest([3, 2], SamplingConfig(), GenerationConfig(max_new_tokens=1)))
+                if len(rounds) == 2 and not joined:
+                    joined.append(GenerationRequest([3, 2], SamplingConfig(),
+                                                    GenerationConfig(max_new_tokens=companion_tokens)))
                     engine.admit(joined[0])
 
             out = run_rounds(engine, request, rounds, join_after_round_1)
-            assert [len(r) for r in rounds[:4]] == [1, K + 1, 1, K + 1], rounds  # parked once, re-prefilled
+            assert [len(r) for r in rounds[: len(rounds_first)]] == rounds_first, rounds
             draws.add(out, rounds, window.positions, last_early_round=-1)
-    return draws, window
+            while engine.rows:  # the companion leaves before the next sample
+                engine.step()
+    return draws
+
+
+def parked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
+    """k_policy {2: 0}: once the row has run one speculative round, a second
+    request joins for one step (the row is parked: released on the draft, a
+    plain target step), leaves, and the row is prefilled on the draft again.
+    Rounds: the prefill's token, K + 1 (all accepted), 1 (parked), K + 1, ..."""
+    window = Window(2 * K + 4, (1, K + 3))  # round 1's first draft; the first draft after the re-prefill
+    # a companion of one token leaves in the step it joins
+    return joined_draws(pair, sampling, samples, {2: 0}, window, 1, [1, K + 1, 1, K + 1]), window
 
 
 def relinked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_SAMPLES) -> tuple[Draws, Window]:
@@ -704,28 +715,9 @@ def late_linked_draws(pair, sampling: SamplingConfig, samples: int = REPREFILL_S
     plain target steps; a second request joins after its first plain token and the row is
     prefilled on the draft for the first time, mid-request. Rounds: the prefill's token, 1
     (plain), K + 1, ... Read: the plain step's token with the first draft after the link."""
-    target, _ = pair
     window = Window(K + 4, (1, 2))
-    draws = Draws([], 0, 0, 0, 0, Counter())
-    settings = spec(k_policy={1: 0, 2: K})
-    with SSDEngine.in_process(target, target, TinyTokenizer(V), settings) as engine:
-        for seed in range(samples):
-            rounds: list[list[int]] = []
-            request = GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed),
-                                        GenerationConfig(max_new_tokens=window.n_tokens), on_tokens=rounds.append)
-            joined = []
-
-            def join_after_a_plain_step() -> None:
-                if len(rounds) == 2 and not joined:  # stays past the row's window
-                    joined.append(GenerationRequest([3, 2], SamplingConfig(), GenerationConfig(max_new_tokens=2 * K + 8)))
-                    engine.admit(joined[0])
-
-            out = run_rounds(engine, request, rounds, join_after_a_plain_step)
-            assert [len(r) for r in rounds[:3]] == [1, 1, K + 1], rounds  # linked late, then all accepted
-            draws.add(out, rounds, window.positions, last_early_round=-1)
-            while engine.rows:  # the companion leaves before the next sample
-                engine.step()
-    return draws, window
+    # the companion stays past the row's window
+    return joined_draws(pair, sampling, samples, {1: 0, 2: K}, window, 2 * K + 8, [1, 1, K + 1]), window
 
 
 REPREFILLS = {"parked": parked_draws, "re-linked": relinked_draws}
