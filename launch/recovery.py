@@ -39,7 +39,7 @@ import ray  # noqa: E402
 from ssd import hardware  # noqa: E402
 from ssd.cluster.devices import plan_placement  # noqa: E402
 from ssd.cluster.runtime import Cluster  # noqa: E402
-from ssd.config import GenerationConfig, SamplingConfig, load_config  # noqa: E402
+from ssd.config import BACKENDS, GenerationConfig, SamplingConfig, load_config  # noqa: E402
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable  # noqa: E402
 from ssd.models.loading import resolve_backend  # noqa: E402
 
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write the target trials' times here")
     parser.add_argument("--warm-standby", action="store_true",
                         help="cluster.warm_standby: a loaded idle target takes over a killed one")
+    parser.add_argument("--backend", choices=list(BACKENDS),
+                        help="override target.backend and draft.backend (torch: the int8 pair on x86)")
     return parser
 
 
@@ -147,7 +149,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     load_before = os.getloadavg()[0]
     print(f"{hardware.summary()}; load average {load_before:.2f}; {hardware.uptime()}", flush=True)
-    cached = {"cache_quantized": not args.no_quant_cache}
+    cached = {"cache_quantized": not args.no_quant_cache} | ({"backend": args.backend} if args.backend else {})
     # SSD, as the cluster serves it; no start-up plan: it times the host (minutes with the
     # real pair) and does not change what is measured.
     config = load_config(args.config, {"target": cached, "draft": cached, "runtime": {"plan": False},
