@@ -17,16 +17,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ssd.cluster.devices import Placement
 from ssd.cluster.placing import actor_env, group_node
-from ssd.cluster.workers import DraftWorker, TargetWorker
+from ssd.cluster.workers import COMPUTE, DraftWorker, TargetWorker
 from ssd.config import Config
 from ssd.transport.distributed import free_port
 
 log = logging.getLogger(__name__)
 
 # The speculator holds the torch.distributed link in a blocking call, so it
-# needs a second thread for ping/ready calls.
+# needs a second thread for ping/ready calls. A target's model calls all run on
+# one thread (ssd.cluster.workers.COMPUTE: one OpenMP team); pings, the draft
+# link and tokenizing take the others, so they answer while a step runs.
 RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
-RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4)(TargetWorker)
+RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4, concurrency_groups={COMPUTE: 1})(TargetWorker)
 
 
 class Actors:

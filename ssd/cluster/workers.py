@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 
 from ssd.config import Config, SpeculationConfig, from_dict
@@ -33,11 +34,19 @@ MODES = ("ar", "ssd")  # the modes the cluster serves
 _WARNED: list[list[int]] = []  # the absent cores already logged in this process
 LOOPBACK = "127.0.0.1"
 
+# Every call that runs the target's model goes to one thread of the actor (Ray's
+# "compute" concurrency group, one thread: ssd.cluster.actors), the one owner
+# thread a llama.cpp context asks for. OpenMP (torch's and llama.cpp's ggml)
+# also keeps a team of worker threads per calling thread, each spinning a while
+# after a parallel region: steps that landed on whichever of Ray's four threads
+# was free ran four teams (measured on the real pair at two threads: 8 threads
+# busy through a decode, 2 with one compute thread).
+COMPUTE = "compute"
+compute = ray.method(concurrency_group=COMPUTE)
+
 
 def node_address() -> str:
     """This Ray node's IP address, the one other nodes reach it at."""
-    import ray
-
     return ray.util.get_node_ip_address()
 
 
@@ -67,14 +76,11 @@ def pin_to_cores(cores: list[int] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
-def plan_busy(model, cores: list[int] | None, until: list) -> int:
-    """Keep this role's cores computing (ssd.saguaro.startup.keep_busy) until the task in
-    `until` (the other role's start-up probe, its ref in a list so that it is not awaited) is done."""
-    import ray
-
+def plan_busy(model, until: list) -> int:
+    """Keep this role's cores (pinned by the caller) computing (ssd.saguaro.startup.keep_busy) until
+    the task in `until` (the other role's start-up probe, its ref in a list so that it is not awaited) is done."""
     from ssd.saguaro.startup import keep_busy
 
-    pin_to_cores(cores)
     return keep_busy(model, lambda: bool(ray.wait(until, timeout=0)[0]))
 
 
@@ -94,8 +100,6 @@ def whereabouts(device: str) -> dict[str, Any]:
 
 def _node_id() -> str | None:
     """The Ray node this actor runs on (hex), or None outside Ray."""
-    import ray
-
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
@@ -116,6 +120,7 @@ class TargetWorker:
         # The draft's cores on this node (CPU mode): they join this rank's while the draft has nothing to do.
         self.spare_cores = spare_cores or []
         self._widened = False
+        self._pinned: tuple[tuple | None, int] = (None, torch.get_num_threads())  # ((cores, thread), threads)
         self.device = device  # "cuda": the one GPU this process sees
         self.rank, self.world = rank, world
         if world > 1:
@@ -138,8 +143,11 @@ class TargetWorker:
         return os.getpid()
 
     def whereabouts(self) -> dict[str, Any]:
-        return whereabouts(self.device) | {"rank": self.rank, "world": self.world, "cores": self.cores}
+        # torch's thread count is per calling thread: the compute thread's is the one that counts
+        return whereabouts(self.device) | {"rank": self.rank, "world": self.world, "cores": self.cores,
+                                           "threads": self._pinned[1]}
 
+    @compute
     def run_follower(self) -> int:
         """Ranks > 0: mirror rank 0's forwards until it stops them."""
         from ssd.models.tp import run_tp_follower
@@ -184,9 +192,11 @@ class TargetWorker:
     # ssd.cluster.batch.RemoteBatchEngine, one call per step; each row's tokens
     # and its end travel back with the step.
 
+    @compute
     def batch_can_admit(self, mode: str, request: GenerationRequest) -> bool:
         return self._engine(mode).can_admit(request)
 
+    @compute
     def batch_admit(self, mode: str, key: str, request: GenerationRequest) -> None:
         self._served = True
         self._emitted[key] = []
@@ -200,9 +210,10 @@ class TargetWorker:
             raise
         self._row_keys[id(request)] = key
 
+    @compute
     def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
         """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
-        pin_to_cores(self._step_cores())  # every step: Ray may run this call on a thread not pinned yet
+        self._pin(self._step_cores())  # the draft's cores join or leave
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
         self._cancelled_rows.update(cancelled)
@@ -224,6 +235,13 @@ class TargetWorker:
         hung host); for drills and tests of ssd.cluster.replicas' step deadline."""
         self._step_delay_s = seconds
 
+    def _pin(self, cores: list[int] | None) -> None:
+        """pin_to_cores, from the compute thread, where the cores or the thread changed."""
+        key = (cores, threading.get_native_id())
+        if key != self._pinned[0]:
+            pin_to_cores(cores)
+            self._pinned = (key, torch.get_num_threads())
+
     def _step_cores(self) -> list[int] | None:
         """This step's cores: the rank's own, and the draft's too while SSD gives the
         draft nothing to do (no rows, or speculation.k_policy says K 0 at this batch
@@ -237,24 +255,29 @@ class TargetWorker:
                      "join this target's: speculation is off" if widen else "go back to the draft: speculation resumes")
         return [*self.cores, *self.spare_cores] if widen else self.cores
 
+    @compute
     def plan_continuations(self) -> dict[str, Any]:
         """SSD's start-up plan: the target's continuations of the sample prompts (ssd.saguaro.startup.continuations)."""
         from ssd.saguaro.startup import continuations, sample_prompt_ids
 
-        pin_to_cores(self.cores)
+        self._pin(self.cores)
         return continuations(self.model, sample_prompt_ids(self.tokenizer))
 
+    @compute
     def plan_probe(self, continued: dict[str, Any]) -> dict[str, Any]:
         """SSD's start-up plan, the target's timed half (ssd.saguaro.startup.target_probe), after
         its continuations (`continued`, which it hands back with it)."""
         from ssd.saguaro.startup import target_probe
 
-        pin_to_cores(self.cores)
+        self._pin(self.cores)
         return target_probe(self.model) | {"sequences": continued["sequences"]}
 
+    @compute
     def plan_busy(self, until: list) -> int:
-        return plan_busy(self.model, self.cores, until)
+        self._pin(self.cores)
+        return plan_busy(self.model, until)
 
+    @compute
     def plan_wide_probe(self) -> float | None:
         """SSD's start-up plan: the decode step on this rank's cores and the draft's, which it
         borrows while speculation is off (ssd.saguaro.startup.wide_step_probe); None where none
@@ -263,12 +286,13 @@ class TargetWorker:
 
         if not self.spare_cores:
             return None
-        pin_to_cores([*self.cores, *self.spare_cores])
+        self._pin([*self.cores, *self.spare_cores])
         try:
             return wide_step_probe(self.model)
         finally:
-            pin_to_cores(self.cores)
+            self._pin(self.cores)
 
+    @compute
     def set_speculation(self, speculation: dict[str, Any]) -> None:
         """New speculation defaults (the start-up plan's), before the first request."""
         if self._served:
@@ -343,8 +367,6 @@ class DraftWorker:
     def plan_probe(self, continued: list) -> dict[str, Any]:
         """SSD's start-up plan, the draft's half: its timed probes (ssd.saguaro.startup.draft_probe),
         then where the target's continuations (the task in `continued`) rank among its own."""
-        import ray
-
         from ssd.saguaro.startup import agreement, draft_probe
 
         pin_to_cores(self.cores)
@@ -352,7 +374,8 @@ class DraftWorker:
         return part | {"agreement": agreement(self.model, **ray.get(continued[0])).to_json()}
 
     def plan_busy(self, until: list) -> int:
-        return plan_busy(self.model, self.cores, until)
+        pin_to_cores(self.cores)
+        return plan_busy(self.model, until)
 
     def serve(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> None:
         """Join the link to the target at `host`:`port` as rank 1 and answer rounds until shutdown (blocks)."""
