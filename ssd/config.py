@@ -406,6 +406,13 @@ class ClusterConfig:
     # time is treated as lost (its target restarts; its rows that streamed
     # nothing move to another replica), while the others step on.
     step_deadline_s: float = 60.0
+    # One batched step call on the target keeps stepping until this much time
+    # has passed, a row has left or the batch is empty (at least one step), so
+    # fast steps (small models, GPUs) pay the Ray call's few milliseconds once
+    # for several steps; the tokens stream, and new requests and cancels are
+    # taken, at each return. 0: one step per call. A step longer than this
+    # (the real pair on a CPU core) runs one step per call either way.
+    step_call_s: float = 0.025
     # A second target, loaded and idle, per replica (tensor-parallel size 1):
     # it takes over when the target dies, so serving resumes in seconds rather
     # than a model load. Costs the target's memory twice; a new standby loads
@@ -415,6 +422,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not self.step_deadline_s > 0:
             raise ConfigError(f"cluster.step_deadline_s must be > 0, got {self.step_deadline_s}")
+        call = self.step_call_s
+        if isinstance(call, bool) or not isinstance(call, (int, float)) or not 0 <= call < self.step_deadline_s:
+            raise ConfigError(f"cluster.step_call_s must be >= 0 and below cluster.step_deadline_s "
+                              f"({self.step_deadline_s:g}), got {call!r}")
         if not isinstance(self.warm_standby, bool):
             raise ConfigError(f"cluster.warm_standby must be true or false, got {self.warm_standby!r}")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:

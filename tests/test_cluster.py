@@ -51,6 +51,34 @@ def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
         assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
 
 
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_a_step_call_runs_steps_until_a_row_leaves_with_output_unchanged(cluster, mode):
+    """cluster.step_call_s: one Ray call keeps stepping (each step the engine's own, so
+    greedy output is AR's) and returns when a row leaves; 0 is one step a call."""
+    spec = dataclasses.replace(CONFIG.speculation, mode=mode)
+    requests = [GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n), spec)
+                for prompt, n in ((PROMPTS[0], 30), (PROMPTS[2], 12))]
+    with cluster.batch_engine(mode) as engine:
+        engine.call_s = 30.0  # nothing but a leaving row (or an empty batch) ends a call
+        for request in requests:
+            engine.admit(request)
+        first = engine.step()
+        assert [row.request for row in first] == [requests[1]] and len(engine.stepped_rows(2)) > 1
+        assert set(engine.stepped_rows(2)) == {2}  # both rows in every step of the call
+        assert first[0].result.token_ids == local_ar(CONFIG, PROMPTS[2], 12)
+        (second,) = engine.step()
+        assert second.result.token_ids == local_ar(CONFIG, PROMPTS[0], 30)
+        assert set(engine.stepped_rows(1)) == {1}
+        engine.call_s = 0.0
+        engine.admit(dataclasses.replace(requests[1]))
+        steps = 0
+        while engine.rows:
+            engine.step()
+            steps += 1
+            assert engine.stepped_rows(1) == [1]
+        assert steps > 1
+
+
 def test_actors_run_at_the_drivers_priority(cluster):
     """Ray's raylet would start them at nice 15, so that any other busy process on
     the host took the CPU from the target and the draft first."""

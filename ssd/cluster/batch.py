@@ -88,12 +88,15 @@ def row_error(text: str) -> Exception:
 
 
 class RemoteBatchEngine(Engine):
-    def __init__(self, cluster: TargetHost, mode: str, wait_for_target: bool = True) -> None:
+    def __init__(self, cluster: TargetHost, mode: str, wait_for_target: bool = True, call_s: float = 0.0) -> None:
         """wait_for_target False: a call while the target restarts fails at once
-        (GeneratorUnavailable) rather than waiting, for a caller with somewhere else to go."""
+        (GeneratorUnavailable) rather than waiting, for a caller with somewhere else to go.
+        call_s: how long one step call may keep stepping (cluster.step_call_s)."""
         self.cluster = cluster
         self.mode = mode
         self.wait_for_target = wait_for_target
+        self.call_s = call_s
+        self._stepped: list[int] = []  # rows of each step the last call ran (for /metrics)
         self._requests: dict[str, GenerationRequest] = {}
         self._streamed: dict[str, int] = {}  # tokens each row has streamed so far
         self._again: list[GenerationRequest] = []  # lost before they streamed anything: to run again
@@ -126,6 +129,7 @@ class RemoteBatchEngine(Engine):
         self._streamed[key] = 0
 
     def step(self) -> list[Finished]:
+        self._stepped = []
         finished = self._admit_again()
         if not self._requests:
             return finished
@@ -135,15 +139,16 @@ class RemoteBatchEngine(Engine):
         """Send one step without waiting for it (replicas step side by side); finish_step collects it."""
         cancelled = [key for key, request in self._requests.items() if request.is_cancelled()]
         try:
-            return self._send("batch_step", self.mode, cancelled)
+            return self._send("batch_step", self.mode, cancelled, self.call_s)
         except GeneratorUnavailable as exc:
             return exc
 
     def finish_step(self, call: StepCall) -> list[Finished]:
+        self._stepped = []
         try:
             if isinstance(call, GeneratorUnavailable):
                 raise call
-            emitted, ended = self._receive("batch_step", call)
+            emitted, ended, self._stepped = self._receive("batch_step", call)
         except GeneratorUnavailable as exc:
             return self.drop_rows(str(exc), rerun=isinstance(exc, Lost) and exc.rerun and self.wait_for_target)
         for key, tokens in emitted.items():
@@ -154,6 +159,10 @@ class RemoteBatchEngine(Engine):
             self._streamed.pop(key, None)
             finished.append(Finished(self._requests.pop(key), result, row_error(error) if error is not None else None))
         return finished
+
+    def stepped_rows(self, rows_before: int) -> list[int]:
+        """The rows of each step the last call ran on the target (several within cluster.step_call_s)."""
+        return self._stepped
 
     def drop_rows(self, why: str, rerun: bool = False) -> list[Finished]:
         """End every row, the target being lost: each fails with TargetLost saying what it had

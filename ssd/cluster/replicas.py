@@ -336,9 +336,10 @@ class ReplicaBatchEngine(Engine):
     def __init__(self, replicas: Replicas, mode: str) -> None:
         self.replicas = replicas
         self.mode = mode
-        self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False) for c in replicas.clusters]
+        call_s = replicas.config.cluster.step_call_s
+        self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False, call_s=call_s) for c in replicas.clusters]
         self.deadline_s = replicas.config.cluster.step_deadline_s
-        self._sent_steps: list[int] = []  # rows of each replica step the last `step` sent (for /metrics)
+        self._stepped: list[int] = []  # rows of each replica step that came back in the last `step` (for /metrics)
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
 
@@ -366,20 +367,23 @@ class ReplicaBatchEngine(Engine):
         """Send a step to each replica free to take one; wait for the first of this engine's to
         come back (briefly, while some replica could take new rows); collect every one back."""
         finished = self._place_moving()
-        self._sent_steps = [engine.rows for index, engine in enumerate(self.engines)
-                           if engine.rows and self.replicas.send_step(index, self, engine)]
+        self._stepped = []
+        for index, engine in enumerate(self.engines):
+            if engine.rows:
+                self.replicas.send_step(index, self, engine)
         mine = self.replicas.steps_of(self)
         if not mine:
             if self._moving:  # no replica can take them yet: don't spin
                 time.sleep(POLL_S if self.replicas.any_stepping() else IDLE_WAIT_S)
             return finished
         for index, ended in self._collect(mine):
+            self._stepped += self.engines[index].stepped_rows(0)
             finished += self._settle(index, ended)
         return finished
 
     def stepped_rows(self, rows_before: int) -> list[int]:
-        """Each replica step the last call sent, however many rows this engine had."""
-        return self._sent_steps
+        """Each replica step that came back in the last call, however many rows this engine had."""
+        return self._stepped
 
     def close(self) -> None:
         self.replicas.forget(self)

@@ -137,7 +137,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
 
     def batch_engine(self, mode: str) -> RemoteBatchEngine:
         """A continuous batch of `mode` on target rank 0 (the serving worker drives it)."""
-        return RemoteBatchEngine(self, mode)
+        return RemoteBatchEngine(self, mode, call_s=self.config.cluster.step_call_s)
 
     # --------------------------------------------------------------- shutdown
 

@@ -211,13 +211,22 @@ class TargetWorker:
         self._row_keys[id(request)] = key
 
     @compute
-    def batch_step(self, mode: str, cancelled: list[str]) -> tuple[dict[str, list[int]], list[tuple]]:
-        """One step: ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that left)."""
-        self._pin(self._step_cores())  # the draft's cores join or leave
+    def batch_step(
+        self, mode: str, cancelled: list[str], call_s: float = 0.0,
+    ) -> tuple[dict[str, list[int]], list[tuple], list[int]]:
+        """Steps until `call_s` has passed, a row has left or no row is left (at least one):
+        ({row: tokens it admitted}, [(row, result or None, error text or None)] for rows that
+        left, [rows of each step]). Rows cancelled during the call leave at the next one."""
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
         self._cancelled_rows.update(cancelled)
-        left = self._engine(mode).step()
+        engine, started, steps = self._engine(mode), time.perf_counter(), []
+        while True:
+            self._pin(self._step_cores())  # the draft's cores join or leave
+            steps.append(engine.rows)
+            left = engine.step()
+            if left or not engine.rows or time.perf_counter() - started >= call_s:
+                break
         emitted = {key: list(tokens) for key, tokens in self._emitted.items() if tokens}
         for key in emitted:
             self._emitted[key].clear()  # in place: the row's on_tokens extends this very list
@@ -228,7 +237,7 @@ class TargetWorker:
             self._cancelled_rows.discard(key)
             error = None if finished.error is None else f"{type(finished.error).__name__}: {finished.error}"
             ended.append((key, finished.result, error))
-        return emitted, ended
+        return emitted, ended, steps
 
     def inject_step_delay(self, seconds: float) -> None:
         """Fault injection: every batched step from now on first sleeps `seconds` (a slow or
