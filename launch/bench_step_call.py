@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     result = bench_step_call(load_config(args.config), args.seconds, args.modes, args.prompt,
                              args.max_new_tokens, args.rounds)
-    table = format_table(result)
+    command = " ".join(["$ python launch/bench_step_call.py", *(sys.argv[1:] if argv is None else argv)])
+    table = command + "\n" + format_table(result)
     print(table)
     if args.out:
         args.out.with_suffix(".txt").write_text(table + "\n")
