@@ -140,7 +140,7 @@ def test_the_pool_keeps_no_model_alive(on_cuda, tiny_models) -> None:
     pool, alive = pool_for(model), weakref.ref(model)
     del seq
     gc.collect()
-    assert pool.free == 1 and pool._free[0].fast is None
+    assert pool.free == 1 and all(runner.fast is None for runner in pool._runners.values())
     del model
     gc.collect()
     assert alive() is None
