@@ -79,6 +79,7 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert {"fp32/math", "fp32/flash"} <= set(branches["ran"])  # the CPU's two SDPA backends
     assert all(branches["results"][key]["token_mismatches"] == 0 for key in branches["ran"])
     assert list(report.checks["graphs"]["devices"]) == ["cpu"]  # another index only on a multi-GPU machine
+    assert sorted(report.checks["graphs"]["batched"]) == [2, 8]  # 2 rows and batching.max_rows
     assert report.checks["sampling"]["samples"] == 200
     costs = load_costs(tmp_path / "costs.json")
     assert set(costs.verify_s) == set(KS) and set(costs.backup_s) == set(KS)
