@@ -167,6 +167,22 @@ def test_greedy_batched_engines_on_the_static_path_equal_ar_alone(tiny_models, t
         assert pool_for(model).batched_runner.eager_runs > 0  # the batched static forward ran
 
 
+def test_greedy_batched_ssd_on_the_static_path_equals_ar_alone(tiny_models, tiny_tokenizer, monkeypatch):
+    """SSD's target batch, and its speculator thread's builds (every row's branches as one packed
+    forward of tree-masked feeds) on the draft's store, both through the batched static forward."""
+    from tests import test_batch_ssd
+
+    alone = [AREngine(tiny_models[0], tiny_tokenizer).generate(request(p, n)).token_ids for p, n, _ in ROWS]
+    monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
+    target, draft = (copy.deepcopy(m) for m in tiny_models)
+    rows = [test_batch_ssd.request(p, n, k=k, budget=6) for p, n, k in ROWS]
+    with test_batch_ssd.linked(target, draft, tiny_tokenizer) as (engine, _, _):
+        outs = [test_batch_ssd.ok(f) for f in test_batch_ssd.run_batch(engine, rows)]
+    assert [out.token_ids for out in outs] == alone
+    for model in (target, draft):
+        assert pool_for(model).batched_runner.eager_runs > 0
+
+
 def test_a_nan_in_a_released_slot_reaches_no_later_sequence(monkeypatch):
     model = build_family("qwen2")
     reference = KVSequence(copy.deepcopy(model))
@@ -177,11 +193,11 @@ def test_a_nan_in_a_released_slot_reaches_no_later_sequence(monkeypatch):
         slot, store = first.cache.slot, pool_for(model).shared
         del first
         gc.collect()
+        other.forward([9, 9])  # the released slot is zeroed before this forward...
         for t in store.keys + store.values:
-            t[slot].fill_(float("nan"))  # written after the release: only the hand-out's zeroing stops it
+            t[slot].fill_(float("nan"))  # ... so only the hand-out's zeroing stops what is written after
         later = KVSequence(model)
     assert later.cache.slot == slot
-    other.forward([9, 9])
     ids = [[5, 6, 7], [1], [2, 3]]
     want = [reference.forward(ids[0]), reference.forward(ids[1]), reference.forward(ids[2])]
     got = [later.forward(ids[0])] + feed_rows([Feed(later, ids[1], 1), Feed(other, [4], 1)])[:1]
