@@ -254,6 +254,28 @@ def test_the_store_shrinks_when_the_batch_and_the_contexts_do(static_on_cpu):
     assert store.nbytes() == peak * 3 // 9 // 2
 
 
+def test_a_shrink_drops_the_graphs_made_over_the_old_store(monkeypatch):
+    """Graphs record addresses: after the store reallocates, none made over the old tensors is
+    kept (their memory goes back at once), nor the runners of slots the store no longer has."""
+    model = build_family("llama")
+    monkeypatch.setattr(graphs, "use_cuda_graphs", lambda device: True)
+    monkeypatch.setattr(GraphedForward, "_capture", stand_in_capture(stale=False))
+    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
+    compare(shared, lean, TOL64)
+    pool = pool_for(model)
+    assert len(pool.batched_runner.buckets) == 3 and sorted(pool._runners) == [0, 1, 2, 3, 4]
+    del shared[2:]
+    gc.collect()
+    for kv in (shared[1], lean[1]):
+        kv.drop_uncommitted()  # the tree round's entries
+    ids = [[3], [4]]
+    for got, want in zip(feed_rows([Feed(kv, x, 1) for kv, x in zip(shared, ids)]),
+                         [kv.forward(x) for kv, x in zip(lean, ids)], strict=True):
+        torch.testing.assert_close(got, want, **TOL64)
+    assert pool.shared.slots == 2 and pool.batched_runner.buckets == [(2, 1, 256)]
+    assert sorted(pool._runners) == [0, 1] and all(not r.buckets for r in pool._runners.values())
+
+
 def test_a_failed_batch_capture_turns_graphs_off_once_and_the_batch_runs_on(monkeypatch, caplog):
     model = build_family("qwen3")
     monkeypatch.setattr(graphs, "use_cuda_graphs", lambda device: True)
