@@ -420,8 +420,7 @@ class GraphPool:
         self._runners: dict[int, GraphedForward] = {}  # per slot, kept while the store has the slot
         self._batched: BatchedForward | None = None
         self._version = -1  # the store's version the runners' graphs were made over
-        # Reentrant: a sequence collected while this thread holds it releases its slot here (`_release`).
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._mempool: object | None = None
         self.shared: SharedKV | None = None
         self.name = name
@@ -469,10 +468,10 @@ class GraphPool:
         return runner
 
     def _release(self, slot: int) -> None:
-        with self._lock:
-            runner = self._runners.get(slot)
-            if runner is not None:
-                runner.fast = None  # the model goes with its last user, not with the pool
+        """From a garbage collection, any thread: no lock (SharedKV.release says why)."""
+        runner = self._runners.get(slot)
+        if runner is not None:
+            runner.fast = None  # the model goes with its last user, not with the pool
         self.shared.release(slot)
 
     def batched(self, fast: FastForward, *inputs: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,12 +15,13 @@ Bounded memory:
   graphs stay valid), so `slots` is a power of two covering the highest
   slot in use; capacity is a power of two covering the longest context
   (`reserve`), at least INITIAL_CAPACITY.
-- shrinking is triggered by a sequence leaving (`release`) and applied at
-  the next slot hand-out or forward on the model (`_tidy_now`, never in the
-  middle of a forward: a release may run from a garbage collection inside
-  one): slots shrink to cover the highest slot still held, capacity to
-  cover the longest context still held (each slot's last `reserve`), both
-  only when they would at least halve (no reallocation per step).
+- shrinking is triggered by a sequence leaving (`release`, when it is
+  collected) and applied at the next slot hand-out or forward on the model
+  (`_tidy_now`, never in the middle of a forward: a release may come from a
+  garbage collection inside one): slots shrink to cover the highest slot
+  still held, capacity to cover the longest context still held (each
+  slot's last `reserve`), each only when it at least halves (no
+  reallocation per step).
 - a slot handed to a new sequence is zeroed first, and a released slot is
   zeroed before the next forward (padding rows read entry 0 of their
   slot): masking alone is not enough, because attention adds the
@@ -35,6 +36,7 @@ forward (`use`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from typing import Iterator
@@ -63,6 +65,7 @@ class SharedKV:
         self._held: dict[int, int] = {}  # slot -> entries its sequence last reserved
         self._depth = 0  # forwards under way (`use`): no zeroing or reallocation by `_tidy_now` inside one
         self._stale: set[int] = set()  # released slots not zeroed yet
+        self._released: collections.deque[int] = collections.deque()  # released, not booked yet (`release`)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate(1, INITIAL_CAPACITY)
@@ -78,6 +81,7 @@ class SharedKV:
 
     @property
     def held(self) -> int:
+        """Slots held by sequences (as of the last hand-out or forward: releases are booked then)."""
         return len(self._held)
 
     def nbytes(self) -> int:
@@ -86,7 +90,7 @@ class SharedKV:
     def acquire(self) -> int:
         """A zeroed slot for a new sequence (the lowest free one; the store grows if none is)."""
         with self.lock:
-            self._tidy_now()
+            self._tidy_now()  # books the releases first
             slot = next(i for i in range(len(self._held) + 1) if i not in self._held)
             if slot >= self.slots:
                 self._allocate(power_of_two(slot + 1), self.capacity)
@@ -96,15 +100,16 @@ class SharedKV:
             return slot
 
     def release(self, slot: int) -> None:
-        """`slot`'s sequence left: zero it and shrink at the next hand-out or forward (`_tidy_now`).
+        """`slot`'s sequence left: booked, zeroed and shrunk at the next hand-out or forward (`_tidy_now`).
 
-        Nothing runs on the device here: a release may come from a garbage
-        collection in the middle of a forward, even of a CUDA graph capture,
-        which would record the zeroing into the graph.
+        A release comes from a garbage collection, in any thread, at any
+        point: in the middle of a forward, even of a CUDA graph capture (which
+        would record a zeroing into the graph), or while its thread holds
+        another lock (taking this store's lock then could deadlock with a
+        forward that holds it). So it takes no lock and runs nothing on the
+        device: a deque's append is atomic.
         """
-        with self.lock:
-            if self._held.pop(slot, None) is not None:
-                self._stale.add(slot)
+        self._released.append(slot)
 
     def reserve(self, slot: int, length: int) -> None:
         """Room for `length` entries in every slot (capacity is shared); remembered for shrinking."""
@@ -125,8 +130,16 @@ class SharedKV:
             finally:
                 self._depth -= 1
 
+    def _book(self) -> None:
+        """Move the released slots from the deque to `_stale` (free, not zeroed yet)."""
+        while self._released:
+            slot = self._released.popleft()
+            if self._held.pop(slot, None) is not None:
+                self._stale.add(slot)
+
     def _tidy_now(self) -> None:
         """Zero the released slots, then shrink where the held slots and contexts allow."""
+        self._book()
         if not self._stale or self._depth:
             return
         for slot in self._stale:
