@@ -254,6 +254,46 @@ def test_the_store_shrinks_when_the_batch_and_the_contexts_do(static_on_cpu):
     assert store.nbytes() == peak * 3 // 9 // 2
 
 
+def test_two_threads_on_one_store_while_it_grows_and_shrinks(monkeypatch):
+    """A model runs from several threads (the server's drafting, the speculator's builds), each
+    with its own sequences: the store's lock keeps every forward off another's reallocation.
+    A race check, so not a proof: with `SharedKV.use` taking no lock it failed one run in three
+    on this 2-core machine."""
+    import threading
+
+    model = build_family("qwen2")
+    twin = copy.deepcopy(model)
+    lean = {seed: [KVSequence(twin) for _ in range(3)] for seed in (0, 5)}
+    monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)  # for both threads, throughout
+    shared = {seed: [KVSequence(model) for _ in range(3)] for seed in (0, 5)}
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for step in range(12):
+                ids = [[(seed + step + i) % 16] for i in range(3)]
+                got = feed_rows([Feed(kv, x, 1) for kv, x in zip(shared[seed], ids)])
+                for g, kv, x in zip(got, lean[seed], ids, strict=True):
+                    torch.testing.assert_close(g, kv.forward(x), **TOL64)
+                if seed and step % 4 == 0:  # a long sequence comes and goes: capacity 512, then 256
+                    extra = KVSequence(model)
+                    extra.forward([(3 * i) % 16 for i in range(60)])
+                    extra.forward([(5 * i) % 16 for i in range(60)] * 4)
+                    del extra
+                    gc.collect()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in shared]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = pool_for(model).shared
+    assert store.version >= 7 and store.capacity == 256  # grown and shrunk three times, over 8 slots
+
+
 def test_a_shrink_drops_the_graphs_made_over_the_old_store(monkeypatch):
     """Graphs record addresses: after the store reallocates, none made over the old tensors is
     kept (their memory goes back at once), nor the runners of slots the store no longer has."""
