@@ -87,7 +87,10 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert set(costs.meta["tree_step_s"]) == {str(b) for b in BUDGETS}
     hot = report.timings["hot_path"]  # per row vs one call, static eager (graphs: CUDA only)
     assert set(hot["target decode"]) == {"per_row", "one_call", "static"}
-    assert set(hot) == {"target decode", f"target verify K={settings.k}", *(f"draft tree step B={b}" for b in BUDGETS)}
+    batches = {f"target decode batch of {n}" for n in (2, 8)}  # 2 and batching.max_rows sequences
+    assert set(hot) == {"target decode", f"target verify K={settings.k}", *(f"draft tree step B={b}" for b in BUDGETS),
+                        *batches}
+    assert all(set(hot[name]) == {"packed", "batched static"} for name in batches)
     assert costs.meta["machine"]["cpu_model"] and costs.meta["device"] == "cpu"
     assert costs.meta["link_round_trip_ms"]["round (header only)"]["median_ms"] > 0
     saved = json.loads((tmp_path / "smoke.json").read_text())

@@ -336,3 +336,24 @@ def test_a_failed_batch_capture_turns_graphs_off_once_and_the_batch_runs_on(monk
     assert len(graph_warnings(caplog)) == 1
     later = KVSequence(model)
     assert later._graphed is None  # a later sequence: no slot, no graphs
+
+
+@pytest.mark.parametrize("capture", ["cpu", "replays", "fails"])
+def test_the_smoke_times_the_batch_and_says_what_ran(monkeypatch, capture: str):
+    """launch/gpu_smoke.py's batch timing: the lean packed forward against the batched one,
+    labelled by what ran (a graph on CUDA, or the eager fallback after a failed capture)."""
+    from ssd.tools.bench import hot_path
+
+    model = build_family("llama")
+    if capture != "cpu":
+        monkeypatch.setattr(hot_path, "use_cuda_graphs", lambda device: True)
+        monkeypatch.setattr(graphs, "use_cuda_graphs", lambda device: True)
+        monkeypatch.setattr(GraphedForward, "_capture", stand_in_capture(stale=False))
+    if capture == "fails":
+        monkeypatch.setattr(BatchedForward, "_capture", lambda *a: (_ for _ in ()).throw(RuntimeError("no capture")))
+    timings = hot_path.time_batches(model, (2, 3), prefix=6, repeats=2)
+    label = {"cpu": "batched static", "replays": "batched graph", "fails": hot_path.FAILED_BATCH_GRAPH}[capture]
+    assert {name: set(variants) for name, variants in timings.items()} == {
+        "target decode batch of 2": {"packed", label}, "target decode batch of 3": {"packed", label}}
+    runner = pool_for(model).batched_runner
+    assert runner.replays == (6 if capture == "replays" else 0)  # warm-up and two repeats, two sizes

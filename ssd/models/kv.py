@@ -52,8 +52,10 @@ class KVSequence:
     One owner thread: the model may be shared, the cache may not (ssd.models).
     """
 
-    def __init__(self, model: torch.nn.Module, fast: bool | None = None) -> None:
-        """fast: the lean forward (None: wherever it supports the model)."""
+    def __init__(self, model: torch.nn.Module, fast: bool | None = None, slots: bool | None = None) -> None:
+        """fast: the lean forward (None: wherever it supports the model); slots: the cache a slot of
+        the model's shared store, with its graphs (None: on CUDA; elsewhere the static forwards run
+        eagerly, as the CPU tests and timings want them)."""
         self.model = model
         use_fast = fast_supported(model) if fast is None else fast
         self._fast = FastForward(model) if use_fast else None
@@ -62,7 +64,8 @@ class KVSequence:
         # On CUDA, decode, verification and tree steps replay CUDA graphs of
         # the static-shape forward (ssd.models.graphs; see _graph_shaped),
         # unless the model is refused for capture (its pool says why, once).
-        pool = pool_for(model) if self._fast is not None and use_cuda_graphs(model.device) else None
+        slots = use_cuda_graphs(model.device) if slots is None else slots
+        pool = pool_for(model) if self._fast is not None and slots else None
         self._static = pool is not None and pool.disabled is None
         # A cache with its graphs, from the model's pool and back to it when this sequence goes.
         self._graphed: GraphedForward | None = pool.attach(self, self._fast) if self._static else None

@@ -50,9 +50,9 @@ from ssd import hardware
 from ssd.tools.ablation import planner
 from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.tools.bench.branch_check import branch_case, check_branches
-from ssd.tools.bench.graph_check import check_graphs
+from ssd.tools.bench.graph_check import batch_sizes, check_graphs
 from ssd.tools.bench.sampling_check import SAMPLES, check_sampling
-from ssd.tools.bench.hot_path import time_hot_path
+from ssd.tools.bench.hot_path import time_batches, time_hot_path
 from ssd.tools.bench.draft_process import DraftProcess, exact_fp32
 from ssd.tools.bench.link import summarize_ms
 from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
@@ -463,6 +463,7 @@ def run_timings(report: Report, specs: tuple[RandomModelSpec, RandomModelSpec], 
     )
     if fast_supported(target) and fast_supported(draft):  # per row vs one call, eager vs captured
         report.timings["hot_path"] = time_hot_path(target, draft, s.k, s.budgets, s.prefix, s.repeats)
+        report.timings["hot_path"].update(time_batches(target, batch_sizes(), s.prefix, s.repeats))
     return costs
 
 
