@@ -15,7 +15,6 @@ go wrong when a capture fails.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import logging
 
@@ -49,14 +48,12 @@ def static_on_cpu(monkeypatch):
     monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
 
 
-def pairs(model, n: int, monkeypatch) -> tuple[list[KVSequence], list[KVSequence]]:
+def pairs(model, n: int) -> tuple[list[KVSequence], list[KVSequence]]:
     """n sequences on `model`'s shared store and n lean ones (a copy of the model: a pool of its own),
     each pair prefilled alike with PREFIXES (single-sequence forwards)."""
     twin = copy.deepcopy(model)
     lean = [KVSequence(twin) for _ in range(n)]
-    with monkeypatch.context() as patch:
-        patch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
-        shared = [KVSequence(model) for _ in range(n)]
+    shared = [KVSequence(model, slots=True) for _ in range(n)]
     for a, b, prefix in zip(shared, lean, PREFIXES):
         assert a._graphed is not None and b._graphed is None
         a.forward(prefix)
@@ -100,20 +97,21 @@ def compare(shared, lean, tol) -> float:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_batched_static_forward_equals_the_lean_packed_forward(family, monkeypatch, caplog):
+def test_the_batched_static_forward_equals_the_lean_packed_forward(family):
+    """Measured on this machine: 5.6e-17 at most, every family (logits of order 0.1-1)."""
     model = build_family(family)
-    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
-    with caplog.at_level(logging.INFO, logger=__name__):
-        worst = compare(shared, lean, TOL64)
+    shared, lean = pairs(model, len(PREFIXES))
+    worst = compare(shared, lean, TOL64)
     runner = pool_for(model).batched_runner
     assert runner is not None and runner.eager_runs == 3 and runner.replays == 0
     assert pool_for(model).shared.slots == 8  # five sequences: the bucket of eight, three slots padding
     logging.getLogger(__name__).info("%s fp64: max abs diff %.1e", family, worst)
 
 
-def test_the_batched_static_forward_in_fp32(monkeypatch):
+def test_the_batched_static_forward_in_fp32():
+    """Measured on this machine: 6.0e-8 at most."""
     model = build_family("qwen2", dtype=torch.float32)
-    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
+    shared, lean = pairs(model, len(PREFIXES))
     worst = compare(shared, lean, TOL32)
     assert worst < 1e-5
     logging.getLogger(__name__).info("qwen2 fp32: max abs diff %.1e", worst)
@@ -134,7 +132,7 @@ def test_stand_in_graph_replays_of_the_batch_equal_the_lean_forward(monkeypatch)
         return captured
 
     monkeypatch.setattr(GraphedForward, "_capture", capture)
-    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
+    shared, lean = pairs(model, len(PREFIXES))
     compare(shared, lean, TOL64)
     again = [[(0, [3], {}), (2, [2], {}), (3, [1], {})]]  # the decode bucket once more: a replay
     for got, want in zip(run(shared, again[0]), run(lean, again[0]), strict=True):
@@ -183,20 +181,18 @@ def test_greedy_batched_ssd_on_the_static_path_equals_ar_alone(tiny_models, tiny
         assert pool_for(model).batched_runner.eager_runs > 0
 
 
-def test_a_nan_in_a_released_slot_reaches_no_later_sequence(monkeypatch):
+def test_a_nan_in_a_released_slot_reaches_no_later_sequence():
     model = build_family("qwen2")
     reference = KVSequence(copy.deepcopy(model))
-    with monkeypatch.context() as patch:
-        patch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
-        first, other = KVSequence(model), KVSequence(model)
-        first.forward([1, 2, 3, 4])
-        slot, store = first.cache.slot, pool_for(model).shared
-        del first
-        gc.collect()
-        other.forward([9, 9])  # the released slot is zeroed before this forward...
-        for t in store.keys + store.values:
-            t[slot].fill_(float("nan"))  # ... so only the hand-out's zeroing stops what is written after
-        later = KVSequence(model)
+    first, other = KVSequence(model, slots=True), KVSequence(model, slots=True)
+    first.forward([1, 2, 3, 4])
+    slot, store = first.cache.slot, pool_for(model).shared
+    del first
+    gc.collect()
+    other.forward([9, 9])  # the released slot is zeroed before this forward...
+    for t in store.keys + store.values:
+        t[slot].fill_(float("nan"))  # ... so only the hand-out's zeroing stops what is written after
+    later = KVSequence(model, slots=True)
     assert later.cache.slot == slot
     ids = [[5, 6, 7], [1], [2, 3]]
     want = [reference.forward(ids[0]), reference.forward(ids[1]), reference.forward(ids[2])]
@@ -300,7 +296,7 @@ def test_a_shrink_drops_the_graphs_made_over_the_old_store(monkeypatch):
     model = build_family("llama")
     monkeypatch.setattr(graphs, "use_cuda_graphs", lambda device: True)
     monkeypatch.setattr(GraphedForward, "_capture", stand_in_capture(stale=False))
-    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
+    shared, lean = pairs(model, len(PREFIXES))
     compare(shared, lean, TOL64)
     pool = pool_for(model)
     assert len(pool.batched_runner.buckets) == 3 and sorted(pool._runners) == [0, 1, 2, 3, 4]
@@ -327,7 +323,7 @@ def test_a_failed_batch_capture_turns_graphs_off_once_and_the_batch_runs_on(monk
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(BatchedForward, "_capture", failing)
-    shared, lean = pairs(model, len(PREFIXES), monkeypatch)
+    shared, lean = pairs(model, len(PREFIXES))
     with caplog.at_level(logging.WARNING, logger=graphs.__name__):
         compare(shared, lean, TOL64)
     pool = pool_for(model)
