@@ -10,7 +10,8 @@ with SSD's draft side in a second process over the host link (gloo on
 127.0.0.1), on the real pair and on a pair whose draft is a noisy copy of
 its target; tree-masked branch decoding = sequential decoding under each
 SDPA backend the device runs; CUDA graph replays = the lean forward, on the
-device and on another index when the machine has several GPUs; SD at T = 1
+device and on another index when the machine has several GPUs, and batched
+rows' graph replays (2 and batching.max_rows sequences) = the lean packed forward; SD at T = 1
 in batched rows samples the target's exact law (chi-square, 4-token vocabulary). Timings: target step, verify(K) for K + 1
 tokens, backup, build, one draft tree step per budget, link round trips.
 

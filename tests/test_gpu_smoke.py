@@ -79,6 +79,7 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert {"fp32/math", "fp32/flash"} <= set(branches["ran"])  # the CPU's two SDPA backends
     assert all(branches["results"][key]["token_mismatches"] == 0 for key in branches["ran"])
     assert list(report.checks["graphs"]["devices"]) == ["cpu"]  # another index only on a multi-GPU machine
+    assert sorted(report.checks["graphs"]["batched"]) == [2, 8]  # 2 rows and batching.max_rows
     assert report.checks["sampling"]["samples"] == 200
     costs = load_costs(tmp_path / "costs.json")
     assert set(costs.verify_s) == set(KS) and set(costs.backup_s) == set(KS)
@@ -86,7 +87,10 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert set(costs.meta["tree_step_s"]) == {str(b) for b in BUDGETS}
     hot = report.timings["hot_path"]  # per row vs one call, static eager (graphs: CUDA only)
     assert set(hot["target decode"]) == {"per_row", "one_call", "static"}
-    assert set(hot) == {"target decode", f"target verify K={settings.k}", *(f"draft tree step B={b}" for b in BUDGETS)}
+    batches = {f"target decode batch of {n}" for n in (2, 8)}  # 2 and batching.max_rows sequences
+    assert set(hot) == {"target decode", f"target verify K={settings.k}", *(f"draft tree step B={b}" for b in BUDGETS),
+                        *batches}
+    assert all(set(hot[name]) == {"packed", "batched static"} for name in batches)
     assert costs.meta["machine"]["cpu_model"] and costs.meta["device"] == "cpu"
     assert costs.meta["link_round_trip_ms"]["round (header only)"]["median_ms"] > 0
     saved = json.loads((tmp_path / "smoke.json").read_text())

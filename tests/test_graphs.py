@@ -140,7 +140,7 @@ def test_the_pool_keeps_no_model_alive(on_cuda, tiny_models) -> None:
     pool, alive = pool_for(model), weakref.ref(model)
     del seq
     gc.collect()
-    assert pool.free == 1 and pool._free[0].fast is None
+    assert pool.free == 1 and all(runner.fast is None for runner in pool._runners.values())
     del model
     gc.collect()
     assert alive() is None
@@ -162,11 +162,11 @@ def stand_in_capture(stale: bool):
     """A `_capture` whose 'graph' replays the static forward on its buffers, or (stale) replays nothing."""
     def capture(self, key, *inputs):
         static = tuple(t.clone() for t in inputs)
-        logits = graphs.static_forward(self.fast, self.cache, *static)
+        logits = self._forward(*static)  # a sequence's static forward, or a batch's
 
         def replay():
             if not stale:
-                logits.copy_(graphs.static_forward(self.fast, self.cache, *static))
+                logits.copy_(self._forward(*static))
 
         self._captured[key] = captured_with(replay, logits, static)
         return self._captured[key]
@@ -187,3 +187,18 @@ def test_the_smoke_graph_check_passes_replays_and_catches_stale_ones(on_cuda, mo
     assert result["passed"] is not stale, str(result)
     if stale:
         assert result["repeated_outputs"] > 0 and result["max_rel_diff"] > 0.1
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_smoke_batched_graph_check_passes_replays_and_catches_stale_ones(on_cuda, monkeypatch, stale: bool) -> None:
+    """The same for the batched rows' check (2 rows here; the smoke runs 2 and batching.max_rows)."""
+    from ssd.tools.bench import graph_check
+    from ssd.tools.bench.smoke import SmokeSettings, model_specs
+
+    monkeypatch.setattr(graph_check, "use_cuda_graphs", lambda device: True)
+    monkeypatch.setattr(GraphedForward, "_capture", stand_in_capture(stale))
+    result = graph_check.check_batched_on(model_specs(SmokeSettings())["real pair"][1], "cpu", rows=2)
+    assert result["graph_replays"] > 0 and all(bucket[0] == 2 for bucket in result["buckets"])
+    assert result["passed"] is not stale, str(result)
+    if stale:
+        assert result["repeated_outputs"] > 0

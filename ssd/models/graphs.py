@@ -20,8 +20,21 @@ decode (1 row) and verification (K + 1 rows), the draft's tree steps (one
 row per branch), each at the cache's power-of-two capacity.
 
 KVSequence runs its single-sequence forwards of up to ROW_LIMIT rows
-through it on CUDA (decode, verification, tree steps; a long prefill and
-packed rows keep the lean forward). Nothing here may go wrong silently:
+through it on CUDA (decode, verification, tree steps; a long prefill keeps
+the lean forward).
+
+Packed rows of several sequences (continuous batching) have a twin too:
+`batched_static_forward` runs a batch laid out by slot of the model's shared
+KV store (ssd.models.shared_kv: every sequence of the model is a row of one
+tensor per layer), [slots, T] tokens, with one SDPA call per layer for the
+whole batch (batched over slots), and `BatchedForward` captures it per
+(slots, T, capacity) bucket, checked and turned off exactly as
+GraphedForward. `GraphPool` holds a model's store, its per-slot
+GraphedForwards and its BatchedForward; all of a model's graphs capture into
+one CUDA memory pool (`GraphPool.mempool` says why that is safe). On a CPU
+both twins run eagerly; the batched one is validated there only (eagerly and
+with stand-in captures: tests/test_graphs_batch.py) until a GPU runs
+launch/gpu_smoke.py. Nothing here may go wrong silently:
 capture and replay run on the model's device whatever the thread's current
 device; a model whose forward syncs with the host is refused up front
 (`graph_refusal`); a capture is replayed on its inputs and on other token
@@ -35,7 +48,6 @@ times eager against captured and says whether a graph replayed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import weakref
@@ -46,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.models.fast import FastForward, StaticKV, tp_size
+from ssd.models.shared_kv import SharedKV, SlotKV
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +113,42 @@ def static_forward(
             cache.keys[index][None], cache.values[index][None], attn_mask=attn_mask, scale=attn.scaling,
         ).reshape(1, fast.heads, m, fast.head_dim)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, m, fast.heads * fast.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return fast.model.lm_head(fast.inner.norm(x)[0])
+
+
+@torch.inference_mode()
+def batched_static_forward(
+    fast: FastForward, shared: SharedKV, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+    cols: torch.Tensor, mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits [S*T, V] of a packed batch laid out by slot: every shape fixed by (S, T, capacity).
+
+    ids, positions, rows, cols: [S, T], slot s's tokens in row s (padding
+    where a slot has fewer, or is not in the batch); token (s, t) writes its
+    keys and values at slot rows[s, t], entry cols[s, t] (padding writes to
+    the scratch row); mask: bool [S, T, capacity], what (s, t) sees of slot
+    s. Attention is one SDPA call per layer for the whole batch, batched over
+    slots, grouped query heads folded into rows as in `static_forward`.
+    """
+    s, t = ids.shape
+    n, groups = s * t, fast.heads // fast.kv_heads
+    attn_mask = mask.repeat(1, groups, 1)[:, None]  # [S, 1, G*T, C]: row g*T + t is token t of head group g
+    flat_rows, flat_cols = rows.reshape(n), cols.reshape(n)
+    x = fast.inner.embed_tokens(ids.reshape(1, n))  # [1, N, H]
+    cos, sin = fast.inner.rotary_emb(x, positions.reshape(1, n))
+    for index, layer in enumerate(fast.inner.layers):
+        attn = layer.self_attn
+        q, k, v = fast.qkv(attn, layer.input_layernorm(x), cos, sin)  # [1, heads or kv heads, N, D]
+        shared.keys[index][flat_rows, :, flat_cols] = k[0].transpose(0, 1)
+        shared.values[index][flat_rows, :, flat_cols] = v[0].transpose(0, 1)
+        q = q[0].reshape(fast.kv_heads, groups, s, t, fast.head_dim).permute(2, 0, 1, 3, 4)
+        out = F.scaled_dot_product_attention(
+            q.reshape(s, fast.kv_heads, groups * t, fast.head_dim),
+            shared.keys[index][:s], shared.values[index][:s], attn_mask=attn_mask, scale=attn.scaling,
+        )  # [S, kv heads, G*T, D]
+        out = out.reshape(s, fast.heads, t, fast.head_dim).transpose(1, 2).reshape(1, n, fast.heads * fast.head_dim)
+        x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return fast.model.lm_head(fast.inner.norm(x)[0])
 
@@ -178,32 +227,47 @@ class GraphedForward:
         return self._graphs and self.failure is None and (self.pool is None or self.pool.disabled is None)
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if mask.shape != (ids.shape[0], self.cache.capacity):
-            raise ValueError(f"mask {tuple(mask.shape)}: expected [{ids.shape[0]}, {self.cache.capacity}] (rows, capacity)")
+    def __call__(self, *inputs: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `_forward(*inputs)` (ids, positions, slots, mask), rows `keep` only if given.
+
+        The mask's shape is the bucket: one graph per shape.
+        """
+        self._check(*inputs)
         if not self.graphs:
-            return self._eager(ids, positions, slots, mask)
-        if self._buffer_ids() != self._buffers:  # reserve() reallocated: old graphs point at freed memory
+            return _rows(self._eager(*inputs), keep)
+        if self._buffer_ids() != self._buffers:  # the cache was reallocated: old graphs point at freed memory
             self._captured.clear()
             self._buffers = self._buffer_ids()
-        key = (ids.shape[0], self.cache.capacity)
+        key = tuple(inputs[-1].shape)
         captured = self._captured.get(key)
         if captured is None:
             try:
-                captured = self._capture(key, ids, positions, slots, mask)
+                captured = self._capture(key, *inputs)
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: the same forward, eagerly
                 self._fail(f"{type(exc).__name__}: {exc}")
-                return self._eager(ids, positions, slots, mask)
-        with _on(self.cache.keys[0].device):
-            for buffer, value in zip(captured.inputs, (ids, positions, slots, mask)):
+                return _rows(self._eager(*inputs), keep)
+        with _on(self._device()):
+            for buffer, value in zip(captured.inputs, inputs):
                 buffer.copy_(value, non_blocking=True)
             captured.graph.replay()
             self.replays += 1
-            return captured.logits.clone()  # the next replay overwrites the graph's output
+            # A copy: the next replay (of this graph, or of another in the shared pool) overwrites the output.
+            return captured.logits.clone() if keep is None else captured.logits.index_select(0, keep)
+
+    def _check(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
+        if mask.shape != (ids.shape[0], self.cache.capacity):
+            raise ValueError(f"mask {tuple(mask.shape)}: expected [{ids.shape[0]}, {self.cache.capacity}] (rows, capacity)")
+
+    def _forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The static-shape forward captured and run eagerly: the same function either way."""
+        return static_forward(self.fast, self.cache, *inputs)
+
+    def _device(self) -> torch.device:
+        return self.cache.keys[0].device
 
     def _eager(self, *inputs: torch.Tensor) -> torch.Tensor:
         self.eager_runs += 1
-        return static_forward(self.fast, self.cache, *inputs)
+        return self._forward(*inputs)
 
     def _fail(self, why: str) -> None:
         self.failure = why
@@ -220,6 +284,9 @@ class GraphedForward:
     def _buffer_ids(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.cache.keys + self.cache.values)
 
+    def _mempool(self) -> object | None:
+        return self.pool.mempool() if self.pool is not None else None
+
     def _capture(self, key: tuple[int, int], *inputs: torch.Tensor) -> _Captured:
         """Record one bucket on the cache's device, then check its replays (`check_replay`).
 
@@ -231,28 +298,57 @@ class GraphedForward:
         succeeds).
         """
         static = tuple(t.clone() for t in inputs)
-        device = self.cache.keys[0].device
+        device = self._device()
         with _CAPTURE_LOCK, torch.cuda.device(device):
             caller = torch.cuda.current_stream(device)
             stream = torch.cuda.Stream(device)
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
                 for _ in range(self.WARMUP):
-                    static_forward(self.fast, self.cache, *static)
+                    self._forward(*static)
             caller.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: other threads' CUDA calls during the capture are theirs, not errors in it.
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                    logits = static_forward(self.fast, self.cache, *static)
+                # One memory pool for all of a model's graphs (see GraphPool.mempool).
+                with torch.cuda.graph(graph, pool=self._mempool(), stream=stream, capture_error_mode="thread_local"):
+                    logits = self._forward(*static)
             except BaseException:
                 _abandon_capture(graph, caller)
                 raise
             captured = _Captured(graph, static, logits)
-            check_replay(captured, functools.partial(static_forward, self.fast, self.cache), device)
-        log.info("captured a CUDA graph for %d rows at capacity %d on %s", *key, device)
+            check_replay(captured, self._forward, device)
+        log.info("captured a CUDA graph for shape %s on %s", key, device)
         self._captured[key] = captured
         return captured
+
+
+def _rows(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return logits if keep is None else logits.index_select(0, keep)
+
+
+class BatchedForward(GraphedForward):
+    """`batched_static_forward` over a model's SharedKV: one graph per (slots, tokens per row,
+    capacity) bucket on CUDA, eager elsewhere; captured, checked and turned off like GraphedForward.
+
+    Inputs: ids, positions, rows, cols [S, T] and mask [S, T, capacity], S the
+    store's slots (`ssd.models.kv` lays a packed batch out). The store
+    reallocates only between forwards (SharedKV.use), and a reallocation
+    drops the graphs made over its old tensors.
+    """
+
+    def __init__(self, fast: FastForward | None, shared: SharedKV, graphs: bool | None = None,
+                 pool: "GraphPool | None" = None) -> None:
+        super().__init__(fast, shared, graphs, pool)  # type: ignore[arg-type] - the store is the "cache"
+
+    def _check(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+               mask: torch.Tensor) -> None:
+        want = (self.cache.slots, ids.shape[1], self.cache.capacity)
+        if ids.shape[0] != want[0] or mask.shape != want:
+            raise ValueError(f"ids {tuple(ids.shape)}, mask {tuple(mask.shape)}: expected a mask of {want} (slots, T, capacity)")
+
+    def _forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return batched_static_forward(self.fast, self.cache, *inputs)
 
 
 def _abandon_capture(graph: "torch.cuda.CUDAGraph", caller: "torch.cuda.Stream") -> None:
@@ -305,20 +401,28 @@ def _expect_rewritten(got: torch.Tensor, want: torch.Tensor, device: torch.devic
 
 
 class GraphPool:
-    """A model's GraphedForwards (each a cache and its graphs) not in use by any sequence.
+    """A model's shared KV store (ssd.models.shared_kv) and the graphs over it.
 
-    The engines make a sequence per request; graphs bound to a sequence's own
-    cache would be captured again for every request. A sequence takes a
-    GraphedForward from its model's pool instead and gives it back when it is
-    collected (`attach`), so the next request replays graphs already made.
-    A free GraphedForward holds no FastForward, so the pool never keeps its
+    The engines make a sequence per request; graphs bound to a sequence's
+    own cache would be captured again for every request. A sequence takes a
+    slot of its model's store instead (`attach`), with that slot's
+    GraphedForward (its single-sequence graphs), and gives both back when it
+    is collected, so the next request on that slot replays graphs already
+    made; packed forwards of several sequences run through the one
+    BatchedForward (`batched`). Every graph of the model captures into one
+    CUDA memory pool (`mempool`). A free runner holds no FastForward, and
+    the batched one holds it only during a call, so the pool never keeps its
     model alive (it goes with the model: `pool_for`). `disabled`: why this
     model's forwards are not captured (refused up front, or a failed capture).
     """
 
     def __init__(self, disabled: str | None = None, name: str = "model") -> None:
-        self._free: list[GraphedForward] = []
+        self._runners: dict[int, GraphedForward] = {}  # per slot, kept while the store has the slot
+        self._batched: BatchedForward | None = None
+        self._version = -1  # the store's version the runners' graphs were made over
         self._lock = threading.Lock()
+        self._mempool: object | None = None
+        self.shared: SharedKV | None = None
         self.name = name
         self.disabled: str | None = None
         if disabled is not None:
@@ -332,28 +436,80 @@ class GraphPool:
             self.disabled = why
         log.warning("CUDA graphs off for %s; its forwards run eagerly: %s", self.name, why)
 
-    def acquire(self, fast: FastForward) -> GraphedForward:
-        with self._lock:
-            graphed = self._free.pop() if self._free else None
-        if graphed is None:
-            return GraphedForward(fast, fast.new_cache(), pool=self)
-        graphed.fast = fast
-        return graphed
+    def mempool(self) -> object:
+        """The CUDA graph memory pool every graph of this model captures into.
 
-    def release(self, graphed: GraphedForward) -> None:
-        graphed.fast = None  # the model goes with its last user, not with the pool
-        with self._lock:
-            self._free.append(graphed)
+        Sharing one pool bounds graph memory by the largest graph, not the
+        sum (torch.cuda.graph's `pool`, "Graph memory management" in torch's
+        CUDA semantics notes). It is safe here because a graph's only
+        allocation that outlives its replay is its output, copied out right
+        after the replay (`GraphedForward.__call__`), and the model's replays
+        never overlap: they run under its store's lock (SharedKV.use), on the
+        calling thread's current stream.
+        """
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        return self._mempool
 
     def attach(self, owner: object, fast: FastForward) -> GraphedForward:
-        """A GraphedForward for `owner`'s lifetime: back in the pool once `owner` is collected."""
-        graphed = self.acquire(fast)
-        weakref.finalize(owner, self.release, graphed)
-        return graphed
+        """A slot and its GraphedForward for `owner`'s lifetime: both back once `owner` is collected."""
+        with self._lock:
+            if self.shared is None:
+                self.shared = SharedKV(len(fast.inner.layers), fast.kv_heads, fast.head_dim,
+                                       fast._activation_dtype(), fast.inner.embed_tokens.weight.device)
+        slot = self.shared.acquire()
+        with self._lock:
+            self._prune()
+            runner = self._runners.get(slot)
+            if runner is None:
+                runner = self._runners[slot] = GraphedForward(fast, SlotKV(self.shared, slot), pool=self)
+            runner.fast = fast
+        weakref.finalize(owner, self._release, slot)
+        return runner
+
+    def _release(self, slot: int) -> None:
+        """From a garbage collection, any thread: no lock (SharedKV.release says why)."""
+        runner = self._runners.get(slot)
+        if runner is not None:
+            runner.fast = None  # the model goes with its last user, not with the pool
+        self.shared.release(slot)
+
+    def batched(self, fast: FastForward, *inputs: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`batched_static_forward`'s logits (rows `keep`) through the model's BatchedForward.
+
+        Call with the store held (`SharedKV.use`): the inputs are laid out for its current shape.
+        """
+        with self._lock:
+            self._prune()
+            if self._batched is None:
+                self._batched = BatchedForward(None, self.shared, pool=self)
+            runner = self._batched
+        runner.fast = fast
+        try:
+            return runner(*inputs, keep=keep)
+        finally:
+            runner.fast = None
+
+    def _prune(self) -> None:
+        """After the store reallocated: drop every graph made over its old tensors (their memory
+        goes back to the pool now, not at the runner's next call) and the runners of slots it lost."""
+        if self.shared is None or self.shared.version == self._version:
+            return
+        self._version = self.shared.version
+        for slot in list(self._runners):
+            if slot >= self.shared.slots and self._runners[slot].fast is None:
+                del self._runners[slot]
+        for runner in [*self._runners.values(), *([self._batched] if self._batched else [])]:
+            runner._captured.clear()
+
+    @property
+    def batched_runner(self) -> BatchedForward | None:
+        return self._batched
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Runners of slots no sequence holds (their graphs kept for the next one)."""
+        return sum(runner.fast is None for runner in self._runners.values())
 
 
 _POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, GraphPool]" = weakref.WeakKeyDictionary()

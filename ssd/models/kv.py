@@ -10,9 +10,10 @@ Two carriers behind one interface: the lean forward over a preallocated cache
 shards included), transformers' forward over a DynamicCache for every other
 model.
 
-On CUDA the lean carrier's decode and all-rows forwards (verification, the
-draft's glue pass and tree steps) replay CUDA graphs of its static-shape
-twin (ssd.models.graphs), per (rows, capacity) bucket; the cache and its
+On CUDA the lean carrier's cache is a slot of its model's shared KV store
+(ssd.models.shared_kv), and its decode and all-rows forwards (verification,
+the draft's glue pass and tree steps) replay CUDA graphs of its static-shape
+twin (ssd.models.graphs), per (rows, capacity) bucket; the slot and its
 graphs come from the model's pool and return to it with the sequence, so a
 new request's sequence replays graphs an earlier one captured. A model the
 pool refuses (ssd.models.graphs.graph_refusal), or whose capture failed,
@@ -20,11 +21,17 @@ runs the lean forward eagerly over the same cache.
 
 `forward_rows` advances several sequences of one model at once (continuous
 batching): one packed forward on the lean carrier, a loop over the rows on
-the other (correct, not batched), behind one call.
+the other (correct, not batched), behind one call. On CUDA a packed forward
+whose feeds are all graph-shaped (decode, verification, tree steps) runs as
+one batched static forward over the store (`_forward_batched`: one graph
+per (slots, tokens per row, capacity) bucket, one attention call per layer
+for the batch); others (a prefill chunk) run the lean packed forward over
+the same slots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -34,8 +41,9 @@ import torch
 from transformers import DynamicCache
 
 from ssd.models.fast import FastForward, Segment, StaticKV, fast_supported
-from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, pool_for, use_cuda_graphs
+from ssd.models.graphs import GraphedForward, GraphPool, causal_mask, padded_mask, pool_for, use_cuda_graphs
 from ssd.models.invariant import ROW_LIMIT
+from ssd.models.shared_kv import SlotKV, power_of_two
 
 
 class KVSequence:
@@ -44,8 +52,10 @@ class KVSequence:
     One owner thread: the model may be shared, the cache may not (ssd.models).
     """
 
-    def __init__(self, model: torch.nn.Module, fast: bool | None = None) -> None:
-        """fast: the lean forward (None: wherever it supports the model)."""
+    def __init__(self, model: torch.nn.Module, fast: bool | None = None, slots: bool | None = None) -> None:
+        """fast: the lean forward (None: wherever it supports the model); slots: the cache a slot of
+        the model's shared store, with its graphs (None: on CUDA; elsewhere the static forwards run
+        eagerly, as the CPU tests and timings want them)."""
         self.model = model
         use_fast = fast_supported(model) if fast is None else fast
         self._fast = FastForward(model) if use_fast else None
@@ -54,7 +64,8 @@ class KVSequence:
         # On CUDA, decode, verification and tree steps replay CUDA graphs of
         # the static-shape forward (ssd.models.graphs; see _graph_shaped),
         # unless the model is refused for capture (its pool says why, once).
-        pool = pool_for(model) if self._fast is not None and use_cuda_graphs(model.device) else None
+        slots = use_cuda_graphs(model.device) if slots is None else slots
+        pool = pool_for(model) if self._fast is not None and slots else None
         self._static = pool is not None and pool.disabled is None
         # A cache with its graphs, from the model's pool and back to it when this sequence goes.
         self._graphed: GraphedForward | None = pool.attach(self, self._fast) if self._static else None
@@ -79,8 +90,9 @@ class KVSequence:
         self._clear()
 
     def _clear(self) -> None:
-        if self._graphed is not None:  # its cache, captured graphs and all: stale entries are never attended
+        if self._graphed is not None:  # its slot of the model's store, with the slot's graphs
             self.cache = self._graphed.cache
+            self.cache.reserve(0, keep=0)  # holds nothing now: the store may shrink below it
         else:
             self.cache: StaticKV | DynamicCache = (
                 self._fast.new_cache() if self._fast else DynamicCache(config=self.model.config)
@@ -130,13 +142,21 @@ class KVSequence:
         self._extra += len(ids)
         return logits
 
-    @torch.inference_mode()
+    def _store(self) -> contextlib.AbstractContextManager:
+        """The model's shared store held for one operation on this cache (nothing to hold elsewhere)."""
+        return self.cache.shared.use() if isinstance(self.cache, SlotKV) else contextlib.nullcontext()
+
     def keep_branch(self, length: int, indices: Sequence[int], tokens: Sequence[int]) -> None:
         """Keep the first `length` committed tokens, then commit the uncommitted
         entries at cache `indices` as `tokens` after them (a branch the tree
         decoder fed, ssd.saguaro.branches); every other uncommitted entry is
         dropped. Lean carrier only: its entries stay where they were written.
         """
+        with self._store():
+            self._keep_branch(length, indices, tokens)
+
+    @torch.inference_mode()
+    def _keep_branch(self, length: int, indices: Sequence[int], tokens: Sequence[int]) -> None:
         if self._fast is None:
             raise NotImplementedError("keeping a branch needs the lean carrier")
         if len(indices) != len(tokens):
@@ -197,8 +217,14 @@ class KVSequence:
                 self.cache.crop(length - self.length)  # negative: tokens to remove
             del self.tokens[length:]
 
-    @torch.inference_mode()
     def _run(
+        self, ids: list[int] | torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, last_only: bool
+    ) -> torch.Tensor:
+        with self._store():
+            return self._run_held(ids, positions, mask, last_only)
+
+    @torch.inference_mode()
+    def _run_held(
         self, ids: list[int] | torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None, last_only: bool
     ) -> torch.Tensor:
         device = self.model.device
@@ -290,10 +316,22 @@ def forward_rows(
 
 
 def feed_rows(feeds: Sequence[Feed]) -> list[torch.Tensor]:
-    """Each feed's logits, in one packed forward where the carrier allows, else one by one."""
+    """Each feed's logits, in one packed forward where the carrier allows, else one by one.
+
+    Sequences on slots of their model's shared store (CUDA) run as one
+    batched static forward (`_forward_batched`: a CUDA graph per bucket)
+    when every feed is graph-shaped and the model's graphs are on; else the
+    lean packed forward runs, over the same caches.
+    """
     if len(feeds) <= 1 or not _packable([f.kv for f in feeds]):
         return [f.run_alone() for f in feeds]
-    return _forward_packed(feeds)
+    pool = _shared_pool(feeds)
+    if pool is None:
+        return _forward_packed(feeds)
+    with pool.shared.use():
+        if pool.disabled is None and all(_graph_shaped(len(f.ids), f.last_only) for f in feeds):
+            return _forward_batched(feeds, pool)
+        return _forward_packed(feeds)
 
 
 def _packable(rows: Sequence[KVSequence]) -> bool:
@@ -304,29 +342,103 @@ def _packable(rows: Sequence[KVSequence]) -> bool:
     ) and len({id(row) for row in rows}) == len(rows)
 
 
+def _shared_pool(feeds: Sequence[Feed]) -> GraphPool | None:
+    """The graph pool whose store holds every feed's cache, or None (caches of their own)."""
+    if all(f.kv._graphed is not None for f in feeds):
+        return feeds[0].kv._graphed.pool
+    return None
+
+
+@dataclass
+class _Placed:
+    """A feed checked for a packed forward: its rows start at cache entry `start`."""
+
+    feed: Feed
+    start: int
+    positions: torch.Tensor  # [rows], on the CPU
+
+    @property
+    def rows(self) -> int:
+        return len(self.feed.ids)
+
+    @property
+    def kept(self) -> int:
+        """Logit rows it gets back."""
+        return 1 if self.feed.last_only else self.rows
+
+
+def _place(feeds: Sequence[Feed]) -> list[_Placed]:
+    placed = []
+    for f in feeds:
+        if not len(f.ids):
+            raise ValueError("forward needs at least one token")
+        if f.commit and f.kv._extra:
+            raise RuntimeError("drop the uncommitted entries before committing tokens")
+        start = f.kv.cached
+        positions = torch.arange(start, start + len(f.ids)) if f.positions is None else f.positions.cpu()
+        placed.append(_Placed(f, start, positions))
+    return placed
+
+
+def _commit(placed: Sequence[_Placed], logits: torch.Tensor) -> list[torch.Tensor]:
+    """Book the feeds' tokens into their sequences; the logits split per feed."""
+    for p in placed:
+        f = p.feed
+        f.kv.tokens.extend(int(t) for t in f.ids[: f.commit])
+        f.kv._extra += len(f.ids) - f.commit
+    return list(logits.split([p.kept for p in placed]))
+
+
 @torch.inference_mode()
 def _forward_packed(feeds: Sequence[Feed]) -> list[torch.Tensor]:
     """One packed forward; logits per feed as `Feed.run_alone` returns them."""
     device = feeds[0].kv.model.device
-    segments, positions, keep, counts, offset = [], [], [], [], 0
-    for f in feeds:
-        row, m = f.kv, len(f.ids)
-        if not m:
-            raise ValueError("forward needs at least one token")
-        if f.commit and row._extra:
-            raise RuntimeError("drop the uncommitted entries before committing tokens")
-        start = row.cached
-        segments.append(Segment(row.cache, start, m, None if f.visible is None else f.visible.to(device)))
-        positions.append(torch.arange(start, start + m) if f.positions is None else f.positions.cpu())
-        keep.extend([offset + m - 1] if f.last_only else range(offset, offset + m))
-        counts.append(1 if f.last_only else m)
-        offset += m
+    placed, segments, keep, offset = _place(feeds), [], [], 0
+    for p in placed:
+        f = p.feed
+        segments.append(Segment(f.kv.cache, p.start, p.rows, None if f.visible is None else f.visible.to(device)))
+        keep.extend([offset + p.rows - 1] if f.last_only else range(offset, offset + p.rows))
+        offset += p.rows
     flat = torch.cat([token_tensor(f.ids, device) for f in feeds])
-    logits = feeds[0].kv._fast.packed(segments, flat, torch.cat(positions).to(device), torch.tensor(keep, device=device))
-    for f in feeds:
-        f.kv.tokens.extend(int(t) for t in f.ids[: f.commit])
-        f.kv._extra += len(f.ids) - f.commit
-    return list(logits.split(counts))
+    positions = torch.cat([p.positions for p in placed]).to(device)
+    logits = feeds[0].kv._fast.packed(segments, flat, positions, torch.tensor(keep, device=device))
+    return _commit(placed, logits)
+
+
+@torch.inference_mode()
+def _forward_batched(feeds: Sequence[Feed], pool: GraphPool) -> list[torch.Tensor]:
+    """`_forward_packed`'s logits from one static-shape forward over the model's store (the store held).
+
+    Laid out by slot ([slots, T]: T the longest feed's rows, to a power of
+    two, at most ROW_LIMIT): slots not in the batch and rows past a feed's
+    end are padding, which writes to the scratch row and sees entry 0 of its
+    own slot (finite: slots are zeroed when handed out), so no attention row
+    is fully masked (SDPA returns NaN for one) and no live entry is touched.
+    """
+    device = feeds[0].kv.model.device
+    placed = _place(feeds)
+    for p in placed:  # growth first: the layout below is for the store's final shape
+        p.feed.kv.cache.reserve(p.start + p.rows, keep=p.start)
+    slots, capacity = pool.shared.slots, pool.shared.capacity
+    width = min(power_of_two(max(p.rows for p in placed)), ROW_LIMIT)
+    ids = torch.zeros(slots, width, dtype=torch.long, device=device)  # ids may live there already
+    positions = torch.zeros(slots, width, dtype=torch.long)
+    rows, cols = torch.full((slots, width), slots), torch.zeros(slots, width, dtype=torch.long)
+    mask = torch.zeros(slots, width, capacity, dtype=torch.bool)
+    mask[:, :, 0] = True
+    keep = []
+    for p in placed:
+        f, slot, m = p.feed, p.feed.kv.cache.slot, p.rows
+        ids[slot, :m] = token_tensor(f.ids, device)
+        positions[slot, :m] = p.positions
+        rows[slot, :m] = slot
+        cols[slot, :m] = torch.arange(p.start, p.start + m)
+        mask[slot, :m] = causal_mask(p.start, m, capacity, "cpu") if f.visible is None else padded_mask(f.visible.cpu(), capacity)
+        first = slot * width
+        keep.extend([first + m - 1] if f.last_only else range(first, first + m))
+    inputs = [ids, *(t.to(device) for t in (positions, rows, cols, mask))]
+    logits = pool.batched(feeds[0].kv._fast, *inputs, keep=torch.tensor(keep, device=device))
+    return _commit(placed, logits)
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

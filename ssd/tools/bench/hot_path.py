@@ -9,7 +9,12 @@ tokens, so every repeat times the same shape. Variants:
   on CUDA, graph (the static forward replayed; labelled "graph failed: eager"
   when the capture failed and what was timed ran eagerly);
 - a draft tree step of B rows under a tree mask: lean (the lean forward: one
-  call with a mask on every device), static and, on CUDA, graph.
+  call with a mask on every device), static and, on CUDA, graph;
+- a decode step of a batch of sequences (`time_batches`): packed (the lean
+  packed forward: attention per sequence) against batched (the batched rows'
+  static forward over the model's shared store, one attention call for the
+  batch), labelled "batched graph" on CUDA when every step replayed a graph,
+  "batched graph failed: eager" when not, "batched static" (eager) elsewhere.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Callable
 import torch
 
 from ssd.models.fast import FastForward
-from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, use_cuda_graphs
+from ssd.models.graphs import GraphedForward, causal_mask, padded_mask, pool_for, use_cuda_graphs
+from ssd.models.kv import Feed, KVSequence, feed_rows
 
 
 def _median_s(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -96,3 +102,41 @@ def time_hot_path(target: torch.nn.Module, draft: torch.nn.Module, k: int, budge
     for budget in budgets:
         out[f"draft tree step B={budget}"] = time_rows(draft, budget, prefix, repeats, tree=True)
     return out
+
+
+def time_batches(model: torch.nn.Module, sizes: tuple[int, ...], prefix: int,
+                 repeats: int) -> dict[str, dict[str, float]]:
+    """{"target decode batch of N": {variant: s}} per N in `sizes` (see the module docstring)."""
+    return {f"target decode batch of {rows}": time_batch(model, rows, prefix, repeats) for rows in sizes}
+
+
+def time_batch(model: torch.nn.Module, rows: int, prefix: int, repeats: int) -> dict[str, float]:
+    """Seconds per decode step of `rows` sequences after `prefix` tokens each, rolled back after
+    every step so that each repeat runs the same shapes."""
+    device = model.model.embed_tokens.weight.device
+    context = [(7 * i) % model.config.vocab_size for i in range(prefix)]
+    out = {}
+    for name, slots in (("packed", False), ("batched", True)):
+        seqs = [KVSequence(model, slots=slots) for _ in range(rows)]
+        for kv in seqs:
+            kv.forward(context, last_only=True)
+
+        def step() -> None:
+            feed_rows([Feed(kv, [i % model.config.vocab_size], 1) for i, kv in enumerate(seqs)])
+            for kv in seqs:
+                kv.rollback(prefix)
+
+        seconds = _median_s(step, device, repeats)
+        out[name if not slots else batch_label(model, device)] = seconds
+    return out
+
+
+def batch_label(model: torch.nn.Module, device: torch.device) -> str:
+    """What the batched variant ran: graphs on CUDA (FAILED_BATCH_GRAPH if any step did not replay one)."""
+    if not use_cuda_graphs(device):
+        return "batched static"
+    runner = pool_for(model).batched_runner
+    return "batched graph" if runner is not None and runner.replays and not runner.eager_runs else FAILED_BATCH_GRAPH
+
+
+FAILED_BATCH_GRAPH = "batched graph failed: eager"

@@ -13,7 +13,9 @@ them (`shapes="small"`, for CPU and CI). What it does, in order:
 2. branches: tree-masked branch decoding agrees with sequential decoding
    under each SDPA backend this device runs (ssd.tools.bench.branch_check);
    graphs: CUDA graph replays compute the lean forward's logits, on this
-   device and on another index when there is one (ssd.tools.bench.graph_check);
+   device and on another index when there is one, and the batched rows'
+   graphs (2 and batching.max_rows sequences) the lean packed forward's
+   (ssd.tools.bench.graph_check);
    sampling: at T = 1, SD's batched rows sample the target's exact law on a
    4-token vocabulary (chi-square; ssd.tools.bench.sampling_check).
 3. link: round trips of the protocol's messages over the host link.
@@ -48,9 +50,9 @@ from ssd import hardware
 from ssd.tools.ablation import planner
 from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.tools.bench.branch_check import branch_case, check_branches
-from ssd.tools.bench.graph_check import check_graphs
+from ssd.tools.bench.graph_check import batch_sizes, check_graphs
 from ssd.tools.bench.sampling_check import SAMPLES, check_sampling
-from ssd.tools.bench.hot_path import time_hot_path
+from ssd.tools.bench.hot_path import time_batches, time_hot_path
 from ssd.tools.bench.draft_process import DraftProcess, exact_fp32
 from ssd.tools.bench.link import summarize_ms
 from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
@@ -461,6 +463,7 @@ def run_timings(report: Report, specs: tuple[RandomModelSpec, RandomModelSpec], 
     )
     if fast_supported(target) and fast_supported(draft):  # per row vs one call, eager vs captured
         report.timings["hot_path"] = time_hot_path(target, draft, s.k, s.budgets, s.prefix, s.repeats)
+        report.timings["hot_path"].update(time_batches(target, batch_sizes(), s.prefix, s.repeats))
     return costs
 
 
@@ -517,9 +520,10 @@ def _check_line(name: str, check: dict[str, Any]) -> str:
         return (f"SD at T = {check['temperature']:g}, {check['samples']} samples in rows of {check['rows']}: "
                 f"p = {check['pvalue']:.2g} against the target's exact law")
     if name == "graphs":
+        parts = [*check["devices"].items(), *((f"{n} rows batched", r) for n, r in check.get("batched", {}).items())]
         return "; ".join(f"{d}: max rel diff {r['max_rel_diff']:.1e}, {r['graph_replays']} replays"
                          + (f", graphs off: {r['graphs_off']}" if r["graphs_off"] else "")
-                         for d, r in check["devices"].items())
+                         for d, r in parts)
     equal = " ".join(f"{m}={'=' if v else '!='}AR" for m, v in check["equal_to_ar"].items())
     return (f"{equal}, acceptance SD {check['acceptance_rate']['sd']:.2f} SSD {check['acceptance_rate']['ssd']:.2f}, "
             f"SSD hit rate {check['ssd_hit_rate']:.2f}, degraded rounds {check['ssd_degraded_rounds']}, "
