@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from ssd.config import ConfigError, SamplingConfig
 from ssd.saguaro.sampling import saguaro_rescale_rows
-from ssd.sampling import make_generator, probs_from_logits, sample, sample_ids, sample_rows, uniforms
+from ssd.sampling import greedy_token, make_generator, probs_from_logits, sample, sample_ids, sample_rows, uniforms
 from tests.stats import ALPHA, chi_square_pvalue
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -19,6 +19,21 @@ def test_greedy_is_one_hot_on_argmax():
 def test_greedy_ties_go_to_lowest_id():
     probs = probs_from_logits(torch.tensor([0.0, 3.0, 3.0]), SamplingConfig())
     assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.integers(2, 40))
+def test_a_plain_steps_greedy_token_is_the_pipelines(seed, with_bias, vocab):
+    """greedy_token (an argmax, no row, no draw) == sampling the pipeline's one-hot row:
+    float32 logits with ties (values on a coarse grid), an additive float64 bias with -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (vocab,), generator=gen).float() / 2
+    bias = None
+    if with_bias:
+        bias = torch.randint(-2, 3, (vocab,), generator=gen).double() / 3
+        bias[torch.rand(vocab, generator=gen) < 0.3] = float("-inf")
+    greedy = SamplingConfig(temperature=0.0)
+    assert greedy_token(logits, bias) == sample(probs_from_logits(logits, greedy, bias), make_generator(seed))
 
 
 def test_temperature_scales_logits():

@@ -48,7 +48,7 @@ from ssd.models.backend import (
 )
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
-from ssd.sampling import draws_at, make_generator, probs_from_logits, sample, token_logprobs
+from ssd.sampling import draws_at, greedy_token, make_generator, probs_from_logits, sample, token_logprobs
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,8 @@ class BatchedEngine(Engine):
         """Sample the token after `logits` [V] with the request's settings, processing and
         generator (coupled: its noise at the token's position, len(sequence))."""
         bias = req.processor.bias(logits.shape[-1]) if req.processor is not None else None
+        if req.sampling.greedy:  # the one-hot row's draw cannot change the token: skip the row and the draw
+            return greedy_token(logits, bias)
         draws = draws_at(req.sampling, req.gen, [len(req.sequence)])
         return sample(probs_from_logits(logits, req.sampling, bias), draws)
 
