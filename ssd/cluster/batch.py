@@ -1,5 +1,6 @@
 """Continuous batching over the cluster: the driver's scheduler drives a batch
-engine on target rank 0, one Ray call per step.
+engine on target rank 0, one Ray call per step (or per several fast steps,
+up to cluster.step_call_s: a call costs a few milliseconds).
 
 The serving worker (ssd.serve.worker) schedules exactly as for local engines:
 it admits between steps and completes the rows that leave. Here each call

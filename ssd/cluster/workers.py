@@ -1,7 +1,7 @@
 """The two kinds of Ray actor: a target rank (verifier) and the speculator.
 
 Ray carries only setup and control calls (load, connect, one call per
-batched step); every SSD round travels over the
+batched step or few); every SSD round travels over the
 torch.distributed link between target rank 0 and the speculator. Target rank
 0 runs the same engines as one process (ssd.factory.make_engine, one
 per mode); the speculator runs the one draft-side host (ssd.saguaro.host).
@@ -189,8 +189,8 @@ class TargetWorker:
 
     # The one request path: the driver (ssd.serve.worker, or Cluster.generate for
     # a batch of one) drives the mode's engine here through
-    # ssd.cluster.batch.RemoteBatchEngine, one call per step; each row's tokens
-    # and its end travel back with the step.
+    # ssd.cluster.batch.RemoteBatchEngine, one call per step or few (cluster.step_call_s);
+    # each row's tokens and its end travel back with the call.
 
     @compute
     def batch_can_admit(self, mode: str, request: GenerationRequest) -> bool:
