@@ -240,7 +240,7 @@ class TargetWorker:
         return emitted, ended, steps
 
     def inject_step_delay(self, seconds: float) -> None:
-        """Fault injection: every batched step from now on first sleeps `seconds` (a slow or
+        """Fault injection: every batched step call from now on first sleeps `seconds` (a slow or
         hung host); for drills and tests of ssd.cluster.replicas' step deadline."""
         self._step_delay_s = seconds
 
