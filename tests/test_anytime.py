@@ -22,6 +22,8 @@ import queue
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ssd.config import FanoutConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.models import build_tiny_model
@@ -194,6 +196,42 @@ def test_ngram_match_takes_the_latest_longest_occurrence():
     assert ngram_match([1, 2, 3, 4], 2, max_n=3) == []
     assert ngram_match([1, 2, 9, 2], 2, max_n=3, min_n=2) == []  # a 1-token match is not enough
     assert ngram_match([4, 4, 4], 5, max_n=3) == [4]  # what is there, never padded
+
+
+def _ngram_match_by_slices(context, k, max_n, min_n=1, window=4096):
+    """The plain definition: compare the suffix with the slice at every start, latest first."""
+    ctx = list(context[-window:])
+    for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
+        for start in range(len(ctx) - n - 1, -1, -1):
+            if ctx[start : start + n] == ctx[-n:]:
+                return ctx[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 2**20), max_size=60), st.lists(st.integers(0, 2**20), max_size=6),
+       st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.integers(4, 70))
+def test_ngram_search_equals_the_plain_definition(tokens, drafted, k, max_n, min_n, window):
+    """The byte search (TokenText) against comparing slices: ids over several byte values (a
+    match may straddle two words), few distinct ones (many matches), windows that cut."""
+    tokens = [t % 5 if t % 3 else t * 257 for t in tokens]
+    assert ngram_match(tokens, k, max_n, min_n, window) == _ngram_match_by_slices(tokens, k, max_n, min_n, window)
+    entries = ngram_candidates(tokens, drafted, k, 2**21, needs_q=False, taken=lambda k, t: False,
+                               max_n=max_n, min_n=min_n, window=window)
+    for j in range(len(drafted) + 1):
+        follow = _ngram_match_by_slices([*tokens, *drafted[:j]], k + 1, max_n, min_n, window)
+        expected = len(follow) >= 2 and not (j < len(drafted) and follow[0] == drafted[j])
+        assert ((j, follow[0]) in entries if expected else not any(key[0] == j for key in entries))
+        if expected:
+            assert entries[(j, follow[0])].tokens == follow[1:]
+
+
+def test_ngram_search_skips_a_match_that_straddles_two_words():
+    """[256, 0] is the bytes 00 01 00 00 | 00 00 00 00, which hold 01 00 00 00 (the token 1) from
+    byte 1 on: a match across two words, which is no token. The search passes it for the
+    aligned match before it, or finds none."""
+    assert ngram_match([1, 7, 256, 0, 1], 1, max_n=1) == [7]
+    assert ngram_match([256, 0, 1], 2, max_n=1) == []
 
 
 def test_ngram_candidates_fill_what_the_draft_left_and_never_the_drafted_token():

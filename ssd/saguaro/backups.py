@@ -8,6 +8,7 @@ uniform law."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -18,6 +19,8 @@ from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.engine.drafting import drafted_chain
 from ssd.saguaro.sampling import Saguaro
 from ssd.sampling import Q_DTYPE, draws_at, sample_rows
+
+NGRAM_WINDOW = 4096  # tokens of context an n-gram match looks back over
 
 
 class Backup(Protocol):
@@ -77,16 +80,17 @@ class LookupBackup:
 
 def ngram_candidates(
     context: Sequence[int], drafted: Sequence[int], depth: int, vocab_size: int, needs_q: bool,
-    taken: Callable[[int, int], bool], max_n: int = 3, min_n: int = 2,
+    taken: Callable[[int, int], bool], max_n: int = 3, min_n: int = 2, window: int = NGRAM_WINDOW,
 ) -> dict[tuple[int, int], Proposal]:
     """Free cache entries: for each acceptance length k, the outcome t* that
     the text so far predicts (what followed the latest earlier occurrence of
     context + drafted[:k]) with the `depth` tokens that followed it, where the
     draft built nothing for (k, t*) (`taken`). No model cost; q one-hot where
     verification reads q (`needs_q`: not greedy, not coupled)."""
+    text = TokenText([*context[-window:], *drafted])
     entries: dict[tuple[int, int], Proposal] = {}
     for k in range(len(drafted) + 1):
-        follow = ngram_match([*context, *drafted[:k]], depth + 1, max_n, min_n)
+        follow = text.match(len(text) - len(drafted) + k, depth + 1, max_n, min_n, window)
         if len(follow) < 2:
             continue
         t_star, tokens = follow[0], follow[1:]
@@ -123,17 +127,49 @@ def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:
     return follow + [follow[-1]] * (k - len(follow))
 
 
-def ngram_match(context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = 4096) -> list[int]:
+def ngram_match(
+    context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = NGRAM_WINDOW,
+) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the
     context's last n tokens (n = max_n down to min_n) within its last `window`
     tokens; [] when none occurs. Prompt lookup (Saxena 2023) / suffix matching."""
-    ctx = list(context[-window:])
-    for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
-        suffix = ctx[-n:]
-        for start in range(len(ctx) - n - 1, -1, -1):  # latest match first, not the suffix itself
-            if ctx[start : start + n] == suffix:
-                return ctx[start + n : start + n + k]
-    return []
+    text = TokenText(context[-window:])
+    return text.match(len(text), k, max_n, min_n, window)
+
+
+class TokenText:
+    """Token ids as 4-byte words, searched by bytes.rfind (C's memory search):
+    a suffix match over a 4096-token context costs microseconds, not the
+    milliseconds of comparing Python slices at every start."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = list(tokens)
+        self.data = array("I", self.tokens).tobytes()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def match(self, length: int, k: int, max_n: int, min_n: int, window: int) -> list[int]:
+        """`ngram_match` of the first `length` tokens."""
+        lo = max(0, length - window)
+        for n in range(min(max_n, length - lo - 1), min_n - 1, -1):
+            start = self._latest(lo, length, n)
+            if start is not None:
+                return self.tokens[start + n : min(start + n + k, length)]
+        return []
+
+    def _latest(self, lo: int, length: int, n: int) -> int | None:
+        """The latest start s in [lo, length - n - 1] whose n tokens equal the last n of
+        tokens[:length] (never the suffix itself: a token must follow the match)."""
+        needle = self.data[4 * (length - n) : 4 * length]
+        end = 4 * (length - 1)  # the match ends before the last token
+        while True:
+            at = self.data.rfind(needle, 4 * lo, end)
+            if at < 0:
+                return None
+            if at % 4 == 0:
+                return at // 4
+            end = at + len(needle) - 1  # straddles two words: look before it
 
 
 def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
