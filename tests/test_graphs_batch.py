@@ -181,6 +181,22 @@ def test_greedy_batched_ssd_on_the_static_path_equals_ar_alone(tiny_models, tiny
         assert pool_for(model).batched_runner.eager_runs > 0
 
 
+def test_sampled_sd_batches_on_the_static_path_keep_the_target_law(monkeypatch):
+    """T=1, test_distribution's fp64 small pair: SD's seeds as rows of batches with every packed
+    forward through the batched static forward (and the first seeds run alone equal to their
+    rows); tokens 1-4 against the target's enumerated law."""
+    from tests.stats import ALPHA, chi_square_pvalue
+    from tests.test_distribution import STRONG_SAMPLES, draw, exact_joint, small_models
+
+    monkeypatch.setattr(kv_module, "use_cuda_graphs", lambda device: True)
+    target, draft = small_models()
+    sampling = SamplingConfig(temperature=1.0)
+    draws = draw((target, draft), sampling, samples=STRONG_SAMPLES)
+    assert pool_for(target).batched_runner.eager_runs > 0  # the batched static forward ran
+    pvalue = chi_square_pvalue(draws.samples, exact_joint(target, sampling))
+    assert pvalue > ALPHA, f"sampled SD on the batched static path deviates from the target: p = {pvalue:.2e}"
+
+
 def test_a_nan_in_a_released_slot_reaches_no_later_sequence():
     model = build_family("qwen2")
     reference = KVSequence(copy.deepcopy(model))

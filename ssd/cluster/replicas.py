@@ -261,13 +261,11 @@ class Replicas:
 
     # ------------------------------------------------------------------ steps
 
-    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> bool:
-        """Send `remote`'s step to replica `index` unless a step is on its way there; whether it was sent."""
+    def send_step(self, index: int, engine: "ReplicaBatchEngine", remote: RemoteBatchEngine) -> None:
+        """Send `remote`'s step to replica `index` unless a step is on its way there."""
         with self._lock:
-            if index in self._steps:
-                return False
-            self._steps[index] = Stepping(engine, remote.start_step(), time.monotonic())
-            return True
+            if index not in self._steps:
+                self._steps[index] = Stepping(engine, remote.start_step(), time.monotonic())
 
     def stepping(self, index: int) -> bool:
         with self._lock:

@@ -6,7 +6,6 @@ launch/bench_step_call.py."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 from typing import Any, Sequence
@@ -18,8 +17,6 @@ from ssd.cluster.devices import plan_placement
 from ssd.cluster.runtime import Cluster
 from ssd.config import Config, GenerationConfig, SamplingConfig
 from ssd.engine.request import GenerationRequest
-
-log = logging.getLogger(__name__)
 
 
 def bench_step_call(
