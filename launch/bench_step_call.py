@@ -9,7 +9,6 @@ One request at a time; the settings are interleaved in each round.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.pa
 
 from ssd.config import load_config  # noqa: E402
 from ssd.tools.bench.step_call import bench_step_call, format_table  # noqa: E402
+from ssd.tools.bench.report import print_and_save  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,12 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     result = bench_step_call(load_config(args.config), args.seconds, args.modes, args.prompt,
                              args.max_new_tokens, args.rounds)
-    command = " ".join(["$ python launch/bench_step_call.py", *(sys.argv[1:] if argv is None else argv)])
-    table = command + "\n" + format_table(result)
-    print(table)
-    if args.out:
-        args.out.with_suffix(".txt").write_text(table + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    command = " ".join(["python launch/bench_step_call.py", *(sys.argv[1:] if argv is None else argv)])
+    print_and_save(command, format_table(result), result, args.out)
 
 
 if __name__ == "__main__":

@@ -266,6 +266,38 @@ class DraftVocabConfig:
 
 
 @dataclass
+class PromptLookupConfig:
+    """Prompt lookup on plain target steps (ssd.engine.lookup): where a row's round
+    would draft nothing (K 0 by k_policy, as the start-up plan sets where the
+    draft's core is worth more to the target; an SSD round without the draft),
+    the target verifies the tokens that followed the latest earlier occurrence
+    of the text's last n tokens (n = max_n down to min_n), up to max_tokens of
+    them (None: the row's K, so admission reserves nothing more), as many as the
+    row's acceptance and the forward's measured cost of a token make worth it.
+    No model cost; exact (a one-hot q). max_tokens 0: off.
+    """
+
+    max_tokens: int | None = None
+    min_n: int = 2
+    max_n: int = 8
+
+    def __post_init__(self) -> None:
+        bad = isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, type(None)))
+        if bad or (self.max_tokens is not None and not 0 <= self.max_tokens <= 64):
+            raise ConfigError(
+                f"speculation.prompt_lookup.max_tokens must be in 0..64 or null (the row's K), got {self.max_tokens!r}"
+            )
+        if not 1 <= self.min_n <= self.max_n <= 64:
+            raise ConfigError(
+                f"speculation.prompt_lookup needs 1 <= min_n <= max_n <= 64, got min_n {self.min_n}, max_n {self.max_n}"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.max_tokens != 0
+
+
+@dataclass
 class SpeculationConfig:
     mode: str = "sd"
     k: int = 4  # drafted tokens per round
@@ -297,6 +329,7 @@ class SpeculationConfig:
     max_k: int = 8
     # The draft's LM head over a frequency-ranked vocabulary subset (FR-Spec); size 0: full.
     draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
+    prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -332,6 +365,17 @@ class SpeculationConfig:
     def k_ceiling(self) -> int:
         """The longest speculation a round may draft: max_k under adaptive_k (never below k), else k."""
         return max(self.k, self.max_k) if self.adaptive_k else self.k
+
+    @property
+    def round_ceiling(self) -> int:
+        """The most tokens a round may verify before its last: its longest speculation or prompt lookup."""
+        return max(self.k_ceiling, self.prompt_lookup.max_tokens or 0)
+
+    @property
+    def lookup_ceiling(self) -> int:
+        """The most tokens a prompt lookup may propose in a round (0: lookups off)."""
+        lookup = self.prompt_lookup.max_tokens
+        return self.k_ceiling if lookup is None else lookup
 
     def backup_for(self, batch_size: int) -> str:
         """The backup for this batch size: the rule with the largest threshold <= it."""

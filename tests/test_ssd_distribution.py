@@ -85,7 +85,9 @@ import ssd.saguaro.backups as backups_module
 import ssd.saguaro.builder as builder_module
 import ssd.engine.drafting as drafting_module
 import ssd.saguaro.speculator as speculator_module
-from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.config import (
+    BatchingConfig, FanoutConfig, GenerationConfig, PromptLookupConfig, SamplingConfig, SpeculationConfig,
+)
 from ssd.saguaro.target import SSDEngine
 from ssd.models import TinyTokenizer
 from ssd.engine.request import GenerationRequest
@@ -123,6 +125,7 @@ def spec(budget: int = FULL, kind: str = "uniform", anytime: bool = False, **kw)
     cache holds only what the draft built (no free n-gram entries), unless a
     path asks for them."""
     kw.setdefault("ngram_candidates", False)
+    kw.setdefault("prompt_lookup", PromptLookupConfig(max_tokens=0))  # plain steps stay one token
     return SpeculationConfig(mode="ssd", k=K, fanout=FanoutConfig(kind=kind, budget=budget, anytime=anytime), **kw)
 
 

@@ -47,7 +47,10 @@ PROMPTS = [[1, 2, 3], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_subset_logits_are_the_full_heads_rows_bit_for_bit(int8):
+def test_subset_logits_are_the_full_heads_rows(int8):
+    """int8: bit for bit (per-channel weights, per-row activations). fp32: up to the GEMM's
+    summation order, which the kernel torch picks for 10 rows may change (1.2e-6 here on an
+    AMD EPYC AVX512 host; bit for bit on an Intel Xeon one); a wrong row is off by ~1."""
     if int8 and not int8_supported():
         pytest.skip("no fbgemm")
     model = build_tiny_model(TINY, torch.float32)
@@ -58,7 +61,10 @@ def test_subset_logits_are_the_full_heads_rows_bit_for_bit(int8):
     sub = KVSequence(model).forward([1, 2, 3, 4])
     ids = torch.tensor(SUBSET16)
     outside = torch.tensor(sorted(set(range(16)) - set(SUBSET16)))
-    assert torch.equal(sub[:, ids], full[:, ids])
+    if int8:
+        assert torch.equal(sub[:, ids], full[:, ids])
+    else:
+        torch.testing.assert_close(sub[:, ids], full[:, ids], rtol=1e-6, atol=1e-5)
     assert (sub[:, outside] == FILL).all()
     assert subset_of(model).tolist() == SUBSET16
 

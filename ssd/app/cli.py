@@ -39,6 +39,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                              "and the budget follows the round)")
     parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
                         help="override speculation.ngram_candidates (free n-gram entries in SSD's cache)")
+    parser.add_argument("--prompt-lookup", type=int, metavar="N",
+                        help="override speculation.prompt_lookup.max_tokens: a round that drafts nothing (K 0, "
+                             "or no draft) verifies up to N tokens the text so far predicts (0: off; default: K)")
     parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                         help="override speculation.adaptive_k (SSD: each round's K from the measured rounds, "
                              "up to speculation.max_k)")
@@ -122,6 +125,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides.setdefault("runtime", {})["plan"] = False
     if args.draft_vocab is not None:
         overrides.setdefault("speculation", {})["draft_vocab"] = {"size": args.draft_vocab}
+    if args.prompt_lookup is not None:
+        overrides.setdefault("speculation", {})["prompt_lookup"] = {"max_tokens": args.prompt_lookup}
     for role in ("target", "draft"):
         precision = getattr(args, f"{role}_precision")
         if precision:

@@ -38,6 +38,7 @@ import torch
 
 from ssd.config import BatchingConfig, SamplingConfig, SpeculationConfig
 from ssd.engine.drafting import Chain
+from ssd.engine.lookup import LookupOdds, StepCost, best_length, one_hot_rows, prompt_lookup
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
 from ssd.engine.processing import LogitsProcessor
@@ -156,6 +157,8 @@ class Row:
     round_tokens: int  # the most tokens one of its rounds feeds the target (K + 1; AR: 1)
     prefilled: int = 0  # prompt tokens the target has been fed
     chain: Chain | None = None  # SD: this round's drafting
+    lookup: list[int] = dataclasses.field(default_factory=list)  # this round's prompt lookup (ssd.engine.lookup)
+    lookup_match: int = 0  # how many of the text's last tokens it matched
     link: Any = None  # SSD: the row's sequence on the draft link (ssd.saguaro.target.RowLink)
     error: Exception | None = None
 
@@ -220,6 +223,9 @@ class BatchedEngine(Engine):
         self._target_source = self._source(target)
         self._draft_source = self._source(draft) if draft is not None else None
         self._rows: list[Row] = []
+        # prompt lookup: what a scored token adds to a forward, how lookups fare by match length
+        self._step_cost = StepCost()
+        self._lookup_odds: dict[int, LookupOdds] = {}
 
     def _source(self, model: Model) -> object:
         """What the engine's sequences of `model` come from (ssd.models.backend.sequence_source)."""
@@ -266,11 +272,14 @@ class BatchedEngine(Engine):
         chunks = self._chunks(decoding)
         self._together([row for row, _ in chunks], self._prefill_draft, chunks)
         self._together(decoding, self._draft, decoding)
+        self._look_up(decoding, chunks)
         jobs = [(row, ids, True) for row, ids in chunks if row.error is None]
         jobs += [(row, self._scored(row), False) for row in decoding if row.error is None]
         started = time.perf_counter()
         logits = self._together([row for row, _, _ in jobs], self._score, jobs)
         forward_s = time.perf_counter() - started
+        if logits and not chunks:  # a prefill chunk's cost is not a round's
+            self._step_cost.observe(sum(len(ids) for _, ids, _ in jobs), forward_s)
         for (row, ids, prefill), rows in zip(jobs, logits or []):
             if prefill:
                 self._alone(row, self._prefilled, row, len(ids), rows)
@@ -281,8 +290,8 @@ class BatchedEngine(Engine):
     # --- what a mode says ---------------------------------------------------------
 
     def _round_cost(self, row: Row) -> int:
-        """The tokens this step's round of `row` feeds the target."""
-        return 1
+        """The most tokens this step's round of `row` feeds the target."""
+        return 1 + self._lookup_room(row)
 
     def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
         """Feed the draft the same prompt chunks (SD)."""
@@ -290,10 +299,17 @@ class BatchedEngine(Engine):
     def _draft(self, rows: list[Row]) -> None:
         """Draft this round's tokens for every decoding row (SD, SSD)."""
 
+    def _drafted(self, row: Row) -> Sequence[int]:
+        """This round's speculation of the row from its drafter (SD's chain, SSD's proposal)."""
+        return row.chain.tokens if row.chain is not None else []
+
+    def _drafts_nothing(self, row: Row) -> bool:
+        """Whether the row's round is a plain target step unless a prompt lookup fills it."""
+        return not self._drafted(row)
+
     def _scored(self, row: Row) -> list[int]:
-        """The tokens this round feeds the row's target: what its cache lacks, then any drafts."""
-        drafted = row.chain.tokens if row.chain is not None else []
-        return [*row.state.sequence, *drafted][row.target.length :]
+        """The tokens this round feeds the row's target: what its cache lacks, then its speculation."""
+        return [*row.state.sequence, *(row.lookup or self._drafted(row))][row.target.length :]
 
     @abstractmethod
     def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
@@ -381,9 +397,10 @@ class BatchedEngine(Engine):
 
     def _settle_speculation(
         self, row: Row, drafted: Sequence[int], q: torch.Tensor | None, logits: torch.Tensor, forward_s: float,
+        looked_up: bool = False,
     ) -> tuple[Outcome, float]:
-        """Verify the row's speculation (SD and SSD), roll its caches back to the
-        accepted tokens, count the round and emit its tokens; (outcome, the
+        """Verify the row's speculation (SD and SSD, or its prompt lookup), roll its caches
+        back to the accepted tokens, count the round and emit its tokens; (outcome, the
         round's target seconds: forward + verification)."""
         started = time.perf_counter()
         state, drafted = row.state, list(drafted)
@@ -393,16 +410,69 @@ class BatchedEngine(Engine):
         if row.draft is not None:  # it never fed its last drafted token, so it may hold fewer
             row.draft.rollback(min(row.draft.length, len(state.sequence) + outcome.k))
         target_s = forward_s + time.perf_counter() - started
-        state.stats.record_round(drafted=k, accepted=outcome.k, target_s=target_s)
+        if looked_up:  # counted apart: acceptance stays the draft's
+            state.stats.record_lookup(proposed=k, accepted=outcome.k, target_s=target_s)
+        else:
+            state.stats.record_round(drafted=k, accepted=outcome.k, target_s=target_s)
         self._emit(state, outcome.tokens(drafted), logits[-(k + 1) :])
         return outcome, target_s
 
     def _plain_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
-        """A round of the target alone: one token from the last scored position (AR, or a speculation of 0 tokens)."""
+        """A round of the target alone: one token from the last scored position (AR, or a
+        speculation of 0 tokens), or the tokens its prompt lookup proposed, verified."""
+        if row.lookup:
+            self._settle_lookup(row, logits, forward_s)
+            return
         started = time.perf_counter()
         token = self._next_token(row.state, logits[-1])
         row.state.stats.record_round(drafted=0, accepted=0, target_s=forward_s + time.perf_counter() - started)
         self._emit(row.state, [token], logits[-1:])
+
+    # --- prompt lookup (ssd.engine.lookup) ---------------------------------------------
+
+    @staticmethod
+    def _lookup_room(row: Row) -> int:
+        """The most tokens the row's prompt lookup may propose in a round (0: it has none)."""
+        spec = row.state.speculation
+        if spec is None:
+            return 0
+        return max(0, min(spec.lookup_ceiling, row.state.output.remaining - 1, row.round_tokens - 1))
+
+    def _lookup_ceiling(self, row: Row) -> int:
+        """What the row's prompt lookup may propose this round: its room, where its drafter gave nothing."""
+        return self._lookup_room(row) if self._drafts_nothing(row) else 0
+
+    def _look_up(self, decoding: list[Row], chunks: list[tuple[Row, list[int]]]) -> None:
+        """Each row that drafts nothing this round proposes what its text predicts, as many
+        tokens as lookups after a match of its length are accepted and the forward's cost
+        of a token make worth it. Match lengths that proposed nothing this step forget
+        toward their prior (LookupOdds)."""
+        rows = [(row, ceiling) for row in decoding if row.error is None and (ceiling := self._lookup_ceiling(row))]
+        for row in decoding:
+            row.lookup, row.lookup_match = [], 0
+        if not rows:
+            return
+        base = sum(len(ids) for _, ids in chunks) + sum(len(self._scored(r)) for r in decoding if r.error is None)
+        token_cost = self._step_cost.token_cost(base)
+        for row, ceiling in rows:
+            self._alone(row, self._look_up_row, row, ceiling, token_cost, len(decoding))
+        idle = {row.lookup_match for row, _ in rows if row.lookup_match and not row.lookup}
+        for n in idle - {row.lookup_match for row, _ in rows if row.lookup}:
+            self._lookup_odds[n].record(0, 0)
+
+    def _look_up_row(self, row: Row, ceiling: int, token_cost: float, rows: int) -> None:
+        spec = row.state.speculation.prompt_lookup
+        n, follow = prompt_lookup(row.state.sequence, ceiling, spec.max_n, spec.min_n)
+        if n:
+            odds = self._lookup_odds.setdefault(n, LookupOdds.after_match(n))
+            row.lookup, row.lookup_match = follow[: best_length(odds.rate, token_cost, len(follow), rows)], n
+
+    def _settle_lookup(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        """Verify the row's prompt lookup like any speculation: a one-hot q, the one routine."""
+        state, proposed = row.state, row.lookup
+        q = one_hot_rows(proposed, logits.shape[-1]) if state.sampling.needs_q else None
+        outcome, _ = self._settle_speculation(row, proposed, q, logits, forward_s, looked_up=True)
+        self._lookup_odds[row.lookup_match].record(len(proposed), outcome.k)
 
     @staticmethod
     def _emit(req: SequenceState, tokens: list[int], logits: torch.Tensor) -> None:
@@ -435,7 +505,7 @@ class BatchedEngine(Engine):
         """(KV bytes, the most tokens a round feeds the target) the request
         reserves; refuses a mode this engine does not run."""
         speculation = self._settings(request)
-        k = speculation.k if speculation is not None else 0
+        k = speculation.round_ceiling if speculation is not None else 0
         tokens = len(request.prompt_ids) + request.generation.max_new_tokens + k
         return tokens * self._token_bytes, k + 1
 

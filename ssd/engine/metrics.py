@@ -134,6 +134,11 @@ class GenerationStats(RoundRatios):
     # Target busy time over the rounds: its forward plus sampling/verification.
     target_s: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)  # SSD only
+    # Prompt lookup (ssd.engine.lookup): rounds that verified the text's own prediction
+    # instead of a plain step, and their tokens; not in drafted/accepted, the draft's.
+    lookup_rounds: int = 0
+    looked_up: int = 0
+    lookup_accepted: int = 0
 
     def record_round(self, drafted: int, accepted: int, target_s: float = 0.0) -> None:
         self.rounds += 1
@@ -147,6 +152,12 @@ class GenerationStats(RoundRatios):
         for i in range(drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
+
+    def record_lookup(self, proposed: int, accepted: int, target_s: float = 0.0) -> None:
+        self.record_round(drafted=0, accepted=0, target_s=target_s)
+        self.lookup_rounds += 1
+        self.looked_up += proposed
+        self.lookup_accepted += accepted
 
     @property
     def tokens_per_s(self) -> float:
@@ -199,6 +210,9 @@ class GenerationStats(RoundRatios):
             )
         if self.mode == "ssd":
             line += f"; {self.spec.summary()}"
+        if self.lookup_rounds:
+            line += (f"; prompt lookup: {self.lookup_accepted}/{self.looked_up} tokens accepted "
+                     f"in {self.lookup_rounds} rounds")
         return line
 
 

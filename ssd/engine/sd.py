@@ -21,28 +21,36 @@ class SDEngine(BatchedEngine):
     def __init__(
         self,
         target: Model | KVSequence,
-        draft: Model,
+        draft: Model | None,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
     ) -> None:
-        """`speculation`: the settings (K, k_policy) for requests that bring none of their own."""
+        """`speculation`: the settings (K, k_policy) for requests that bring none of their own.
+        `draft` None: no draft model; every round drafts nothing, and prompt lookup
+        (speculation.prompt_lookup) is its only speculation."""
         super().__init__(target, tokenizer, speculation, batching, verifier, draft)
 
     def _round_cost(self, row: Row) -> int:
-        return self._draft_length(row) + 1
+        return max(self._draft_length(row), self._lookup_room(row)) + 1
 
     def _draft_length(self, row: Row) -> int:
         """K for this row at the current batch size (speculation.k_policy; 0: a plain
         target step), never past max_new_tokens."""
+        if self.draft_model is None:
+            return 0
         k = row.state.speculation.k_for(len(self._rows))
         return min(k, draft_length(row.state))
 
     def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
+        if self.draft_model is None:
+            return
         forward_rows([row.draft for row, _ in chunks], [ids for _, ids in chunks], last_only=True)
 
     def _draft(self, rows: list[Row]) -> None:
+        if self.draft_model is None:
+            return
         for row in rows:
             state = row.state
             row.chain = Chain(row.draft, state.sequence, self._draft_length(row), state.sampling, state.gen,
@@ -52,6 +60,9 @@ class SDEngine(BatchedEngine):
             row.error = row.chain.error
 
     def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+        if row.lookup or row.chain is None:  # K 0 this round, or no draft: the text's own prediction, or none
+            self._plain_step(row, logits, forward_s)
+            return
         chain, state = row.chain, row.state
         # greedy and coupled verification never read q
         q = torch.stack(chain.q_rows) if chain.q_rows and state.sampling.needs_q else None

@@ -19,9 +19,11 @@ logits processing (a grammar) forbids every subset token, the row is
 uniform over the allowed tokens outside it instead of having no mass (still
 the law the token is drawn from, so still exact).
 
-The subset's logits are the full head's at those rows bit for bit (each
-output channel is computed on its own, in fp and in int8, whose weights are
-quantized per output channel and activations per row).
+The subset's logits are the full head's at those rows: bit for bit in
+int8 (weights quantized per output channel, activations per row); in fp32
+up to the summation order of the GEMM kernel, which may change with the row
+count (a few ulp on an AMD EPYC AVX512 host). Exactness does not rest on it:
+q is whatever the subset head gives.
 
 Torch models only: llama.cpp computes its full `output` tensor inside
 llama_decode, and a GGUF with a shrunk output tensor would need n_vocab (and

@@ -8,7 +8,6 @@ uniform law."""
 
 from __future__ import annotations
 
-from array import array
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -17,10 +16,9 @@ from ssd.config import SamplingConfig
 from ssd.models.kv import KVSequence
 from ssd.saguaro.cache import DraftWork, Proposal
 from ssd.engine.drafting import drafted_chain
+from ssd.engine.lookup import NGRAM_WINDOW, TokenText, ngram_match, one_hot_rows
 from ssd.saguaro.sampling import Saguaro
 from ssd.sampling import Q_DTYPE, draws_at, sample_rows
-
-NGRAM_WINDOW = 4096  # tokens of context an n-gram match looks back over
 
 
 class Backup(Protocol):
@@ -125,56 +123,6 @@ def ngram_continuation(context: Sequence[int], k: int, max_n: int) -> list[int]:
     if not follow:
         return [context[-1]] * k
     return follow + [follow[-1]] * (k - len(follow))
-
-
-def ngram_match(
-    context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = NGRAM_WINDOW,
-) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the
-    context's last n tokens (n = max_n down to min_n) within its last `window`
-    tokens; [] when none occurs. Prompt lookup (Saxena 2023) / suffix matching."""
-    text = TokenText(context[-window:])
-    return text.match(len(text), k, max_n, min_n, window)
-
-
-class TokenText:
-    """Token ids as 4-byte words, searched by bytes.rfind (C's memory search):
-    a suffix match over a 4096-token context costs microseconds, not the
-    milliseconds of comparing Python slices at every start."""
-
-    def __init__(self, tokens: Sequence[int]) -> None:
-        self.tokens = list(tokens)
-        self.data = array("I", self.tokens).tobytes()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def match(self, length: int, k: int, max_n: int, min_n: int, window: int) -> list[int]:
-        """`ngram_match` of the first `length` tokens."""
-        lo = max(0, length - window)
-        for n in range(min(max_n, length - lo - 1), min_n - 1, -1):
-            start = self._latest(lo, length, n)
-            if start is not None:
-                return self.tokens[start + n : min(start + n + k, length)]
-        return []
-
-    def _latest(self, lo: int, length: int, n: int) -> int | None:
-        """The latest start s in [lo, length - n - 1] whose n tokens equal the last n of
-        tokens[:length] (never the suffix itself: a token must follow the match)."""
-        needle = self.data[4 * (length - n) : 4 * length]
-        end = 4 * (length - 1)  # the match ends before the last token
-        while True:
-            at = self.data.rfind(needle, 4 * lo, end)
-            if at < 0:
-                return None
-            if at % 4 == 0:
-                return at // 4
-            end = at + len(needle) - 1  # straddles two words: look before it
-
-
-def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
-    rows = torch.zeros(len(tokens), vocab_size, dtype=Q_DTYPE)
-    return rows.scatter_(1, torch.tensor(tokens).unsqueeze(1), 1.0)
 
 
 def make_backup(kind: str, vocab_size: int) -> Backup:

@@ -304,8 +304,9 @@ class SSDEngine(BatchedEngine):
     # --- what the mode says -------------------------------------------------------------
 
     def _round_cost(self, row: Row) -> int:
-        """The most tokens a round of the row scores: its longest speculation, never past max_new_tokens."""
-        return min(row.state.speculation.k_ceiling, row.state.output.remaining - 1) + 1
+        """The most tokens a round of the row scores: its longest speculation or prompt lookup,
+        never past max_new_tokens."""
+        return min(row.state.speculation.round_ceiling, row.state.output.remaining - 1) + 1
 
     def _draft_k(self, row: Row) -> int | None:
         """The K the row's next speculations have: the controller's under
@@ -348,8 +349,11 @@ class SSDEngine(BatchedEngine):
             else:
                 row.link.take(reply, row.state.output.remaining, waited)
 
-    def _scored(self, row: Row) -> list[int]:
-        return [*row.state.sequence, *row.link.drafted][row.target.length :]
+    def _drafted(self, row: Row) -> tuple[int, ...]:
+        return row.link.drafted
+
+    def _drafts_nothing(self, row: Row) -> bool:
+        return row.link.reply is None  # a plain step: parked, or without the draft
 
     def _prefilled(self, row: Row, fed: int, logits: torch.Tensor) -> None:
         super()._prefilled(row, fed, logits)

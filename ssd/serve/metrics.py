@@ -170,6 +170,10 @@ def _spec_decode(c: Counters) -> Iterator[Metric]:
     yield _counter("ssd:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", g.accepted)
     yield _counter("ssd:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted at each position.",
                    {(str(i),): n for i, n in enumerate(g.accepted_at)}, ["position"])
+    yield _counter("ssd:prompt_lookup_num_rounds", "Rounds that verified a prompt lookup (drafting nothing).",
+                   g.lookup_rounds)
+    yield _counter("ssd:prompt_lookup_num_tokens", "Prompt-lookup tokens verified.", g.looked_up)
+    yield _counter("ssd:prompt_lookup_num_accepted_tokens", "Prompt-lookup tokens accepted.", g.lookup_accepted)
 
 
 def _spec_cache(c: Counters) -> Iterator[Metric]:

@@ -246,6 +246,16 @@ def write_json(
     Path(path).write_text(json.dumps(payload, indent=2))
 
 
+def print_and_save(command: str, table: str, result: dict[str, Any], out: Path | None) -> None:
+    """A small bench's report: the command line that made it, then its table; with `out`,
+    also OUT.txt (the same) and OUT.json (`result`)."""
+    text = f"$ {command}\n{table}"
+    print(text)
+    if out:
+        out.with_suffix(".txt").write_text(text + "\n")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """The aggregate rows, one per (prompt set, temperature, mode run); empty cell = n/a."""
     with Path(path).open("w", newline="") as out:

@@ -236,16 +236,20 @@ def _open_engines(pair: LoadedPair, config: Config, plan: BenchPlan, stack: cont
     return turns
 
 
-# speculating: the plan's settings, speculation on at every batch size (k_policy {}); the others
-# speculate too, with parts of the adaptive build off (static: both the anytime build and the
-# free n-gram entries, the build as before)
-SSD_VARIANTS = ("speculating", "static", "no-anytime", "no-ngram")
+# speculating: the plan's settings, speculation on at every batch size (k_policy {}); static,
+# no-anytime, no-ngram speculate too, with parts of the adaptive build off (static: both the
+# anytime build and the free n-gram entries, the build as before); no-lookup: the plan's
+# settings as they are, without prompt lookup on the rounds that draft nothing
+SSD_VARIANTS = ("speculating", "static", "no-anytime", "no-ngram", "no-lookup")
 
 
 def ssd_variant(speculation: SpeculationConfig, variant: str) -> SpeculationConfig:
-    """SSD's settings speculating at every batch size, some of its adaptive parts off (SSD_VARIANTS)."""
+    """SSD's settings speculating at every batch size, some of its adaptive parts off, or
+    the settings as they are without prompt lookup (SSD_VARIANTS)."""
     if variant not in SSD_VARIANTS:
         raise ValueError(f"unknown SSD variant {variant!r}; known: {SSD_VARIANTS}")
+    if variant == "no-lookup":
+        return dataclasses.replace(speculation, prompt_lookup=dataclasses.replace(speculation.prompt_lookup, max_tokens=0))
     anytime = speculation.fanout.anytime and variant in ("speculating", "no-ngram")
     ngram = speculation.ngram_candidates and variant in ("speculating", "no-anytime")
     fanout = dataclasses.replace(speculation.fanout, anytime=anytime)
