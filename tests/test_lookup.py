@@ -296,3 +296,30 @@ def test_served_metrics_count_the_lookups(tiny_models, tiny_tokenizer, eager):
     proposed, accepted = sum(o.stats.looked_up for o in outs), sum(o.stats.lookup_accepted for o in outs)
     assert f"ssd:prompt_lookup_num_tokens_total {float(proposed)}" in text
     assert f"ssd:prompt_lookup_num_accepted_tokens_total {float(accepted)}" in text
+
+
+def test_a_requests_stats_on_the_wire_carry_its_lookups(tiny_models, tiny_tokenizer, eager):
+    from ssd.serve import convert, protos
+    from ssd.serve.service import request_stats
+
+    target, draft = tiny_models
+    out = SDEngine(target, draft, tiny_tokenizer, off_spec("sd")).generate(requests("sd")[0])
+    pb, _ = protos.load()
+    wire = convert.request_stats(pb, request_stats(out.stats, 0.0, 0.1, 1.0))
+    assert (wire.lookup_rounds, wire.looked_up, wire.lookup_accepted) == (
+        out.stats.lookup_rounds, out.stats.looked_up, out.stats.lookup_accepted)
+    assert wire.looked_up > 0
+
+
+def test_the_prompt_lookup_flag_sets_its_config_key():
+    import argparse
+
+    from ssd.app.cli import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    configured = {flags: config_from_args(parser.parse_args(["--mode", "sd", *flags])).speculation
+                  for flags in [(), ("--prompt-lookup", "0"), ("--prompt-lookup", "6")]}
+    assert configured[()].lookup_ceiling == configured[()].k  # default: up to the row's K
+    assert not configured[("--prompt-lookup", "0")].prompt_lookup.on
+    assert configured[("--prompt-lookup", "6")].lookup_ceiling == 6

@@ -106,6 +106,9 @@ class RequestStats:
     acceptance_by_position: list[float]
     accepted_length_histogram: list[int]
     spec: SpecStats
+    lookup_rounds: int = 0  # prompt lookup: rounds, tokens verified, tokens accepted
+    looked_up: int = 0
+    lookup_accepted: int = 0
 
 
 @dataclass
@@ -388,4 +391,5 @@ def request_stats(stats: GenerationStats, queue_s: float, ttft_s: float, total_s
         acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
         acceptance_by_position=list(stats.acceptance_by_position),
         accepted_length_histogram=accepted_length_histogram(stats), spec=spec,
+        lookup_rounds=stats.lookup_rounds, looked_up=stats.looked_up, lookup_accepted=stats.lookup_accepted,
     )
