@@ -323,3 +323,15 @@ def test_the_prompt_lookup_flag_sets_its_config_key():
     assert configured[()].lookup_ceiling == configured[()].k  # default: up to the row's K
     assert not configured[("--prompt-lookup", "0")].prompt_lookup.on
     assert configured[("--prompt-lookup", "6")].lookup_ceiling == 6
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0, coupling="gumbel"),
+                                      SamplingConfig(temperature=0.7, top_p=0.8, coupling="gumbel")],
+                         ids=["t1.0", "t0.7-top_p0.8"])
+def test_coupled_rows_with_lookups_give_coupled_ar_s_output(tiny_models, tiny_tokenizer, eager, sampling):
+    """Coupled sampling: a seed gives AR's output whatever a round verifies, lookups included."""
+    target, draft = tiny_models
+    reqs = [dataclasses.replace(r, sampling=dataclasses.replace(sampling, seed=seed))
+            for seed in range(3) for r in requests("sd")]
+    outs = run_rows(SDEngine(target, draft, tiny_tokenizer, off_spec("sd"), BatchingConfig(max_rows=4)), reqs)
+    assert_equal_to_ar_with_lookups_accepted_and_rejected(outs, reqs, target, tiny_tokenizer)
