@@ -215,18 +215,20 @@ def small_pair():
     return small_models()
 
 
-def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = SAMPLES):
-    """Tokens 1-4 of seeded SD rows at K 0 whose every lookup is forced to min(3, its match);
-    asserts the first round after the prefill verified 3 looked-up tokens in every row, and
-    returns (samples, first-round acceptance lengths)."""
+def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = SAMPLES, mode: str = "sd"):
+    """Tokens 1-4 of seeded SD rows at K 0 (or SSD rows parked by k_policy) whose every lookup
+    is forced to min(3, its match); asserts the first round after the prefill verified 3
+    looked-up tokens in every row, and returns (samples, first-round acceptance lengths)."""
     target, draft = pair
-    spec = off_spec("sd", max_tokens=3)
+    spec = off_spec(mode, max_tokens=3)
     kw = {"verifier": verifier} if verifier is not None else {}
-    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), spec, BatchingConfig(max_rows=16), **kw)
+    args = (TinyTokenizer(SMALL.vocab_size), spec, BatchingConfig(max_rows=16))
+    engine = SDEngine(target, draft, *args, **kw) if mode == "sd" else SSDEngine.in_process(target, draft, *args, **kw)
     rounds: list[list[list[int]]] = [[] for _ in range(samples)]
     reqs = [GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), GenerationConfig(max_new_tokens=N_TOKENS),
                               spec, on_tokens=rounds[seed].append) for seed in range(samples)]
-    outs = run_rows(engine, reqs)
+    with engine:
+        outs = run_rows(engine, reqs)
     first = Counter()
     for out, seed_rounds in zip(outs, rounds):
         assert out.stats.looked_up >= 3 and out.stats.drafted == 0
@@ -234,21 +236,23 @@ def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = S
     return [tuple(out.token_ids[i] for i in POSITIONS) for out in outs], first
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
 @pytest.mark.parametrize("sampling", [T1, SamplingConfig(temperature=1.0, top_p=0.8)], ids=["t1.0", "top_p"])
-def test_sampled_lookups_keep_the_target_law(small_pair, eager, sampling):
-    samples, first = lookup_draws(small_pair, sampling)
+def test_sampled_lookups_keep_the_target_law(small_pair, eager, sampling, mode):
+    samples, first = lookup_draws(small_pair, sampling, mode=mode)
     assert all(first[k] / len(samples) >= 0.05 for k in range(4)), first  # every acceptance length occurs
     pvalue = chi_square_pvalue(samples, exact_marginal(small_pair[0], PROMPT, N_TOKENS, sampling, POSITIONS))
-    report_pvalue("lookup", "t1.0" if sampling.top_p is None else "top_p", "exact", len(samples), pvalue)
+    report_pvalue(f"lookup ({mode})", "top_p" if sampling.top_p < 1 else "t1.0", "exact", len(samples), pvalue)
     assert pvalue > ALPHA, f"prompt lookup changed the law: p = {pvalue:.2e}"
 
 
-@pytest.mark.parametrize("broken, samples", [(accept_all, STRONG), (correction_from_p, SAMPLES)],
-                         ids=["accept_all", "correction_from_p"])
-def test_the_sampled_lookup_test_rejects_broken_verifiers(small_pair, eager, broken, samples):
-    drawn, _ = lookup_draws(small_pair, T1, broken, samples)
+@pytest.mark.parametrize("mode, broken, samples", [
+    ("sd", accept_all, STRONG), ("sd", correction_from_p, SAMPLES), ("ssd", accept_all, STRONG)],
+    ids=["sd-accept_all", "sd-correction_from_p", "ssd-accept_all"])
+def test_the_sampled_lookup_test_rejects_broken_verifiers(small_pair, eager, mode, broken, samples):
+    drawn, _ = lookup_draws(small_pair, T1, broken, samples, mode)
     pvalue = chi_square_pvalue(drawn, exact_marginal(small_pair[0], PROMPT, N_TOKENS, T1, POSITIONS))
-    report_pvalue("lookup", "t1.0", broken.__name__, samples, pvalue)
+    report_pvalue(f"lookup ({mode})", "t1.0", broken.__name__, samples, pvalue)
     assert pvalue < ALPHA, f"{broken.__name__} went undetected: p = {pvalue:.2e}"
 
 
