@@ -292,10 +292,6 @@ class PromptLookupConfig:
                 f"speculation.prompt_lookup needs 1 <= min_n <= max_n <= 64, got min_n {self.min_n}, max_n {self.max_n}"
             )
 
-    @property
-    def on(self) -> bool:
-        return self.max_tokens != 0
-
 
 @dataclass
 class SpeculationConfig:

@@ -96,7 +96,7 @@ def test_a_stale_outlier_gives_way_to_the_prior_once_only_one_count_is_seen():
 
 
 def test_prompt_lookup_settings_are_checked_by_name():
-    assert not PromptLookupConfig(max_tokens=0).on
+    assert SpeculationConfig(mode="sd", prompt_lookup=PromptLookupConfig(max_tokens=0)).lookup_ceiling == 0
     for bad in (dict(max_tokens=-1), dict(max_tokens=65), dict(min_n=0), dict(min_n=3, max_n=2)):
         with pytest.raises(ConfigError, match="speculation.prompt_lookup"):
             PromptLookupConfig(**bad)
@@ -104,7 +104,7 @@ def test_prompt_lookup_settings_are_checked_by_name():
         with pytest.raises(ConfigError, match="speculation.prompt_lookup.max_tokens"):
             PromptLookupConfig(**bad)
     default = SpeculationConfig(mode="sd", k=2)
-    assert default.prompt_lookup.on and default.lookup_ceiling == default.round_ceiling == 2  # the row's K
+    assert default.lookup_ceiling == default.round_ceiling == 2  # the row's K
     spec = SpeculationConfig(mode="sd", k=2, prompt_lookup=PromptLookupConfig(max_tokens=6))
     assert spec.lookup_ceiling == spec.round_ceiling == 6  # admission reserves the longer of K and the lookup
 
@@ -216,14 +216,18 @@ def small_pair():
 
 
 def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = SAMPLES, mode: str = "sd"):
-    """Tokens 1-4 of seeded SD rows at K 0 (or SSD rows parked by k_policy) whose every lookup
-    is forced to min(3, its match); asserts the first round after the prefill verified 3
-    looked-up tokens in every row, and returns (samples, first-round acceptance lengths)."""
+    """Tokens 1-4 of seeded SD rows at K 0 (mode "sd"; "no draft": an SD engine without a draft
+    model; "ssd": SSD rows parked by k_policy) whose every lookup is forced to min(3, its match);
+    asserts the first round after the prefill verified 3 looked-up tokens in every row, and
+    returns (samples, first-round acceptance lengths)."""
     target, draft = pair
-    spec = off_spec(mode, max_tokens=3)
+    spec = off_spec("ssd" if mode == "ssd" else "sd", max_tokens=3)
     kw = {"verifier": verifier} if verifier is not None else {}
     args = (TinyTokenizer(SMALL.vocab_size), spec, BatchingConfig(max_rows=16))
-    engine = SDEngine(target, draft, *args, **kw) if mode == "sd" else SSDEngine.in_process(target, draft, *args, **kw)
+    if mode == "ssd":
+        engine = SSDEngine.in_process(target, draft, *args, **kw)
+    else:
+        engine = SDEngine(target, draft if mode == "sd" else None, *args, **kw)
     rounds: list[list[list[int]]] = [[] for _ in range(samples)]
     reqs = [GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), GenerationConfig(max_new_tokens=N_TOKENS),
                               spec, on_tokens=rounds[seed].append) for seed in range(samples)]
@@ -236,7 +240,7 @@ def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = S
     return [tuple(out.token_ids[i] for i in POSITIONS) for out in outs], first
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("mode", ["sd", "no draft", "ssd"])
 @pytest.mark.parametrize("sampling", [T1, SamplingConfig(temperature=1.0, top_p=0.8)], ids=["t1.0", "top_p"])
 def test_sampled_lookups_keep_the_target_law(small_pair, eager, sampling, mode):
     samples, first = lookup_draws(small_pair, sampling, mode=mode)
@@ -325,7 +329,7 @@ def test_the_prompt_lookup_flag_sets_its_config_key():
     configured = {flags: config_from_args(parser.parse_args(["--mode", "sd", *flags])).speculation
                   for flags in [(), ("--prompt-lookup", "0"), ("--prompt-lookup", "6")]}
     assert configured[()].lookup_ceiling == configured[()].k  # default: up to the row's K
-    assert not configured[("--prompt-lookup", "0")].prompt_lookup.on
+    assert configured[("--prompt-lookup", "0")].lookup_ceiling == 0
     assert configured[("--prompt-lookup", "6")].lookup_ceiling == 6
 
 

@@ -438,31 +438,28 @@ class BatchedEngine(Engine):
             return 0
         return max(0, min(spec.lookup_ceiling, row.state.output.remaining - 1, row.round_tokens - 1))
 
-    def _lookup_ceiling(self, row: Row) -> int:
-        """What the row's prompt lookup may propose this round: its room, where its drafter gave nothing."""
-        return self._lookup_room(row) if self._drafts_nothing(row) else 0
-
     def _look_up(self, decoding: list[Row], chunks: list[tuple[Row, list[int]]]) -> None:
         """Each row that drafts nothing this round proposes what its text predicts, as many
         tokens as lookups after a match of its length are accepted and the forward's cost
         of a token make worth it. Match lengths that proposed nothing this step forget
         toward their prior (LookupOdds)."""
-        rows = [(row, ceiling) for row in decoding if row.error is None and (ceiling := self._lookup_ceiling(row))]
+        rows = [(row, room) for row in decoding
+                if row.error is None and self._drafts_nothing(row) and (room := self._lookup_room(row))]
         for row in decoding:
             row.lookup, row.lookup_match = [], 0
         if not rows:
             return
         base = sum(len(ids) for _, ids in chunks) + sum(len(self._scored(r)) for r in decoding if r.error is None)
         token_cost = self._step_cost.token_cost(base)
-        for row, ceiling in rows:
-            self._alone(row, self._look_up_row, row, ceiling, token_cost, len(decoding))
-        idle = {row.lookup_match for row, _ in rows if row.lookup_match and not row.lookup}
-        for n in idle - {row.lookup_match for row, _ in rows if row.lookup}:
+        for row, room in rows:
+            self._alone(row, self._look_up_row, row, room, token_cost, len(decoding))
+        proposed = {row.lookup_match for row, _ in rows if row.lookup}
+        for n in {row.lookup_match for row, _ in rows if row.lookup_match} - proposed:
             self._lookup_odds[n].record(0, 0)
 
-    def _look_up_row(self, row: Row, ceiling: int, token_cost: float, rows: int) -> None:
+    def _look_up_row(self, row: Row, room: int, token_cost: float, rows: int) -> None:
         spec = row.state.speculation.prompt_lookup
-        n, follow = prompt_lookup(row.state.sequence, ceiling, spec.max_n, spec.min_n)
+        n, follow = prompt_lookup(row.state.sequence, room, spec.max_n, spec.min_n)
         if n:
             odds = self._lookup_odds.setdefault(n, LookupOdds.after_match(n))
             row.lookup, row.lookup_match = follow[: best_length(odds.rate, token_cost, len(follow), rows)], n

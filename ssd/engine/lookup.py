@@ -35,14 +35,21 @@ from ssd.sampling import Q_DTYPE
 NGRAM_WINDOW = 4096  # tokens of context an n-gram match looks back over
 
 
+def prompt_lookup(
+    context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = NGRAM_WINDOW,
+) -> tuple[int, list[int]]:
+    """(n, up to k tokens): the longest suffix of n tokens (max_n down to min_n) that occurred
+    before within the context's last `window` tokens, and what followed its latest
+    occurrence; (0, []) when none occurs. Prompt lookup (Saxena 2023) / suffix matching."""
+    text = TokenText(context[-window:])
+    return text.find(len(text), k, max_n, min_n, window)
+
+
 def ngram_match(
     context: Sequence[int], k: int, max_n: int, min_n: int = 1, window: int = NGRAM_WINDOW,
 ) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the
-    context's last n tokens (n = max_n down to min_n) within its last `window`
-    tokens; [] when none occurs. Prompt lookup (Saxena 2023) / suffix matching."""
-    text = TokenText(context[-window:])
-    return text.match(len(text), k, max_n, min_n, window)
+    """The tokens of `prompt_lookup`, without the match length."""
+    return prompt_lookup(context, k, max_n, min_n, window)[1]
 
 
 class TokenText:
@@ -88,13 +95,6 @@ def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
     """The q of a deterministic proposal: one row per token, all its mass on that token."""
     rows = torch.zeros(len(tokens), vocab_size, dtype=Q_DTYPE)
     return rows.scatter_(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1), 1.0)
-
-
-def prompt_lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> tuple[int, list[int]]:
-    """(n, up to k tokens): the longest suffix of n >= min_n tokens (n <= max_n) that occurred
-    before in the last NGRAM_WINDOW tokens, and what followed its latest occurrence."""
-    text = TokenText(context[-NGRAM_WINDOW:])
-    return text.find(len(text), k, max_n, min_n, NGRAM_WINDOW)
 
 
 def best_length(acceptance: float, token_cost: float, longest: int, rows: int = 1) -> int:

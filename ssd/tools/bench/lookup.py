@@ -63,13 +63,13 @@ def bench_lookup(config: Config, prompts: Sequence[Prompt], tokens: int, rounds:
                 spec = speculation if name == "lookup" else None
                 out = engine.generate(GenerationRequest(ids, sampling, GenerationConfig(max_new_tokens=tokens), spec))
                 rates[name].append(out.stats.decode_tokens_per_s)
-                outputs.add((name, tuple(out.token_ids)) if temperature else tuple(out.token_ids))
+                outputs.add(tuple(out.token_ids))
                 looked_up += out.stats.looked_up
                 accepted += out.stats.lookup_accepted
         ar, lookup = statistics.median(rates["ar"]), statistics.median(rates["lookup"])
         rows.append({"prompt": i, "prompt_tokens": len(ids), "ar_tok_per_s": ar, "lookup_tok_per_s": lookup,
                      "ratio": lookup / ar, "looked_up": looked_up, "accepted": accepted,
-                     "greedy_equal": len(outputs) == 1 if not temperature else None})
+                     "greedy_equal": None if temperature else len(outputs) == 1})
     ratios = [row["ratio"] for row in rows]
     costs = forward_costs(pair.target, seen)
     return {"forward_s": costs, "machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
