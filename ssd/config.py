@@ -91,6 +91,10 @@ class ModelConfig:
     # sequence's KV cache is allocated for it up front. Default min(trained
     # context, 4096). torch models hold their trained context.
     max_model_len: int | None = None
+    # llama.cpp: its repacked weight layouts (llama.cpp's default; one read of a
+    # quantized weight serves several rows). None: where they run on this host
+    # (a probe in a child process, cached); false: plain layouts.
+    llamacpp_repack: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -29,7 +29,7 @@ from ssd.models import TinyTokenizer, build_tiny_model  # noqa: E402
 from ssd.models import backend  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import (  # noqa: E402
-    LlamaCppBranches, LlamaCppContext, LlamaCppError, LlamaCppModel, LlamaCppSequence, forward_rows,
+    LlamaCppBranches, LlamaCppContext, LlamaCppError, LlamaCppModel, LlamaCppSequence, forward_rows, repacked_layouts_run,
 )
 from ssd.saguaro.branches import make_branch_decoder  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
@@ -396,13 +396,13 @@ def test_batched_ssd_rows_equal_ar(pair, draft_pair):
 
 # --- which options keep a model batch-invariant -----------------------------------------------
 
-def _quantized(path, out, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q8_0"):
+def _quantized(path, out, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q8_0", repacked: bool | None = None):
     import llama_cpp as L
 
     params = L.llama_model_quantize_default_params()
     params.ftype = getattr(L, ftype_name)
     assert L.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
-    return LlamaCppModel(out)
+    return LlamaCppModel(out, use_extra_bufts=repacked)
 
 
 def test_f32_weights_keep_the_options_exact_against_torch(pair):
@@ -438,6 +438,43 @@ def test_quantized_weights_get_probed_options_that_keep_sd_equal_to_ar(pair, tmp
     ar = AREngine(target, tok).generate(request).token_ids
     sd = SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3)).generate(request)
     assert sd.token_ids == ar and 0 < sd.stats.accepted < sd.stats.drafted
+
+
+def test_repacked_layouts_are_probed_in_a_child_that_may_die(pair, tmp_path, monkeypatch):
+    """Where llama.cpp's repacked kernels kill the process (SIGILL on an AVX512/AMX Xeon), the
+    probe's child dies, not us: plain layouts load. Each answer is cached per file and host."""
+    import signal
+    import subprocess
+
+    import ssd.models.llamacpp as lc
+
+    _, lm = pair
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    quantized = _quantized(lm.path, tmp_path / "q8.gguf", repacked=False).path
+    monkeypatch.setattr(lc, "_REPACK_CHILD", f"import os; os.kill(os.getpid(), {int(signal.SIGILL)})")
+    assert not lc.repacked_layouts_run(quantized)
+    assert not LlamaCppModel(quantized).repacked  # the cached answer
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("probed twice"))
+    assert not lc.repacked_layouts_run(quantized)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.undo()
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    assert not lc.repacked_layouts_run(tmp_path / "bad.gguf")  # the child cannot load it
+
+
+def test_models_load_repacked_where_the_layouts_run(pair, tmp_path, monkeypatch):
+    """Auto: a quantized file loads repacked where the probe says the layouts run, and reports
+    say so; F32 weights have no repacked layout and skip the probe."""
+    from ssd.models.backend import precision_of
+
+    _, lm = pair
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    assert not lm.repacked and precision_of(lm) == "gguf f32"
+    path = _quantized(lm.path, tmp_path / "q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path
+    runs = repacked_layouts_run(path)
+    model = LlamaCppModel(path)
+    assert model.repacked == runs and precision_of(model) == "gguf q4_0" + ("+repack" if runs else "")
+    assert not LlamaCppModel(path, use_extra_bufts=False).repacked
 
 
 def test_the_benchs_plain_llamacpp_peer_decodes_as_our_ar(pair, tmp_path):
@@ -491,17 +528,23 @@ def test_coupled_rows_equal_coupled_ar(pair, draft_pair, mode):
 # A K-quant model wide enough for llama.cpp's K-quant kernels (hidden 256) behaves as the real
 # q4_k_m pair does: ubatches of more than a few tokens take another matmul kernel, so a prompt's
 # keys and values depend on how its chunks fell. Prompt chunks run as whole ubatches (fast), in
-# calls of their own, from fixed positions; everything else in the invariant ubatches.
+# calls of their own, from fixed positions; everything else in the invariant ubatches. Both
+# weight layouts: plain (the kernels switch at 8 tokens on the real pair) and llama.cpp's
+# repacked one (4 rows at a time from 4 tokens), where this host runs it.
 K_QUANT = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512)
 LONG = [(5 * i + 3) % CFG.vocab_size for i in range(40)]
 
 
-@pytest.fixture(scope="module")
-def k_quant_pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "repacked"])
+def k_quant_pair(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("kquant")
-    target = _quantized(export_gguf(_model(K_QUANT), path / "t.gguf"), path / "tq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+    target_q4 = _quantized(export_gguf(_model(K_QUANT), path / "t.gguf"), path / "tq4.gguf",
+                           "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=False)
+    if request.param and not repacked_layouts_run(target_q4.path):
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    target = LlamaCppModel(target_q4.path, use_extra_bufts=request.param)
     draft = _quantized(export_gguf(_model(dataclasses.replace(K_QUANT, noise=0.03)), path / "d.gguf"),
-                       path / "dq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+                       path / "dq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=request.param)
     return target, draft
 
 
@@ -524,7 +567,11 @@ def test_a_prompt_chunk_is_one_call_of_its_own_whatever_else_runs(k_quant_pair):
     whole = _next_logits(target, [LONG])
     assert torch.equal(whole, _next_logits(target, [LONG], packed_with=[1, 2, 3, 4, 5]))
     # The premise: the same tokens in short chunks (the invariant ubatches) give other keys and values.
-    assert not torch.equal(whole, _next_logits(target, [LONG[i : i + 4] for i in range(0, 40, 4)]))
+    # On the plain layout only: repacked, this prompt's keys and values came out the same for
+    # every chunk length from 1 to 20 (measured); the next test's premise holds on both layouts.
+    if not target.repacked:
+        step = target.invariant_options()["n_ubatch"]
+        assert not torch.equal(whole, _next_logits(target, [LONG[i : i + step] for i in range(0, 40, step)]))
 
 
 def _tokens_and_logprobs(result):
@@ -536,7 +583,7 @@ def test_long_prompts_in_a_tight_batch_equal_each_alone(k_quant_pair, mode):
     """Prompts of 40 tokens in chunks of 16 beside other rows, a budget that makes chunks wait:
     every row's tokens and logprobs equal AR's alone, bit for bit. Power: cutting chunks to fit
     the budget (what the engine did before chunks started at fixed positions) fails it, on
-    logprobs ~1e-11 apart; chunks of 4 tokens throughout change them by more than 1e-4."""
+    logprobs ~1e-11 apart; chunks as short as the invariant ubatches change them by more than 1e-4."""
     target, draft = k_quant_pair
     tok = TinyTokenizer(CFG.vocab_size)
     batching = BatchingConfig(prefill_chunk=16, max_batched_tokens=21)
@@ -556,7 +603,10 @@ def test_long_prompts_in_a_tight_batch_equal_each_alone(k_quant_pair, mode):
         getattr(engine, "close", lambda: None)()
     for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want):
         assert ids == want_ids and logprobs == want_logprobs
-    # The premise: chunks cut short (to 4 tokens: the invariant ubatches) change the logprobs.
-    other = AREngine(target, tok, BatchingConfig(prefill_chunk=4, max_batched_tokens=21))
+    # The premise: chunks cut short (to the invariant ubatches) change the logprobs.
+    # Repacked, by less (1.2e-6, measured), but any difference fails the bit-for-bit check above.
+    step = target.invariant_options()["n_ubatch"]
+    other = AREngine(target, tok, BatchingConfig(prefill_chunk=step, max_batched_tokens=21))
     cut = [_tokens_and_logprobs(other.generate(r))[1] for r in requests]
-    assert max(abs(a - b) for c, (_, w) in zip(cut, want) for a, b in zip(c, w)) > 1e-4
+    apart = max(abs(a - b) for c, (_, w) in zip(cut, want) for a, b in zip(c, w))
+    assert apart > (0 if target.repacked else 1e-4)

@@ -162,7 +162,8 @@ def vocab_size(model: Model) -> int:
 
 
 def precision_of(model: Model) -> str:
-    """The weights' precision as reports name it (torch: int8, bf16, fp32, fp64; llama.cpp: "gguf f32", ...)."""
+    """The weights' precision as reports name it (torch: int8, bf16, fp32, fp64; llama.cpp:
+    "gguf f32", "gguf q4_k_m", "gguf q4_k_m+repack" in llama.cpp's repacked layouts)."""
     if is_llamacpp(model):
-        return model.precision
+        return model.precision + ("+repack" if model.repacked else "")
     return _torch_precision(model)

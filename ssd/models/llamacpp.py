@@ -44,10 +44,12 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 
 GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
+REPACK_PROBE_TIMEOUT_S = 300  # loading and repacking a 1.5B q4_k_m file takes ~1 s
 PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
 _init_lock = threading.Lock()
 # A share of one llama_decode call: (job index, seq, start position, ids, which rows
@@ -88,9 +91,14 @@ class LlamaCppError(RuntimeError):
 class LlamaCppModel:
     """A GGUF model loaded once: read-only, shared by every context made from it."""
 
-    def __init__(self, path: str | Path, use_extra_bufts: bool = False, n_ctx: int | None = None,
+    def __init__(self, path: str | Path, use_extra_bufts: bool | None = None, n_ctx: int | None = None,
                  eos_token_ids: Sequence[int] | None = None) -> None:
-        """n_ctx: the most tokens one sequence of this model may hold (default: the trained
+        """use_extra_bufts: llama.cpp's repacked weight layouts (its default), which read
+        each quantized weight once for several rows; None: where they run on this host
+        (`repacked_layouts_run`, a cached probe in a child process: on an AVX512/AMX Xeon
+        they died with SIGILL). `repacked` says which one loaded.
+
+        n_ctx: the most tokens one sequence of this model may hold (default: the trained
         context). Every context made from the model sizes its slots by it, so a real model's
         contexts (the engine's, and SSD's draft slots and branches) are sized for the job
         rather than 32k tokens per slot.
@@ -99,13 +107,9 @@ class LlamaCppModel:
         ssd.models.tokenizer.eos_token_ids); None: the GGUF's own EOS and EOT tokens,
         if its metadata names an EOS (llama.cpp otherwise assumes one)."""
         _backend()
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = 0
-        params.use_extra_bufts = use_extra_bufts
         self.path = Path(path)
-        self._model = L.llama_model_load_from_file(str(self.path).encode(), params)
-        if not self._model:
-            raise LlamaCppError(f"llama.cpp could not load {self.path}")
+        self._model = self._load(use_extra_bufts or False)
+        self.repacked = bool(use_extra_bufts)
         self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
         if n_ctx is not None and n_ctx < 1:
@@ -117,6 +121,20 @@ class LlamaCppModel:
         self._invariant: dict | None = None
         eos = self._gguf_eos() if eos_token_ids is None else [int(t) for t in eos_token_ids]
         self.generation_config = SimpleNamespace(eos_token_id=eos)
+        # Only quantized weights have repacked layouts; F32/F16 files skip the probe.
+        if use_extra_bufts is None and self.quantized and repacked_layouts_run(self.path):
+            L.llama_model_free(self._model)
+            self._model = self._load(True)
+            self.repacked = True
+
+    def _load(self, use_extra_bufts: bool):
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = use_extra_bufts
+        model = L.llama_model_load_from_file(str(self.path).encode(), params)
+        if not model:
+            raise LlamaCppError(f"llama.cpp could not load {self.path}")
+        return model
 
     def _gguf_eos(self) -> list[int]:
         """EOS and EOT ids as the GGUF names them; none if its metadata names no EOS."""
@@ -514,25 +532,71 @@ def _first_invariant(model: LlamaCppModel) -> dict:
 
 
 def _cached_probe(model: LlamaCppModel) -> dict:
-    """`_first_invariant`, kept on disk per GGUF file, llama.cpp build and host (the probe
-    takes seconds a load: ~10 s for the 1.5B target on one core)."""
+    """`_first_invariant`, kept on disk per GGUF file, weight layout, llama.cpp build and
+    host (the probe takes seconds a load: ~10 s for the 1.5B target on one core)."""
+    return _cached("invariance", model.path, ("repacked", model.repacked), lambda: _first_invariant(model))
+
+
+def _cached(kind: str, gguf: Path, extra: tuple, compute: Callable[[], Any]) -> Any:
+    """compute()'s JSON result, kept in the cache per `kind`, GGUF file, llama.cpp build and host."""
     from ssd import hardware
     from ssd.models.offline import cache_dir
 
-    stat = model.path.stat()
-    key = hashlib.sha256(repr((str(model.path.resolve()), stat.st_size, stat.st_mtime_ns, L.__version__,
-                               hardware.describe())).encode()).hexdigest()[:20]
-    path = cache_dir() / "llamacpp" / f"invariance-{key}.json"
+    stat = gguf.stat()
+    key = hashlib.sha256(repr((str(gguf.resolve()), stat.st_size, stat.st_mtime_ns, L.__version__,
+                               hardware.describe(), *extra)).encode()).hexdigest()[:20]
+    path = cache_dir() / "llamacpp" / f"{kind}-{key}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    found = _first_invariant(model)
+    found = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(json.dumps(found))
     os.replace(partial, path)
     return found
+
+
+# Loads a GGUF with repacked layouts and decodes 8 tokens, then 1 (the multi-row and
+# one-row kernels); exits 0 when both ran. Only llama_cpp is imported: the child starts in ~0.3 s.
+_REPACK_CHILD = """
+import sys
+import llama_cpp as L
+L.llama_backend_init()
+params = L.llama_model_default_params()
+params.n_gpu_layers, params.use_extra_bufts = 0, True
+model = L.llama_model_load_from_file(sys.argv[1].encode(), params)
+cparams = L.llama_context_default_params()
+cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = 64, 16, 16, 1, 1
+ctx = L.llama_init_from_model(model, cparams) if model else None
+if not ctx:
+    sys.exit(3)
+for ids in ([1, 2, 3, 4, 5, 6, 7, 8], [9]):
+    tokens = (L.llama_token * len(ids))(*ids)
+    if L.llama_decode(ctx, L.llama_batch_get_one(tokens, len(ids))) != 0:
+        sys.exit(4)
+"""
+
+
+def repacked_layouts_run(gguf: Path) -> bool:
+    """Whether llama.cpp's repacked weight layouts load and decode `gguf` on this host,
+    tried once in a child process (a kernel this CPU lacks kills the child with SIGILL,
+    not us) and cached per file, llama.cpp build and host."""
+    def probe() -> bool:
+        try:
+            done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=REPACK_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("%s: the repacked-layout probe ran past %d s; loading plain layouts",
+                        gguf.name, REPACK_PROBE_TIMEOUT_S)
+            return False
+        if done.returncode != 0:
+            log.warning("%s: llama.cpp's repacked weight layouts fail on this host (exit %d); loading plain "
+                        "layouts", gguf.name, done.returncode)
+        return done.returncode == 0
+
+    return bool(_cached("repack", gguf, (), probe))
 
 
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:

@@ -133,7 +133,8 @@ def load_llamacpp(cfg: ModelConfig) -> Any:
     eos = OFFLINE_MODELS[cfg.name].eos_token_ids if cfg.name in OFFLINE_MODELS else None
     if cfg.name == TINY:
         eos = () if cfg.tiny.eos_token_id is None else (cfg.tiny.eos_token_id,)
-    return LlamaCppModel(gguf_file(cfg), n_ctx=cfg.max_model_len or LLAMACPP_CONTEXT, eos_token_ids=eos)
+    return LlamaCppModel(gguf_file(cfg), use_extra_bufts=cfg.llamacpp_repack,
+                         n_ctx=cfg.max_model_len or LLAMACPP_CONTEXT, eos_token_ids=eos)
 
 
 def gguf_file(cfg: ModelConfig) -> Path:

@@ -53,7 +53,7 @@ from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCo
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ssd-startup-plan/4"  # 4: AR on the cores a lone target borrows from an idle draft (ar_wide_step_s)
+FORMAT = "ssd-startup-plan/5"  # 5: llama.cpp loads repacked layouts where they run (its costs changed); 4: AR on the cores a lone target borrows from an idle draft (ar_wide_step_s)
 PLAN_GLUES = ("fold", "reuse")
 # Measured; the others fitted (linear in K, bilinear in K and budget, linear in rows and tokens).
 VERIFY_KS = (1, 2, 4)
@@ -333,6 +333,7 @@ def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, A
     # The backend as resolved here (the driver's host): auto means llama.cpp only where it is installed.
     gpu = any(d.startswith("cuda") for d in devices)
     precisions = [f"{resolve_backend(m, 'cuda' if gpu else 'cpu')}:{m.dtype}/{m.quantization}"
+                  + ("" if m.llamacpp_repack is None else f"/repack={m.llamacpp_repack}")
                   for m in (config.target, config.draft)]
     meta = {"machine": hardware.describe(), "torch": torch.__version__, "target": config.target.name,
             "draft": config.draft.name, "precisions": precisions, "devices": list(devices)}

@@ -48,9 +48,9 @@ class LlamaCppEngine:
     token through the C API (no Python sampling in the loop: the fastest plain decoding
     llama-cpp-python offers).
 
-    The weights load without llama.cpp's repacked layouts (use_extra_bufts off), as our
-    backend loads them: on this project's AVX512/AMX host the repacked kernels die with
-    SIGILL, so no user there runs them.
+    The weights load as our backend loads them: in llama.cpp's repacked layouts (its
+    default) where they run on this host, plain where they do not (on an AVX512/AMX
+    Xeon they died with SIGILL, so no user there runs them).
     """
 
     mode = MODE
@@ -63,8 +63,8 @@ class LlamaCppEngine:
         from ssd.models.llamacpp import LlamaCppModel
 
         self.threads = threads or os.cpu_count() or 1
-        self.precision = precision
         self.model = LlamaCppModel(gguf, n_ctx=n_ctx)
+        self.precision = precision + ("+repack" if self.model.repacked else "")
         params = L.llama_context_default_params()
         params.n_ctx, params.n_batch = self.model.n_ctx, 512
         params.n_threads = params.n_threads_batch = self.threads
