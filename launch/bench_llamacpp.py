@@ -12,7 +12,8 @@ q4_k_m GGUF files (ssd.models.offline.ensure_offline_gguf). Four parts:
    same 5 in one forward (a K+1 verification), vs each decoded as one of 3
    rows in a packed forward; max |diff| and whether an argmax ever differs,
    for the default context options and for flash attention / F16 KV /
-   extra buffer types (repacked weights).
+   the other weight layout (--other-layout: plain if the models loaded
+   repacked, repacked if they loaded plain).
 3. exactness: greedy AR vs SD (--sd-k) vs in-process SSD (--ssd-k, --budget)
    on the llama.cpp backend, token for token; where they part, the target's
    top-2 logit gap there.
@@ -52,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sd-k", type=int, default=4, help="SD's drafted tokens per round")
     parser.add_argument("--ssd-k", type=int, default=2, help="SSD's drafted tokens per round")
     parser.add_argument("--budget", type=int, default=4, help="SSD's fan-out budget")
-    parser.add_argument("--extra-bufts", action="store_true",
-                        help="also measure invariance with repacked weights (use_extra_bufts=True); on a CPU "
-                             "that advertises AMX the kernel has not enabled, llama.cpp dies (SIGILL)")
+    parser.add_argument("--other-layout", action="store_true",
+                        help="also measure invariance in the weight layout the models did not load in (plain "
+                             "or llama.cpp's repacked one); where repacked kernels fail, llama.cpp may die (SIGILL)")
     parser.add_argument("--skip-invariance", action="store_true")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = {name: str(ensure_offline_gguf(name)) for name in (TARGET_NAME, DRAFT_NAME)}
 
     # 1. load
-    say("\n## 1. load (LlamaCppModel, use_extra_bufts=False; RSS of this process)")
+    say("\n## 1. load (LlamaCppModel: repacked layouts where they run; RSS of this process)")
     models = {}
     for role, name in (("target", TARGET_NAME), ("draft", DRAFT_NAME)):
         r0, t0 = rss_mb(), time.perf_counter()
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         c = LlamaCppContext(m, n_seq=1, n_threads=args.threads)
         r2 = rss_mb()
         c.close()
-        say(f"{role} {name}: {m.description}; file {os.path.getsize(paths[name]) / 2**20:.0f} MiB; "
+        say(f"{role} {name}: {m.description}{', repacked' if m.repacked else ''}; file {os.path.getsize(paths[name]) / 2**20:.0f} MiB; "
             f"load {t1 - t0:.2f} s; RSS +{r1 - r0:.0f} MiB (model, mmap'd pages touched so far), "
             f"+{r2 - r1:.0f} MiB for a 1-slot context of {m.n_ctx} tokens "
             f"(F32 KV {m.kv_bytes_per_token() * m.n_ctx / 2**20:.1f} MiB); vocab {m.vocab_size}, "
@@ -264,18 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         say("\n## 2. batch invariance: 5 greedy tokens alone vs in one 5-token forward vs as 1 of 3 packed rows")
         say("(max |logit diff| over 5 rows x vocab; 'argmax differs' if a greedy token would change)")
         variants = [
-            ("default (F32 KV, no flash attn, pad_single, no extra bufts)", {}, False),
+            ("default (F32 KV, no flash attn, pad_single)", {}, False),
             ("flash attention on (F32 KV)", {"flash_attn": True}, False),
             ("F16 KV cache, no flash attn", {"f32_kv": False}, False),
             ("F16 KV + flash attn (llama.cpp's usual)", {"f32_kv": False, "flash_attn": True}, False),
-        ] + ([("extra bufts (repacked weights), default context", {}, True)] if args.extra_bufts else [])
+        ] + ([("the other weight layout, default context", {}, True)] if args.other_layout else [])
         for role in ("target", "draft"):
             base = models[role]
             extra = None
             for label, options, use_extra in variants:
                 m = base
                 if use_extra:
-                    extra = extra or LlamaCppModel(base.path, use_extra_bufts=True, n_ctx=args.n_ctx)
+                    extra = extra or LlamaCppModel(base.path, use_extra_bufts=not base.repacked, n_ctx=args.n_ctx)
                     m = extra
                 r = invariance(m, prompts[0], prompts[1:], args.threads, **options)
                 say(f"{role:6s} {label:60s} verify {r['verify'][0]:.3g}{' ARGMAX DIFFERS' if r['verify'][1] else ''}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -535,17 +536,26 @@ K_QUANT = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512)
 LONG = [(5 * i + 3) % CFG.vocab_size for i in range(40)]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "repacked"])
-def k_quant_pair(tmp_path_factory, request):
+@pytest.fixture(scope="module")
+def k_quant_files(tmp_path_factory):
+    """The K-quant target and draft as q4_k_m GGUF files."""
     path = tmp_path_factory.mktemp("kquant")
-    target_q4 = _quantized(export_gguf(_model(K_QUANT), path / "t.gguf"), path / "tq4.gguf",
-                           "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=False)
-    if request.param and not repacked_layouts_run(target_q4.path):
+    files = []
+    for name, cfg in (("t", K_QUANT), ("d", dataclasses.replace(K_QUANT, noise=0.03))):
+        files.append(_quantized(export_gguf(_model(cfg), path / f"{name}.gguf"), path / f"{name}q4.gguf",
+                                "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=False).path)
+    return files
+
+
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["plain", "repacked", "repacked-plain-prompts"])
+def k_quant_pair(k_quant_files, request):
+    """(repacked, plain_prefill): the last runs prompt chunks on the plain layouts and
+    moves their keys and values to the repacked context (`_prompt_chunk_apart`)."""
+    repacked, plain_prefill = request.param
+    if repacked and not repacked_layouts_run(k_quant_files[0]):
         pytest.skip("llama.cpp's repacked layouts do not run on this host")
-    target = LlamaCppModel(target_q4.path, use_extra_bufts=request.param)
-    draft = _quantized(export_gguf(_model(dataclasses.replace(K_QUANT, noise=0.03)), path / "d.gguf"),
-                       path / "dq4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=request.param)
-    return target, draft
+    return tuple(LlamaCppModel(f, use_extra_bufts=repacked, plain_prefill=plain_prefill) for f in k_quant_files)
 
 
 def _next_logits(model, feeds, packed_with=None):
@@ -572,6 +582,41 @@ def test_a_prompt_chunk_is_one_call_of_its_own_whatever_else_runs(k_quant_pair):
     if not target.repacked:
         step = target.invariant_options()["n_ubatch"]
         assert not torch.equal(whole, _next_logits(target, [LONG[i : i + step] for i in range(0, 40, step)]))
+
+
+def test_a_prompt_moved_from_the_plain_layouts_holds_their_keys_and_values(k_quant_files):
+    """Prompt chunks on the plain twin, continued at a later start: the row's cache then holds
+    bit for bit what a plain-layout context computes for the same chunks (its state's bytes),
+    and the chunk's logits are the plain layouts' too."""
+    if not repacked_layouts_run(k_quant_files[0]):
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    target = LlamaCppModel(k_quant_files[0], use_extra_bufts=True, plain_prefill=True)
+    plain = LlamaCppModel(k_quant_files[0], use_extra_bufts=False)
+    assert target.plain_twin is not None and plain.plain_twin is None
+    states, logits = [], []
+    for model in (target, plain):
+        context = LlamaCppContext(model, n_seq=3, n_ctx_seq=64, flash_attn=True, pad_single=False, n_ubatch=3)
+        rows = [LlamaCppSequence(context) for _ in range(3)]
+        rows[0].forward([1, 2])
+        logits.append([rows[1].forward(LONG[:16], last_only=True), rows[1].forward(LONG[16:], last_only=True)])
+        states.append(context._seq_state(rows[1].seq))
+    assert states[0] == states[1] and all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+def test_restream_moves_a_rows_cells_between_stream_counts():
+    from ssd.models.llamacpp import LlamaCppError, restream
+
+    def state(seq, n_stream, stream, cells):
+        words = [0xAF1424D8, seq, n_stream] + [0] * stream
+        return np.array(words, dtype=np.uint32).tobytes() + cells + bytes(4 * (n_stream - stream - 1))
+
+    cells = np.array([3, 7, 7, 9], dtype=np.uint32).tobytes()  # a cell count, then its cells
+    assert restream(state(2, 4, 2, cells), 2, 0, 0, 1) == state(0, 1, 0, cells)
+    assert restream(state(0, 1, 0, cells), 0, 5, 5, 8) == state(5, 8, 5, cells)
+    empty = bytes(4)  # a cell count of 0
+    assert restream(state(1, 3, 1, empty), 1, 0, 0, 1) == state(0, 1, 0, empty)
+    with pytest.raises(LlamaCppError, match="laid out"):
+        restream(state(2, 4, 2, cells), 1, 0, 0, 1)  # the cells are not in the stream named
 
 
 def _tokens_and_logprobs(result):

@@ -31,9 +31,11 @@ many positions share its forward) come from `LlamaCppModel.invariant_options`:
 F32/F16 weights keep flash attention off, an F32 KV cache and `pad_single`
 (logits within ~2e-6 of the fp32 torch model); quantized weights get the
 fastest options a probe finds bit-invariant (the real q4_k_m pair: flash
-attention, F16 KV, at most 7 tokens a call; prompt chunks run alone, as
-whole ubatches, from fixed positions: `LlamaCppContext.decode`). Repacked weight layouts
-(`use_extra_bufts`) stay off. The draft's shared pool needs no invariance.
+attention, F16 KV, at most 7 tokens a call in plain layouts, 3 in repacked ones;
+prompt chunks run alone, as whole ubatches, from fixed positions:
+`LlamaCppContext.decode`). Quantized weights load in llama.cpp's repacked layouts
+(`use_extra_bufts`, its default) where a probe in a child process finds that they
+run (`repacked_layouts_run`). The draft's shared pool needs no invariance.
 docs/llamacpp.md has the measurements.
 """
 
@@ -60,7 +62,7 @@ log = logging.getLogger(__name__)
 
 GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
-REPACK_PROBE_TIMEOUT_S = 300  # loading and repacking a 1.5B q4_k_m file takes ~1 s
+REPACK_PROBE_TIMEOUT_S = 300  # the probe of the 1.5B q4_k_m target takes ~5 s
 PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
 _init_lock = threading.Lock()
 # A share of one llama_decode call: (job index, seq, start position, ids, which rows
@@ -92,11 +94,16 @@ class LlamaCppModel:
     """A GGUF model loaded once: read-only, shared by every context made from it."""
 
     def __init__(self, path: str | Path, use_extra_bufts: bool | None = None, n_ctx: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None, plain_prefill: bool | None = None) -> None:
         """use_extra_bufts: llama.cpp's repacked weight layouts (its default), which read
         each quantized weight once for several rows; None: where they run on this host
-        (`repacked_layouts_run`, a cached probe in a child process: on an AVX512/AMX Xeon
-        they died with SIGILL). `repacked` says which one loaded.
+        (`repack_probe`, cached, in a child process: on an AVX512/AMX Xeon they died
+        with SIGILL). `repacked` says which one loaded.
+
+        plain_prefill: with repacked layouts, prompt chunks run on the same file in plain
+        layouts (`plain_twin`) and their keys and values move to the repacked context;
+        None: where the probe timed plain layouts faster at a prompt (AMD EPYC, AVX512:
+        repacked decodes 1.27x faster, prefills 1.2-1.5x slower).
 
         n_ctx: the most tokens one sequence of this model may hold (default: the trained
         context). Every context made from the model sizes its slots by it, so a real model's
@@ -121,11 +128,18 @@ class LlamaCppModel:
         self._invariant: dict | None = None
         eos = self._gguf_eos() if eos_token_ids is None else [int(t) for t in eos_token_ids]
         self.generation_config = SimpleNamespace(eos_token_id=eos)
+        self.plain_twin: LlamaCppModel | None = None
         # Only quantized weights have repacked layouts; F32/F16 files skip the probe.
-        if use_extra_bufts is None and self.quantized and repacked_layouts_run(self.path):
+        probe = repack_probe(self.path) if use_extra_bufts is None and self.quantized else None
+        if probe and probe["runs"]:
             L.llama_model_free(self._model)
             self._model = self._load(True)
             self.repacked = True
+            if plain_prefill is None:
+                plain_prefill = probe["plain_prefill_s"] < probe["repacked_prefill_s"]
+        if self.repacked and plain_prefill:
+            self.plain_twin = LlamaCppModel(self.path, use_extra_bufts=False, n_ctx=n_ctx,
+                                            eos_token_ids=self.generation_config.eos_token_id)
 
     def _load(self, use_extra_bufts: bool):
         params = L.llama_model_default_params()
@@ -191,6 +205,8 @@ class LlamaCppModel:
         return not self.quantized
 
     def close(self) -> None:
+        if self.plain_twin is not None:
+            self.plain_twin.close()
         if self._model:
             L.llama_model_free(self._model)
             self._model = None
@@ -234,6 +250,9 @@ class LlamaCppContext:
         self._scratch = n_seq if pad_single else None
         slots = n_seq + (1 if pad_single else 0)
         self.shared = shared_room > 0
+        self._n_stream = slots  # KV streams (one per slot; prompts move apart only where they are not shared)
+        self._prompt_options = {"flash_attn": flash_attn, "f32_kv": f32_kv, "n_batch": n_batch}
+        self._prompt_context: LlamaCppContext | None = None  # on model.plain_twin: see _prompt_chunk_apart
         self._follow_torch = n_threads is None
         n_threads = torch.get_num_threads() if n_threads is None else n_threads
         self.n_threads = n_threads
@@ -325,7 +344,10 @@ class LlamaCppContext:
         pieces: list[list[torch.Tensor]] = [[] for _ in jobs]
         try:
             for call in self._calls(jobs):
-                for (index, *_), logits in zip(call, self._decode_call(call)):
+                # A shared pool (SSD's draft) shares prefix cells between slots: its chunks stay here.
+                apart = self.model.plain_twin is not None and not self.shared and len(call[0][3]) > self.n_ubatch
+                for (index, *_), logits in zip(call, self._prompt_chunk_apart(call[0]) if apart
+                                               else self._decode_call(call)):
                     pieces[index].append(logits)
         except LlamaCppError:
             for seq, start, _, _ in jobs:
@@ -411,7 +433,48 @@ class LlamaCppContext:
             result.append(torch.from_numpy(out))
         return result
 
+    def _prompt_chunk_apart(self, piece: _Piece) -> list[torch.Tensor]:
+        """A prompt chunk run on the model's plain layouts (`LlamaCppModel.plain_twin`), where
+        prompts go faster on some hosts: the row's cache so far moves to a one-slot context
+        there, the chunk runs, and the row's cache comes back with the chunk's keys and values.
+        Every mode prefills this way, so a prompt's cache still depends on the prompt alone."""
+        _, seq, start, ids, _ = piece
+        if self._prompt_context is None:
+            self._prompt_context = LlamaCppContext(
+                self.model.plain_twin, n_ctx_seq=self.n_ctx_seq, n_threads=None if self._follow_torch else
+                self.n_threads, pad_single=False, n_ubatch=PREFILL_UBATCH, **self._prompt_options)
+        helper = self._prompt_context
+        before = self._seq_state(seq) if start else None
+        try:
+            if before is not None:
+                helper._set_seq_state(0, restream(before, seq, 0, 0, 1))
+            logits = helper._decode_call([(0, 0, start, ids, "last")])
+            after = restream(helper._seq_state(0), 0, seq, seq, self._n_stream)
+        finally:
+            helper.remove(0, 0)
+        try:
+            self._set_seq_state(seq, after)
+        except LlamaCppError:  # llama.cpp drops the row's cells when a restore fails: put them back
+            if before is not None:
+                self._set_seq_state(seq, before)
+            raise
+        return logits
+
+    def _seq_state(self, seq: int) -> bytes:
+        size = L.llama_state_seq_get_size(self._ctx, seq)
+        buffer = (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data(self._ctx, buffer, size, seq) != size:
+            raise LlamaCppError(f"llama.cpp could not read sequence {seq}'s cache")
+        return bytes(buffer)
+
+    def _set_seq_state(self, seq: int, state: bytes) -> None:
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if L.llama_state_seq_set_data(self._ctx, buffer, len(state), seq) != len(state):
+            raise LlamaCppError(f"llama.cpp could not restore sequence {seq}'s cache")
+
     def close(self) -> None:
+        if self._prompt_context is not None:
+            self._prompt_context.close()
         if self._ctx:
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
@@ -422,6 +485,32 @@ class LlamaCppContext:
             self.close()
         except Exception:
             pass
+
+
+_U32 = 4
+
+
+def restream(state: bytes, stream: int, seq: int, new_stream: int, n_stream: int) -> bytes:
+    """One sequence's cache (`llama_state_seq_get_data`) re-laid for a context of `n_stream`
+    KV streams where it goes to stream `new_stream` of sequence `seq`.
+
+    llama.cpp (0.3.36) writes a sequence's state as [magic, seq, n_stream] and then, per
+    stream, its cell count and (if not 0) its cells; only the sequence's own stream has
+    any. It refuses a state whose n_stream differs from the context's, though the cells
+    themselves do not depend on it, so moving a row between a one-slot context and an
+    n-slot one needs this. A layout that is not the expected one raises LlamaCppError.
+    """
+    words = len(state) // _U32
+    magic, _, old_n = np.frombuffer(state[: 3 * _U32], dtype=np.uint32)
+    tail = old_n - stream - 1
+    lead = np.frombuffer(state[3 * _U32 : (3 + stream) * _U32], dtype=np.uint32)
+    trail = np.frombuffer(state[len(state) - tail * _U32 :], dtype=np.uint32) if tail else lead[:0]
+    if not (0 <= stream < old_n and words >= 3 + old_n) or lead.any() or trail.any():
+        raise LlamaCppError("a sequence's cache is not laid out as llama.cpp 0.3.36 writes it")
+    cells = state[(3 + stream) * _U32 : len(state) - tail * _U32]
+    header = np.array([magic, seq, n_stream], dtype=np.uint32).tobytes()
+    zeros = bytes(_U32)
+    return header + zeros * new_stream + cells + zeros * (n_stream - new_stream - 1)
 
 
 class LlamaCppSequence:
@@ -558,45 +647,75 @@ def _cached(kind: str, gguf: Path, extra: tuple, compute: Callable[[], Any]) -> 
     return found
 
 
-# Loads a GGUF with repacked layouts and decodes 8 tokens, then 1 (the multi-row and
-# one-row kernels); exits 0 when both ran. Only llama_cpp is imported: the child starts in ~0.3 s.
+# Loads a GGUF in repacked layouts and decodes 8 tokens, then 1 (the multi-row and one-row
+# kernels), then times a 64-token prompt in both layouts (best of 3); prints the two times.
+# Only llama_cpp is imported: the child starts in ~0.3 s.
 _REPACK_CHILD = """
-import sys
+import sys, time
 import llama_cpp as L
 L.llama_backend_init()
-params = L.llama_model_default_params()
-params.n_gpu_layers, params.use_extra_bufts = 0, True
-model = L.llama_model_load_from_file(sys.argv[1].encode(), params)
-cparams = L.llama_context_default_params()
-cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = 64, 16, 16, 1, 1
-ctx = L.llama_init_from_model(model, cparams) if model else None
-if not ctx:
-    sys.exit(3)
-for ids in ([1, 2, 3, 4, 5, 6, 7, 8], [9]):
+
+def context(use_extra_bufts):
+    params = L.llama_model_default_params()
+    params.n_gpu_layers, params.use_extra_bufts = 0, use_extra_bufts
+    model = L.llama_model_load_from_file(sys.argv[1].encode(), params)
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 128, 64, 64
+    cparams.n_threads = cparams.n_threads_batch = int(sys.argv[2])
+    context.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)) if model else 1
+    return L.llama_init_from_model(model, cparams) if model else None
+
+def decode(ctx, ids):
     tokens = (L.llama_token * len(ids))(*ids)
     if L.llama_decode(ctx, L.llama_batch_get_one(tokens, len(ids))) != 0:
         sys.exit(4)
+
+def prefill_s(ctx):
+    best = float("inf")
+    for _ in range(3):
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        start = time.perf_counter()
+        decode(ctx, [(7 * i + 3) % context.vocab for i in range(64)])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+repacked = context(True)
+if not repacked:
+    sys.exit(3)
+decode(repacked, [1, 2, 3, 4, 5, 6, 7, 8])
+decode(repacked, [9])
+print(prefill_s(context(False)), prefill_s(repacked))
 """
 
 
-def repacked_layouts_run(gguf: Path) -> bool:
-    """Whether llama.cpp's repacked weight layouts load and decode `gguf` on this host,
-    tried once in a child process (a kernel this CPU lacks kills the child with SIGILL,
-    not us) and cached per file, llama.cpp build and host."""
-    def probe() -> bool:
+def repack_probe(gguf: Path) -> dict:
+    """Whether llama.cpp's repacked weight layouts load and decode `gguf` on this host
+    ("runs"), and a 64-token prompt's time in plain and repacked layouts: tried once in a
+    child process (a kernel this CPU lacks kills the child with SIGILL, not us) on the
+    threads torch has here, cached per file, llama.cpp build and host."""
+    def probe() -> dict:
+        failed = {"runs": False, "plain_prefill_s": None, "repacked_prefill_s": None}
         try:
-            done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=REPACK_PROBE_TIMEOUT_S)
+            done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf), str(torch.get_num_threads())],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  timeout=REPACK_PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("%s: the repacked-layout probe ran past %d s; loading plain layouts",
                         gguf.name, REPACK_PROBE_TIMEOUT_S)
-            return False
+            return failed
         if done.returncode != 0:
             log.warning("%s: llama.cpp's repacked weight layouts fail on this host (exit %d); loading plain "
                         "layouts", gguf.name, done.returncode)
-        return done.returncode == 0
+            return failed
+        plain_s, repacked_s = (float(x) for x in done.stdout.split()[-2:])
+        return {"runs": True, "plain_prefill_s": plain_s, "repacked_prefill_s": repacked_s}
 
-    return bool(_cached("repack", gguf, (), probe))
+    return _cached("repack", gguf, ("threads", torch.get_num_threads()), probe)
+
+
+def repacked_layouts_run(gguf: Path) -> bool:
+    """Whether llama.cpp's repacked weight layouts load and decode `gguf` on this host (`repack_probe`)."""
+    return bool(repack_probe(gguf)["runs"])
 
 
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:

@@ -10,9 +10,10 @@ one), no BOS is added, and every sampler but temperature / top-k / top-p is
 off. At T = 0 it is greedy; at T > 0 its draws use its own seeded RNG, so
 only speeds compare, not tokens.
 
-llama.cpp's repacked weight layouts (its "extra buffer types", AMX among
-them) are off, as in our backend: they died with SIGILL on this project's
-AVX512/AMX VM.
+llama.cpp's repacked weight layouts (its "extra buffer types", on by default
+in llama.cpp) load where they run on this host, as in our backend
+(`ssd.models.llamacpp.repacked_layouts_run`): on an AVX512/AMX VM they died
+with SIGILL, so users there run plain layouts.
 """
 
 from __future__ import annotations
