@@ -64,7 +64,7 @@ class LlamaCppEngine:
         from ssd.models.llamacpp import LlamaCppModel
 
         self.threads = threads or os.cpu_count() or 1
-        self.model = LlamaCppModel(gguf, n_ctx=n_ctx)
+        self.model = LlamaCppModel(gguf, n_ctx=n_ctx, plain_prefill=False)  # llama.cpp prefills in place
         self.precision = precision + ("+repack" if self.model.repacked else "")
         params = L.llama_context_default_params()
         params.n_ctx, params.n_batch = self.model.n_ctx, 512
