@@ -478,6 +478,25 @@ def test_models_load_repacked_where_the_layouts_run(pair, tmp_path, monkeypatch)
     assert not LlamaCppModel(path, use_extra_bufts=False).repacked
 
 
+@pytest.mark.parametrize("plain_s, repacked_s, twin", [(1.0, 2.0, True), (2.0, 1.0, False)])
+def test_prompts_run_on_the_plain_layouts_where_the_probe_timed_them_faster(pair, tmp_path, monkeypatch,
+                                                                            plain_s, repacked_s, twin):
+    """Auto: the plain twin runs prompts only where the probe timed plain layouts faster."""
+    import ssd.models.llamacpp as lc
+
+    _, lm = pair
+    path = _quantized(lm.path, tmp_path / "q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path
+    if not repacked_layouts_run(path):
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    monkeypatch.setattr(lc, "repack_probe", lambda gguf: {"runs": True, "plain_prefill_s": plain_s,
+                                                         "repacked_prefill_s": repacked_s})
+    model = LlamaCppModel(path)
+    assert model.repacked and (model.plain_twin is not None) == twin
+    assert LlamaCppModel(path, plain_prefill=False).plain_twin is None  # set: whatever the timing
+    assert LlamaCppModel(path, plain_prefill=True).plain_twin is not None
+    assert LlamaCppModel(path, use_extra_bufts=True).plain_twin is None  # llama.cpp's own: prompts in place
+
+
 def test_the_benchs_plain_llamacpp_peer_decodes_as_our_ar(pair, tmp_path):
     """launch/bench.py's llama.cpp peer (llama.cpp's own context defaults and greedy
     sampler) makes the tokens our AR engine makes on this backend, so its speed is

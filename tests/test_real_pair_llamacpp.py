@@ -48,7 +48,8 @@ def _request(ids, speculation=None):
 def test_the_probe_picked_fast_invariant_options(pair):
     target, draft, *_ = pair
     for model in (target, draft):
-        assert model.precision == "gguf q4_k_m" and model.invariant_options()["n_ubatch"] >= 5
+        # Repacked (where they run), the 4-row kernel starts at 4 tokens (AMD EPYC: 3); plain: 7.
+        assert model.precision == "gguf q4_k_m" and model.invariant_options()["n_ubatch"] >= (3 if model.repacked else 5)
 
 
 def test_sd_greedy_equals_ar(pair):
