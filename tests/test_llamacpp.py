@@ -30,7 +30,7 @@ from ssd.models import TinyTokenizer, build_tiny_model  # noqa: E402
 from ssd.models import backend  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import (  # noqa: E402
-    LlamaCppBranches, LlamaCppContext, LlamaCppError, LlamaCppModel, LlamaCppSequence, forward_rows, repacked_layouts_run,
+    LlamaCppBranches, LlamaCppContext, LlamaCppError, LlamaCppModel, LlamaCppSequence, forward_rows, repack_probe,
 )
 from ssd.saguaro.branches import make_branch_decoder  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
@@ -453,14 +453,14 @@ def test_repacked_layouts_are_probed_in_a_child_that_may_die(pair, tmp_path, mon
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
     quantized = _quantized(lm.path, tmp_path / "q8.gguf", repacked=False).path
     monkeypatch.setattr(lc, "_REPACK_CHILD", f"import os; os.kill(os.getpid(), {int(signal.SIGILL)})")
-    assert not lc.repacked_layouts_run(quantized)
+    assert not lc.repack_probe(quantized)["runs"]
     assert not LlamaCppModel(quantized).repacked  # the cached answer
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("probed twice"))
-    assert not lc.repacked_layouts_run(quantized)
+    assert not lc.repack_probe(quantized)["runs"]
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(60))
     monkeypatch.undo()
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
-    assert not lc.repacked_layouts_run(tmp_path / "bad.gguf")  # the child cannot load it
+    assert not lc.repack_probe(tmp_path / "bad.gguf")["runs"]  # the child cannot load it
 
 
 def test_models_load_repacked_where_the_layouts_run(pair, tmp_path, monkeypatch):
@@ -472,7 +472,7 @@ def test_models_load_repacked_where_the_layouts_run(pair, tmp_path, monkeypatch)
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
     assert not lm.repacked and precision_of(lm) == "gguf f32"
     path = _quantized(lm.path, tmp_path / "q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path
-    runs = repacked_layouts_run(path)
+    runs = repack_probe(path)["runs"]
     model = LlamaCppModel(path)
     assert model.repacked == runs and precision_of(model) == "gguf q4_0" + ("+repack" if runs else "")
     assert not LlamaCppModel(path, use_extra_bufts=False).repacked
@@ -486,7 +486,7 @@ def test_prompts_run_on_the_plain_layouts_where_the_probe_timed_them_faster(pair
 
     _, lm = pair
     path = _quantized(lm.path, tmp_path / "q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path
-    if not repacked_layouts_run(path):
+    if not repack_probe(path)["runs"]:
         pytest.skip("llama.cpp's repacked layouts do not run on this host")
     monkeypatch.setattr(lc, "repack_probe", lambda gguf: {"runs": True, "plain_prefill_s": plain_s,
                                                          "repacked_prefill_s": repacked_s})
@@ -572,7 +572,7 @@ def k_quant_pair(k_quant_files, request):
     """(repacked, plain_prefill): the last runs prompt chunks on the plain layouts and
     moves their keys and values to the repacked context (`_prompt_chunk_apart`)."""
     repacked, plain_prefill = request.param
-    if repacked and not repacked_layouts_run(k_quant_files[0]):
+    if repacked and not repack_probe(k_quant_files[0])["runs"]:
         pytest.skip("llama.cpp's repacked layouts do not run on this host")
     return tuple(LlamaCppModel(f, use_extra_bufts=repacked, plain_prefill=plain_prefill) for f in k_quant_files)
 
@@ -596,9 +596,9 @@ def test_a_prompt_chunk_is_one_call_of_its_own_whatever_else_runs(k_quant_pair):
     whole = _next_logits(target, [LONG])
     assert torch.equal(whole, _next_logits(target, [LONG], packed_with=[1, 2, 3, 4, 5]))
     # The premise: the same tokens in short chunks (the invariant ubatches) give other keys and values.
-    # On the plain layout only: repacked, this prompt's keys and values came out the same for
-    # every chunk length from 1 to 20 (measured); the next test's premise holds on both layouts.
-    if not target.repacked:
+    # Not where prompts run repacked: there this prompt's keys and values came out the same for
+    # every chunk length from 1 to 20 (measured); the next test's premise holds on every layout.
+    if not target.repacked or target.plain_twin is not None:
         step = target.invariant_options()["n_ubatch"]
         assert not torch.equal(whole, _next_logits(target, [LONG[i : i + step] for i in range(0, 40, step)]))
 
@@ -607,7 +607,7 @@ def test_a_prompt_moved_from_the_plain_layouts_holds_their_keys_and_values(k_qua
     """Prompt chunks on the plain twin, continued at a later start: the row's cache then holds
     bit for bit what a plain-layout context computes for the same chunks (its state's bytes),
     and the chunk's logits are the plain layouts' too."""
-    if not repacked_layouts_run(k_quant_files[0]):
+    if not repack_probe(k_quant_files[0])["runs"]:
         pytest.skip("llama.cpp's repacked layouts do not run on this host")
     target = LlamaCppModel(k_quant_files[0], use_extra_bufts=True, plain_prefill=True)
     plain = LlamaCppModel(k_quant_files[0], use_extra_bufts=False)

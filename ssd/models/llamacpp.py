@@ -35,7 +35,7 @@ attention, F16 KV, at most 7 tokens a call in plain layouts, 3 in repacked ones;
 prompt chunks run alone, as whole ubatches, from fixed positions:
 `LlamaCppContext.decode`). Quantized weights load in llama.cpp's repacked layouts
 (`use_extra_bufts`, its default) where a probe in a child process finds that they
-run (`repacked_layouts_run`). The draft's shared pool needs no invariance.
+run (`repack_probe`). The draft's shared pool needs no invariance.
 docs/llamacpp.md has the measurements.
 """
 
@@ -250,13 +250,14 @@ class LlamaCppContext:
         self._scratch = n_seq if pad_single else None
         slots = n_seq + (1 if pad_single else 0)
         self.shared = shared_room > 0
-        self._n_stream = slots  # KV streams (one per slot; prompts move apart only where they are not shared)
-        self._prompt_options = {"flash_attn": flash_attn, "f32_kv": f32_kv, "n_batch": n_batch}
-        self._prompt_context: LlamaCppContext | None = None  # on model.plain_twin: see _prompt_chunk_apart
         self._follow_torch = n_threads is None
         n_threads = torch.get_num_threads() if n_threads is None else n_threads
         self.n_threads = n_threads
         f32_kv = model.f32_kv if f32_kv is None else f32_kv
+        self._n_stream = slots  # KV streams (one per slot; prompts move apart only where they are not shared)
+        # A moved cache must fit the twin's context: the same cache types and attention.
+        self._prompt_options = {"flash_attn": flash_attn, "f32_kv": f32_kv, "n_batch": n_batch}
+        self._prompt_context: LlamaCppContext | None = None  # on model.plain_twin: see _prompt_chunk_apart
         params = L.llama_context_default_params()
         params.n_ctx = self.n_ctx_seq + shared_room + (1 if pad_single else 0) if self.shared else self.n_ctx_seq * slots
         params.n_seq_max = slots
@@ -711,10 +712,6 @@ def repack_probe(gguf: Path) -> dict:
 
     return _cached("repack", gguf, ("threads", torch.get_num_threads()), probe)
 
-
-def repacked_layouts_run(gguf: Path) -> bool:
-    """Whether llama.cpp's repacked weight layouts load and decode `gguf` on this host (`repack_probe`)."""
-    return bool(repack_probe(gguf)["runs"])
 
 
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:

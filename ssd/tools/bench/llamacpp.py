@@ -12,7 +12,7 @@ only speeds compare, not tokens.
 
 llama.cpp's repacked weight layouts (its "extra buffer types", on by default
 in llama.cpp) load where they run on this host, as in our backend
-(`ssd.models.llamacpp.repacked_layouts_run`): on an AVX512/AMX VM they died
+(`ssd.models.llamacpp.repack_probe`): on an AVX512/AMX VM they died
 with SIGILL, so users there run plain layouts.
 """
 
