@@ -49,7 +49,6 @@ def make_engine(
     *,
     verifier: Verifier = verify,
     draft_timeout_s: float | None = None,
-    draft_precision: str | None = None,
 ) -> BatchedEngine:
     """The engine for `mode` over `pair`: a batch of any size, one row included.
 
@@ -57,8 +56,7 @@ def make_engine(
     mode's: its mode is set to `mode` here). SSD with a draft in the pair
     runs its speculator on a thread of this process (the engine's close()
     stops it); without one the draft lives elsewhere, and its link is
-    `attach`ed when it comes (the cluster). `draft_precision` names that
-    remote draft's precision in the stats.
+    `attach`ed when it comes (the cluster), naming the draft's precision.
     """
     speculation = dataclasses.replace(speculation, mode=mode)
     if mode == "ar":
@@ -73,7 +71,7 @@ def make_engine(
         return SSDEngine.in_process(pair.target, pair.draft, pair.tokenizer, speculation, batching, verifier)
     return SSDEngine(
         pair.target, pair.tokenizer, speculation, batching, verifier,
-        draft_timeout_s=draft_timeout_s, draft_precision=draft_precision,
+        draft_timeout_s=draft_timeout_s,
     )
 
 

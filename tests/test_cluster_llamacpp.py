@@ -35,4 +35,4 @@ def test_ssd_on_the_llamacpp_backend_through_the_cluster(shared_ray):
             out = c.generate(request)
             assert out.token_ids == local.generate(request).token_ids
             assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
-            assert out.stats.precision == "target gguf f32, draft gguf", out.stats.precision
+            assert out.stats.precision == "target gguf f32, draft gguf f32", out.stats.precision  # as each loaded

@@ -43,8 +43,9 @@ class DraftLink:
         # A speculator on a node of its own reaches the target at its node's address (TCP between hosts).
         host, port = ray.get(self.targets[0].link_address.remote(self.draft_node is not None))
         prefix = next(self._prefixes)
+        precision = ray.get(self.draft.precision.remote(), timeout=60)  # the draft's own, as loaded
         self._serving = self.draft.serve.remote(port, prefix, timeout, host)
-        self.link_round_trip_s = ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout, host))
+        self.link_round_trip_s = ray.get(self.targets[0].connect_draft.remote(port, prefix, timeout, host, precision))
         # Only now: until the target holds the new link, `linked()` must not
         # take the old one (dead, but not yet found so by an idle engine) for it.
         self._linked_pid = self._draft_pid

@@ -166,9 +166,11 @@ class TargetWorker:
         leader = getattr(self, "leader", None)
         return None if leader is None else leader.failed
 
-    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK) -> float:
+    def connect_draft(self, port: int, prefix: str, timeout_s: float, host: str = LOOPBACK,
+                      draft_precision: str | None = None) -> float:
         """Become rank 0 of a new two-rank link at `host`:`port` (see link_address);
-        SSD uses it from the next request on. Returns the link's round trip (seconds)."""
+        SSD uses it from the next request on. Returns the link's round trip (seconds).
+        `draft_precision`: what the speculator loaded (DraftWorker.precision), for the stats line."""
         from ssd.saguaro.protocol import round_trip_s
         from ssd.transport.distributed import DistributedChannel
 
@@ -181,7 +183,7 @@ class TargetWorker:
         except Exception:
             channel.close()
             raise
-        self._engine("ssd").attach(channel)
+        self._engine("ssd").attach(channel, draft_precision)
         return seconds
 
     def link_up(self) -> bool:
@@ -337,7 +339,6 @@ class TargetWorker:
         """The mode's one engine (made on first use); SSD's owns the draft link."""
         if mode not in self._engines:
             from ssd.factory import LoadedPair, make_engine
-            from ssd.models.loading import precision_label
 
             if mode not in MODES:
                 raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
@@ -347,8 +348,7 @@ class TargetWorker:
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,
                 draft_timeout_s=self.config.cluster.draft_timeout_s,
-                draft_precision=precision_label(self.config.draft, self.device),
-            )
+            )  # the draft's precision comes with its link (connect_draft)
         return self._engines[mode]
 
 
@@ -372,6 +372,12 @@ class DraftWorker:
 
     def whereabouts(self) -> dict[str, Any]:
         return whereabouts(self.device) | {"cores": self.cores}
+
+    def precision(self) -> str:
+        """What the draft loaded, as stats lines name it ("gguf q4_k_m+repack", "int8", ...)."""
+        from ssd.models.backend import precision_of
+
+        return precision_of(self.model)
 
     def plan_probe(self, continued: list) -> dict[str, Any]:
         """SSD's start-up plan, the draft's half: its timed probes (ssd.saguaro.startup.draft_probe),

@@ -117,15 +117,6 @@ def resolve_backend(cfg: ModelConfig, device: str = "cpu") -> str:
     return LLAMACPP if chosen else TORCH
 
 
-def precision_label(cfg: ModelConfig, device: str = "cpu") -> str:
-    """What `cfg`'s model will run in, named before loading it: "gguf" on llama.cpp
-    (the file's own types), else the resolved torch precision (int8, bf16, fp32, fp64)."""
-    if resolve_backend(cfg, device) == LLAMACPP:
-        return "gguf"
-    resolved = resolve_precision(cfg, device)
-    return resolved.quantization or resolved.dtype
-
-
 def load_llamacpp(cfg: ModelConfig) -> Any:
     """`cfg`'s model on llama.cpp: its GGUF file (`gguf_file`), each sequence up to max_model_len tokens."""
     from ssd.models.llamacpp import LlamaCppModel

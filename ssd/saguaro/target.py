@@ -137,8 +137,8 @@ class SSDEngine(BatchedEngine):
         stats line (whoever placed the draft knows it).
         """
         super().__init__(target, tokenizer, speculation, batching, verifier)
-        if draft_precision:
-            self.precision += f", draft {draft_precision}"
+        self._target_precision = self.precision
+        self._name_draft(draft_precision)
         self.channel = channel
         self.draft_timeout_s = draft_timeout_s
         self.host = host
@@ -180,12 +180,18 @@ class SSDEngine(BatchedEngine):
         """Whether speculation.k_policy gives the row a K above 0 at the current batch size."""
         return row.state.speculation.k_for(len(self._rows)) > 0
 
-    def attach(self, channel: Channel) -> None:
-        """Use a (new) draft link from the next step on; safe from any thread."""
+    def attach(self, channel: Channel, draft_precision: str | None = None) -> None:
+        """Use a (new) draft link from the next step on; safe from any thread.
+        `draft_precision`: what the speculator across it loaded, when it says."""
+        self._name_draft(draft_precision)
         with self._pending_lock:
             old, self._pending = self._pending, channel
         if old is not None:
             _close_quietly(old)
+
+    def _name_draft(self, draft_precision: str | None) -> None:
+        if draft_precision:
+            self.precision = f"{self._target_precision}, draft {draft_precision}"
 
     def stop_draft(self) -> None:
         """Tell the speculator to stop serving and close the link (shutdown)."""
