@@ -36,6 +36,10 @@ NODE_CPUS = 2  # one replica per node
 GREEDY = SamplingConfig(temperature=0.0)
 TEXTS = ["abcab", "ponm", "aaaabbbb", "mnop", "cab", "bbbb", "onm", "abc"]
 RECOVERY_S = 120.0
+# A replica's move to a new node starts its actors there (processes, imports, loads): seconds
+# alone, 26 s beside two busy cores, and past 120 s once in a full suite on 2 shared cores.
+# The test asserts that it moves, not how fast.
+MOVE_S = 300.0
 # A node whose raylet is gone is declared dead within ~1.5 s (Ray's defaults: ~30 s).
 FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                      "health_check_failure_threshold": 3}
@@ -53,7 +57,7 @@ def nodes(own_ray):
     try:
         workers = [ray_cluster.add_node(num_cpus=NODE_CPUS) for _ in range(2)]
         ray.init(address=ray_cluster.address, include_dashboard=False, logging_level=logging.WARNING)
-        ray_cluster.wait_for_nodes()
+        ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
         yield ray_cluster, workers
     finally:
         ray.shutdown()
@@ -89,7 +93,7 @@ def test_a_draft_node_that_leaves_leaves_its_target_serving_alone_with_unchanged
 
     ray_cluster, (a, _) = nodes
     c = ray_cluster.add_node(num_cpus=NODE_CPUS)
-    ray_cluster.wait_for_nodes()
+    ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node=c.node_id,
                                                                      draft_timeout_s=2.0))
     with Cluster(config, PLACEMENT, node=a.node_id) as cluster:
@@ -362,7 +366,7 @@ def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_
     time.sleep(0.3)
     assert set(health.since(removed[0])) == {"SERVING"}
     new = ray_cluster.add_node(num_cpus=NODE_CPUS)  # room again: Ray places the lost group's bundles there
-    wait_until(lambda: replicas.clusters[1].serving and replicas.clusters[1].linked(), RECOVERY_S,
+    wait_until(lambda: replicas.clusters[1].serving and replicas.clusters[1].linked(), MOVE_S,
                "replica 1 did not come back on the new node")
     assert replicas.node_of(1) == new.node_id
     out = replicas.clusters[1].generate(greedy(replicas.encode(TEXTS[0]), 30))
@@ -385,7 +389,7 @@ def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(sta
 
     ray_cluster, _ = nodes
     big = ray_cluster.add_node(num_cpus=4)
-    ray_cluster.wait_for_nodes()
+    ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=2),
                                  runtime=dataclasses.replace(CONFIG.runtime, plan=False))  # no start-up plan: faster
     started = time.monotonic()
