@@ -49,7 +49,7 @@ from ssd.sampling import sample
 from ssd.verify import Outcome, residual, verify
 from ssd.engine.request import GenerationRequest
 from ssd.tools.bench.sampling_check import run_rows
-from tests.exact import exact_marginal
+from tests.exact import exact_marginal, exact_marginal_stepwise
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 
 # initializer_range 0.4: next-token laws peaked enough for power, flat enough
@@ -129,6 +129,22 @@ def sd_samples(pair, sampling: SamplingConfig, verifier=verify) -> list[tuple[in
 def exact_joint(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
     """P(tokens 1-4 | PROMPT) under the target and the sampling pipeline."""
     return exact_marginal(model, PROMPT, N_TOKENS, sampling, POSITIONS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_depth_first_enumeration_gives_the_batched_ones_law(small_pair, case):
+    """exact_marginal_stepwise (a model behind a next-logits function: llama.cpp's
+    quantized law in test_llamacpp_distribution) against exact_marginal, pruning included."""
+    target, sampling = small_pair[0], CASES[case]
+
+    @torch.no_grad()
+    def next_logits(prefix: list[int]) -> torch.Tensor:
+        return target(torch.tensor([PROMPT + prefix])).logits[0, -1]
+
+    want = exact_joint(target, sampling)
+    got = exact_marginal_stepwise(next_logits, N_TOKENS, sampling, POSITIONS)
+    assert want.keys() == got.keys()
+    assert max(abs(want[cell] - got[cell]) for cell in want) < 1e-12
 
 
 def assert_first_round_ends_at_every_depth(draws: Draws) -> None:

@@ -478,6 +478,18 @@ def test_models_load_repacked_where_the_layouts_run(pair, tmp_path, monkeypatch)
     assert not LlamaCppModel(path, use_extra_bufts=False).repacked
 
 
+def test_the_layout_probe_decodes_ids_any_vocabulary_holds(pair, tmp_path, monkeypatch):
+    """The probe's decodes stay below the vocabulary's size: an 8-token model's repacked layouts
+    are found to run wherever a 64-token one's are (ids up to 9 made llama_decode fail: exit 4)."""
+    _, lm = pair
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    wide = _quantized(lm.path, tmp_path / "v64.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path
+    if not repack_probe(wide)["runs"]:
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    small = export_gguf(_model(dataclasses.replace(CFG, vocab_size=8)), tmp_path / "v8.gguf")
+    assert repack_probe(_quantized(small, tmp_path / "v8q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0", repacked=False).path)["runs"]
+
+
 @pytest.mark.parametrize("plain_s, repacked_s, twin", [(1.0, 2.0, True), (2.0, 1.0, False)])
 def test_prompts_run_on_the_plain_layouts_where_the_probe_timed_them_faster(pair, tmp_path, monkeypatch,
                                                                             plain_s, repacked_s, twin):

@@ -1,13 +1,23 @@
 """Sampled AR, SD and SSD on the llama.cpp backend draw exactly the target's law: chi-square.
 
-Model: a random Qwen2 with an 8-token vocabulary and one layer, its q/k/v
-biases and norm weights re-drawn (test_llamacpp._model), in fp32, exported
-to GGUF F32 and run by llama.cpp (ssd.models.llamacpp); the draft is the
-same model with 20 % relative weight noise, exported the same way. K = 2.
-The expected law is the torch model's, enumerated exactly (tests/exact.py):
-llama.cpp's logits match torch's to ~1e-6 relative (asserted on the prompt
-within test_llamacpp's REL_TOL), far below what a chi-square test of a few
-thousand draws can see. Chi-square as in test_distribution (tests/stats.py):
+Two weight variants (the `models` fixture), K = 2 on both:
+- f32: a random Qwen2 with an 8-token vocabulary and one layer, its q/k/v
+  biases and norm weights re-drawn (test_llamacpp._model), exported to GGUF
+  F32 and run by llama.cpp (ssd.models.llamacpp); the draft is the same
+  model with 20 % relative weight noise, exported the same way. The
+  expected law is the torch model's, enumerated exactly (tests/exact.py):
+  llama.cpp's logits match torch's to ~1e-6 relative (asserted on the
+  prompt within test_llamacpp's REL_TOL), far below what a chi-square test
+  of a few thousand draws can see.
+- q4_k_m: the same family 256 wide (K-quants take rows of 256; init 0.1, the
+  draft's noise 10 %), quantized to Q4_K_M and loaded as this host loads the
+  real pair: llama.cpp's repacked layouts where they run, prompt chunks on
+  the plain layouts (LlamaCppModel.plain_twin; a 16-token prompt, and every
+  draw asserts its prompts ran there). No torch model computes these
+  weights, so the law is llama.cpp's own: AR on the target, one token a
+  forward, enumerated depth first (exact_marginal_stepwise). The breaks
+  below run on f32 only: the samplers are the same code on every weight
+  type; the wrong laws run on both. Chi-square as in test_distribution (tests/stats.py):
 cells with an expected count below 5 pooled into one, alpha 0.001, fixed
 seeds 0..samples - 1, one engine per path running the seeded requests as
 rows of one batch (each row draws what it would alone: asserted on the
@@ -46,7 +56,9 @@ Power, on every path:
   (drafts at depth >= 2 drawn uniformly over q's support; 300 seeds,
   p ~ 1e-58), the breaks of test_distribution and test_ssd_distribution.
   AR has no second sampler to break: its power is the wrong laws'.
-The exact paths measured p 0.13-0.94; the file runs in ~40 s on one core.
+The exact paths measured p 0.13-0.94 (f32) and 0.03-0.66 (q4_k_m; the hit path
+on 1200 seeds there: against the wrong law, 600 measured only p 4e-4); the
+file runs in ~65 s on one core.
 """
 
 from __future__ import annotations
@@ -70,13 +82,13 @@ from ssd.engine import AREngine, SDEngine  # noqa: E402
 from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models import TinyTokenizer  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
-from ssd.models.llamacpp import LlamaCppModel, LlamaCppSequence  # noqa: E402
+from ssd.models.llamacpp import LlamaCppContext, LlamaCppModel, LlamaCppSequence, repack_probe  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
 from ssd.verify import verify  # noqa: E402
-from tests.exact import exact_marginal  # noqa: E402
+from tests.exact import exact_marginal, exact_marginal_stepwise  # noqa: E402
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue  # noqa: E402
 from tests.test_distribution import correction_from_p, run_rows  # noqa: E402
-from tests.test_llamacpp import REL_TOL, _model  # noqa: E402
+from tests.test_llamacpp import REL_TOL, _model, _quantized  # noqa: E402
 from tests.test_ssd_distribution import cache_draws_reversed, neural_draws_flat  # noqa: E402
 
 V = 8
@@ -91,6 +103,11 @@ K = 2
 # outright instead of by the shape of the law.
 WRONG_TEMPERATURE = 1.25
 TOKENIZER = TinyTokenizer(V)
+# Q4_K_M: K-quants take rows of 256; the smaller init keeps the laws' shape at that width
+# (first-token acceptance 0.47-0.87, top probability 0.3-0.83 after four prompts).
+Q4_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512, initializer_range=0.1)
+Q4_NOISE = 0.1
+Q4_PROMPT = [(3 * i + 1) % V for i in range(16)]  # longer than a repacked target's invariant ubatch: a prompt chunk
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,7 @@ class Draws:
     from_round_1: int = 0  # tested tokens the prefill or round 1 emitted
     hits: int = 0
     lookups: int = 0
+    prompts_apart: int = 0  # prompt chunks the target ran on its plain layouts (LlamaCppModel.plain_twin)
 
 
 @dataclass(frozen=True)
@@ -188,16 +206,49 @@ PATHS = {  # seeds measured to fit the file in ~40 s on one core with p-value ma
 }
 
 
-def report(name: str, variant: str, samples: int, p: float) -> None:
+def report(models: Models, name: str, variant: str, samples: int, p: float) -> None:
     """One row of the p-value table (path, setting, variant, seeds, p)."""
     path, setting = name.split(" ", 1)
-    report_pvalue(f"llama.cpp {path.replace('-', ' ')}", setting, variant, samples, p)
+    report_pvalue(f"llama.cpp {models.name} {path.replace('-', ' ')}", setting, variant, samples, p)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(torch target, torch draft, llama.cpp target, llama.cpp draft)."""
-    directory = tmp_path_factory.mktemp("gguf")
+@dataclass(frozen=True)
+class Models:
+    """A variant's llama.cpp pair, its prompt, and where its exact laws come from."""
+
+    name: str
+    target: LlamaCppModel
+    draft: LlamaCppModel
+    prompt: list[int]
+    law_models: dict[str, object]  # role -> a torch model (exact_marginal) or the LlamaCppModel itself
+    seeds: dict[str, int] = field(default_factory=dict)  # a path's seeds where its own (power) need more
+
+    def law(self, role: str, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
+        key = (self.name, role, dataclasses.astuple(sampling), window)
+        if key not in _EXACT:
+            model, n, positions = self.law_models[role], window.n_tokens, list(window.positions)
+            if isinstance(model, LlamaCppModel):
+                _EXACT[key] = exact_marginal_stepwise(llamacpp_next_logits(model, self.prompt), n, sampling, positions)
+            else:
+                _EXACT[key] = exact_marginal(model, self.prompt, n, sampling, positions)
+        return _EXACT[key]
+
+
+def llamacpp_next_logits(model: LlamaCppModel, prompt: list[int]) -> Callable[[list[int]], torch.Tensor]:
+    """AR on `model`: the prompt's prefill, then one forward per token (rolled back to the
+    parent between siblings of exact_marginal_stepwise's depth-first walk)."""
+    sequence = LlamaCppSequence(model)
+
+    def next_logits(prefix: list[int]) -> torch.Tensor:
+        full = prompt + prefix
+        sequence.trim_to_prefix_of(full)
+        return sequence.catch_up(full)
+
+    return next_logits
+
+
+def f32_models(directory) -> Models:
+    """F32 GGUF exports of the torch pair; the law is the torch target's."""
     target, draft = _model(CFG), _model(dataclasses.replace(CFG, noise=NOISE))
     lm_target = LlamaCppModel(export_gguf(target, directory / "target.gguf"))
     lm_draft = LlamaCppModel(export_gguf(draft, directory / "draft.gguf"))
@@ -205,22 +256,44 @@ def models(tmp_path_factory):
         want = target(torch.tensor([PROMPT])).logits[0]
     got = LlamaCppSequence(lm_target).forward(PROMPT)
     assert ((got - want).abs().max() / want.abs().max()).item() < REL_TOL  # the same law
-    return target, draft, lm_target, lm_draft
+    return Models("f32", lm_target, lm_draft, PROMPT, {"target": target, "draft": draft})
+
+
+def q4_models(directory) -> Models:
+    """The pair quantized to Q4_K_M, loaded as this host runs the real pair: repacked
+    layouts where they run, prompt chunks on the plain layouts. The law is llama.cpp's
+    own, enumerated through AR on the target (no torch model computes these weights)."""
+    files = []
+    for name, cfg in (("target", Q4_CFG), ("draft", dataclasses.replace(Q4_CFG, noise=Q4_NOISE))):
+        f32 = export_gguf(_model(cfg), directory / f"{name}-f32.gguf")
+        files.append(_quantized(f32, directory / f"{name}-q4.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M", repacked=False).path)
+    repacked = repack_probe(files[0])["runs"]
+    target, draft = (LlamaCppModel(f, use_extra_bufts=repacked, plain_prefill=repacked) for f in files)
+    assert target.precision == "gguf q4_k_m" and target.repacked == repacked
+    # The hit path's wrong law (T 1.0 for 0.8) is closer here: 600 seeds measured p 4e-4 (1500: 1.5e-9), too near alpha.
+    return Models("q4_k_m", target, draft, Q4_PROMPT, {"target": target, "draft": draft},
+                  seeds={"ssd-hit t0.8 top-k 4": 1200})
+
+
+@pytest.fixture(scope="module", params=["f32", "q4_k_m"])
+def models(tmp_path_factory, request) -> Models:
+    directory = tmp_path_factory.mktemp("gguf")
+    return f32_models(directory) if request.param == "f32" else q4_models(directory)
 
 
 def draw(models, path: Path, monkeypatch: pytest.MonkeyPatch | None = None, samples: int | None = None) -> Draws:
     """The path's generations on llama.cpp, seeds 0..samples - 1; broken when a monkeypatch is given."""
-    _, _, lm_target, lm_draft = models
     with pytest.MonkeyPatch.context() as own:
         verifier = path.broken(monkeypatch) if monkeypatch is not None else None
         if path.always_miss:
             own.setattr(speculator_module, "build_caches", lambda jobs: [{} for _ in jobs])
-        engine = path.engine(lm_target, lm_draft, verifier or verify)
+        apart = spy_prompts_apart(own)
+        engine = path.engine(models.target, models.draft, verifier or verify)
         draws = Draws()
         generation = GenerationConfig(max_new_tokens=path.window.n_tokens)
         n = samples or path.samples
         every_rounds: list[list[list[int]]] = [[] for _ in range(n)]  # per seed: the prefill's token, then each round's
-        requests = [GenerationRequest(PROMPT, dataclasses.replace(path.sampling, seed=seed), generation,
+        requests = [GenerationRequest(models.prompt, dataclasses.replace(path.sampling, seed=seed), generation,
                                       on_tokens=every_rounds[seed].append) for seed in range(n)]
         try:
             outs = run_rows(engine, requests)
@@ -240,40 +313,50 @@ def draw(models, path: Path, monkeypatch: pytest.MonkeyPatch | None = None, samp
                 spec = getattr(out.stats, "spec", None)
                 if spec is not None:
                     draws.hits, draws.lookups = draws.hits + spec.hits, draws.lookups + spec.lookups
+            draws.prompts_apart = apart[0]
         finally:
             if isinstance(engine, SSDEngine):
                 engine.close()
     return draws
 
 
+def spy_prompts_apart(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the prompt chunks run on a plain twin (LlamaCppContext._prompt_chunk_apart)."""
+    calls = [0]
+    original = LlamaCppContext._prompt_chunk_apart
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaCppContext, "_prompt_chunk_apart", counted)
+    return calls
+
+
 _DRAWS: dict[str, Draws] = {}
 _EXACT: dict[tuple, dict] = {}
 
 
-def exact_draws(models, name: str) -> Draws:
-    """The exact pipeline's draws, once per module: the power tests reuse them."""
-    if name not in _DRAWS:
-        _DRAWS[name] = draw(models, PATHS[name])
-    return _DRAWS[name]
+def exact_draws(models: Models, name: str) -> Draws:
+    """The exact pipeline's draws, once per module and variant: the power tests reuse them."""
+    key = f"{models.name} {name}"
+    if key not in _DRAWS:
+        _DRAWS[key] = draw(models, PATHS[name], samples=models.seeds.get(name))
+    return _DRAWS[key]
 
 
-def exact(model, sampling: SamplingConfig, window: Window) -> dict[tuple[int, ...], float]:
-    key = (id(model), dataclasses.astuple(sampling), window)
-    if key not in _EXACT:
-        _EXACT[key] = exact_marginal(model, PROMPT, window.n_tokens, sampling, list(window.positions))
-    return _EXACT[key]
-
-
-def wrong_laws(models, path: Path) -> dict[str, dict]:
-    target, draft, _, _ = models
+def wrong_laws(models: Models, path: Path) -> dict[str, dict]:
     hotter = dataclasses.replace(path.sampling, temperature=path.sampling.temperature * WRONG_TEMPERATURE)
-    return {f"target at T = {hotter.temperature:.3g}": exact(target, hotter, path.window),
-            "draft model": exact(draft, path.sampling, path.window)}
+    return {f"target at T = {hotter.temperature:.3g}": models.law("target", hotter, path.window),
+            "draft model": models.law("draft", path.sampling, path.window)}
 
 
-def assert_paths_exercised(name: str, path: Path, draws: Draws) -> None:
-    """Where the tested tokens came from: every verification outcome, the path's own source."""
+def assert_paths_exercised(models: Models, name: str, path: Path, draws: Draws) -> None:
+    """Where the tested tokens came from: every verification outcome, the path's own source;
+    the prompts ran on the plain layouts where the variant loads them there."""
     n = len(draws.samples)
+    if models.target.plain_twin is not None:
+        assert draws.prompts_apart >= len(draws.samples), "the prompts did not run on the plain layouts"
     if name.startswith("ar"):
         return
     print(f"\n{name}: round-1 acceptance lengths {dict(sorted(draws.first_round.items()))}, "
@@ -297,9 +380,9 @@ def assert_paths_exercised(name: str, path: Path, draws: Draws) -> None:
 def test_llamacpp_sampling_matches_target(models, name):
     path = PATHS[name]
     draws = exact_draws(models, name)
-    assert_paths_exercised(name, path, draws)
-    p = chi_square_pvalue(draws.samples, exact(models[0], path.sampling, path.window))
-    report(name, "exact", len(draws.samples), p)
+    assert_paths_exercised(models, name, path, draws)
+    p = chi_square_pvalue(draws.samples, models.law("target", path.sampling, path.window))
+    report(models, name, "exact", len(draws.samples), p)
     assert p > ALPHA, f"llama.cpp {name}: p = {p:.2e}"
 
 
@@ -309,18 +392,19 @@ def test_the_test_rejects_a_wrong_law(models, name):
     draws = exact_draws(models, name)
     for law_name, law in wrong_laws(models, path).items():
         p = chi_square_pvalue(draws.samples, law)
-        report(name, f"against {law_name}", len(draws.samples), p)
+        report(models, name, f"against {law_name}", len(draws.samples), p)
         assert p < ALPHA, f"llama.cpp {name}: {law_name} went undetected: p = {p:.2e}"
 
 
 BROKEN = [name for name, path in PATHS.items() if path.broken is not None]
 
 
+@pytest.mark.parametrize("models", ["f32"], indirect=True)  # the samplers are the same code on every weight type
 @pytest.mark.parametrize("name", BROKEN)
 def test_the_test_rejects_a_broken_sampler(models, monkeypatch, name):
     path = PATHS[name]
     draws = draw(models, path, monkeypatch, path.broken_samples)
-    assert_paths_exercised(name, path, draws)
-    p = chi_square_pvalue(draws.samples, exact(models[0], path.sampling, path.window))
-    report(name, path.broken_name, len(draws.samples), p)
+    assert_paths_exercised(models, name, path, draws)
+    p = chi_square_pvalue(draws.samples, models.law("target", path.sampling, path.window))
+    report(models, name, path.broken_name, len(draws.samples), p)
     assert p < ALPHA, f"llama.cpp {name}: the broken sampler went undetected: p = {p:.2e}"

@@ -10,7 +10,7 @@ the regularized upper incomplete gamma function Q(df / 2, x / 2).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
@@ -63,6 +63,36 @@ def exact_marginal(
             if p > 0:
                 seq = [*row, last]
                 marginal[tuple(seq[i] for i in positions)] += p
+    return dict(marginal)
+
+
+def exact_marginal_stepwise(
+    next_logits: Callable[[list[int]], torch.Tensor], n: int, sampling: SamplingConfig, positions: list[int]
+) -> dict[tuple[int, ...], float]:
+    """exact_marginal for a model behind a function: `next_logits(prefix)` is the target's
+    next-token logits [V] after the prompt and the generated tokens `prefix`.
+
+    The tree is walked depth first, so a model that keeps one cache (a llama.cpp
+    sequence, say) only rolls back to the parent between siblings; prefixes of
+    probability 0 are pruned, and the last tested token's whole row is read off
+    its prefix's logits, as in exact_marginal.
+    """
+    if not positions or max(positions) >= n:
+        raise ValueError(f"positions {positions} must lie in 0..{n - 1}")
+    marginal: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def visit(prefix: list[int], mass: float) -> None:
+        probs = probs_from_logits(next_logits(prefix).unsqueeze(0), sampling)[0].double().tolist()
+        for token, p in enumerate(probs):
+            if p <= 0:
+                continue
+            seq = [*prefix, token]
+            if len(seq) > max(positions):
+                marginal[tuple(seq[i] for i in positions)] += mass * p
+            else:
+                visit(seq, mass * p)
+
+    visit([], 1.0)
     return dict(marginal)
 
 
