@@ -40,6 +40,10 @@ Paths (measured shares in parentheses):
   (build_caches patched to build nothing), so every round is a backup round
   (asserted: no hits); tokens 1-3 of 4, slots 0..K each >= 5 % (53, 28,
   19 %); 600 seeds.
+- SSD with Saguaro sampling, c = 0.5, T = 1 with top-k 4, budget K + 1: hits
+  and misses (neural backup) interleave (asserted; hit rate ~0.5); tokens 4-6
+  of 7, none from round 1; 600 seeds. Top-k keeps llama.cpp's enumeration
+  of the q4_k_m law at 4^6 leaves. Broken: cache_draws_reversed.
 
 Power, on every path:
 - the same draws against a wrong law must fail the same test (p < alpha)
@@ -56,9 +60,10 @@ Power, on every path:
   (drafts at depth >= 2 drawn uniformly over q's support; 300 seeds,
   p ~ 1e-58), the breaks of test_distribution and test_ssd_distribution.
   AR has no second sampler to break: its power is the wrong laws'.
-The exact paths measured p 0.13-0.94 (f32) and 0.03-0.66 (q4_k_m; the hit path
-on 1200 seeds there: against the wrong law, 600 measured only p 4e-4); the
-file runs in ~65 s on one core.
+The exact paths measured p 0.13-0.94 (f32) and 0.03-0.66 (q4_k_m). On q4_k_m
+the hotter target is closer to the true law, so the hit path runs 1200 seeds
+and Saguaro's 1500 there (on 600, their wrong laws measured only p 4e-4 and
+5e-3); the file runs in ~100 s on one core.
 """
 
 from __future__ import annotations
@@ -138,17 +143,19 @@ class Path:
     broken: Callable | None = None  # breaks this path alone: (monkeypatch) -> verifier or None
     broken_samples: int = 0  # seeds for the broken run
     always_miss: bool = False  # the draft's cache never holds anything: every round a backup round
+    interleaved: bool = False  # hits and misses both (a budget below the outcomes)
 
     @property
     def broken_name(self) -> str:
         return self.broken.__name__ if self.broken else ""
 
 
-def ssd_spec(budget: int) -> SpeculationConfig:
+def ssd_spec(budget: int, saguaro_c: float = 1.0) -> SpeculationConfig:
     # Builds to their budget and the draft's entries only: each path isolated, and a row
     # draws what it would alone (an anytime build's cut depends on timing).
     fanout = FanoutConfig(budget=budget, anytime=False)
-    return SpeculationConfig(mode="ssd", k=K, fanout=fanout, backup="neural", ngram_candidates=False)
+    return SpeculationConfig(mode="ssd", k=K, fanout=fanout, backup="neural", ngram_candidates=False,
+                             saguaro_c=saguaro_c)
 
 
 # The seeds of a draw run as rows of one batch, ROWS at a time; every row owns
@@ -163,9 +170,9 @@ def sd_engine(target, draft, verifier=verify):
     return SDEngine(target, draft, TOKENIZER, SpeculationConfig(mode="sd", k=K), BATCH, verifier=verifier)
 
 
-def ssd_engine(budget: int):
-    return lambda target, draft, verifier=verify: SSDEngine.in_process(target, draft, TOKENIZER, ssd_spec(budget),
-                                                                   BATCH, verifier=verifier)
+def ssd_engine(budget: int, saguaro_c: float = 1.0):
+    return lambda target, draft, verifier=verify: SSDEngine.in_process(
+        target, draft, TOKENIZER, ssd_spec(budget, saguaro_c), BATCH, verifier=verifier)
 
 
 def breaks_verifier(verifier):
@@ -203,6 +210,10 @@ PATHS = {  # seeds measured to fit the file in ~40 s on one core with p-value ma
                                  breaks_draft(cache_draws_reversed), 200),
     "ssd-neural-backup t1.0": Path(ssd_engine((K + 1) * V), T1, FIRST_ROUND, 600, breaks_draft(neural_draws_flat),
                                    300, always_miss=True),
+    # top-k 4: llama.cpp's law of tokens 4-6 is enumerated one forward a prefix (4^6 leaves, not 8^6)
+    "ssd-saguaro-c0.5 t1.0 top-k 4": Path(ssd_engine(K + 1, saguaro_c=0.5), SamplingConfig(temperature=1.0, top_k=4),
+                                          LATE, 600,
+                                  breaks_draft(cache_draws_reversed), 200, interleaved=True),
 }
 
 
@@ -270,9 +281,10 @@ def q4_models(directory) -> Models:
     repacked = repack_probe(files[0])["runs"]
     target, draft = (LlamaCppModel(f, use_extra_bufts=repacked, plain_prefill=repacked) for f in files)
     assert target.precision == "gguf q4_k_m" and target.repacked == repacked
-    # The hit path's wrong law (T 1.0 for 0.8) is closer here: 600 seeds measured p 4e-4 (1500: 1.5e-9), too near alpha.
+    # The wrong laws (the target hotter) are closer to these laws: on 600 seeds the hit path
+    # measured p 4e-4 and Saguaro's 5e-3, too near or past alpha.
     return Models("q4_k_m", target, draft, Q4_PROMPT, {"target": target, "draft": draft},
-                  seeds={"ssd-hit t0.8 top-k 4": 1200})
+                  seeds={"ssd-hit t0.8 top-k 4": 1200, "ssd-saguaro-c0.5 t1.0 top-k 4": 1500})
 
 
 @pytest.fixture(scope="module", params=["f32", "q4_k_m"])
@@ -371,6 +383,9 @@ def assert_paths_exercised(models: Models, name: str, path: Path, draws: Draws) 
         assert draws.lookups > 0
         if path.always_miss:
             assert draws.hits == 0  # every round a backup round
+        elif path.interleaved:
+            assert 0 < draws.hits < draws.lookups  # hit and backup rounds both
+            assert draws.from_round_1 == 0
         else:
             assert draws.hits == draws.lookups  # every round after the first hit
             assert draws.from_round_1 == 0  # so every tested token comes from a hit round
