@@ -710,7 +710,8 @@ def repack_probe(gguf: Path) -> dict:
         plain_s, repacked_s = (float(x) for x in done.stdout.split()[-2:])
         return {"runs": True, "plain_prefill_s": plain_s, "repacked_prefill_s": repacked_s}
 
-    return _cached("repack", gguf, ("threads", torch.get_num_threads()), probe)
+    child = hashlib.sha256(_REPACK_CHILD.encode()).hexdigest()[:12]  # a mended probe asks again
+    return _cached("repack", gguf, ("threads", torch.get_num_threads(), "child", child), probe)
 
 
 
