@@ -714,7 +714,6 @@ def repack_probe(gguf: Path) -> dict:
     return _cached("repack", gguf, ("threads", torch.get_num_threads(), "child", child), probe)
 
 
-
 def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:
     """The most tokens m <= n such that every forward of up to m tokens, one row or two rows
     packed, gives logits bit-identical to decoding its tokens one at a time (0: not even one)."""
