@@ -9,6 +9,7 @@ pair, CPU, real Ray actors, gloo links, gRPC on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -45,6 +46,38 @@ FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 0, "health_check_period_ms
                      "health_check_failure_threshold": 3}
 
 
+@contextlib.contextmanager
+def patient_node_start(timeout_s: float = RECOVERY_S):
+    """Ray gives a new node's raylet 30 s to register with the GCS (hard-coded in
+    ray/_private/node.py), then fails `add_node` and leaves the raylet behind, to register
+    later as a node no test asked for. Beside a busy xdist worker on 2 cores that start
+    took longer once. Its lookup, which that wait polls, keeps asking for up to `timeout_s`."""
+    import ray._private.services as services
+
+    get_node = services.get_node
+
+    def patient(*args, **kwargs):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:  # not registered yet: what Ray's own loop catches
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = patient
+    try:
+        yield
+    finally:
+        services.get_node = get_node
+
+
+def add_node(ray_cluster, **kwargs):
+    with patient_node_start():
+        return ray_cluster.add_node(**kwargs)
+
+
 @pytest.fixture(scope="module")
 def nodes(own_ray):
     """A head node without CPUs (no actor lands there) and two worker nodes."""
@@ -55,7 +88,7 @@ def nodes(own_ray):
     ray_cluster = RayCluster(initialize_head=True,
                              head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_FAILURE})
     try:
-        workers = [ray_cluster.add_node(num_cpus=NODE_CPUS) for _ in range(2)]
+        workers = [add_node(ray_cluster, num_cpus=NODE_CPUS) for _ in range(2)]
         ray.init(address=ray_cluster.address, include_dashboard=False, logging_level=logging.WARNING)
         ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
         yield ray_cluster, workers
@@ -92,7 +125,7 @@ def test_a_draft_node_that_leaves_leaves_its_target_serving_alone_with_unchanged
     import ray
 
     ray_cluster, (a, _) = nodes
-    c = ray_cluster.add_node(num_cpus=NODE_CPUS)
+    c = add_node(ray_cluster, num_cpus=NODE_CPUS)
     ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, draft_node=c.node_id,
                                                                      draft_timeout_s=2.0))
@@ -365,7 +398,7 @@ def test_a_node_removed_mid_run_loses_no_request_and_its_replica_moves_to_a_new_
     assert {prompt[text] for text in failed} <= set(at_removal), seen  # only replica 1's failed
     time.sleep(0.3)
     assert set(health.since(removed[0])) == {"SERVING"}
-    new = ray_cluster.add_node(num_cpus=NODE_CPUS)  # room again: Ray places the lost group's bundles there
+    new = add_node(ray_cluster, num_cpus=NODE_CPUS)  # room again: Ray places the lost group's bundles there
     wait_until(lambda: replicas.clusters[1].serving and replicas.clusters[1].linked(), MOVE_S,
                "replica 1 did not come back on the new node")
     assert replicas.node_of(1) == new.node_id
@@ -388,7 +421,7 @@ def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(sta
     from ssd.serve.server import GenerationServer
 
     ray_cluster, _ = nodes
-    big = ray_cluster.add_node(num_cpus=4)
+    big = add_node(ray_cluster, num_cpus=4)
     ray_cluster.wait_for_nodes(timeout=RECOVERY_S)
     config = dataclasses.replace(CONFIG, cluster=dataclasses.replace(CONFIG.cluster, replicas=2),
                                  runtime=dataclasses.replace(CONFIG.runtime, plan=False))  # no start-up plan: faster
