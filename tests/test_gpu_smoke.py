@@ -1,8 +1,8 @@
 """launch/gpu_smoke.py at small shapes on the CPU, so the GPU smoke run cannot rot.
 
 One in-process run (ssd.tools.bench.smoke.run_smoke) and one run of the CLI in a
-subprocess with Ray unimportable (the GPU box has none), its second process
-included. Both start a spawned draft process, whose imports take most of the
+subprocess with every dependency the GPU box lacks unimportable (Ray among them), its
+second process included. Both start a spawned draft process, whose imports take most of the
 time; the CLI is started first so the two overlap.
 """
 
@@ -32,8 +32,12 @@ SMALL = {"max_new_tokens": 16, "prompts": 2, "prompt_len": 12, "repeats": 1, "pr
          "sampling_samples": 200}
 CLI_ARGS = ["--device", "cpu", "--shapes", "small", "--ks", *map(str, KS), "--budgets", *map(str, BUDGETS),
             *[arg for name, value in SMALL.items() for arg in (f"--{name.replace('_', '-')}", str(value))]]
-# Any `import ray` (here or in the spawned draft process) raises ImportError.
-NO_RAY = "import sys\nsys.modules['ray'] = None\n"
+# Our dependencies that the GPU machine's image lacks (it has torch, transformers, numpy,
+# pyyaml, msgpack, grpcio, protobuf, safetensors, tokenizers, tqdm, matplotlib): importing
+# any of them, here or in the spawned draft process, raises ImportError.
+ABSENT_ON_GPU_BOX = ("ray", "gguf", "llama_cpp", "llguidance", "fastapi", "starlette", "uvicorn", "pydantic",
+                     "grpc_tools", "grpc_health", "grpc_reflection")
+BLOCK_ABSENT = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in ABSENT_ON_GPU_BOX)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +51,10 @@ def trace_file(tmp_path_factory, tiny_models, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory, trace_file):
-    """The CLI, started at once with Ray blocked through sitecustomize; yields (process, out dir)."""
+    """The CLI, started at once with what the GPU box lacks blocked through sitecustomize;
+    yields (process, out dir)."""
     shim = tmp_path_factory.mktemp("no_ray")
-    (shim / "sitecustomize.py").write_text(NO_RAY)
+    (shim / "sitecustomize.py").write_text(BLOCK_ABSENT)
     out = tmp_path_factory.mktemp("smoke_cli")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), str(ROOT)])}
     # Files, not pipes: nobody reads a pipe while the in-process run goes on, and a full one would block the CLI.

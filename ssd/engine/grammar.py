@@ -19,7 +19,6 @@ import json
 import threading
 from typing import Any, Sequence
 
-import llguidance
 import numpy as np
 import torch
 
@@ -29,6 +28,15 @@ import torch
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def _llguidance():
+    """llguidance, imported on first use: only structured output needs it, and a machine
+    that runs the engine without serving (the GPU smoke run's, which installs nothing)
+    may lack it."""
+    import llguidance
+
+    return llguidance
 
 
 # --- grammars from what a client sends ------------------------------------------------
@@ -41,21 +49,21 @@ def json_object() -> str:
 
 def json_schema(schema: dict[str, Any]) -> str:
     """Output valid under a JSON schema (OpenAI's response_format json_schema)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
 
 
 def regex(pattern: str) -> str:
-    return llguidance.LLMatcher.grammar_from_regex(pattern)
+    return _llguidance().LLMatcher.grammar_from_regex(pattern)
 
 
 def lark(text: str) -> str:
     """A Lark grammar (llguidance's dialect; `%json {schema}` embeds a JSON schema)."""
-    return llguidance.LLMatcher.grammar_from_lark(text)
+    return _llguidance().LLMatcher.grammar_from_lark(text)
 
 
 def error(grammar: str) -> str | None:
     """Why llguidance refuses the grammar (its message), or None when it is valid."""
-    message = llguidance.LLMatcher.validate_grammar(grammar)
+    message = _llguidance().LLMatcher.validate_grammar(grammar)
     return message or None
 
 
@@ -64,7 +72,7 @@ def error(grammar: str) -> str | None:
 
 def matcher(grammar: str, tokenizer: Any, eos_ids: Sequence[int]) -> Any:
     """A fresh matcher for one row; ValueError if llguidance refuses the grammar."""
-    found = llguidance.LLMatcher(ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
+    found = _llguidance().LLMatcher(ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
     if found.is_error():
         raise ValueError(f"grammar: {found.get_error()}")
     return found
@@ -100,9 +108,9 @@ def ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
 
 def _build(tokenizer: Any, eos: tuple[int, ...]) -> Any:
     if hasattr(tokenizer, "convert_ids_to_tokens"):  # a Hugging Face tokenizer
-        wrapped = llguidance.TokenizerWrapper(_HFTokens(tokenizer, eos))
-        return llguidance.LLTokenizer(wrapped, eos_token=list(eos) or None)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_CharTokens(tokenizer, eos)))
+        wrapped = _llguidance().TokenizerWrapper(_HFTokens(tokenizer, eos))
+        return _llguidance().LLTokenizer(wrapped, eos_token=list(eos) or None)
+    return _llguidance().LLTokenizer(_llguidance().TokenizerWrapper(_CharTokens(tokenizer, eos)))
 
 
 class _HFTokens:
