@@ -2,6 +2,7 @@
 transformers' forward over a DynamicCache, against one full forward."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -104,6 +105,10 @@ def test_verified_rows_are_bit_identical_to_decoded_rows(fast):
     assert torch.equal(together, alone)
 
 
+# What the installed transformers calls the cache argument (5.24: `cache`; 5.17: `past_key_values`).
+CACHE_ARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+
+
 class PastKeyValuesLM(Qwen2ForCausalLM):
     """transformers 5.17's interface: the cache is `past_key_values`, and an
     unknown keyword (like 5.24's `cache=`) vanishes into **kwargs."""
@@ -111,7 +116,7 @@ class PastKeyValuesLM(Qwen2ForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+                               use_cache=use_cache, logits_to_keep=logits_to_keep, **{CACHE_ARG: past_key_values})
 
 
 def past_key_values_model(model):

@@ -413,6 +413,10 @@ def run_checks(report: Report, specs: dict[str, tuple[RandomModelSpec, RandomMod
     models = phase(report, "build models", lambda: build_models(specs, s.device))
     if models is None:
         return
+    # Join the draft process's control link before the checks that do not need it: the
+    # process waits to be joined only `timeout_s`, which those checks can outlast (on a CPU
+    # at real shapes they did: its connection timed out and retried, 84 s later).
+    phase(report, "draft link", host.connect)
     for name, pair in specs.items():
         for role, spec, model in zip(NAMES, pair, models[name], strict=True):
             shapes_of = NAMES[role] if name == "real pair" else DRAFT_NAME
