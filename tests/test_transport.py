@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ssd.transport import inprocess_pair
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
-from ssd.transport.distributed import DistributedChannel, encode_header
+from ssd.transport.distributed import DistributedChannel, encode_header, serve_store
 
 HOST = "127.0.0.1"
 LINK_TIMEOUT_S = 5.0  # connect and per-part bound: a broken test fails in seconds, never hangs
@@ -315,6 +315,29 @@ def test_caller_thread_receive_timeout_breaks_link(peer: Peer) -> None:
     with pytest.raises(ChannelClosed):
         channel.recv(timeout=0.3)
     channel.close()
+
+
+def test_a_store_served_early_holds_its_port_and_serves_both_ranks() -> None:
+    """serve_store opens rank 0's server before rank 0 connects: the port is taken from
+    then on, a peer that comes first joins it, and rank 0's connect reuses it."""
+    port = free_port()
+    serve_store(HOST, port, LINK_TIMEOUT_S)
+    with socket.socket() as sock, pytest.raises(OSError):
+        sock.bind((HOST, port))
+    joined: list[Channel] = []
+    peer = threading.Thread(target=lambda: joined.append(
+        DistributedChannel.connect(HOST, port, rank=1, timeout_s=LINK_TIMEOUT_S, prefix="early")))
+    peer.start()
+    time.sleep(0.3)  # the peer waits in the store for rank 0's address
+    ours = DistributedChannel.connect(HOST, port, rank=0, timeout_s=LINK_TIMEOUT_S, prefix="early")
+    peer.join(LINK_TIMEOUT_S)
+    theirs = joined[0]
+    try:
+        ours.send(Message("hello", {"n": 1}))
+        assert theirs.recv(LINK_TIMEOUT_S).header == {"n": 1}
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_connect_without_peer_times_out() -> None:

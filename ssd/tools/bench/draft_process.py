@@ -29,7 +29,7 @@ import torch
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint
 from ssd.transport.channel import ChannelClosed, Message
 from ssd.saguaro.host import serve_link
-from ssd.transport.distributed import DistributedChannel, free_port
+from ssd.transport.distributed import DistributedChannel, free_port, serve_store
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class DraftProcess:
         self.device = device
         self.timeout_s = timeout_s
         self.port = free_port()
+        serve_store(HOST, self.port, timeout_s)  # listening before the process tries to join
         self._links = itertools.count()
         context = multiprocessing.get_context("spawn")
         self._started = context.Event()
