@@ -9,7 +9,6 @@ pair, CPU, real Ray actors, gloo links, gRPC on loopback.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -46,18 +45,18 @@ FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 0, "health_check_period_ms
                      "health_check_failure_threshold": 3}
 
 
-@contextlib.contextmanager
-def patient_node_start(timeout_s: float = RECOVERY_S):
-    """Ray gives a new node's raylet 30 s to register with the GCS (hard-coded in
-    ray/_private/node.py), then fails `add_node` and leaves the raylet behind, to register
-    later as a node no test asked for. Beside a busy xdist worker on 2 cores that start
-    took longer once. Its lookup, which that wait polls, keeps asking for up to `timeout_s`."""
+def add_node(ray_cluster, **kwargs):
+    """`ray_cluster.add_node`, with up to RECOVERY_S for the node to register. Ray gives a
+    new raylet 30 s (hard-coded in ray/_private/node.py), then fails `add_node` and leaves
+    the raylet behind, to register later as a node no test asked for; beside a busy xdist
+    worker on 2 cores the start took longer once. So the lookup Ray's wait polls keeps
+    asking, for this call only."""
     import ray._private.services as services
 
     get_node = services.get_node
+    deadline = time.monotonic() + RECOVERY_S
 
     def patient(*args, **kwargs):
-        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return get_node(*args, **kwargs)
@@ -68,14 +67,9 @@ def patient_node_start(timeout_s: float = RECOVERY_S):
 
     services.get_node = patient
     try:
-        yield
+        return ray_cluster.add_node(**kwargs)
     finally:
         services.get_node = get_node
-
-
-def add_node(ray_cluster, **kwargs):
-    with patient_node_start():
-        return ray_cluster.add_node(**kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -415,7 +415,7 @@ def run_checks(report: Report, specs: dict[str, tuple[RandomModelSpec, RandomMod
         return
     # Join the draft process's control link before the checks that do not need it: the
     # process waits to be joined only `timeout_s`, which those checks can outlast (on a CPU
-    # at real shapes they did: its connection timed out and retried, 84 s later).
+    # at real shapes they did).
     phase(report, "draft link", host.connect)
     for name, pair in specs.items():
         for role, spec, model in zip(NAMES, pair, models[name], strict=True):
