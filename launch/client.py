@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float, help="drop tokens below min-p x the likeliest's probability (0: off)")
     p.add_argument("--seed", type=int)
     p.add_argument("--coupling", choices=list(COUPLINGS), help="standard | gumbel: the seed's output in every mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -97,7 +98,7 @@ def request_args(args: argparse.Namespace) -> dict:
     return dict(
         prompt, request_id=args.request_id, mode=args.mode, stop=args.stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
         fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup,
     )
 

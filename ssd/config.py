@@ -121,6 +121,7 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
+    min_p: float = 0.0  # 0.0: off; else drop tokens below min_p x the likeliest's probability
     seed: int = 0
     coupling: str = "standard"  # standard | gumbel: see COUPLINGS and docs/exactness.md
 
@@ -133,6 +134,8 @@ class SamplingConfig:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -171,7 +174,7 @@ class RequestDefaults:
     """What a served request gets for a field it omits (ssd.serve.validation).
 
     None (the default for every field): OpenAI's documented default, which
-    clients assume: temperature 1, top_p 1, no top-k, a fresh random seed per
+    clients assume: temperature 1, top_p 1, no top-k or min-p, a fresh random seed per
     request, and max_new_tokens up to the context (the model's length minus
     the prompt, within serve.max_new_tokens). A value here is the server's
     own default; /v1/models and the gRPC ModelInfo report which apply. The
@@ -182,6 +185,7 @@ class RequestDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     max_new_tokens: int | None = None
 
@@ -192,6 +196,8 @@ class RequestDefaults:
             raise ConfigError(f"serve_defaults.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ConfigError(f"serve_defaults.top_k must be >= 0, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"serve_defaults.min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed <= 2**64 - 1:
             raise ConfigError(f"serve_defaults.seed must be in 0..2**64-1, got {self.seed}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

@@ -1,6 +1,6 @@
 """The one sampling pipeline, shared by draft and target.
 
-logits -> probabilities under temperature, top-k and top-p; temperature 0 is
+logits -> probabilities under temperature, min-p, top-k and top-p; temperature 0 is
 greedy and yields a one-hot distribution on the argmax, so greedy decoding is
 the same code path as sampling (a one-hot q or p verifies exactly like any
 other distribution). Draws come from a per-request torch.Generator so a seed
@@ -18,6 +18,7 @@ ids come back to the host, once per call.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -54,7 +55,9 @@ def probs_from_logits(
     rounding noise that could otherwise leave a tiny spurious residual.
     `bias` [..., V]: a request's logits processing (ssd.engine.processing:
     logit_bias, penalties, a grammar's -inf mask), added before everything
-    else, so greedy, temperature, top-k and top-p all see the processed logits.
+    else, so greedy, temperature, min-p, top-k and top-p all see the processed logits.
+    Filters in vLLM's order: min-p on the tempered law, then top-k, then top-p
+    (min-p and top-k commute; top-p renormalises what they keep).
     """
     logits = _biased(logits, bias)
     if params.greedy:
@@ -64,6 +67,8 @@ def probs_from_logits(
     # maximum to +inf (inf - inf = nan). Tiny temperatures thus approach greedy
     # continuously: uniform over exact ties of the maximum, one-hot otherwise.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    if params.min_p > 0:
+        logits = _mask_min_p(logits, params.min_p)
     if params.top_k and params.top_k < logits.shape[-1]:
         logits = _mask_top_k(logits, params.top_k)
     probs = torch.softmax(logits, dim=-1)
@@ -115,6 +120,13 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy as a distribution; ties go to the lowest id, as torch.argmax does."""
     out = torch.zeros_like(logits, dtype=torch.float64)
     return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _mask_min_p(shifted: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep the tokens with p >= min_p * max p (Nguyen et al. 2024, "min-p sampling"). The
+    logits are shifted to a maximum of 0, so p / max p = exp(logit): one comparison in
+    log space, and the likeliest token always stays (log 1 = 0 <= 0)."""
+    return shifted.masked_fill(shifted < math.log(min_p), float("-inf"))
 
 
 def _mask_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

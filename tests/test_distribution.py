@@ -16,7 +16,9 @@ over the vocabulary; chi-square, cells with expected count < 5 pooled into
 one, alpha 0.001, SAMPLES fixed seeds, run as rows of one batch (each row
 draws what it would alone: asserted on the first seeds of every draw). The
 cells kept whole carry 85-99 % of the mass (T = 1: 32 cells and the pooled rest; top-k and top-p leave at most
-32 cells in all). Settings: T = 0.6, T = 1, top-k 2 (T = 1), top-p 0.8 (T = 1).
+32 cells in all). Settings: T = 0.6, T = 1, top-k 2 (T = 1), top-p 0.8 (T = 1), min-p
+0.2 (T = 1: the law keeps 37 of the 256 joint outcomes; the same draws against
+the law without min-p fail, p ~ 1e-36).
 
 Power: the same test, at the same setting and with the same seeds, run on a
 broken verifier passed as `verifier=`. Gross breaks use the first
@@ -67,6 +69,7 @@ CASES = {
     "t1.0": SamplingConfig(temperature=1.0),
     "top_k": SamplingConfig(temperature=1.0, top_k=2),
     "top_p": SamplingConfig(temperature=1.0, top_p=0.8),
+    "min_p": SamplingConfig(temperature=1.0, min_p=0.2),
 }
 
 
@@ -160,6 +163,16 @@ def test_sd_matches_target_joint_distribution(small_pair, case):
     pvalue = chi_square_pvalue(draws.samples, exact_joint(small_pair[0], sampling))
     report_pvalue("sd", case, "exact", len(draws.samples), pvalue)
     assert pvalue > ALPHA, f"SD output deviates from the target ({case}): p = {pvalue:.2e}"
+
+
+def test_the_min_p_draws_fail_against_the_law_without_min_p(small_pair):
+    """min-p changes the law (tokens below 0.2 x the likeliest's probability are dropped), and
+    the test above sees it: the same draws fail against the law without the filter."""
+    draws = draw(small_pair, CASES["min_p"], samples=STRONG_SAMPLES)
+    plain = exact_joint(small_pair[0], CASES["t1.0"])
+    pvalue = chi_square_pvalue(draws.samples, plain)
+    report_pvalue("sd", "min_p", "law without min_p", STRONG_SAMPLES, pvalue)
+    assert pvalue < ALPHA, f"min-p draws pass as draws without it: p = {pvalue:.2e}"
 
 
 # --- power: the same test must catch broken verifiers ---------------------------------

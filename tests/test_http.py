@@ -269,6 +269,22 @@ def test_top_k_travels_as_an_extra_field(client):
         assert top1 == greedy, mode
 
 
+def test_min_p_travels_as_an_extra_field_and_over_grpc(client, grpc_client):
+    """min_p 1 keeps only the likeliest token (the tiny model has no exact ties): sampling at
+    temperature 1 then is greedy decoding, in every mode, over HTTP and gRPC; without min_p
+    the same seeds sample other text."""
+    greedy = complete(client, False, False, max_tokens=24, temperature=0)["text"]
+    for mode in MODES:
+        sampled = {seed: complete(client, False, False, max_tokens=24, temperature=1.0, seed=seed,
+                                  extra_body={"min_p": 1.0, "speculation": {"mode": mode}})["text"]
+                   for seed in (5, 6)}
+        assert set(sampled.values()) == {greedy}, mode
+        assert grpc_client.generate(text=PROMPT, mode=mode, temperature=1.0, seed=5, max_new_tokens=24,
+                                    min_p=1.0).text == greedy, mode
+    plain = {complete(client, False, False, max_tokens=24, temperature=1.0, seed=seed)["text"] for seed in (5, 6)}
+    assert plain != {greedy}
+
+
 def test_tls_on_the_http_port(backend, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
@@ -559,6 +575,9 @@ BAD = [
     (C, _ok(top_p=0), 400, "top_p"),
     (C, _ok(top_p=1.5), 400, "top_p"),
     (C, _ok(top_k=-1), 400, "top_k"),
+    (C, _ok(min_p=1.5), 400, "min_p"),
+    (C, _ok(min_p=-0.1), 400, "min_p"),
+    (C, _ok(min_p="low"), 400, "min_p"),
     (C, _ok(coupling="philox"), 400, "coupling"),
     (C, _ok(coupling=1), 400, "coupling"),
     (C, _ok(max_tokens=0), 400, "max_tokens"),
@@ -701,9 +720,10 @@ def test_both_front_ends_make_the_same_neutral_request():
     pb, _ = protos.load()
     grpc_side = from_proto(build_request(
         pb, messages=[{"role": "user", "content": "ab"}], mode="ssd", stop=["x"], max_new_tokens=8,
-        temperature=0.5, top_k=3, top_p=0.9, seed=7, coupling="gumbel", k=2, fanout_budget=4, saguaro_c=0.5))
+        temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=7, coupling="gumbel", k=2, fanout_budget=4,
+        saguaro_c=0.5))
     http_side = schema.to_request(schema.parse(schema.ChatBody, {
         "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}],
-        "stop": "x", "max_completion_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 7,
+        "stop": "x", "max_completion_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1, "seed": 7,
         "coupling": "gumbel", "speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4, "saguaro_c": 0.5}}))
     assert grpc_side == http_side

@@ -108,7 +108,7 @@ def test_models_card_and_retrieve_say_which_defaults_apply(plain):
     client = oai(srv)
     card = client.models.retrieve("tiny")
     assert card.id == "tiny" and card.object == "model"
-    assert card.model_extra["defaults"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
+    assert card.model_extra["defaults"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
                                             "max_tokens": None}
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError) as info:

@@ -61,13 +61,42 @@ def test_top_p_always_keeps_the_most_likely_token():
     assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_min_p_keeps_the_tokens_within_its_share_of_the_likeliest(temperature):
+    """vLLM's min-p: p >= min_p * max p on the tempered law, renormalised; just under a
+    token's ratio keeps it, just over drops it."""
+    full = torch.softmax(LOGITS.double() / temperature, -1)
+    ratio = float(full[2] / full[0])
+    for min_p, kept in ((ratio * (1 - 1e-9), 3), (ratio * (1 + 1e-9), 2)):
+        probs = probs_from_logits(LOGITS, SamplingConfig(temperature=temperature, min_p=min_p))
+        assert (probs[:kept] > 0).all() and probs[kept:].sum() == 0
+        torch.testing.assert_close(probs[:kept], full[:kept] / full[:kept].sum())
+
+
+def test_min_p_one_keeps_the_ties_of_the_likeliest_and_greedy_ignores_it():
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.9])
+    probs = probs_from_logits(logits, SamplingConfig(temperature=1.0, min_p=1.0))
+    assert probs.tolist() == [0.0, 0.5, 0.5, 0.0]
+    assert probs_from_logits(logits, SamplingConfig(min_p=1.0)).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_min_p_comes_before_top_p():
+    """vLLM's order: top-p reads the mass min-p left. Here min-p drops tokens 2-5, so top-p
+    0.6 keeps token 0 alone; on the unfiltered law (mass 0.54 at token 0) it needs token 1 too."""
+    full = torch.softmax(LOGITS.double(), -1)
+    assert float(full[0]) < 0.6 < float(full[0] / full[:2].sum())
+    both = SamplingConfig(temperature=1.0, min_p=float(full[1] / full[0]) * 0.99, top_p=0.6)
+    assert probs_from_logits(LOGITS, both).tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
 def test_rows_are_processed_independently():
     batch = torch.stack([LOGITS, LOGITS.flip(0)])
     probs = probs_from_logits(batch, SamplingConfig(temperature=1.0, top_k=3))
     assert probs[0, :3].sum() == pytest.approx(1) and probs[1, 3:].sum() == pytest.approx(1)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(min_p=-0.1), dict(min_p=1.5), dict(min_p=float("nan"))])
 def test_invalid_sampling_params_are_refused(bad):
     with pytest.raises(ConfigError):
         SamplingConfig(**bad)

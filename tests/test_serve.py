@@ -318,6 +318,8 @@ BAD = [
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": math.nan}, "min_p"),
     ({"coupling": "philox"}, "coupling"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": 100_000}, "max_new_tokens"),

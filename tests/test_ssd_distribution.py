@@ -18,7 +18,7 @@ Paths, each isolated by construction:
   of 8 (15-19 whole cells, 87-94 % of the mass). Round 1 follows the prefill,
   has no cache to look in and ends by token K + 1 = 4, so every tested token
   comes from a hit round (asserted); slots 0..3 reached. Settings: T = 0.6,
-  T = 1, top-k 2, top-p 0.8.
+  T = 1, top-k 2, top-p 0.8, min-p 0.2.
 - backup (neural, n-gram, random): the cache is always empty, so every round
   is a backup round (asserted: no hits). Tested: the joint of tokens 1-4 of 5,
   the first round's slots 0..3 as in SD. T = 1. Neural reaches slots 0..3,
@@ -343,7 +343,7 @@ class Case:
 
 # --- cache hits ---------------------------------------------------------------------------
 
-HIT_CASES = {  # T = 0.6, T = 1 (fold and reuse glue), top-k 2, top-p 0.8
+HIT_CASES = {  # T = 0.6, T = 1 (fold and reuse glue), top-k 2, top-p 0.8, min-p 0.2
     "t0.6": Case(spec(), CASES["t0.6"], K, cache_draws_reversed, STRONG_SAMPLES),
     "t1.0": Case(spec(), CASES["t1.0"], K, cache_draws_reversed, STRONG_SAMPLES),
     # the glue that feeds s_K alone before branching (the default folds it into the first step)
@@ -351,6 +351,8 @@ HIT_CASES = {  # T = 0.6, T = 1 (fold and reuse glue), top-k 2, top-p 0.8
     "top_k": Case(spec(), CASES["top_k"], K, cache_draws_reversed),
     # top-p rows keep one or two tokens: a deep-only break is too rare to see
     "top_p": Case(spec(), CASES["top_p"], K, cache_draws_reversed_at_every_depth),
+    # min-p rows keep one or two tokens as well: 400 seeds saw the break only at p ~ 1e-3
+    "min_p": Case(spec(), CASES["min_p"], K, cache_draws_reversed_at_every_depth, 3 * SAMPLES),
 }
 
 

@@ -61,6 +61,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override sampling.temperature (0: greedy); a server's default too")
     parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default too")
     parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default too")
+    parser.add_argument("--min-p", type=float, help="override sampling.min_p (0: off); a server's default too")
     parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default too")
     parser.add_argument("--coupling", choices=COUPLINGS,
                         help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
@@ -98,12 +99,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("sampling", "temperature", args.temperature),
         ("sampling", "top_k", args.top_k),
         ("sampling", "top_p", args.top_p),
+        ("sampling", "min_p", args.min_p),
         ("sampling", "seed", args.seed),
         # A flag given to a server is its explicit default for requests that omit the field
         # (ssd.config.RequestDefaults); without one, OpenAI's defaults apply.
         ("serve_defaults", "temperature", args.temperature),
         ("serve_defaults", "top_k", args.top_k),
         ("serve_defaults", "top_p", args.top_p),
+        ("serve_defaults", "min_p", args.min_p),
         ("serve_defaults", "seed", args.seed),
         ("serve_defaults", "max_new_tokens", args.max_new_tokens),
         ("sampling", "coupling", args.coupling),

@@ -69,7 +69,7 @@ def build_request(
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
 
-    numbers: max_new_tokens, temperature, top_k, top_p, seed, coupling, presence_penalty,
+    numbers: max_new_tokens, temperature, top_k, top_p, min_p, seed, coupling, presence_penalty,
     frequency_penalty, and the speculation settings k, fanout_budget, fanout_kind,
     saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     """

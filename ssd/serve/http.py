@@ -162,7 +162,7 @@ class OpenAIFrontend:
             up_to_context = self.service.info().defaults.serve_defaults.max_new_tokens is None
         except NotServing as exc:
             raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
-        defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
+        defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
                     "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
                     # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
                     "max_tokens": None if up_to_context else d.max_new_tokens}

@@ -8,7 +8,7 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
-`ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
+`min_p`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
 choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older
@@ -102,6 +102,7 @@ class _Common(_Body):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     top_k: int | None = None
+    min_p: float | None = None  # vLLM's
     coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     speculation: Speculation | None = None
@@ -332,7 +333,8 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         raise InvalidArgument("max_tokens", "give max_tokens or max_completion_tokens, not both")
     request = Request(
         max_new_tokens=getattr(body, max_tokens_field(body)),
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed,
         coupling=body.coupling, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         ignore_eos=body.ignore_eos, logprobs=top_logprobs(body), choice=choice,
         logit_bias=logit_bias(body), presence_penalty=body.presence_penalty,

@@ -70,6 +70,7 @@ class Request:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     coupling: str | None = None  # standard | gumbel (sampling.coupling)
     stop: list[str] = field(default_factory=list)

@@ -138,6 +138,7 @@ class Defaults:
     top_p: float
     seed: int
     coupling: str
+    min_p: float
     k: int
     fanout_budget: int
     fanout_kind: str
@@ -338,7 +339,7 @@ class GenerationService:
             max_new_tokens=max_new if r.max_new_tokens is None else min(r.max_new_tokens, max_new),
             temperature=_or(r.temperature, OPENAI_TEMPERATURE), top_k=_or(r.top_k, 0),
             top_p=_or(r.top_p, OPENAI_TOP_P), seed=_or(r.seed, 0), random_seed=r.seed is None,
-            coupling=d.sampling.coupling,
+            coupling=d.sampling.coupling, min_p=_or(r.min_p, 0.0),
             k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,

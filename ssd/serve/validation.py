@@ -121,6 +121,9 @@ def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     top_p = _given(request.top_p, _given(default.top_p, OPENAI_TOP_P))
     if not 0 < top_p <= 1:  # also refuses NaN
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    min_p = _given(request.min_p, _given(default.min_p, 0.0))
+    if not 0 <= min_p <= 1:  # also refuses NaN
+        raise InvalidArgument("min_p", f"must be in [0, 1] (0: off), got {min_p}")
     seed = _given(request.seed, default.seed)
     if seed is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
         seed = secrets.randbits(RANDOM_SEED_BITS)
@@ -130,7 +133,8 @@ def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     coupling = request.coupling or info.defaults.sampling.coupling
     if coupling not in COUPLINGS:
         raise InvalidArgument("coupling", f"must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
-    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupling=coupling)
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                          coupling=coupling)
 
 
 def _max_new_tokens(request: Request, info: BackendInfo, options: ServeOptions) -> int | None:
