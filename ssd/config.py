@@ -161,10 +161,15 @@ class GenerationConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: neither EOS (banned from the law: ssd.engine.processing) nor a stop string
+    # ends the output before this many tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
 

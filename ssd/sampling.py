@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
@@ -40,6 +40,47 @@ def as_drawn(q: torch.Tensor) -> torch.Tensor:
     return q.to(Q_DTYPE)
 
 
+@dataclass(frozen=True)
+class Bias:
+    """A request's logits processing at one position [V] or several [n, V]
+    (ssd.engine.processing): logits -> penalise(logits) + add.
+
+    `add`: logit_bias, penalties and a grammar's -inf mask, one additive term.
+    `repeated` (bool, add's shape): the tokens the repetition penalty scales
+    (Keskar et al. 2019, "CTRL"; HF's and vLLM's definition): a positive logit
+    is divided by `repetition_penalty`, a negative one multiplied, before the
+    additive term, as HF orders its processors.
+    """
+
+    add: torch.Tensor
+    repeated: torch.Tensor | None = None
+    repetition_penalty: float = 1.0
+
+    def __getitem__(self, index: int | slice) -> "Bias":
+        repeated = None if self.repeated is None else self.repeated[index]
+        return Bias(self.add[index], repeated, self.repetition_penalty)
+
+    @staticmethod
+    def stack(rows: Sequence["Bias"]) -> "Bias":
+        repeated = None if rows[0].repeated is None else torch.stack([r.repeated for r in rows])
+        return Bias(torch.stack([r.add for r in rows]), repeated, rows[0].repetition_penalty)
+
+    def forbids(self, token: int) -> bool:
+        """The token cannot be drawn here (its additive term is -inf, or it is out of range)."""
+        return token >= self.add.shape[-1] or not bool(self.add[token] > float("-inf"))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits (float64, logits' device)."""
+        if self.repeated is not None:
+            penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(self.repeated.to(logits.device), penalised, logits)
+        return logits + self.add.to(logits.device, torch.float64)
+
+
+# A request's processing as sampling takes it: a Bias, a plain additive tensor, or None.
+AnyBias = Union[Bias, torch.Tensor, None]
+
+
 def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
@@ -47,14 +88,14 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def probs_from_logits(
-    logits: torch.Tensor, params: SamplingConfig, bias: torch.Tensor | None = None
+    logits: torch.Tensor, params: SamplingConfig, bias: AnyBias = None
 ) -> torch.Tensor:
     """Rows of logits [..., V] -> rows of probabilities [..., V] in float64.
 
     float64 keeps the ratio test and the residual max(0, p - q) free of
     rounding noise that could otherwise leave a tiny spurious residual.
     `bias` [..., V]: a request's logits processing (ssd.engine.processing:
-    logit_bias, penalties, a grammar's -inf mask), added before everything
+    repetition penalty, logit_bias, penalties, a grammar's -inf mask), applied before everything
     else, so greedy, temperature, min-p, top-k and top-p all see the processed logits.
     Filters in vLLM's order: min-p on the tempered law, then top-k, then top-p
     (min-p and top-k commute; top-p renormalises what they keep).
@@ -79,7 +120,7 @@ def probs_from_logits(
 
 def token_logprobs(
     logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int,
-    bias: torch.Tensor | None = None,
+    bias: AnyBias = None,
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each token i: (log p_i[token], the top_n (id, log p_i) pairs), p_i the
     distribution of logits row i [n, V] under `params`.
@@ -103,12 +144,16 @@ def token_logprobs(
     return list(zip(chosen, tops))
 
 
-def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _biased(logits: torch.Tensor, bias: AnyBias) -> torch.Tensor:
     logits = logits.to(torch.float64)
-    return logits if bias is None else logits + bias.to(logits.device, torch.float64)
+    if bias is None:
+        return logits
+    if isinstance(bias, Bias):
+        return bias.apply(logits)
+    return logits + bias.to(logits.device, torch.float64)
 
 
-def greedy_token(logits: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+def greedy_token(logits: torch.Tensor, bias: AnyBias = None) -> int:
     """The token `sample(probs_from_logits(logits, greedy, bias), gen)` gives, without the
     one-hot row, its CDF or a draw (a plain step's greedy token costs an argmax, not ~2 ms
     of float64 work over a 152k vocabulary). float32 -> float64 is exact, so without a bias

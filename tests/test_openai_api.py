@@ -84,14 +84,14 @@ def wide():
     backend.close()
 
 
-def direct(backend, prompt_ids, mode="ar", temperature=0.0, seed=0, max_new=24, processing=None):
-    """The same request through a fresh engine, no server."""
+def direct(backend, prompt_ids, mode="ar", temperature=0.0, seed=0, max_new=24, processing=None, **generation):
+    """The same request through a fresh engine, no server (`generation`: GenerationConfig's other fields)."""
     speculation = dataclasses.replace(backend.config.speculation, mode=mode)
     engine = make_engine(mode, backend.pair, speculation)
     try:
         return engine.generate(GenerationRequest(prompt_ids, SamplingConfig(temperature=temperature, seed=seed),
-                                                 GenerationConfig(max_new_tokens=max_new), speculation,
-                                                 processing=processing))
+                                                 GenerationConfig(max_new_tokens=max_new, **generation),
+                                                 speculation, processing=processing))
     finally:
         engine.close()
 
@@ -253,6 +253,30 @@ def test_logit_bias_and_penalties_through_the_wire_equal_the_engine(plain, mode)
     want = direct(backend, backend.encode(PROMPT), "ar", max_new=20, processing=spec)
     assert got == want.text
     assert got != direct(backend, backend.encode(PROMPT), "ar", max_new=20).text
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_vllms_repetition_penalty_and_min_tokens_through_the_wire_equal_the_engine(plain, mode):
+    """Extra body fields over HTTP and GenerateRequest fields over gRPC: the engine's output with
+    the same processing, which differs from the output without. min_tokens here holds back a
+    stop string the output meets at its second token (the tiny model has no EOS)."""
+    srv, backend = plain
+    client, ids = oai(srv), backend.encode(PROMPT)
+    extra = {"speculation": {"mode": mode}, "repetition_penalty": 1.8}
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body=extra)
+    want = direct(backend, ids, max_new=20, processing=Processing(repetition_penalty=1.8)).text
+    assert got.choices[0].text == want != direct(backend, ids, max_new=20).text
+    with GenerationClient(f"127.0.0.1:{srv.port}") as grpc:
+        assert grpc.generate(text=PROMPT, mode=mode, temperature=0, max_new_tokens=20,
+                             repetition_penalty=1.8).text == want
+        stop = direct(backend, ids, max_new=20).text[1]
+        held = direct(backend, ids, max_new=20, stop=[stop], min_tokens=6)
+        assert len(held.token_ids) > 6 and len(direct(backend, ids, max_new=20, stop=[stop]).token_ids) <= 2
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop],
+                                        extra_body={"speculation": {"mode": mode}, "min_tokens": 6})
+        assert got.choices[0].text == held.text
+        assert grpc.generate(text=PROMPT, mode=mode, temperature=0, max_new_tokens=20, stop=[stop],
+                             min_tokens=6).text == held.text
 
 
 # --- structured output ------------------------------------------------------------------------

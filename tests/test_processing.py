@@ -41,7 +41,7 @@ from ssd.engine.processing import LogitsProcessor
 from ssd.engine.request import GenerationRequest, Processing
 from ssd.models import TinyTokenizer, build_tiny_model
 from ssd.saguaro.target import SSDEngine
-from ssd.sampling import probs_from_logits
+from ssd.sampling import Bias, probs_from_logits
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 
 V = 6
@@ -182,7 +182,7 @@ def test_sampled_output_follows_the_processed_law(pair, mode):
 def rows_ignore_drafts(monkeypatch) -> None:
     def rows(self, drafted, vocab):
         self.reset()
-        return torch.stack([self.bias(vocab)] * (len(drafted) + 1))
+        return Bias.stack([self.bias(vocab)] * (len(drafted) + 1))
 
     monkeypatch.setattr(LogitsProcessor, "rows", rows)
 

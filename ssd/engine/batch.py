@@ -42,7 +42,7 @@ from ssd.engine.lookup import LookupOdds, StepCost, best_length, one_hot_rows, p
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
 from ssd.engine.processing import LogitsProcessor
-from ssd.engine.request import GenerationRequest, GenerationResult, TokenLogprob
+from ssd.engine.request import GenerationRequest, GenerationResult, Processing, TokenLogprob
 from ssd.hardware import sync, to_device
 from ssd.models.backend import (
     AnySequence, Model, forward_rows, kv_bytes_per_token, new_sequence, precision_of, release, sequence_source,
@@ -343,10 +343,12 @@ class BatchedEngine(Engine):
 
     def _processor(self, request: GenerationRequest) -> LogitsProcessor | None:
         """The request's logits processing state, or None when it asks for none."""
-        spec = request.processing
-        if spec is None or not spec.active:
+        spec = request.processing or Processing()
+        generation = request.generation
+        min_tokens = 0 if generation.ignore_eos or not self.eos_ids else generation.min_tokens
+        if not spec.active and not min_tokens:
             return None
-        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids))
+        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, min_tokens)
 
     def _target_sequence(self) -> AnySequence:
         """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""

@@ -1,7 +1,11 @@
 """Where generation ends: EOS, max_new_tokens and stop strings, exactly.
 
 A speculative round can append several tokens at once; they are admitted one
-at a time so that nothing past the end condition is ever emitted.
+at a time so that nothing past the end condition is ever emitted. Before
+`min_tokens` tokens (vLLM's), EOS cannot be drawn (ssd.engine.processing
+bans it) and a stop string ends nothing; after, only a stop string that ends
+past those tokens' text does, as in vLLM, which looks for stop strings in
+each step's new text.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class OutputTracker:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None  # "eos" | "length" | "stop"
         self.stop_text: str | None = None  # the text up to the stop string
+        self._held_chars = 0  # the first min_tokens tokens' text: a stop string must end past it
 
     @property
     def finished(self) -> bool:
@@ -58,7 +63,9 @@ class OutputTracker:
     def _end_reason(self, token: int) -> str | None:
         if token in self.eos_ids:
             return "eos"
-        if self.config.stop and self._hit_stop_string():
+        if self.config.stop and len(self.token_ids) == self.config.min_tokens:
+            self._held_chars = len(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        if self.config.stop and len(self.token_ids) > self.config.min_tokens and self._hit_stop_string():
             return "stop"
         if self.remaining <= 0:
             return "length"
@@ -68,7 +75,7 @@ class OutputTracker:
         # The whole text is decoded again: byte-level BPE pieces only become
         # text in context, and the sequences here are short.
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.config.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(0, self._held_chars - len(s) + 1)) for s in self.config.stop) if i >= 0]
         if not hits:
             return False
         self.stop_text = text[: min(hits)]

@@ -1,13 +1,18 @@
-"""A request's logits processing: OpenAI's logit_bias and penalties, and a grammar's token mask.
+"""A request's logits processing: OpenAI's logit_bias and penalties, vLLM's repetition
+penalty and min_tokens, and a grammar's token mask.
 
-All three are one additive bias on the logits, applied before temperature,
-top-k and top-p by the one sampling pipeline (ssd.sampling.probs_from_logits
-and token_logprobs take it as `bias`):
+All of it is one ssd.sampling.Bias, applied before temperature, min-p, top-k
+and top-p by the one sampling pipeline (ssd.sampling.probs_from_logits and
+token_logprobs take it as `bias`): the repetition penalty scales the logits,
+then the rest adds up:
 
+    repetition       l[j] / r if l[j] > 0 else l[j] * r, for every j in the prompt or
+                     generated so far (HF's and vLLM's definition; r = 1: off)
     logit_bias       + b[j] for the listed ids (OpenAI: -100 bans, +100 forces)
     penalties        - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,
                      c[j] = how often j was generated so far (OpenAI's definition;
                      the prompt does not count, as in vLLM)
+    min_tokens       -inf for the EOS ids until min_tokens tokens are generated (vLLM's)
     grammar          -inf for every token the grammar forbids next (llguidance)
 
 The bias depends on the tokens generated before a position, so it is part of
@@ -38,6 +43,7 @@ import torch
 
 import ssd.engine.grammar as grammars  # not `from ssd.engine`: the package imports this module
 from ssd.engine.request import Processing
+from ssd.sampling import Bias
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +51,16 @@ log = logging.getLogger(__name__)
 class LogitsProcessor:
     """One request's processing state: committed counts and grammar state, plus tentative tokens."""
 
-    def __init__(self, spec: Processing, tokenizer: Any = None, eos_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, spec: Processing, tokenizer: Any = None, eos_ids: Sequence[int] = (),
+        prompt_ids: Sequence[int] = (), min_tokens: int = 0,
+    ) -> None:
         self.spec = spec
+        self.eos_ids = list(eos_ids)
+        self.min_tokens = min_tokens if self.eos_ids else 0  # nothing to hold back without an EOS
+        self.prompt_ids = set(prompt_ids) if spec.repetition_penalty != 1 else set()
         self.counts: Counter[int] = Counter()
+        self.generated = 0  # committed tokens
         self.pending: list[int] = []
         self.consumed = 0  # of the pending tokens, those the grammar took (none once it is complete)
         self.frozen = False  # a pending token went past the grammar's end
@@ -56,8 +69,8 @@ class LogitsProcessor:
 
     # --- the bias -----------------------------------------------------------------
 
-    def bias(self, vocab: int) -> torch.Tensor:
-        """The bias [vocab] (float64, CPU) for the next token after committed + pending tokens."""
+    def bias(self, vocab: int) -> Bias:
+        """The processing (float64, CPU) of the next token after committed + pending tokens."""
         out = torch.zeros(vocab, dtype=torch.float64)
         static = self._static(vocab)
         if static is not None:
@@ -65,10 +78,12 @@ class LogitsProcessor:
         penalties = self._penalties(vocab)
         if penalties is not None:
             out -= penalties
+        if self.generated + len(self.pending) < self.min_tokens:
+            out[[t for t in self.eos_ids if t < vocab]] = float("-inf")
         mask = self._mask(vocab)
         if mask is not None:
             out += mask
-        return out
+        return Bias(out, self._repeated(vocab), self.spec.repetition_penalty)
 
     def _mask(self, vocab: int) -> torch.Tensor | None:
         """The grammar's mask; None once it is complete (the row ends there: `admit`)."""
@@ -81,7 +96,7 @@ class LogitsProcessor:
             return None
         raise ValueError("grammar: no token of the model's vocabulary can continue the output")
 
-    def rows(self, drafted: Sequence[int], vocab: int) -> torch.Tensor:
+    def rows(self, drafted: Sequence[int], vocab: int) -> Bias:
         """Bias rows [len(drafted) + 1, vocab]: row i for the prefix that includes drafted[:i].
 
         A drafted token the bias forbids (-inf) ends the walk: verification
@@ -97,11 +112,11 @@ class LogitsProcessor:
             out.append(self.bias(vocab))
         self.reset()
         out += [out[-1]] * (len(drafted) + 1 - len(out))
-        return torch.stack(out)
+        return Bias.stack(out)
 
     @staticmethod
-    def allows(bias: torch.Tensor, token: int) -> bool:
-        return token < bias.shape[-1] and bool(bias[token] > float("-inf"))
+    def allows(bias: Bias, token: int) -> bool:
+        return not bias.forbids(token)
 
     # --- the state ----------------------------------------------------------------
 
@@ -156,6 +171,7 @@ class LogitsProcessor:
         """The row emitted `tokens`: they count for the penalties and advance the grammar."""
         self.reset()
         self.counts.update(tokens)
+        self.generated += len(tokens)
         if self.matcher is not None:
             for token in tokens:
                 if self.matcher.is_stopped():
@@ -176,6 +192,15 @@ class LogitsProcessor:
                     cached[token] = value
             self._bias_cache[vocab] = cached
         return cached
+
+    def _repeated(self, vocab: int) -> torch.Tensor | None:
+        """The tokens the repetition penalty scales: in the prompt or generated (pending too)."""
+        if self.spec.repetition_penalty == 1:
+            return None
+        seen = [t for t in self.prompt_ids.union(self.counts, self.pending) if t < vocab]
+        out = torch.zeros(vocab, dtype=torch.bool)
+        out[seen] = True
+        return out
 
     def _penalties(self, vocab: int) -> torch.Tensor | None:
         spec = self.spec

@@ -11,6 +11,7 @@ falls back to a generator's default.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -47,17 +48,24 @@ class Processing:
     plain data, so it travels with the request to another process.
 
     logit_bias: (token id, bias) pairs, OpenAI's; penalties as OpenAI defines
-    them; grammar: llguidance's serialized grammar (ssd.engine.grammar), or None.
+    them; grammar: llguidance's serialized grammar (ssd.engine.grammar), or None;
+    repetition_penalty: HF's and vLLM's (> 0; 1: off), over the prompt and the output.
     """
 
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     grammar: str | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar
+                    or self.repetition_penalty != 1)
 
 
 @dataclass

@@ -70,8 +70,8 @@ def build_request(
     """A GenerateRequest; None leaves a field unset (the server's default).
 
     numbers: max_new_tokens, temperature, top_k, top_p, min_p, seed, coupling, presence_penalty,
-    frequency_penalty, and the speculation settings k, fanout_budget, fanout_kind,
-    saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
+    frequency_penalty, repetition_penalty, min_tokens, and the speculation settings k,
+    fanout_budget, fanout_kind, saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     """
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,
                                  logit_bias=logit_bias or {})

@@ -15,7 +15,8 @@ from ssd.serve.request import ChatMessage, Request, Speculation, Structured
 from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
-_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty")
+_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "min_tokens")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
 

@@ -83,6 +83,8 @@ class Request:
     logit_bias: dict[int, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's: > 0, 1 off; over the prompt and the output
+    min_tokens: int | None = None  # vLLM's: no EOS and no stop string before that many tokens
     structured: Structured | None = None
     tools: list[dict[str, Any]] | None = None  # function definitions for the chat template (OpenAI's `tools`)
     # Which of n choices this request is: its seed is choice_seed(seed, choice) (ssd.serve.validation).

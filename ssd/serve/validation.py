@@ -73,7 +73,9 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
     if max_new is None:
         max_new = _context_default(request, len(prompt_ids), info, options)
     _check_context(request, len(prompt_ids), max_new, info)
-    generation = GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos)
+    min_tokens = _min_tokens(request, max_new, processing)
+    generation = GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos,
+                                  min_tokens=min_tokens)
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
                              logprobs=request.logprobs, processing=processing)
 
@@ -159,6 +161,16 @@ def _context_default(request: Request, prompt_tokens: int, info: BackendInfo, op
     return min(room, max_new_tokens_limit(info, options))
 
 
+def _min_tokens(request: Request, max_new: int, processing: Processing | None) -> int:
+    """vLLM's min_tokens: no EOS and no stop string before that many tokens."""
+    min_tokens = _given(request.min_tokens, 0)
+    if not 0 <= min_tokens <= max_new:
+        raise InvalidArgument("min_tokens", f"must be in 0..max_new_tokens ({max_new}), got {min_tokens}")
+    if min_tokens and processing is not None and processing.grammar is not None:
+        raise InvalidArgument("min_tokens", "cannot be combined with structured output (the grammar ends the text)")
+    return min_tokens
+
+
 def _stop(request: Request, options: ServeOptions) -> list[str]:
     stop = list(request.stop)
     if len(stop) > options.max_stop_strings:
@@ -177,10 +189,13 @@ def _processing(request: Request, backend: Backend) -> Processing | None:
     bias = tuple(sorted(_logit_bias(request.logit_bias or {}, info.vocab_size).items()))
     presence = _penalty("presence_penalty", request.presence_penalty)
     frequency = _penalty("frequency_penalty", request.frequency_penalty)
+    repetition = _given(request.repetition_penalty, 1.0)
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise InvalidArgument("repetition_penalty", f"must be a finite number > 0 (1: off), got {repetition}")
     compiled = _grammar(request.structured, backend) if request.structured is not None else None
     if compiled is not None and request.ignore_eos:
         raise InvalidArgument("ignore_eos", "cannot be combined with structured output (the grammar ends the text)")
-    spec = Processing(bias, presence, frequency, compiled)
+    spec = Processing(bias, presence, frequency, compiled, float(repetition))
     return spec if spec.active else None
 
 

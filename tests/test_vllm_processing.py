@@ -1,0 +1,247 @@
+"""vLLM's repetition_penalty and min_tokens are part of the target's law, exactly, in every mode.
+
+Model and modes as in test_processing: one layer, fp64, a 6-token vocabulary,
+the draft the target plus 10 % weight noise, K = 3; AR, SD (the draft drafts
+under the same processing) and SSD (the speculator unprocessed).
+
+- repetition_penalty R: the law is checked against transformers'
+  RepetitionPenaltyLogitsProcessor (an independent reference) on the prompt
+  plus every prefix the enumeration reaches. Greedy: AR == SD == SSD, and
+  the output differs from the unpenalised one. Sampled (T = 1): the joint of
+  tokens 1-4 of 5, chi-square as in test_distribution (tests/stats.py).
+  Power: `repetition_ignores_drafts` (rows penalise the prompt and the
+  committed tokens only, not the drafts before them) fails the same test in SD.
+- min_tokens M with an EOS: EOS is banned until M tokens are out, so no
+  output ends before M; after that EOS ends it. Sampled: the joint of tokens
+  1-4 with the end as a cell value, against the law enumerated with EOS
+  banned at positions < M (about 12 % of the outputs end early). Power: `min_tokens_ignores_drafts` (the ban counts
+  committed tokens only, so a verification row past M still bans EOS) fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine import AREngine, SDEngine
+from ssd.engine.output import OutputTracker
+from ssd.engine.processing import LogitsProcessor
+from ssd.engine.request import GenerationRequest, Processing
+from ssd.models import TinyTokenizer
+from ssd.saguaro.target import SSDEngine
+from ssd.sampling import probs_from_logits
+from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
+from tests.test_processing import K, N_TOKENS, POSITIONS, PROMPT, SMALL, V, pair  # noqa: F401 (pair: a fixture)
+
+R = 2.0
+REPETITION = Processing(repetition_penalty=R)
+EOS = 5  # the model's likeliest token: greedy decoding ends at once without min_tokens
+M = 3  # min_tokens: EOS banned at generated positions 0..2, a round's drafts cross the line
+END = -1  # a cell's value at positions past the end
+SAMPLES = 800
+SAMPLED = SamplingConfig(temperature=1.0)
+
+
+def engine(mode: str, pair, eos: int | None = None):
+    target, draft = pair
+    tok = TinyTokenizer(V, eos_token_id=eos)
+    if mode == "ar":
+        return AREngine(target, tok)
+    spec = SpeculationConfig(mode=mode, k=K)
+    return SDEngine(target, draft, tok, spec) if mode == "sd" else SSDEngine.in_process(target, draft, tok, spec)
+
+
+def generate(eng, sampling, max_new, processing=None, min_tokens=0, prompt=PROMPT):
+    generation = GenerationConfig(max_new_tokens=max_new, min_tokens=min_tokens)
+    return eng.generate(GenerationRequest(prompt, sampling, generation, processing=processing))
+
+
+# --- the reference laws ----------------------------------------------------------------------
+
+
+def hf_penalised(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    """transformers' repetition penalty over the prompt and the generated prefix."""
+    ids = torch.tensor([PROMPT + prefix])
+    return RepetitionPenaltyLogitsProcessor(R)(ids, logits[None].clone())[0]
+
+
+def eos_banned(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    if len(prefix) < M:
+        out[EOS] = float("-inf")
+    return out
+
+
+@torch.no_grad()
+def exact_joint(model, process, ends: bool) -> dict[tuple[int, ...], float]:
+    """P(tokens at POSITIONS) with `process(logits, prefix)` applied; with `ends`, EOS ends the
+    sequence and the positions after it read END."""
+    out: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def cell(seq: list[int]) -> tuple[int, ...]:
+        return tuple(seq[i] if i < len(seq) else END for i in POSITIONS)
+
+    def walk(prefix: list[int], mass: float) -> None:
+        logits = model(input_ids=torch.tensor([PROMPT + prefix])).logits[0, -1].to(torch.float64)
+        probs = probs_from_logits(process(logits, prefix), SAMPLED)
+        for token, p in enumerate(probs.tolist()):
+            if p <= 0:
+                continue
+            seq = prefix + [token]
+            if len(seq) == N_TOKENS or (ends and token == EOS):
+                out[cell(seq)] += mass * p
+            else:
+                walk(seq, mass * p)
+
+    walk([], 1.0)
+    return dict(out)
+
+
+def draws(eng, processing=None, min_tokens=0, samples: int = SAMPLES) -> list[tuple[int, ...]]:
+    out = []
+    for seed in range(samples):
+        result = generate(eng, dataclasses.replace(SAMPLED, seed=seed), N_TOKENS, processing, min_tokens)
+        ids = result.token_ids
+        assert len(ids) == N_TOKENS or (ids[-1] == EOS and result.finish_reason == "eos" and len(ids) > M), result
+        out.append(tuple(ids[i] if i < len(ids) else END for i in POSITIONS))
+    return out
+
+
+def run(mode, pair, eos=None, **kw):
+    eng = engine(mode, pair, eos)
+    try:
+        return draws(eng, **kw)
+    finally:
+        eng.close()
+
+
+# --- breaks -----------------------------------------------------------------------------------
+
+
+def repetition_ignores_drafts(monkeypatch) -> None:
+    original = LogitsProcessor._repeated
+
+    def repeated(self, vocab):
+        pending, self.pending = self.pending, []
+        try:
+            return original(self, vocab)
+        finally:
+            self.pending = pending
+
+    monkeypatch.setattr(LogitsProcessor, "_repeated", repeated)
+
+
+def min_tokens_ignores_drafts(monkeypatch) -> None:
+    original = LogitsProcessor.bias
+
+    def bias(self, vocab):
+        out = original(self, vocab)
+        if self.generated < self.min_tokens:
+            out.add[EOS] = float("-inf")
+        return out
+
+    monkeypatch.setattr(LogitsProcessor, "bias", bias)
+
+
+# --- repetition_penalty ---------------------------------------------------------------------
+
+
+def test_the_penalty_is_transformers_over_the_prompt_and_the_output():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(V, generator=gen, dtype=torch.float64) * 3
+        generated = torch.randint(0, V, (3,), generator=gen).tolist()
+        processor = LogitsProcessor(REPETITION, prompt_ids=PROMPT)
+        processor.commit(generated[:2])
+        processor.push(generated[2])
+        got = processor.bias(V).apply(logits)
+        torch.testing.assert_close(got, hf_penalised(logits, generated), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("prompt", [[5, 5, 2, 1], [3], [2, 4]])  # PROMPT's greedy output ignores R
+def test_greedy_with_a_repetition_penalty_is_ar_with_it_in_every_mode(pair, prompt):
+    greedy = SamplingConfig(temperature=0.0)
+    reference = generate(engine("ar", pair), greedy, 24, REPETITION, prompt=prompt).token_ids
+    assert reference != generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
+    assert generate(engine("sd", pair), greedy, 24, REPETITION, prompt=prompt).token_ids == reference
+    with engine("ssd", pair) as ssd:
+        assert generate(ssd, greedy, 24, REPETITION, prompt=prompt).token_ids == reference
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_sampled_output_follows_the_penalised_law(pair, mode):
+    samples = run(mode, pair, processing=REPETITION)
+    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], hf_penalised, ends=False))
+    report_pvalue("repetition_penalty", f"R={R} T=1", mode, len(samples), pvalue)
+    assert pvalue > ALPHA, pvalue
+
+
+def test_the_chi_square_sees_a_penalty_that_ignores_the_drafts(pair, monkeypatch):
+    expected = exact_joint(pair[0], hf_penalised, ends=False)
+    repetition_ignores_drafts(monkeypatch)
+    samples = run("sd", pair, processing=REPETITION)
+    pvalue = chi_square_pvalue(samples, expected)
+    report_pvalue("repetition_penalty", f"R={R} T=1", "repetition_ignores_drafts", len(samples), pvalue)
+    assert pvalue < ALPHA, pvalue
+
+
+# --- min_tokens -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_min_tokens_holds_eos_back_and_greedy_stays_ar(pair, mode):
+    """Greedy decoding ends at once (EOS is the likeliest first token); min_tokens makes the
+    output that long at least, EOS-free before it, and every mode gives AR's tokens."""
+    greedy = SamplingConfig(temperature=0.0)
+    free = generate(engine("ar", pair, EOS), greedy, 24)
+    assert free.finish_reason == "eos" and len(free.token_ids) <= M, free.token_ids
+    for min_tokens in (M, 8):
+        reference = generate(engine("ar", pair, EOS), greedy, 24, min_tokens=min_tokens)
+        assert len(reference.token_ids) > min_tokens and EOS not in reference.token_ids[:min_tokens]
+        eng = engine(mode, pair, EOS)
+        try:
+            assert generate(eng, greedy, 24, min_tokens=min_tokens).token_ids == reference.token_ids
+        finally:
+            eng.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_sampled_output_follows_the_law_with_eos_held_back(pair, mode):
+    expected = exact_joint(pair[0], eos_banned, ends=True)
+    samples = run(mode, pair, EOS, min_tokens=M)
+    ended = sum(s[-1] == END for s in samples) / len(samples)
+    assert 0.05 <= ended <= 0.95, ended  # EOS ends rows after M, and rows also run to the end
+    pvalue = chi_square_pvalue(samples, expected)
+    report_pvalue("min_tokens", f"M={M} T=1", mode, len(samples), pvalue)
+    assert pvalue > ALPHA, pvalue
+
+
+def test_the_chi_square_sees_min_tokens_that_ignore_the_drafts(pair, monkeypatch):
+    expected = exact_joint(pair[0], eos_banned, ends=True)
+    min_tokens_ignores_drafts(monkeypatch)
+    samples = run("sd", pair, EOS, min_tokens=M)
+    pvalue = chi_square_pvalue(samples, expected)
+    report_pvalue("min_tokens", f"M={M} T=1", "min_tokens_ignores_drafts", len(samples), pvalue)
+    assert pvalue < ALPHA, pvalue
+
+
+def test_no_stop_string_ends_the_output_within_min_tokens():
+    """vLLM's rule: a stop string counts only when it ends past the first min_tokens tokens'
+    text; one that straddles that line counts."""
+    tok = TinyTokenizer(V)  # ids 0-5 are "abcdef"
+
+    def ended_at(stop: list[str], tokens: list[int], min_tokens: int) -> tuple[int, str]:
+        out = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop=stop, min_tokens=min_tokens), set())
+        return len(out.add(tokens)), out.text()
+
+    tokens = [0, 1, 0, 1, 2, 0, 1]  # "ababcab"
+    assert ended_at(["ab"], tokens, 0) == (2, "")
+    assert ended_at(["ab"], tokens, 3) == (4, "ab")  # "ab" at 0 is held; "ab" at 2 ends past token 3
+    assert ended_at(["ab"], tokens, 4) == (7, "ababc")
+    assert ended_at(["bc"], tokens, 4) == (5, "aba")
+    assert ended_at(["ab"], tokens, 7) == (7, "ababcab")  # min_tokens reached at the end: nothing past it
