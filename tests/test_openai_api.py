@@ -275,6 +275,9 @@ def test_vllms_repetition_penalty_and_min_tokens_through_the_wire_equal_the_engi
         got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop],
                                         extra_body={"speculation": {"mode": mode}, "min_tokens": 6})
         assert got.choices[0].text == held.text
+        chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop],
+                                           stream=True, extra_body={"speculation": {"mode": mode}, "min_tokens": 6})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == held.text
         assert grpc.generate(text=PROMPT, mode=mode, temperature=0, max_new_tokens=20, stop=[stop],
                              min_tokens=6).text == held.text
 

@@ -21,7 +21,9 @@ import pytest
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.factory import make_engine
+from ssd.engine.output import OutputTracker
 from ssd.engine.request import GenerationRequest
+from ssd.models import TinyTokenizer
 from ssd.serve import protos
 from ssd.serve.backend import LocalBackend
 from ssd.serve.client import GenerationClient, build_request
@@ -508,6 +510,19 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
     final = text[: text.find("b€")]
     assert "".join(deltas) + stream.finish(final) == final == "añ"
     assert "b" not in "".join(deltas)
+
+
+def test_text_stream_streams_past_a_stop_string_min_tokens_holds():
+    """The stream follows the engine's rule (ssd.engine.output): "ab" within the first 3 tokens
+    is held, so text keeps flowing; the "ab" that ends past them ends it, as in the final text."""
+    tokens = [0, 1, 0, 1, 2, 0, 1]  # "ababcab"
+    tok = TinyTokenizer(6)
+    tracker = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop=["ab"], min_tokens=3), set())
+    tracker.add(tokens)
+    stream = TextStream(tok.decode, stop=["ab"], min_tokens=3)
+    deltas = [stream.push([t]) for t in tokens[:4]]
+    assert deltas[:3] == ["", "a", "b"]  # a held-back character at a time (holdback 1)
+    assert "".join(deltas) + stream.finish(tracker.text()) == tracker.text() == "ab"
 
 
 def test_mode_and_finish_reason_names_come_from_the_proto():

@@ -10,10 +10,22 @@ each step's new text.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ssd.config import GenerationConfig
 from ssd.models.tokenizer import Tokenizer
+
+
+def first_stop(text: str, stop: Sequence[str], held_chars: int = 0) -> int | None:
+    """Where the earliest stop string in `text` starts, of those that end past the first
+    `held_chars` characters (the first min_tokens tokens' text); None: none does."""
+    hits = [i for i in (text.find(s, max(0, held_chars - len(s) + 1)) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_chars(decode: Callable[[Sequence[int]], str], ids: Sequence[int], min_tokens: int) -> int:
+    """How many characters of text the first min_tokens of `ids` make: no stop string ends within them."""
+    return len(decode(list(ids[:min_tokens]))) if min_tokens else 0
 
 
 class OutputTracker:
@@ -58,13 +70,13 @@ class OutputTracker:
         """The generated text, cut before the stop string when one ended it."""
         if self.stop_text is not None:
             return self.stop_text
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._decode(self.token_ids)
 
     def _end_reason(self, token: int) -> str | None:
         if token in self.eos_ids:
             return "eos"
         if self.config.stop and len(self.token_ids) == self.config.min_tokens:
-            self._held_chars = len(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+            self._held_chars = held_chars(self._decode, self.token_ids, self.config.min_tokens)
         if self.config.stop and len(self.token_ids) > self.config.min_tokens and self._hit_stop_string():
             return "stop"
         if self.remaining <= 0:
@@ -74,9 +86,12 @@ class OutputTracker:
     def _hit_stop_string(self) -> bool:
         # The whole text is decoded again: byte-level BPE pieces only become
         # text in context, and the sequences here are short.
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s, max(0, self._held_chars - len(s) + 1)) for s in self.config.stop) if i >= 0]
-        if not hits:
+        text = self._decode(self.token_ids)
+        at = first_stop(text, self.config.stop, self._held_chars)
+        if at is None:
             return False
-        self.stop_text = text[: min(hits)]
+        self.stop_text = text[:at]
         return True
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

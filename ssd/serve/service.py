@@ -207,7 +207,8 @@ class Generation:
         self.service, self.worker, self.backend, self.job = service, worker, backend, job
         self.queued_ahead = queued_ahead
         # Without stream_text, rounds carry no text and the end carries it all (no decode per round).
-        self.text = TextStream(backend.decode, job.request.generation.stop) if stream_text else None
+        generation = job.request.generation
+        self.text = TextStream(backend.decode, generation.stop, generation.min_tokens) if stream_text else None
 
     @property
     def request_id(self) -> str:

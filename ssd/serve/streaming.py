@@ -6,7 +6,9 @@ are safe: a trailing U+FFFD (the rest of a multi-byte character may come next
 round) and, with stop strings, the last len(longest stop) - 1 characters
 (the start of a stop string that the final text will cut); the round that
 completes a stop string shows only the text before it, as the engine's
-final text does. The deltas joined always equal the final text.
+final text does (ssd.engine.output's rule: with min_tokens, only a stop
+string that ends past those tokens' text counts). The deltas joined always
+equal the final text.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+from ssd.engine.output import first_stop, held_chars
+
 log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decode = decode
         self.stop = list(stop)
+        self.min_tokens = min_tokens
+        self.held: int | None = None  # the first min_tokens tokens' text length, once they are out
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.sent = ""
@@ -31,9 +37,13 @@ class TextStream:
         """Add a round's tokens; return the text now safe to show."""
         self.ids.extend(ids)
         text = self.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:  # this round ended generation: the text ends before the stop string
-            return self._advance(text[: min(hits)])
+        if self.stop and self.held is None and len(self.ids) >= self.min_tokens:
+            self.held = held_chars(self.decode, self.ids, self.min_tokens)
+        at = None
+        if self.held is not None and len(self.ids) > self.min_tokens:
+            at = first_stop(text, self.stop, self.held)
+        if at is not None:  # this round ended generation: the text ends before the stop string
+            return self._advance(text[:at])
         safe = len(text.rstrip(REPLACEMENT)) - self.holdback
         return self._advance(text[: max(safe, 0)])
 
