@@ -161,9 +161,11 @@ class GenerationConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    # vLLM's: neither EOS (banned from the law: ssd.engine.processing) nor a stop string
-    # ends the output before this many tokens.
+    # vLLM's: neither EOS nor a stop token (banned from the law: ssd.engine.processing)
+    # nor a stop string ends the output before this many tokens.
     min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: each ends the output, kept in it
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

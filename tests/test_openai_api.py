@@ -282,6 +282,35 @@ def test_vllms_repetition_penalty_and_min_tokens_through_the_wire_equal_the_engi
                              min_tokens=6).text == held.text
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_vllms_stop_token_ids_include_stop_str_and_allowed_token_ids_through_the_wire(plain, mode):
+    """The engine's output with the same settings, over HTTP (streamed too) and gRPC: a stop token
+    ends the output at the same token and stays in it, a stop string can stay in the text, and
+    allowed_token_ids bound the output (which differs from the free one)."""
+    srv, backend = plain
+    client, ids = oai(srv), backend.encode(PROMPT)
+    free = direct(backend, ids, max_new=20)
+    cases = [  # (HTTP extra body, gRPC fields, the engine's request)
+        ({"stop_token_ids": [free.token_ids[3]]}, {"stop_token_ids": [free.token_ids[3]]},
+         {"stop_token_ids": [free.token_ids[3]]}),
+        ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True, "stop": [free.text[2:4]]},
+         {"include_stop_str_in_output": True, "stop": [free.text[2:4]]}),
+        ({"allowed_token_ids": [1, 2, 5]}, {"allowed_token_ids": [1, 2, 5]},
+         {"processing": Processing(allowed_token_ids=(1, 2, 5))}),
+    ]
+    with GenerationClient(f"127.0.0.1:{srv.port}") as grpc:
+        for extra, fields, engine_fields in cases:
+            want = direct(backend, ids, max_new=20, **engine_fields)
+            assert want.text != free.text and len(want.token_ids) > 1
+            stop = engine_fields.get("stop")
+            body = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=stop,
+                        extra_body={"speculation": {"mode": mode}, **extra})
+            assert client.completions.create(**body).choices[0].text == want.text
+            chunks = client.completions.create(**body, stream=True)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+            assert grpc.generate(text=PROMPT, mode=mode, temperature=0, max_new_tokens=20, **fields).text == want.text
+
+
 # --- structured output ------------------------------------------------------------------------
 
 

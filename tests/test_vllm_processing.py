@@ -56,8 +56,8 @@ def engine(mode: str, pair, eos: int | None = None):
     return SDEngine(target, draft, tok, spec) if mode == "sd" else SSDEngine.in_process(target, draft, tok, spec)
 
 
-def generate(eng, sampling, max_new, processing=None, min_tokens=0, prompt=PROMPT):
-    generation = GenerationConfig(max_new_tokens=max_new, min_tokens=min_tokens)
+def generate(eng, sampling, max_new, processing=None, min_tokens=0, prompt=PROMPT, **generation_fields):
+    generation = GenerationConfig(max_new_tokens=max_new, min_tokens=min_tokens, **generation_fields)
     return eng.generate(GenerationRequest(prompt, sampling, generation, processing=processing))
 
 
@@ -194,20 +194,40 @@ def test_the_chi_square_sees_a_penalty_that_ignores_the_drafts(pair, monkeypatch
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
-def test_min_tokens_holds_eos_back_and_greedy_stays_ar(pair, mode):
-    """Greedy decoding ends at once (EOS is the likeliest first token); min_tokens makes the
-    output that long at least, EOS-free before it, and every mode gives AR's tokens."""
+@pytest.mark.parametrize("end", ["eos", "stop_token_ids"])
+def test_min_tokens_holds_the_end_back_and_greedy_stays_ar(pair, mode, end):
+    """Greedy decoding ends at once (token EOS is the likeliest first token), as the model's EOS
+    or as vLLM's stop_token_ids; min_tokens makes the output that long at least, free of that
+    token before it, and every mode gives AR's tokens."""
     greedy = SamplingConfig(temperature=0.0)
-    free = generate(engine("ar", pair, EOS), greedy, 24)
-    assert free.finish_reason == "eos" and len(free.token_ids) <= M, free.token_ids
+    eos, fields = (EOS, {}) if end == "eos" else (None, {"stop_token_ids": [EOS]})
+    free = generate(engine("ar", pair, eos), greedy, 24, **fields)
+    assert free.finish_reason == ("eos" if end == "eos" else "stop") and free.token_ids[-1] == EOS
+    assert len(free.token_ids) <= M, free.token_ids
     for min_tokens in (M, 8):
-        reference = generate(engine("ar", pair, EOS), greedy, 24, min_tokens=min_tokens)
+        reference = generate(engine("ar", pair, eos), greedy, 24, min_tokens=min_tokens, **fields)
         assert len(reference.token_ids) > min_tokens and EOS not in reference.token_ids[:min_tokens]
-        eng = engine(mode, pair, EOS)
+        eng = engine(mode, pair, eos)
         try:
-            assert generate(eng, greedy, 24, min_tokens=min_tokens).token_ids == reference.token_ids
+            assert generate(eng, greedy, 24, min_tokens=min_tokens, **fields).token_ids == reference.token_ids
         finally:
             eng.close()
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_allowed_token_ids_bound_the_output_and_greedy_stays_ar(pair, mode):
+    """vLLM's allowed_token_ids: a static -inf outside the set, the additive term logit_bias
+    takes too (its law: test_processing's chi-square)."""
+    greedy, allowed = SamplingConfig(temperature=0.0), Processing(allowed_token_ids=(0, 2, 3))
+    reference = generate(engine("ar", pair), greedy, 24, allowed).token_ids
+    assert set(reference) <= {0, 2, 3} and not set(generate(engine("ar", pair), greedy, 24).token_ids) <= {0, 2, 3}
+    eng = engine(mode, pair)
+    try:
+        assert generate(eng, greedy, 24, allowed).token_ids == reference
+        for seed in range(5):
+            assert set(generate(eng, dataclasses.replace(SAMPLED, seed=seed), 24, allowed).token_ids) <= {0, 2, 3}
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
@@ -245,3 +265,16 @@ def test_no_stop_string_ends_the_output_within_min_tokens():
     assert ended_at(["ab"], tokens, 4) == (7, "ababc")
     assert ended_at(["bc"], tokens, 4) == (5, "aba")
     assert ended_at(["ab"], tokens, 7) == (7, "ababcab")  # min_tokens reached at the end: nothing past it
+
+
+def test_a_stop_token_ends_the_output_and_stays_in_it_and_a_stop_string_can_stay_too():
+    tok = TinyTokenizer(V)
+    tokens = [0, 1, 0, 1, 2, 0, 1]  # "ababcab"
+    out = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop_token_ids=[2]), set())
+    assert out.add(tokens) == [0, 1, 0, 1, 2] and out.finish_reason == "stop" and out.text() == "ababc"
+    out = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop=["bc", "ab"], include_stop_str_in_output=True),
+                        set())
+    assert out.add(tokens) == [0, 1] and out.text() == "ab"
+    out = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop=["bc"], include_stop_str_in_output=True,
+                                              min_tokens=1), set())
+    assert out.add(tokens) == [0, 1, 0, 1, 2] and out.text() == "ababc"

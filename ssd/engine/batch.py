@@ -345,10 +345,11 @@ class BatchedEngine(Engine):
         """The request's logits processing state, or None when it asks for none."""
         spec = request.processing or Processing()
         generation = request.generation
-        min_tokens = 0 if generation.ignore_eos or not self.eos_ids else generation.min_tokens
+        held = set(generation.stop_token_ids) | (set() if generation.ignore_eos else self.eos_ids)
+        min_tokens = generation.min_tokens if held else 0
         if not spec.active and not min_tokens:
             return None
-        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, min_tokens)
+        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, min_tokens, sorted(held))
 
     def _target_sequence(self) -> AnySequence:
         """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""

@@ -16,11 +16,17 @@ from ssd.config import GenerationConfig
 from ssd.models.tokenizer import Tokenizer
 
 
-def first_stop(text: str, stop: Sequence[str], held_chars: int = 0) -> int | None:
-    """Where the earliest stop string in `text` starts, of those that end past the first
-    `held_chars` characters (the first min_tokens tokens' text); None: none does."""
-    hits = [i for i in (text.find(s, max(0, held_chars - len(s) + 1)) for s in stop) if i >= 0]
-    return min(hits) if hits else None
+def first_stop(text: str, stop: Sequence[str], held_chars: int = 0) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string in `text` (the longest of those starting
+    there), of those that end past the first `held_chars` characters (the first min_tokens
+    tokens' text); None: none does."""
+    hits = [(i, i + len(s)) for s, i in ((s, text.find(s, max(0, held_chars - len(s) + 1))) for s in stop) if i >= 0]
+    return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None
+
+
+def cut_at_stop(text: str, hit: tuple[int, int], include_stop: bool) -> str:
+    """The text a stop string ends: up to it, or through it (vLLM's include_stop_str_in_output)."""
+    return text[: hit[1] if include_stop else hit[0]]
 
 
 def held_chars(decode: Callable[[Sequence[int]], str], ids: Sequence[int], min_tokens: int) -> int:
@@ -37,9 +43,10 @@ class OutputTracker:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_ids = set() if config.ignore_eos else set(eos_ids)
+        self.stop_ids = set(config.stop_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None  # "eos" | "length" | "stop"
-        self.stop_text: str | None = None  # the text up to the stop string
+        self.stop_text: str | None = None  # the text up to (or through) the stop string
         self._held_chars = 0  # the first min_tokens tokens' text: a stop string must end past it
 
     @property
@@ -75,6 +82,8 @@ class OutputTracker:
     def _end_reason(self, token: int) -> str | None:
         if token in self.eos_ids:
             return "eos"
+        if token in self.stop_ids:
+            return "stop"
         if self.config.stop and len(self.token_ids) == self.config.min_tokens:
             self._held_chars = held_chars(self._decode, self.token_ids, self.config.min_tokens)
         if self.config.stop and len(self.token_ids) > self.config.min_tokens and self._hit_stop_string():
@@ -87,10 +96,10 @@ class OutputTracker:
         # The whole text is decoded again: byte-level BPE pieces only become
         # text in context, and the sequences here are short.
         text = self._decode(self.token_ids)
-        at = first_stop(text, self.config.stop, self._held_chars)
-        if at is None:
+        hit = first_stop(text, self.config.stop, self._held_chars)
+        if hit is None:
             return False
-        self.stop_text = text[:at]
+        self.stop_text = cut_at_stop(text, hit, self.config.include_stop_str_in_output)
         return True
 
     def _decode(self, ids: Sequence[int]) -> str:

@@ -9,10 +9,12 @@ then the rest adds up:
     repetition       l[j] / r if l[j] > 0 else l[j] * r, for every j in the prompt or
                      generated so far (HF's and vLLM's definition; r = 1: off)
     logit_bias       + b[j] for the listed ids (OpenAI: -100 bans, +100 forces)
+    allowed ids      -inf for every token outside vLLM's allowed_token_ids, when given
     penalties        - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,
                      c[j] = how often j was generated so far (OpenAI's definition;
                      the prompt does not count, as in vLLM)
-    min_tokens       -inf for the EOS ids until min_tokens tokens are generated (vLLM's)
+    min_tokens       -inf for the EOS and stop token ids until min_tokens tokens are
+                     generated (vLLM's)
     grammar          -inf for every token the grammar forbids next (llguidance)
 
 The bias depends on the tokens generated before a position, so it is part of
@@ -53,11 +55,11 @@ class LogitsProcessor:
 
     def __init__(
         self, spec: Processing, tokenizer: Any = None, eos_ids: Sequence[int] = (),
-        prompt_ids: Sequence[int] = (), min_tokens: int = 0,
+        prompt_ids: Sequence[int] = (), min_tokens: int = 0, held_ids: Sequence[int] = (),
     ) -> None:
         self.spec = spec
-        self.eos_ids = list(eos_ids)
-        self.min_tokens = min_tokens if self.eos_ids else 0  # nothing to hold back without an EOS
+        self.held_ids = list(held_ids)  # banned before min_tokens: EOS (unless ignored), stop token ids
+        self.min_tokens = min_tokens if self.held_ids else 0
         self.prompt_ids = set(prompt_ids) if spec.repetition_penalty != 1 else set()
         self.counts: Counter[int] = Counter()
         self.generated = 0  # committed tokens
@@ -79,7 +81,7 @@ class LogitsProcessor:
         if penalties is not None:
             out -= penalties
         if self.generated + len(self.pending) < self.min_tokens:
-            out[[t for t in self.eos_ids if t < vocab]] = float("-inf")
+            out[[t for t in self.held_ids if t < vocab]] = float("-inf")
         mask = self._mask(vocab)
         if mask is not None:
             out += mask
@@ -182,7 +184,8 @@ class LogitsProcessor:
     # --- helpers --------------------------------------------------------------------
 
     def _static(self, vocab: int) -> torch.Tensor | None:
-        if not self.spec.logit_bias:
+        """logit_bias and the allowed ids' mask: the same at every position."""
+        if not (self.spec.logit_bias or self.spec.allowed_token_ids):
             return None
         cached = self._bias_cache.get(vocab)
         if cached is None:
@@ -190,6 +193,10 @@ class LogitsProcessor:
             for token, value in self.spec.logit_bias:
                 if token < vocab:
                     cached[token] = value
+            if self.spec.allowed_token_ids:
+                allowed = torch.zeros(vocab, dtype=torch.bool)
+                allowed[[t for t in self.spec.allowed_token_ids if t < vocab]] = True
+                cached[~allowed] = float("-inf")
             self._bias_cache[vocab] = cached
         return cached
 

@@ -49,7 +49,8 @@ class Processing:
 
     logit_bias: (token id, bias) pairs, OpenAI's; penalties as OpenAI defines
     them; grammar: llguidance's serialized grammar (ssd.engine.grammar), or None;
-    repetition_penalty: HF's and vLLM's (> 0; 1: off), over the prompt and the output.
+    repetition_penalty: HF's and vLLM's (> 0; 1: off), over the prompt and the output;
+    allowed_token_ids: vLLM's, the only tokens that may be drawn (empty: all).
     """
 
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -57,6 +58,7 @@ class Processing:
     frequency_penalty: float = 0.0
     grammar: str | None = None
     repetition_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
@@ -65,7 +67,7 @@ class Processing:
     @property
     def active(self) -> bool:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar
-                    or self.repetition_penalty != 1)
+                    or self.repetition_penalty != 1 or self.allowed_token_ids)
 
 
 @dataclass

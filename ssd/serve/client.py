@@ -65,6 +65,9 @@ def build_request(
     ignore_eos: bool = False,
     logit_bias: dict[int, float] | None = None,
     structured: dict[str, Any] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    include_stop_str_in_output: bool = False,
+    allowed_token_ids: Sequence[int] = (),
     **numbers: Any,
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
@@ -74,7 +77,9 @@ def build_request(
     fanout_budget, fanout_kind, saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     """
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,
-                                 logit_bias=logit_bias or {})
+                                 logit_bias=logit_bias or {}, stop_token_ids=list(stop_token_ids),
+                                 include_stop_str_in_output=include_stop_str_in_output,
+                                 allowed_token_ids=list(allowed_token_ids))
     if structured is not None:
         request.structured.CopyFrom(pb.StructuredOutput(**structured))
     if text is not None:

@@ -8,7 +8,8 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
-`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `allowed_token_ids`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
 choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older
@@ -105,6 +106,9 @@ class _Common(_Body):
     min_p: float | None = None  # vLLM's
     repetition_penalty: float | None = None  # vLLM's
     min_tokens: int | None = None  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's
     coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     speculation: Speculation | None = None
@@ -341,7 +345,9 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         ignore_eos=body.ignore_eos, logprobs=top_logprobs(body), choice=choice,
         logit_bias=logit_bias(body), presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens, structured=structured(body),
+        min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
+        structured=structured(body),
     )
     if isinstance(body, ChatBody):
         request.chat = [_message(m, i) for i, m in enumerate(body.messages)]

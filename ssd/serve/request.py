@@ -85,6 +85,9 @@ class Request:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's: > 0, 1 off; over the prompt and the output
     min_tokens: int | None = None  # vLLM's: no EOS and no stop string before that many tokens
+    stop_token_ids: list[int] | None = None  # vLLM's: each ends the output, kept in it
+    include_stop_str_in_output: bool = False  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn
     structured: Structured | None = None
     tools: list[dict[str, Any]] | None = None  # function definitions for the chat template (OpenAI's `tools`)
     # Which of n choices this request is: its seed is choice_seed(seed, choice) (ssd.serve.validation).

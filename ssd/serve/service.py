@@ -208,7 +208,8 @@ class Generation:
         self.queued_ahead = queued_ahead
         # Without stream_text, rounds carry no text and the end carries it all (no decode per round).
         generation = job.request.generation
-        self.text = TextStream(backend.decode, generation.stop, generation.min_tokens) if stream_text else None
+        self.text = (TextStream(backend.decode, generation.stop, generation.min_tokens,
+                                generation.include_stop_str_in_output) if stream_text else None)
 
     @property
     def request_id(self) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from ssd.engine.output import first_stop, held_chars
+from ssd.engine.output import cut_at_stop, first_stop, held_chars
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,14 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), min_tokens: int = 0,
+        include_stop: bool = False,
+    ) -> None:
         self.decode = decode
         self.stop = list(stop)
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.held: int | None = None  # the first min_tokens tokens' text length, once they are out
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
@@ -39,11 +43,11 @@ class TextStream:
         text = self.decode(self.ids)
         if self.stop and self.held is None and len(self.ids) >= self.min_tokens:
             self.held = held_chars(self.decode, self.ids, self.min_tokens)
-        at = None
+        hit = None
         if self.held is not None and len(self.ids) > self.min_tokens:
-            at = first_stop(text, self.stop, self.held)
-        if at is not None:  # this round ended generation: the text ends before the stop string
-            return self._advance(text[:at])
+            hit = first_stop(text, self.stop, self.held)
+        if hit is not None:  # this round ended generation: the text ends at the stop string
+            return self._advance(cut_at_stop(text, hit, self.include_stop))
         safe = len(text.rstrip(REPLACEMENT)) - self.holdback
         return self._advance(text[: max(safe, 0)])
 

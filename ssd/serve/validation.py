@@ -74,8 +74,11 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
         max_new = _context_default(request, len(prompt_ids), info, options)
     _check_context(request, len(prompt_ids), max_new, info)
     min_tokens = _min_tokens(request, max_new, processing)
-    generation = GenerationConfig(max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos,
-                                  min_tokens=min_tokens)
+    generation = GenerationConfig(
+        max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos, min_tokens=min_tokens,
+        stop_token_ids=_token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
                              logprobs=request.logprobs, processing=processing)
 
@@ -171,6 +174,13 @@ def _min_tokens(request: Request, max_new: int, processing: Processing | None) -
     return min_tokens
 
 
+def _token_ids(name: str, ids: list[int] | None, vocab_size: int) -> list[int]:
+    for token in ids or ():
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(name, f"token id {token} is outside the vocabulary 0..{vocab_size - 1}")
+    return list(ids or ())
+
+
 def _stop(request: Request, options: ServeOptions) -> list[str]:
     stop = list(request.stop)
     if len(stop) > options.max_stop_strings:
@@ -195,7 +205,12 @@ def _processing(request: Request, backend: Backend) -> Processing | None:
     compiled = _grammar(request.structured, backend) if request.structured is not None else None
     if compiled is not None and request.ignore_eos:
         raise InvalidArgument("ignore_eos", "cannot be combined with structured output (the grammar ends the text)")
-    spec = Processing(bias, presence, frequency, compiled, float(repetition))
+    if request.allowed_token_ids is not None and not request.allowed_token_ids:
+        raise InvalidArgument("allowed_token_ids", "must list at least one token id")
+    allowed = tuple(sorted(set(_token_ids("allowed_token_ids", request.allowed_token_ids, info.vocab_size))))
+    if allowed and compiled is not None:
+        raise InvalidArgument("allowed_token_ids", "cannot be combined with structured output")
+    spec = Processing(bias, presence, frequency, compiled, float(repetition), allowed)
     return spec if spec.active else None
 
 
