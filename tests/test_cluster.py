@@ -18,7 +18,7 @@ from ssd.cluster.devices import plan_placement
 from ssd.cluster.runtime import Cluster
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.engine import AREngine
-from ssd.engine.request import GenerationRequest
+from ssd.engine.request import GenerationRequest, Processing
 from ssd.models import build_tiny_model, load_tokenizer
 from ssd.models.loading import TORCH_DTYPES
 from tests.conftest import ROOT
@@ -32,10 +32,11 @@ GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 
 
-def local_ar(config, prompt, n):
+def local_ar(config, prompt, n, processing=None, **generation):
     target = build_tiny_model(config.target.tiny, TORCH_DTYPES[config.target.dtype])
     engine = AREngine(target, load_tokenizer(config.target))
-    return engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n))).token_ids
+    request = GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=n, **generation), processing=processing)
+    return engine.generate(request).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,22 @@ def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
         out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
         assert out.token_ids == local_ar(CONFIG, prompt, 40)
         assert out.stats.mode == "ssd" and out.stats.spec.hits > 0 and out.stats.spec.degraded_rounds == 0
+
+
+def test_logits_processing_and_end_conditions_travel_to_the_targets_actor(cluster):
+    """logit_bias, penalties, vLLM's repetition penalty and allowed ids, and a stop token: SSD
+    greedy through the actors == local AR with the same processing, which differs from AR without."""
+    spec = Processing(logit_bias=((3, 2.0),), presence_penalty=0.5, frequency_penalty=0.5,
+                      repetition_penalty=1.5, allowed_token_ids=tuple(range(12)))
+    prompt = PROMPTS[0]
+    want = local_ar(CONFIG, prompt, 40, spec)
+    assert want != local_ar(CONFIG, prompt, 40) and max(want) < 12
+    out = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40), processing=spec))
+    assert out.token_ids == want and out.stats.mode == "ssd"
+    stop_at = next(i for i, t in enumerate(want) if i >= 5 and t not in want[:i])  # the first time it appears
+    ended = cluster.generate(GenerationRequest(
+        prompt, GREEDY, GenerationConfig(max_new_tokens=40, stop_token_ids=[want[stop_at]]), processing=spec))
+    assert ended.token_ids == want[: stop_at + 1] and ended.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
