@@ -285,6 +285,28 @@ def test_min_p_travels_as_an_extra_field_and_over_grpc(client, grpc_client):
     assert plain != {greedy}
 
 
+def test_tokenize_and_detokenize_as_vllm_has_them(server, backend):
+    """/tokenize gives the ids a generation takes (a completion's text; a chat rendered by the
+    template), /detokenize their text; bad input names its field."""
+    url = base_url(server)
+    got = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": PROMPT}).json()
+    assert got == {"count": len(PROMPT), "max_model_len": 512, "tokens": backend.encode(PROMPT)}
+    messages = [{"role": "user", "content": "ab"}]
+    got = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert got["tokens"] == chat_ids(backend, messages)
+    assert httpx.post(url + "/detokenize", json={"tokens": backend.encode(PROMPT)}).json() == {"prompt": PROMPT}
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "xyz"}, 400, "prompt"),  # outside the tiny alphabet
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "ab", "messages": messages}, 400, "prompt"),
+        ("/tokenize", {"prompt": "ab", "model": "gpt-4o"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 16]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "ab"}, 400, "tokens"),
+    ]:
+        reply = httpx.post(url + path, json=body)
+        assert reply.status_code == status and reply.json()["error"]["param"] == param, (path, body, reply.text)
+
+
 def test_tls_on_the_http_port(backend, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")

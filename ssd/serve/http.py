@@ -129,6 +129,8 @@ class OpenAIFrontend:
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         return app
 
     async def health(self) -> JSONResponse:
@@ -180,15 +182,44 @@ class OpenAIFrontend:
         """OpenAI chat completions (the model's chat template). `seed`: as for /v1/completions."""
         return await self._generate(request, schema.ChatBody, chat=True)
 
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the prompt's ids as a generation takes them (chat: rendered)."""
+        self._authorize(request)
+        body = await self._body(request, schema.TokenizeBody)
+        self._check_model(body.model)
+        try:
+            ids = self.service.tokenize(schema.tokenize_request(body))
+        except InvalidArgument as exc:
+            raise invalid(exc, schema.body_param(exc.field, body)) from None
+        except NotServing as exc:
+            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+        limits = self._model_info().limits
+        return JSONResponse({"count": len(ids), "max_model_len": limits.max_context_tokens, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: the text of token ids."""
+        self._authorize(request)
+        body = await self._body(request, schema.DetokenizeBody)
+        self._check_model(body.model)
+        try:
+            return JSONResponse({"prompt": self.service.detokenize(body.tokens)})
+        except InvalidArgument as exc:
+            raise invalid(exc) from None
+        except NotServing as exc:
+            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+
+    def _check_model(self, model: str | None) -> None:
+        served = self._model_info().target_model
+        if model is not None and model != served:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {served!r}",
+                           param="model", code="model_not_found")
+
     # --- one generation ------------------------------------------------------------
 
     async def _generate(self, request: Request, body_cls: type, chat: bool) -> Response:
         self._authorize(request)
         body = await self._body(request, body_cls)
-        served = self._model_info().target_model
-        if body.model != served:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                           f"{served!r}", param="model", code="model_not_found")
+        self._check_model(body.model)
         call = Call(self, body, self._submit_all(body), chat)
         if body.stream:
             return JobStream(call.events(), on_close=call.cancel)

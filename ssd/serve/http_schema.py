@@ -177,6 +177,30 @@ class ChatBody(_Common):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeBody(_Body):
+    """vLLM's /tokenize: a completion's prompt or a chat's messages (and tools)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    tools: list[Tool] | None = None
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_request(body: TokenizeBody) -> Request:
+    """The neutral Request whose prompt /tokenize reports (validation encodes it as for a generation)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidArgument("prompt", "give prompt or messages")
+    if body.prompt is not None:
+        return Request(text=body.prompt)
+    chat = ChatBody(model=body.model or "", messages=body.messages, tools=body.tools)
+    return Request(chat=[_message(m, i) for i, m in enumerate(body.messages)], tools=tooling.rendered(chat))
+
+
 def parse(model: type[_Body], data: Any) -> Any:
     """The body as `model`, or InvalidArgument naming the first bad field."""
     try:
@@ -203,6 +227,8 @@ def loc_param(loc: tuple[Any, ...]) -> str:
 def refuse_unsupported(body: _Common) -> None:
     """OpenAI settings this server cannot honour exactly (or that contradict each other):
     refused by name, never ignored. Value ranges are ssd.serve.validation's."""
+    if not isinstance(body, _Common):  # /tokenize, /detokenize: nothing to refuse
+        return
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise InvalidArgument("n", f"must be in 1..{MAX_CHOICES}, got {body.n}")
     if body.stream_options is not None and not body.stream:

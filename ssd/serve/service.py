@@ -33,7 +33,7 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.request import Request
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import (
-    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, validate,
+    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, prompt_ids, validate,
 )
 from ssd.serve.worker import (
     Done,
@@ -310,6 +310,20 @@ class GenerationService:
             raise
         self.metrics.admitted()
         return Generation(self, worker, backend, job, ahead, stream_text)
+
+    def tokenize(self, request: Request) -> list[int]:
+        """The request's prompt ids, as a generation would take them (vLLM's /tokenize)."""
+        backend, _ = self.serving()
+        return prompt_ids(request, backend, self.options)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids`, each in the vocabulary (vLLM's /detokenize)."""
+        backend, _ = self.serving()
+        vocab = backend.info.vocab_size
+        for position, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidArgument("tokens", f"id {token} at position {position} is outside the vocabulary 0..{vocab - 1}")
+        return backend.decode(ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request by id; False if there is none."""

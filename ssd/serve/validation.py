@@ -305,6 +305,11 @@ def _one_of(value: str, field: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def prompt_ids(request: Request, backend: Backend, options: ServeOptions) -> list[int]:
+    """The request's prompt as the engine will see it (text encoded, chat rendered), checked."""
+    return _prompt(request, backend, options)
+
+
 def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[int]:
     which = request.prompt_field()
     if which is None:
