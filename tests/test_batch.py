@@ -21,6 +21,7 @@ from ssd.engine import AREngine, Engine, SDEngine
 from ssd.factory import LoadedPair, make_engine
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
+from ssd.models import backend
 from ssd.models.kv import KVSequence, forward_rows, kv_bytes_per_token
 from ssd.verify import verify
 from tests.exact import exact_marginal
@@ -219,8 +220,8 @@ def test_each_row_matches_the_target_law(chi_pair):
 def rotate_scored_rows(forward):
     """A packing bug: verified rows receive the next row's target logits (where shapes allow)."""
 
-    def broken(rows, ids, last_only=False):
-        outs = forward(rows, ids, last_only)
+    def broken(rows, ids, last_only=False, prompt=None):
+        outs = forward(rows, ids, last_only, prompt)
         flags = [last_only] * len(rows) if isinstance(last_only, bool) else last_only
         if len(outs) > 1 and not any(flags) and len({o.shape for o in outs}) == 1:
             outs = outs[1:] + outs[:1]
@@ -230,7 +231,7 @@ def rotate_scored_rows(forward):
 
 
 def test_the_law_test_catches_rows_verified_with_another_rows_logits(chi_pair, monkeypatch):
-    monkeypatch.setattr(batch_module, "forward_rows", rotate_scored_rows(forward_rows))
+    monkeypatch.setattr(batch_module, "forward_rows", rotate_scored_rows(backend.forward_rows))
     pvalues = chi_pvalues(chi_pair, chi_draws(chi_pair, CHI_BROKEN_SAMPLES))
     for (prompt, sampling), pvalue in zip(CHI_ROWS, pvalues):
         report_pvalue("batched sd", f"{prompt} {sampling}", "rotated logits", CHI_BROKEN_SAMPLES, pvalue)
@@ -312,10 +313,10 @@ def test_a_step_feeds_the_target_at_most_max_batched_tokens(tiny_models, tiny_to
     target, draft = tiny_models
     fed: list[int] = []
 
-    def counting(rows, ids, last_only=False):
+    def counting(rows, ids, last_only=False, prompt=None):
         if rows and rows[0].model is target:
             fed.append(sum(map(len, ids)))
-        return forward_rows(rows, ids, last_only)
+        return backend.forward_rows(rows, ids, last_only, prompt)
 
     monkeypatch.setattr(batch_module, "forward_rows", counting)
     engine = SDEngine(target, draft, tiny_tokenizer, batching=BatchingConfig(max_batched_tokens=24, prefill_chunk=16))

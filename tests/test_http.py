@@ -632,7 +632,7 @@ BAD = [
     (C, _ok(logit_bias={"99": 5}), 400, "logit_bias"),
     (C, _ok(logit_bias={"x": 5}), 400, "logit_bias"),
     (C, _ok(logit_bias={"1": 101}), 400, "logit_bias"),
-    (C, _ok(echo=True, logprobs=1), 400, "echo"),
+    (C, _ok(echo=True, logprobs=1, stream=True), 400, "echo"),
     (C, _ok(suffix="ab"), 400, "suffix"),
     (C, _ok(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "response_format.json_schema.schema"),

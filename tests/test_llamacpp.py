@@ -686,3 +686,55 @@ def test_long_prompts_in_a_tight_batch_equal_each_alone(k_quant_pair, mode):
     cut = [_tokens_and_logprobs(other.generate(r))[1] for r in requests]
     apart = max(abs(a - b) for c, (_, w) in zip(cut, want) for a, b in zip(c, w))
     assert apart > (0 if target.repacked else 1e-4)
+
+
+def test_prompt_logprobs_match_the_torch_model(tmp_path):
+    """The same on llama.cpp's kernels (an F32 GGUF of a torch model, prompt chunks of 3):
+    the values to test_llamacpp's fp32 tolerance."""
+    from tests.test_prompt_logprobs import BATCHING, reference
+
+    model = _model()
+    lm = LlamaCppModel(export_gguf(model, tmp_path / "tiny.gguf"))
+    prompt = [1, 5, 7, 2, 9, 9, 3, 0, 4]
+    request = GenerationRequest(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=4), prompt_logprobs=0)
+    got = AREngine(lm, TOKENIZER, BATCHING).generate(request).prompt_logprobs
+    want = reference(model, prompt).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in got], dtype=torch.float64), want, rtol=0, atol=1e-4)
+
+
+def test_asking_for_prompt_logprobs_leaves_a_llamacpp_rows_cache_as_it_was(k_quant_files, monkeypatch):
+    """On Q4_K_M weights, in every layout this host runs (plain, repacked, prompts on the plain
+    twin): a 40-token prompt in chunks of 16 runs as prompt chunks whether or not the request
+    asks for its log-probabilities, so its cache is the same, and so are the output's tokens
+    and, from the second on, their log-probabilities, bit for bit. The first token's logits come
+    from the last chunk's forward, which then has 8 output rows instead of 1: another kernel,
+    float rounding apart (measured 4.8e-7 in its log-probability). Power: scoring the prompt as
+    packed invariant ubatches (what `decode` does with a plain "all" job) changes the cache."""
+    from ssd.models import llamacpp
+
+    tok = TinyTokenizer(CFG.vocab_size)
+    batching = BatchingConfig(prefill_chunk=16)
+
+    def run(model, prompt_logprobs):
+        req = GenerationRequest(LONG, SamplingConfig(), GenerationConfig(max_new_tokens=8), logprobs=0,
+                                prompt_logprobs=prompt_logprobs)
+        out = AREngine(model, tok, batching).generate(req)
+        return out.token_ids, [e.logprob for e in out.logprobs], out.prompt_logprobs
+
+    for repacked, plain_prefill in ((False, False), (True, False), (True, True)):
+        if repacked and not llamacpp.repack_probe(k_quant_files[0])["runs"]:
+            continue
+        model = llamacpp.LlamaCppModel(k_quant_files[0], use_extra_bufts=repacked, plain_prefill=plain_prefill)
+        ids, logprobs, none = run(model, None)
+        asked_ids, asked_logprobs, scored = run(model, 0)
+        assert none is None and [e.token for e in scored] == LONG[1:]
+        assert asked_ids == ids and asked_logprobs[1:] == logprobs[1:], (repacked, plain_prefill)
+        assert asked_logprobs[0] == pytest.approx(logprobs[0], abs=1e-5)
+    original = llamacpp.LlamaCppContext._calls
+
+    def packed(self, jobs):  # a prompt chunk that wants every row packed like any "all" job
+        return original(self, [(s, p, i, "all" if w == "prompt" else w) for s, p, i, w in jobs])
+
+    monkeypatch.setattr(llamacpp.LlamaCppContext, "_calls", packed)
+    model = llamacpp.LlamaCppModel(k_quant_files[0], use_extra_bufts=False)
+    assert run(model, 0)[1][1:] != run(model, None)[1][1:]

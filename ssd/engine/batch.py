@@ -50,6 +50,9 @@ from ssd.models.backend import (
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.sampling import draws_at, greedy_token, make_generator, probs_from_logits, sample, token_logprobs
+
+PLAIN_LAW = SamplingConfig()  # token_logprobs at temperature 0 read the plain log-softmax: a prompt's law
+PROMPT_ROWS = 32  # prompt positions scored at a time: 32 x 152k float64 is 39 MB
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
@@ -138,6 +141,7 @@ class SequenceState:
     output: OutputTracker
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per admitted token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked
     processor: LogitsProcessor | None = None  # logit_bias, penalties, a grammar (request.processing)
 
     @property
@@ -338,6 +342,7 @@ class BatchedEngine(Engine):
                 prompt_tokens=len(request.prompt_ids), precision=self.precision,
             ),
             logprobs=[] if request.logprobs is not None else None,
+            prompt_logprobs=[] if request.prompt_logprobs is not None else None,
             processor=self._processor(request),
         )
 
@@ -363,7 +368,8 @@ class BatchedEngine(Engine):
         req.stats.new_tokens = len(req.output.token_ids)
         log.debug("%s", req.stats.summary())
         return GenerationResult(req.output.token_ids, req.output.text(), req.output.finish_reason, req.stats,
-                                logprobs=list(req.logprobs) if req.logprobs is not None else None)
+                                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                                prompt_logprobs=req.prompt_logprobs)
 
     @staticmethod
     def _next_token(req: SequenceState, logits: torch.Tensor) -> int:
@@ -546,15 +552,32 @@ class BatchedEngine(Engine):
         return chunks
 
     def _score(self, jobs: list[tuple[Row, list[int], bool]]) -> list[torch.Tensor]:
-        """One packed target forward: the last position of prefill chunks, every scored position of rounds."""
-        return forward_rows([row.target for row, _, _ in jobs], [ids for _, ids, _ in jobs], [last for *_, last in jobs])
+        """One packed target forward: the last position of prefill chunks (every position when the
+        request asks for its prompt's log-probabilities), every scored position of rounds."""
+        scored_prompt = [prefill and row.state.prompt_logprobs is not None for row, _, prefill in jobs]
+        last_only = [prefill and not scored for (_, _, prefill), scored in zip(jobs, scored_prompt)]
+        return forward_rows([row.target for row, _, _ in jobs], [ids for _, ids, _ in jobs], last_only, scored_prompt)
 
     def _prefilled(self, row: Row, fed: int, logits: torch.Tensor) -> None:
         """Count a prefill chunk; the chunk that completes the prompt samples the first token."""
+        if row.state.prompt_logprobs is not None:
+            self._score_prompt(row.state, row.prefilled, logits)
         row.prefilled += fed
         if row.decoding:
             self._emit(row.state, [self._next_token(row.state, logits[-1])], logits[-1:])
             row.state.stats.time_to_first_token_s = row.clock.elapsed()
+
+    @staticmethod
+    def _score_prompt(state: SequenceState, start: int, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens a chunk's rows predict (row i: token start + i + 1):
+        the model's own law, log-softmax at temperature 1, unprocessed; PROMPT_ROWS rows at a time,
+        so a chunk over a large vocabulary never holds its float64 log-softmax whole."""
+        prompt, top_n = state.request.prompt_ids, state.request.prompt_logprobs
+        for at in range(0, len(logits), PROMPT_ROWS):
+            rows = logits[at : at + PROMPT_ROWS]
+            scored = prompt[start + at + 1 : start + at + len(rows) + 1]  # the last chunk's last row: none
+            entries = token_logprobs(rows, PLAIN_LAW, scored, top_n)
+            state.prompt_logprobs += [TokenLogprob(t, value, tuple(top)) for t, (value, top) in zip(scored, entries)]
 
     def _together(self, rows: list[Row], work: Callable, *args) -> object:
         """Run work shared by `rows` (a batched forward); if it fails, each of them fails with it."""

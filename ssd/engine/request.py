@@ -87,6 +87,9 @@ class GenerationRequest:
     on_logprobs: LogprobCallback | None = None
     # None: the model's logits as they are; else logit_bias, penalties, a grammar's mask.
     processing: Processing | None = None
+    # None: none; n >= 0: each prompt token's after the first (the model's own log-softmax,
+    # unprocessed), with the n most likely alternatives; prefill then computes every position's logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)
@@ -121,6 +124,8 @@ class GenerationResult:
     first_tokens: int = 1
     # One per token_ids entry when the request asked for logprobs (else None).
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token after the first when the request asked for prompt_logprobs (else None).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class GeneratorUnavailable(RuntimeError):

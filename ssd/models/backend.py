@@ -127,14 +127,17 @@ def release(sequence: AnySequence | None) -> None:
 
 
 def forward_rows(
-    rows: Sequence[AnySequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False
+    rows: Sequence[AnySequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False,
+    prompt: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """`rows[i].forward(ids[i], last_only[i])` for every row, packed where the backend allows.
 
-    The rows are distinct sequences of one model.
+    The rows are distinct sequences of one model. `prompt[i]`: ids[i] is a prompt chunk whose
+    every row's logits are wanted (llama.cpp runs it as it runs a last_only chunk, so its cache
+    does not depend on that; torch's never does).
     """
     if rows and not isinstance(rows[0], KVSequence) and is_llamacpp(rows[0]):
-        return _llamacpp().forward_rows(rows, ids, last_only)
+        return _llamacpp().forward_rows(rows, ids, last_only, prompt)
     return kv.forward_rows(rows, ids, last_only)
 
 

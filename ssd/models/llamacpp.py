@@ -68,6 +68,7 @@ _init_lock = threading.Lock()
 # A share of one llama_decode call: (job index, seq, start position, ids, which rows
 # give logits: "all", "last" or "none").
 _Piece = tuple[int, int, int, list[int], str]
+WANTED = ("last", "all", "prompt")  # what a decode job wants: see LlamaCppContext.decode
 _initialised = False
 
 
@@ -323,11 +324,14 @@ class LlamaCppContext:
         if not L.llama_memory_seq_rm(self._memory, seq, start, -1):
             raise LlamaCppError(f"llama.cpp could not remove positions >= {start} of sequence {seq}")
 
-    def decode(self, jobs: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[torch.Tensor]:
-        """Logits per job (seq, start position, ids, last_only), in as few llama_decode calls as exactness allows.
+    def decode(self, jobs: Sequence[tuple[int, int, Sequence[int], str]]) -> list[torch.Tensor]:
+        """Logits per job (seq, start position, ids, wanted), in as few llama_decode calls as exactness allows.
 
-        A prompt chunk (a last_only job longer than `n_ubatch`) runs in a call of
-        its own, as whole ubatches: its keys and values then depend on its tokens
+        `wanted`: "last" (the last row's logits), "all" (every row's) or "prompt" (every
+        row's, of a prompt chunk: a request that asks for its prompt's log-probabilities).
+        A prompt chunk (a "last" or "prompt" job longer than `n_ubatch`) runs in a call of
+        its own, as whole ubatches (on the plain twin where prompts run there), whatever it
+        wants: its keys and values then depend on its tokens
         and start only, never on what else the step ran, because the engine starts
         chunks at fixed positions (ssd.engine.batch). That is 4-10x faster per token
         than the invariant ubatches. Every other job is packed, at most `n_ubatch`
@@ -361,15 +365,18 @@ class LlamaCppContext:
         calls: list[list[_Piece]] = []
         packed: list[_Piece] = []
         room = self.n_ubatch
-        for index, (seq, start, ids, last_only) in enumerate(jobs):
+        for index, (seq, start, ids, wanted) in enumerate(jobs):
             ids = [int(t) for t in ids]
-            if last_only and len(ids) > self.n_ubatch:
-                calls.append([(index, seq, start, ids, "last")])
+            if wanted not in WANTED:
+                raise ValueError(f"wanted must be one of {WANTED}, got {wanted!r}")
+            every = wanted != "last"
+            if len(ids) > self.n_ubatch and wanted != "all":  # a prompt chunk: its cache never depends on `wanted`
+                calls.append([(index, seq, start, ids, "all" if every else "last")])
                 continue
             at = 0
             while at < len(ids):
                 end = at + min(room, len(ids) - at)
-                outputs = "all" if not last_only else "last" if end == len(ids) else "none"
+                outputs = "all" if every else "last" if end == len(ids) else "none"
                 packed.append((index, seq, start + at, ids[at:end], outputs))
                 room -= end - at
                 at = end
@@ -439,7 +446,7 @@ class LlamaCppContext:
         prompts go faster on some hosts: the row's cache so far moves to a one-slot context
         there, the chunk runs, and the row's cache comes back with the chunk's keys and values.
         Every mode prefills this way, so a prompt's cache still depends on the prompt alone."""
-        _, seq, start, ids, _ = piece
+        _, seq, start, ids, outputs = piece
         if self._prompt_context is None:
             self._prompt_context = LlamaCppContext(
                 self.model.plain_twin, n_ctx_seq=self.n_ctx_seq, n_threads=None if self._follow_torch else
@@ -449,7 +456,7 @@ class LlamaCppContext:
         try:
             if before is not None:
                 helper._set_seq_state(0, restream(before, seq, 0, 0, 1))
-            logits = helper._decode_call([(0, 0, start, ids, "last")])
+            logits = helper._decode_call([(0, 0, start, ids, outputs)])
             after = restream(helper._seq_state(0), 0, seq, seq, self._n_stream)
         finally:
             helper.remove(0, 0)
@@ -737,13 +744,17 @@ def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n
 
 def forward_rows(
     rows: Sequence[LlamaCppSequence], ids: Sequence[Sequence[int]], last_only: bool | Sequence[bool] = False,
+    prompt: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """`rows[i].forward(ids[i], last_only[i])` for every row; one llama_decode per context.
 
     Rows of one context go into one batch (each its own seq_id and
     positions); rows of different contexts run context by context.
+    `prompt[i]`: ids[i] is a prompt chunk (every row's logits wanted, its cache computed
+    as a last_only chunk's would be: LlamaCppContext.decode).
     """
     flags = [last_only] * len(rows) if isinstance(last_only, bool) else list(last_only)
+    prompt = list(prompt) if prompt is not None else [False] * len(rows)
     if len(rows) != len(ids) or len(rows) != len(flags):
         raise ValueError(f"{len(rows)} rows, {len(ids)} id lists and {len(flags)} last_only flags")
     if len({id(r) for r in rows}) != len(rows):
@@ -756,7 +767,8 @@ def forward_rows(
         groups.setdefault(id(row.context), []).append(i)
     for members in groups.values():
         context = rows[members[0]].context
-        jobs = [(rows[i].seq, rows[i].length, [int(t) for t in ids[i]], flags[i]) for i in members]
+        jobs = [(rows[i].seq, rows[i].length, [int(t) for t in ids[i]],
+                 "last" if flags[i] else "prompt" if prompt[i] else "all") for i in members]
         for i, logits in zip(members, context.decode(jobs)):
             rows[i].tokens.extend(int(t) for t in ids[i])
             results[i] = logits
@@ -827,7 +839,7 @@ class LlamaCppBranches:
         if len(tokens) != len(self._slots):
             raise ValueError(f"need one token per branch ({len(self._slots)}), got {len(tokens)}")
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
-        jobs = [(slot, pos, [t], False) for slot, pos, t in zip(self._slots, self._positions, ids)]
+        jobs = [(slot, pos, [t], "all") for slot, pos, t in zip(self._slots, self._positions, ids)]
         try:
             logits = self._kv.context.decode(jobs)
         except BaseException:

@@ -452,8 +452,11 @@ class Call:
         out = []
         for choice in shown:
             result = choice.final.result
+            logprobs = self._logprobs(choice, result.logprobs)
+            if result.prompt_logprobs is not None and logprobs is not None:
+                logprobs = _joined(self._prompt_logprobs(choice, result.prompt_logprobs), logprobs)
             entry: dict[str, Any] = {"index": choice.index, "finish_reason": FINISH[choice.final.reason],
-                                     "logprobs": self._logprobs(choice, result.logprobs)}
+                                     "logprobs": logprobs}
             if self.chat:
                 entry["message"] = self._message(choice, result.text, entry)
             else:
@@ -551,6 +554,15 @@ class Call:
         return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
                 "top_logprobs": [{self._token(choice, i): _finite(v) for i, v in e.top} for e in entries],
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """Completions' echo with logprobs: the prompt's tokens, the first without a log-probability
+        (nothing comes before it), as OpenAI's legacy completions lay them out."""
+        tokens = [self._token(choice, t) for t in choice.gen.request.prompt_ids[:1]] + [
+            self._token(choice, e.token) for e in entries]
+        return {"tokens": tokens, "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
+                "top_logprobs": [None] + [{self._token(choice, i): _finite(v) for i, v in e.top} for e in entries],
+                "text_offset": _offsets(tokens, 0)}
 
     def _chat_entry(self, choice: Choice, entry: TokenLogprob) -> dict[str, Any]:
         def one(token: int, value: float) -> dict[str, Any]:
@@ -676,6 +688,11 @@ def _first_surrogate(value: Any, path: str = "") -> str | None:
 
 def _finite(value: float) -> float:
     return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def _joined(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
+    """Two completions logprobs objects as one: their parallel lists end to end."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _offsets(tokens: list[str], at: int) -> list[int]:

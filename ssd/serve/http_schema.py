@@ -256,9 +256,9 @@ def _refuse_completion(body: "CompletionBody") -> None:
             raise InvalidArgument("best_of", f"must be in n..{MAX_CHOICES} (n is {n}), got {body.best_of}")
         if body.stream and body.best_of > n:
             raise InvalidArgument("best_of", "cannot exceed n with stream: true (the best are known only at the end)")
-    if body.echo and body.logprobs is not None:
-        raise InvalidArgument("echo", "with logprobs needs the prompt's log-probabilities, which are not served; "
-                              "use echo or logprobs")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise InvalidArgument("echo", "with logprobs is not streamed (the prompt's log-probabilities come with "
+                              "the result); send stream: false")
     if body.suffix:
         raise InvalidArgument("suffix", "not supported (no fill-in-the-middle template)")
     if isinstance(body.prompt, list) and not body.prompt:
@@ -379,6 +379,8 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         request.chat = [_message(m, i) for i, m in enumerate(body.messages)]
         request.tools = tooling.rendered(body)
     else:
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens get theirs too
+            request.prompt_logprobs = body.logprobs
         prompt = prompts(body)[0] if prompt is None else prompt
         if isinstance(prompt, str):
             request.text = prompt

@@ -78,6 +78,7 @@ class Request:
     mode: str | None = None  # ar | sd | ssd
     speculation: Speculation | None = None
     logprobs: int | None = None  # None: none; n: each token's, with n alternatives (HTTP only)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after the first (HTTP's echo)
     # Logits processing (ssd.engine.processing; HTTP only): OpenAI's logit_bias {token id: bias},
     # presence and frequency penalties, and structured output (a grammar's mask).
     logit_bias: dict[int, float] | None = None

@@ -80,7 +80,8 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
         include_stop_str_in_output=request.include_stop_str_in_output,
     )
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
-                             logprobs=request.logprobs, processing=processing)
+                             logprobs=request.logprobs, processing=processing,
+                             prompt_logprobs=request.prompt_logprobs)
 
 
 def choice_seed(seed: int, choice: int) -> int:
