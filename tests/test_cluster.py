@@ -54,7 +54,8 @@ def test_ssd_greedy_equals_ar_through_the_cluster(cluster):
 
 def test_logits_processing_and_end_conditions_travel_to_the_targets_actor(cluster):
     """logit_bias, penalties, vLLM's repetition penalty and allowed ids, and a stop token: SSD
-    greedy through the actors == local AR with the same processing, which differs from AR without."""
+    greedy through the actors == local AR with the same processing, which differs from AR without;
+    the prompt's log-probabilities come back with the result."""
     spec = Processing(logit_bias=((3, 2.0),), presence_penalty=0.5, frequency_penalty=0.5,
                       repetition_penalty=1.5, allowed_token_ids=tuple(range(12)))
     prompt = PROMPTS[0]
@@ -66,6 +67,8 @@ def test_logits_processing_and_end_conditions_travel_to_the_targets_actor(cluste
     ended = cluster.generate(GenerationRequest(
         prompt, GREEDY, GenerationConfig(max_new_tokens=40, stop_token_ids=[want[stop_at]]), processing=spec))
     assert ended.token_ids == want[: stop_at + 1] and ended.finish_reason == "stop"
+    scored = cluster.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=4), prompt_logprobs=1))
+    assert [e.token for e in scored.prompt_logprobs] == prompt[1:] and all(len(e.top) == 1 for e in scored.prompt_logprobs)
 
 
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
