@@ -283,10 +283,11 @@ def test_vllms_repetition_penalty_and_min_tokens_through_the_wire_equal_the_engi
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_vllms_stop_token_ids_include_stop_str_and_allowed_token_ids_through_the_wire(plain, mode):
+def test_vllms_stop_token_ids_include_stop_str_allowed_ids_and_bad_words_through_the_wire(plain, mode):
     """The engine's output with the same settings, over HTTP (streamed too) and gRPC: a stop token
-    ends the output at the same token and stays in it, a stop string can stay in the text, and
-    allowed_token_ids bound the output (which differs from the free one)."""
+    ends the output at the same token and stays in it, a stop string can stay in the text,
+    allowed_token_ids bound the output and bad_words keep a word out of it (each differs from
+    the free output)."""
     srv, backend = plain
     client, ids = oai(srv), backend.encode(PROMPT)
     free = direct(backend, ids, max_new=20)
@@ -297,6 +298,8 @@ def test_vllms_stop_token_ids_include_stop_str_and_allowed_token_ids_through_the
          {"include_stop_str_in_output": True, "stop": [free.text[2:4]]}),
         ({"allowed_token_ids": [1, 2, 5]}, {"allowed_token_ids": [1, 2, 5]},
          {"processing": Processing(allowed_token_ids=(1, 2, 5))}),
+        ({"bad_words": [free.text[2:4]]}, {"bad_words": [free.text[2:4]]},  # " " is not in the tiny vocabulary
+         {"processing": Processing(bad_words=(tuple(backend.encode(free.text[2:4])),))}),
     ]
     with GenerationClient(f"127.0.0.1:{srv.port}") as grpc:
         for extra, fields, engine_fields in cases:

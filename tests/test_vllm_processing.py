@@ -1,4 +1,4 @@
-"""vLLM's repetition_penalty and min_tokens are part of the target's law, exactly, in every mode.
+"""vLLM's repetition_penalty, bad_words and min_tokens are part of the target's law, exactly, in every mode.
 
 Model and modes as in test_processing: one layer, fp64, a 6-token vocabulary,
 the draft the target plus 10 % weight noise, K = 3; AR, SD (the draft drafts
@@ -11,6 +11,9 @@ under the same processing) and SSD (the speculator unprocessed).
   tokens 1-4 of 5, chi-square as in test_distribution (tests/stats.py).
   Power: `repetition_ignores_drafts` (rows penalise the prompt and the
   committed tokens only, not the drafts before them) fails the same test in SD.
+- bad_words (as token id sequences): "5 5" (the likeliest pair) and "1": the law bans 1
+  everywhere and 5 right after a 5. Greedy: AR == SD == SSD, free of them; sampled: as for
+  the penalty. Power: `bad_words_ignore_drafts` (matched against committed tokens only).
 - min_tokens M with an EOS: EOS is banned until M tokens are out, so no
   output ends before M; after that EOS ends it. Sampled: the joint of tokens
   1-4 with the end as a cell value, against the law enumerated with EOS
@@ -40,6 +43,8 @@ from tests.test_processing import K, N_TOKENS, POSITIONS, PROMPT, SMALL, V, pair
 
 R = 2.0
 REPETITION = Processing(repetition_penalty=R)
+BAD = ((5, 5), (1,))  # vLLM's bad_words as token ids: no 5 right after a 5 (the likeliest pair), never a 1
+BAD_WORDS = Processing(bad_words=BAD)
 EOS = 5  # the model's likeliest token: greedy decoding ends at once without min_tokens
 M = 3  # min_tokens: EOS banned at generated positions 0..2, a round's drafts cross the line
 END = -1  # a cell's value at positions past the end
@@ -68,6 +73,14 @@ def hf_penalised(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
     """transformers' repetition penalty over the prompt and the generated prefix."""
     ids = torch.tensor([PROMPT + prefix])
     return RepetitionPenaltyLogitsProcessor(R)(ids, logits[None].clone())[0]
+
+
+def bad_words_banned(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    for word in BAD:
+        if len(prefix) >= len(word) - 1 and prefix[len(prefix) - len(word) + 1:] == list(word[:-1]):
+            out[word[-1]] = float("-inf")
+    return out
 
 
 def eos_banned(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
@@ -187,6 +200,64 @@ def test_the_chi_square_sees_a_penalty_that_ignores_the_drafts(pair, monkeypatch
     samples = run("sd", pair, processing=REPETITION)
     pvalue = chi_square_pvalue(samples, expected)
     report_pvalue("repetition_penalty", f"R={R} T=1", "repetition_ignores_drafts", len(samples), pvalue)
+    assert pvalue < ALPHA, pvalue
+
+
+# --- bad_words --------------------------------------------------------------------------------
+
+
+def bad_words_ignore_drafts(monkeypatch) -> None:
+    original = LogitsProcessor._bad_words_banned
+
+    def banned(self):
+        pending, self.pending = self.pending, []
+        try:
+            return original(self)
+        finally:
+            self.pending = pending
+
+    monkeypatch.setattr(LogitsProcessor, "_bad_words_banned", banned)
+
+
+def test_a_bad_words_last_token_is_banned_where_the_output_sets_it_up():
+    processor = LogitsProcessor(BAD_WORDS)
+    banned = lambda: {t for t in range(V) if processor.bias(V).forbids(t)}  # noqa: E731
+    assert banned() == {1}
+    processor.commit([5])
+    assert banned() == {1, 5}
+    processor.push(3)
+    assert banned() == {1}
+    processor.reset()
+    processor.commit([2, 5])
+    assert banned() == {1, 5}
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [5, 5, 2, 1], [3]])
+def test_greedy_without_bad_words_is_ar_without_them_in_every_mode(pair, prompt):
+    greedy = SamplingConfig(temperature=0.0)
+    reference = generate(engine("ar", pair), greedy, 24, BAD_WORDS, prompt=prompt).token_ids
+    free = generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
+    assert reference != free and 1 not in reference
+    assert all(reference[i : i + 2] != [5, 5] for i in range(len(reference) - 1))
+    assert generate(engine("sd", pair), greedy, 24, BAD_WORDS, prompt=prompt).token_ids == reference
+    with engine("ssd", pair) as ssd:
+        assert generate(ssd, greedy, 24, BAD_WORDS, prompt=prompt).token_ids == reference
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_sampled_output_follows_the_law_without_bad_words(pair, mode):
+    samples = run(mode, pair, processing=BAD_WORDS)
+    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], bad_words_banned, ends=False))
+    report_pvalue("bad_words", "5 5 and 1 T=1", mode, len(samples), pvalue)
+    assert pvalue > ALPHA, pvalue
+
+
+def test_the_chi_square_sees_bad_words_that_ignore_the_drafts(pair, monkeypatch):
+    expected = exact_joint(pair[0], bad_words_banned, ends=False)
+    bad_words_ignore_drafts(monkeypatch)
+    samples = run("sd", pair, processing=BAD_WORDS)
+    pvalue = chi_square_pvalue(samples, expected)
+    report_pvalue("bad_words", "5 5 and 1 T=1", "bad_words_ignore_drafts", len(samples), pvalue)
     assert pvalue < ALPHA, pvalue
 
 

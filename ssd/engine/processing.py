@@ -10,6 +10,8 @@ then the rest adds up:
                      generated so far (HF's and vLLM's definition; r = 1: off)
     logit_bias       + b[j] for the listed ids (OpenAI: -100 bans, +100 forces)
     allowed ids      -inf for every token outside vLLM's allowed_token_ids, when given
+    bad words        -inf for a bad word's last token where the output ends with the
+                     rest of it (vLLM's bad_words, as token id sequences)
     penalties        - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,
                      c[j] = how often j was generated so far (OpenAI's definition;
                      the prompt does not count, as in vLLM)
@@ -63,6 +65,7 @@ class LogitsProcessor:
         self.prompt_ids = set(prompt_ids) if spec.repetition_penalty != 1 else set()
         self.counts: Counter[int] = Counter()
         self.generated = 0  # committed tokens
+        self.tail: list[int] = []  # the last committed tokens, as many as the longest bad word needs
         self.pending: list[int] = []
         self.consumed = 0  # of the pending tokens, those the grammar took (none once it is complete)
         self.frozen = False  # a pending token went past the grammar's end
@@ -82,6 +85,9 @@ class LogitsProcessor:
             out -= penalties
         if self.generated + len(self.pending) < self.min_tokens:
             out[[t for t in self.held_ids if t < vocab]] = float("-inf")
+        banned = self._bad_words_banned()
+        if banned:
+            out[[t for t in banned if t < vocab]] = float("-inf")
         mask = self._mask(vocab)
         if mask is not None:
             out += mask
@@ -174,6 +180,9 @@ class LogitsProcessor:
         self.reset()
         self.counts.update(tokens)
         self.generated += len(tokens)
+        if self.spec.bad_words:
+            keep = max(map(len, self.spec.bad_words)) - 1
+            self.tail = (self.tail + list(tokens))[-keep:] if keep else []
         if self.matcher is not None:
             for token in tokens:
                 if self.matcher.is_stopped():
@@ -200,6 +209,13 @@ class LogitsProcessor:
             self._bias_cache[vocab] = cached
         return cached
 
+    def _bad_words_banned(self) -> list[int]:
+        """The bad words' last tokens the output so far (committed + pending) sets up."""
+        if not self.spec.bad_words:
+            return []
+        output = self.tail + self.pending
+        return [word[-1] for word in self.spec.bad_words if _ends_with(output, word[:-1])]
+
     def _repeated(self, vocab: int) -> torch.Tensor | None:
         """The tokens the repetition penalty scales: in the prompt or generated (pending too)."""
         if self.spec.repetition_penalty == 1:
@@ -221,3 +237,7 @@ class LogitsProcessor:
         out = torch.zeros(vocab, dtype=torch.float64)
         out[ids] = c * spec.frequency_penalty + (c > 0).to(torch.float64) * spec.presence_penalty
         return out
+
+
+def _ends_with(tokens: list[int], suffix: Sequence[int]) -> bool:
+    return not suffix or (len(tokens) >= len(suffix) and tokens[len(tokens) - len(suffix):] == list(suffix))

@@ -50,7 +50,9 @@ class Processing:
     logit_bias: (token id, bias) pairs, OpenAI's; penalties as OpenAI defines
     them; grammar: llguidance's serialized grammar (ssd.engine.grammar), or None;
     repetition_penalty: HF's and vLLM's (> 0; 1: off), over the prompt and the output;
-    allowed_token_ids: vLLM's, the only tokens that may be drawn (empty: all).
+    allowed_token_ids: vLLM's, the only tokens that may be drawn (empty: all);
+    bad_words: vLLM's, as token id sequences: a sequence's last token is banned
+    where the output so far ends with the rest of it (a one-token word: always).
     """
 
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -59,15 +61,18 @@ class Processing:
     grammar: str | None = None
     repetition_penalty: float = 1.0
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if any(not word for word in self.bad_words):
+            raise ValueError("bad_words must be non-empty token id sequences")
 
     @property
     def active(self) -> bool:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar
-                    or self.repetition_penalty != 1 or self.allowed_token_ids)
+                    or self.repetition_penalty != 1 or self.allowed_token_ids or self.bad_words)
 
 
 @dataclass

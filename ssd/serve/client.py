@@ -68,6 +68,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     include_stop_str_in_output: bool = False,
     allowed_token_ids: Sequence[int] = (),
+    bad_words: Sequence[str] = (),
     **numbers: Any,
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
@@ -79,7 +80,7 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,
                                  logit_bias=logit_bias or {}, stop_token_ids=list(stop_token_ids),
                                  include_stop_str_in_output=include_stop_str_in_output,
-                                 allowed_token_ids=list(allowed_token_ids))
+                                 allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
     if structured is not None:
         request.structured.CopyFrom(pb.StructuredOutput(**structured))
     if text is not None:

@@ -27,7 +27,7 @@ def from_proto(message: Any) -> Request:
         request_id=message.request_id, stop=list(message.stop), ignore_eos=message.ignore_eos,
         mode=_mode(message.mode), coupling=message.coupling or None,
         stop_token_ids=list(message.stop_token_ids) or None, allowed_token_ids=list(message.allowed_token_ids) or None,
-        include_stop_str_in_output=message.include_stop_str_in_output,
+        include_stop_str_in_output=message.include_stop_str_in_output, bad_words=list(message.bad_words) or None,
         **{name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)},
     )
     which = message.WhichOneof("prompt")

@@ -9,7 +9,7 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `allowed_token_ids`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
 choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older
@@ -109,6 +109,7 @@ class _Common(_Body):
     stop_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     speculation: Speculation | None = None
@@ -373,6 +374,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
         structured=structured(body),
     )
     if isinstance(body, ChatBody):

@@ -89,6 +89,7 @@ class Request:
     stop_token_ids: list[int] | None = None  # vLLM's: each ends the output, kept in it
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     structured: Structured | None = None
     tools: list[dict[str, Any]] | None = None  # function definitions for the chat template (OpenAI's `tools`)
     # Which of n choices this request is: its seed is choice_seed(seed, choice) (ssd.serve.validation).

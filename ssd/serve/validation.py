@@ -68,7 +68,7 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
     stop = _stop(request, options)
     sampling = _sampling(request, info)
     speculation = _speculation(request, info, options, mode)
-    processing = _processing(request, backend)
+    processing = _processing(request, backend, options)
     prompt_ids = _prompt(request, backend, options)
     if max_new is None:
         max_new = _context_default(request, len(prompt_ids), info, options)
@@ -194,7 +194,7 @@ def _stop(request: Request, options: ServeOptions) -> list[str]:
     return stop
 
 
-def _processing(request: Request, backend: Backend) -> Processing | None:
+def _processing(request: Request, backend: Backend, options: ServeOptions) -> Processing | None:
     """logit_bias, penalties and structured output, checked; None when the request asks for none."""
     info = backend.info
     bias = tuple(sorted(_logit_bias(request.logit_bias or {}, info.vocab_size).items()))
@@ -211,8 +211,32 @@ def _processing(request: Request, backend: Backend) -> Processing | None:
     allowed = tuple(sorted(set(_token_ids("allowed_token_ids", request.allowed_token_ids, info.vocab_size))))
     if allowed and compiled is not None:
         raise InvalidArgument("allowed_token_ids", "cannot be combined with structured output")
-    spec = Processing(bias, presence, frequency, compiled, float(repetition), allowed)
+    bad_words = _bad_words(request.bad_words or [], backend, options)
+    if bad_words and compiled is not None:
+        raise InvalidArgument("bad_words", "cannot be combined with structured output")
+    spec = Processing(bias, presence, frequency, compiled, float(repetition), allowed, bad_words)
     return spec if spec.active else None
+
+
+def _bad_words(words: list[str], backend: Backend, options: ServeOptions) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token id sequences: each word as the tokenizer spells it, and with
+    one leading space (a word inside a sentence), where the vocabulary spells that."""
+    if len(words) > options.max_stop_strings:
+        raise InvalidArgument("bad_words", f"at most {options.max_stop_strings} words, got {len(words)}")
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        if not 1 <= len(word) <= options.max_stop_chars:
+            raise InvalidArgument(f"bad_words[{i}]", f"must be 1..{options.max_stop_chars} characters, got {len(word)}")
+        spellings = []
+        for text in dict.fromkeys((word, " " + word.lstrip())):
+            try:
+                spellings.append(tuple(backend.encode(text)))
+            except ValueError:  # a character the vocabulary lacks (the tiny test models)
+                continue
+        if not any(spellings):
+            raise InvalidArgument(f"bad_words[{i}]", "the vocabulary cannot spell it")
+        out += [s for s in spellings if s and s not in out]
+    return tuple(out)
 
 
 def _logit_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
