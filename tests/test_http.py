@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -283,6 +284,29 @@ def test_min_p_travels_as_an_extra_field_and_over_grpc(client, grpc_client):
                                     min_p=1.0).text == greedy, mode
     plain = {complete(client, False, False, max_tokens=24, temperature=1.0, seed=seed)["text"] for seed in (5, 6)}
     assert plain != {greedy}
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_grpc_serves_the_logprobs_http_does_and_the_prompts(client, grpc_client, backend, mode):
+    """logprobs over gRPC: per round and whole in Finished, the values the HTTP API gives for the
+    same request; prompt_logprobs: the model's own log-softmax at each prompt position."""
+    want = complete(client, False, False, max_tokens=12, temperature=0, logprobs=2,
+                    extra_body={"speculation": {"mode": mode}})["logprobs"]
+    messages = []
+    got = grpc_client.generate(text=PROMPT, mode=mode, temperature=0, max_new_tokens=12, logprobs=2,
+                               prompt_logprobs=1, on_message=messages.append)
+    whole = [(backend.decode([e.token]), e.logprob, {backend.decode([t.token]): t.logprob for t in e.top})
+             for e in got.logprobs]
+    assert whole == [(t, pytest.approx(v, abs=1e-12), top) for t, v, top in want]
+    assert [e for m in messages for e in m.logprobs] == got.logprobs
+    ids = backend.encode(PROMPT)
+    logits = backend.pair.target(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+    reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert [e.token for e in got.prompt_logprobs] == ids[1:]
+    assert [e.logprob for e in got.prompt_logprobs] == pytest.approx(reference, abs=1e-9)
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_client.generate(text=PROMPT, logprobs=21)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("logprobs")
 
 
 def test_tokenize_and_detokenize_as_vllm_has_them(server, backend):

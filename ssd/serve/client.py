@@ -43,6 +43,16 @@ class Completion:
     def stats(self) -> Any:
         return self.finished.stats if self.finished is not None else None
 
+    @property
+    def logprobs(self) -> list[Any]:
+        """The output tokens' TokenLogprob messages (empty unless the request asked)."""
+        return list(self.finished.output_logprobs) if self.finished is not None else []
+
+    @property
+    def prompt_logprobs(self) -> list[Any]:
+        """The prompt tokens' after the first (empty unless the request asked)."""
+        return list(self.finished.prompt_logprobs) if self.finished is not None else []
+
     def add(self, message: Any) -> None:
         self.request_id = self.request_id or message.request_id
         if message.token_ids:
@@ -74,7 +84,7 @@ def build_request(
     """A GenerateRequest; None leaves a field unset (the server's default).
 
     numbers: max_new_tokens, temperature, top_k, top_p, min_p, seed, coupling, presence_penalty,
-    frequency_penalty, repetition_penalty, min_tokens, and the speculation settings k,
+    frequency_penalty, repetition_penalty, min_tokens, logprobs, prompt_logprobs, and the speculation settings k,
     fanout_budget, fanout_kind, saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     """
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,

@@ -16,7 +16,7 @@ from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
 _OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_tokens")
+             "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
 
@@ -102,3 +102,10 @@ def stats_response(pb: Any, stats: ServiceStats) -> Any:
         spec_cache_lookups_total=g.spec.lookups, spec_cache_hits_total=g.spec.hits,
         spec_cache_hit_rate=g.spec.hit_rate, uptime_s=stats.uptime_s, prometheus_text=stats.prometheus_text,
     )
+
+
+def token_logprobs(pb: Any, entries: list[Any] | None) -> list[Any]:
+    """TokenLogprob messages from the engine's TokenLogprob entries (None: none)."""
+    return [pb.TokenLogprob(token=e.token, logprob=e.logprob,
+                            top=[pb.TokenAlternative(token=t, logprob=v) for t, v in e.top])
+            for e in entries or ()]

@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ssd.serve import tools as tooling
 from ssd.serve.request import ChatMessage, Request, Speculation as SpeculationFields, Structured
-from ssd.serve.validation import InvalidArgument
+from ssd.serve.validation import MAX_LOGPROBS, InvalidArgument
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # OpenAI's limit for chat top_logprobs
 MAX_CHOICES = 128  # n and best_of (OpenAI's limit for n); each choice is a row, within --max-queue too
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
 

@@ -77,8 +77,8 @@ class Request:
     ignore_eos: bool = False
     mode: str | None = None  # ar | sd | ssd
     speculation: Speculation | None = None
-    logprobs: int | None = None  # None: none; n: each token's, with n alternatives (HTTP only)
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens after the first (HTTP's echo)
+    logprobs: int | None = None  # None: none; n: each token's, with n alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after the first (HTTP: echo)
     # Logits processing (ssd.engine.processing; HTTP only): OpenAI's logit_bias {token id: bias},
     # presence and frequency penalties, and structured output (a grammar's mask).
     logit_bias: dict[int, float] | None = None

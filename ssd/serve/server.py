@@ -110,7 +110,7 @@ class GenerationServicer:
                 continue
             if isinstance(event, Chunk):
                 yield self.pb.GenerateResponse(request_id=gen.request_id, token_ids=event.token_ids,
-                                               text=event.text)
+                                               text=event.text, logprobs=convert.token_logprobs(self.pb, event.logprobs))
                 continue
             yield self._final(gen, event)
             self._set_status(event, context)
@@ -123,6 +123,8 @@ class GenerationServicer:
             finished.output_token_ids.extend(result.token_ids)
             finished.output_text = result.text
             finished.stats.CopyFrom(convert.request_stats(pb, final.stats))
+            finished.output_logprobs.extend(convert.token_logprobs(pb, result.logprobs))
+            finished.prompt_logprobs.extend(convert.token_logprobs(pb, result.prompt_logprobs))
         if final.error is not None:
             finished.error = f"{type(final.error).__name__}: {final.error}"
         return pb.GenerateResponse(request_id=gen.request_id, text=final.text, finished=finished)

@@ -48,6 +48,7 @@ OPENAI_TEMPERATURE = 1.0
 OPENAI_TOP_P = 1.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI: -100..100
 MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in -2..2
+MAX_LOGPROBS = 20  # OpenAI's most alternatives per token
 
 
 class InvalidArgument(ValueError):
@@ -74,6 +75,10 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
         max_new = _context_default(request, len(prompt_ids), info, options)
     _check_context(request, len(prompt_ids), max_new, info)
     min_tokens = _min_tokens(request, max_new, processing)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidArgument(name, f"must be in 0..{MAX_LOGPROBS} (alternatives per token), got {value}")
     generation = GenerationConfig(
         max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos, min_tokens=min_tokens,
         stop_token_ids=_token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size),
