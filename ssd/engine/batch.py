@@ -50,12 +50,12 @@ from ssd.models.backend import (
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.sampling import draws_at, greedy_token, make_generator, probs_from_logits, sample, token_logprobs
-
-PLAIN_LAW = SamplingConfig()  # token_logprobs at temperature 0 read the plain log-softmax: a prompt's law
-PROMPT_ROWS = 32  # prompt positions scored at a time: 32 x 152k float64 is 39 MB
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
+
+PLAIN_LAW = SamplingConfig()  # token_logprobs at temperature 0 read the plain log-softmax: a prompt's law
+PROMPT_ROWS = 32  # prompt positions scored at a time: 32 x 152k float64 is 39 MB
 
 Verifier = Callable[..., Outcome]
 

@@ -20,7 +20,11 @@ def first_stop(text: str, stop: Sequence[str], held_chars: int = 0) -> tuple[int
     """(start, end) of the earliest stop string in `text` (the longest of those starting
     there), of those that end past the first `held_chars` characters (the first min_tokens
     tokens' text); None: none does."""
-    hits = [(i, i + len(s)) for s, i in ((s, text.find(s, max(0, held_chars - len(s) + 1))) for s in stop) if i >= 0]
+    hits = []
+    for s in stop:
+        start = text.find(s, max(0, held_chars - len(s) + 1))
+        if start >= 0:
+            hits.append((start, start + len(s)))
     return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None
 
 

@@ -109,8 +109,9 @@ class GenerationServicer:
                     return
                 continue
             if isinstance(event, Chunk):
+                logprobs = convert.token_logprobs(self.pb, event.logprobs)
                 yield self.pb.GenerateResponse(request_id=gen.request_id, token_ids=event.token_ids,
-                                               text=event.text, logprobs=convert.token_logprobs(self.pb, event.logprobs))
+                                               text=event.text, logprobs=logprobs)
                 continue
             yield self._final(gen, event)
             self._set_status(event, context)
