@@ -3,6 +3,7 @@
     python launch/client.py "abcab" --stream                       # tokens as they arrive
     python launch/client.py "def add(a, b):" --mode ssd --max-new-tokens 64
     python launch/client.py "abcab" --stream --abort-after 8       # Abort RPC after 8 tokens
+    python launch/client.py "abcab" --logprobs 2 --prompt-logprobs 0  # each token's log-probability
     python launch/client.py --info                                 # ModelInfo
     python launch/client.py --stats                                # Prometheus text
 
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--coupling", choices=list(COUPLINGS), help="standard | gumbel: the seed's output in every mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--logprobs", type=int, help="report each output token's log-probability, with N alternatives")
+    p.add_argument("--prompt-logprobs", type=int,
+                   help="report each prompt token's log-probability (after the first) and their sum, with N alternatives")
     p.add_argument("-k", type=int, help="drafted tokens per round (sd, ssd)")
     p.add_argument("--budget", type=int, help="fan-out budget (ssd)")
     p.add_argument("--fanout", choices=["uniform", "geometric"], help="fan-out kind (ssd)")
@@ -90,6 +94,8 @@ def run(client: GenerationClient, args: argparse.Namespace) -> int:
     out = client.generate(timeout=args.timeout, on_message=_on_message(client, args), **request_args(args))
     sys.stdout.write(("" if args.stream else out.text) + "\n")
     report(out)
+    report_logprobs("prompt", out.prompt_logprobs)
+    report_logprobs("output", out.logprobs)
     return 0 if out.finish_reason != "error" else 1
 
 
@@ -99,7 +105,8 @@ def request_args(args: argparse.Namespace) -> dict:
         prompt, request_id=args.request_id, mode=args.mode, stop=args.stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
-        fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup,
+        fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup, logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
 
 
@@ -135,6 +142,16 @@ def report(out: Completion) -> None:
     log.info("%s", line)
     if s is not None:
         log.debug("stats: %s", json_format.MessageToJson(s))
+
+
+def report_logprobs(which: str, entries: list) -> None:
+    """One line a token (its id, log-probability and the alternatives' id:log-probability), then the sum."""
+    if not entries:
+        return
+    for e in entries:
+        top = " ".join(f"{t.token}:{t.logprob:.4f}" for t in e.top)
+        log.info("%s token %d %.6f%s", which, e.token, e.logprob, f" [{top}]" if top else "")
+    log.info("%s log-probability: %.6f over %d tokens", which, sum(e.logprob for e in entries), len(entries))
 
 
 if __name__ == "__main__":
