@@ -9,16 +9,17 @@ under the same processing) and SSD (the speculator unprocessed).
   plus every prefix the enumeration reaches. Greedy: AR == SD == SSD, and
   the output differs from the unpenalised one. Sampled (T = 1): the joint of
   tokens 1-4 of 5, chi-square as in test_distribution (tests/stats.py).
-  Power: `repetition_ignores_drafts` (rows penalise the prompt and the
-  committed tokens only, not the drafts before them) fails the same test in SD.
+  Power: `ignoring_drafts` (rows penalise the prompt and the committed tokens
+  only, not the drafts before them) fails the same test in SD.
 - bad_words (as token id sequences): "5 5" (the likeliest pair) and "1": the law bans 1
   everywhere and 5 right after a 5. Greedy: AR == SD == SSD, free of them; sampled: as for
-  the penalty. Power: `bad_words_ignore_drafts` (matched against committed tokens only).
+  the penalty. Power: `ignoring_drafts` (matched against committed tokens only).
 - min_tokens M with an EOS: EOS is banned until M tokens are out, so no
   output ends before M; after that EOS ends it. Sampled: the joint of tokens
   1-4 with the end as a cell value, against the law enumerated with EOS
-  banned at positions < M (about 12 % of the outputs end early). Power: `min_tokens_ignores_drafts` (the ban counts
-  committed tokens only, so a verification row past M still bans EOS) fails.
+  banned at positions < M (about 12 % of the outputs end early). Power:
+  `min_tokens_ignores_drafts` (the ban counts committed tokens only, so a
+  verification row past M still bans EOS) fails.
 """
 
 from __future__ import annotations
@@ -136,17 +137,19 @@ def run(mode, pair, eos=None, **kw):
 # --- breaks -----------------------------------------------------------------------------------
 
 
-def repetition_ignores_drafts(monkeypatch) -> None:
-    original = LogitsProcessor._repeated
+def ignoring_drafts(monkeypatch, method: str) -> None:
+    """Break LogitsProcessor.<method>: it sees the committed tokens only, not the drafts
+    pending before a verification row."""
+    original = getattr(LogitsProcessor, method)
 
-    def repeated(self, vocab):
+    def committed_only(self, *args):
         pending, self.pending = self.pending, []
         try:
-            return original(self, vocab)
+            return original(self, *args)
         finally:
             self.pending = pending
 
-    monkeypatch.setattr(LogitsProcessor, "_repeated", repeated)
+    monkeypatch.setattr(LogitsProcessor, method, committed_only)
 
 
 def min_tokens_ignores_drafts(monkeypatch) -> None:
@@ -176,47 +179,7 @@ def test_the_penalty_is_transformers_over_the_prompt_and_the_output():
         torch.testing.assert_close(got, hf_penalised(logits, generated), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("prompt", [[5, 5, 2, 1], [3], [2, 4]])  # PROMPT's greedy output ignores R
-def test_greedy_with_a_repetition_penalty_is_ar_with_it_in_every_mode(pair, prompt):
-    greedy = SamplingConfig(temperature=0.0)
-    reference = generate(engine("ar", pair), greedy, 24, REPETITION, prompt=prompt).token_ids
-    assert reference != generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
-    assert generate(engine("sd", pair), greedy, 24, REPETITION, prompt=prompt).token_ids == reference
-    with engine("ssd", pair) as ssd:
-        assert generate(ssd, greedy, 24, REPETITION, prompt=prompt).token_ids == reference
-
-
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
-def test_sampled_output_follows_the_penalised_law(pair, mode):
-    samples = run(mode, pair, processing=REPETITION)
-    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], hf_penalised, ends=False))
-    report_pvalue("repetition_penalty", f"R={R} T=1", mode, len(samples), pvalue)
-    assert pvalue > ALPHA, pvalue
-
-
-def test_the_chi_square_sees_a_penalty_that_ignores_the_drafts(pair, monkeypatch):
-    expected = exact_joint(pair[0], hf_penalised, ends=False)
-    repetition_ignores_drafts(monkeypatch)
-    samples = run("sd", pair, processing=REPETITION)
-    pvalue = chi_square_pvalue(samples, expected)
-    report_pvalue("repetition_penalty", f"R={R} T=1", "repetition_ignores_drafts", len(samples), pvalue)
-    assert pvalue < ALPHA, pvalue
-
-
 # --- bad_words --------------------------------------------------------------------------------
-
-
-def bad_words_ignore_drafts(monkeypatch) -> None:
-    original = LogitsProcessor._bad_words_banned
-
-    def banned(self):
-        pending, self.pending = self.pending, []
-        try:
-            return original(self)
-        finally:
-            self.pending = pending
-
-    monkeypatch.setattr(LogitsProcessor, "_bad_words_banned", banned)
 
 
 def test_a_bad_words_last_token_is_banned_where_the_output_sets_it_up():
@@ -232,32 +195,48 @@ def test_a_bad_words_last_token_is_banned_where_the_output_sets_it_up():
     assert banned() == {1, 5}
 
 
-@pytest.mark.parametrize("prompt", [PROMPT, [5, 5, 2, 1], [3]])
-def test_greedy_without_bad_words_is_ar_without_them_in_every_mode(pair, prompt):
+# --- repetition_penalty and bad_words: greedy, the law, power ------------------------------------
+
+# name: (processing, the reference law's processing of logits, the method a break hides the drafts from,
+#        prompts whose greedy output the processing changes)
+LAWS = {
+    "repetition_penalty": (REPETITION, hf_penalised, "_repeated", [[5, 5, 2, 1], [3], [2, 4]]),
+    "bad_words": (BAD_WORDS, bad_words_banned, "_bad_words_banned", [PROMPT, [5, 5, 2, 1], [3]]),
+}
+
+
+@pytest.mark.parametrize("name", LAWS)
+def test_greedy_with_the_processing_is_ar_with_it_in_every_mode(pair, name):
+    spec, process, _, prompts = LAWS[name]
     greedy = SamplingConfig(temperature=0.0)
-    reference = generate(engine("ar", pair), greedy, 24, BAD_WORDS, prompt=prompt).token_ids
-    free = generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
-    assert reference != free and 1 not in reference
-    assert all(reference[i : i + 2] != [5, 5] for i in range(len(reference) - 1))
-    assert generate(engine("sd", pair), greedy, 24, BAD_WORDS, prompt=prompt).token_ids == reference
-    with engine("ssd", pair) as ssd:
-        assert generate(ssd, greedy, 24, BAD_WORDS, prompt=prompt).token_ids == reference
+    for prompt in prompts:
+        reference = generate(engine("ar", pair), greedy, 24, spec, prompt=prompt).token_ids
+        assert reference != generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
+        if name == "bad_words":
+            assert 1 not in reference and all(reference[i : i + 2] != [5, 5] for i in range(len(reference) - 1))
+        assert generate(engine("sd", pair), greedy, 24, spec, prompt=prompt).token_ids == reference
+        with engine("ssd", pair) as ssd:
+            assert generate(ssd, greedy, 24, spec, prompt=prompt).token_ids == reference
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
-def test_sampled_output_follows_the_law_without_bad_words(pair, mode):
-    samples = run(mode, pair, processing=BAD_WORDS)
-    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], bad_words_banned, ends=False))
-    report_pvalue("bad_words", "5 5 and 1 T=1", mode, len(samples), pvalue)
+@pytest.mark.parametrize("name", LAWS)
+def test_sampled_output_follows_the_processed_law(pair, name, mode):
+    spec, process, _, _ = LAWS[name]
+    samples = run(mode, pair, processing=spec)
+    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], process, ends=False))
+    report_pvalue(name, "T=1", mode, len(samples), pvalue)
     assert pvalue > ALPHA, pvalue
 
 
-def test_the_chi_square_sees_bad_words_that_ignore_the_drafts(pair, monkeypatch):
-    expected = exact_joint(pair[0], bad_words_banned, ends=False)
-    bad_words_ignore_drafts(monkeypatch)
-    samples = run("sd", pair, processing=BAD_WORDS)
+@pytest.mark.parametrize("name", LAWS)
+def test_the_chi_square_sees_processing_that_ignores_the_drafts(pair, monkeypatch, name):
+    spec, process, method, _ = LAWS[name]
+    expected = exact_joint(pair[0], process, ends=False)
+    ignoring_drafts(monkeypatch, method)
+    samples = run("sd", pair, processing=spec)
     pvalue = chi_square_pvalue(samples, expected)
-    report_pvalue("bad_words", "5 5 and 1 T=1", "bad_words_ignore_drafts", len(samples), pvalue)
+    report_pvalue(name, "T=1", f"{method} ignores the drafts", len(samples), pvalue)
     assert pvalue < ALPHA, pvalue
 
 
