@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class Bias:
     """A request's logits processing at one position [V] or several [n, V]
     (ssd.engine.processing): logits -> penalise(logits) + add.
 
-    `add`: logit_bias, penalties and a grammar's -inf mask, one additive term.
+    `add`: logit_bias, penalties and -inf masks (a grammar's, allowed ids, bad words,
+    min_tokens), one additive term.
     `repeated` (bool, add's shape): the tokens the repetition penalty scales
     (Keskar et al. 2019, "CTRL"; HF's and vLLM's definition): a positive logit
     is divided by `repetition_penalty`, a negative one multiplied, before the
@@ -77,10 +78,6 @@ class Bias:
         return logits + self.add.to(logits.device, torch.float64)
 
 
-# A request's processing as sampling takes it: a Bias, a plain additive tensor, or None.
-AnyBias = Union[Bias, torch.Tensor, None]
-
-
 def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
@@ -88,7 +85,7 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def probs_from_logits(
-    logits: torch.Tensor, params: SamplingConfig, bias: AnyBias = None
+    logits: torch.Tensor, params: SamplingConfig, bias: Bias | None = None
 ) -> torch.Tensor:
     """Rows of logits [..., V] -> rows of probabilities [..., V] in float64.
 
@@ -120,7 +117,7 @@ def probs_from_logits(
 
 def token_logprobs(
     logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int,
-    bias: AnyBias = None,
+    bias: Bias | None = None,
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each token i: (log p_i[token], the top_n (id, log p_i) pairs), p_i the
     distribution of logits row i [n, V] under `params`.
@@ -144,16 +141,12 @@ def token_logprobs(
     return list(zip(chosen, tops))
 
 
-def _biased(logits: torch.Tensor, bias: AnyBias) -> torch.Tensor:
+def _biased(logits: torch.Tensor, bias: Bias | None) -> torch.Tensor:
     logits = logits.to(torch.float64)
-    if bias is None:
-        return logits
-    if isinstance(bias, Bias):
-        return bias.apply(logits)
-    return logits + bias.to(logits.device, torch.float64)
+    return logits if bias is None else bias.apply(logits)
 
 
-def greedy_token(logits: torch.Tensor, bias: AnyBias = None) -> int:
+def greedy_token(logits: torch.Tensor, bias: Bias | None = None) -> int:
     """The token `sample(probs_from_logits(logits, greedy, bias), gen)` gives, without the
     one-hot row, its CDF or a draw (a plain step's greedy token costs an argmax, not ~2 ms
     of float64 work over a 152k vocabulary). float32 -> float64 is exact, so without a bias

@@ -102,7 +102,7 @@ def exact_joint(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]
 
     def walk(prefix: list[int], mass: float) -> None:
         logits = model(input_ids=torch.tensor([PROMPT + prefix])).logits[0, -1]
-        probs = probs_from_logits(logits, sampling, reference_bias(prefix))
+        probs = probs_from_logits(logits, sampling, Bias(reference_bias(prefix)))
         for token, p in enumerate(probs.tolist()):
             if p <= 0:
                 continue
@@ -187,17 +187,23 @@ def rows_ignore_drafts(monkeypatch) -> None:
     monkeypatch.setattr(LogitsProcessor, "rows", rows)
 
 
-def penalties_ignore_drafts(monkeypatch) -> None:
-    original = LogitsProcessor._penalties
+def ignoring_drafts(monkeypatch, method: str) -> None:
+    """Break LogitsProcessor.<method>: it sees the committed tokens only, not the drafts
+    pending before a verification row."""
+    original = getattr(LogitsProcessor, method)
 
-    def penalties(self, vocab):
+    def committed_only(self, *args):
         pending, self.pending = self.pending, []
         try:
-            return original(self, vocab)
+            return original(self, *args)
         finally:
             self.pending = pending
 
-    monkeypatch.setattr(LogitsProcessor, "_penalties", penalties)
+    monkeypatch.setattr(LogitsProcessor, method, committed_only)
+
+
+def penalties_ignore_drafts(monkeypatch) -> None:
+    ignoring_drafts(monkeypatch, "_penalties")
 
 
 def test_rows_that_ignore_the_drafts_emit_what_the_grammar_refuses(pair, monkeypatch):

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from ssd.config import ConfigError, SamplingConfig
 from ssd.saguaro.sampling import saguaro_rescale_rows
-from ssd.sampling import greedy_token, make_generator, probs_from_logits, sample, sample_ids, sample_rows, uniforms
+from ssd.sampling import Bias, greedy_token, make_generator, probs_from_logits, sample, sample_ids, sample_rows, uniforms
 from tests.stats import ALPHA, chi_square_pvalue
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -32,6 +32,7 @@ def test_a_plain_steps_greedy_token_is_the_pipelines(seed, with_bias, vocab):
     if with_bias:
         bias = torch.randint(-2, 3, (vocab,), generator=gen).double() / 3
         bias[torch.rand(vocab, generator=gen) < 0.3] = float("-inf")
+        bias = Bias(bias)
     greedy = SamplingConfig(temperature=0.0)
     assert greedy_token(logits, bias) == sample(probs_from_logits(logits, greedy, bias), make_generator(seed))
 

@@ -505,7 +505,7 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
     deltas = [stream.push([b]) for b in data]
     assert "\ufffd" not in "".join(deltas) and "".join(deltas) == text
 
-    stream = TextStream(decode, stop=["b€"])
+    stream = TextStream(decode, GenerationConfig(stop=["b€"]))
     deltas = [stream.push([b]) for b in data[:6]]  # up to and including the stop string
     final = text[: text.find("b€")]
     assert "".join(deltas) + stream.finish(final) == final == "añ"
@@ -517,9 +517,10 @@ def test_text_stream_streams_past_a_stop_string_min_tokens_holds():
     is held, so text keeps flowing; the "ab" that ends past them ends it, as in the final text."""
     tokens = [0, 1, 0, 1, 2, 0, 1]  # "ababcab"
     tok = TinyTokenizer(6)
-    tracker = OutputTracker(tok, GenerationConfig(max_new_tokens=20, stop=["ab"], min_tokens=3), set())
+    generation = GenerationConfig(max_new_tokens=20, stop=["ab"], min_tokens=3)
+    tracker = OutputTracker(tok, generation, set())
     tracker.add(tokens)
-    stream = TextStream(tok.decode, stop=["ab"], min_tokens=3)
+    stream = TextStream(tok.decode, generation)
     deltas = [stream.push([t]) for t in tokens[:4]]
     assert deltas[:3] == ["", "a", "b"]  # a held-back character at a time (holdback 1)
     assert "".join(deltas) + stream.finish(tracker.text()) == tracker.text() == "ab"

@@ -11,6 +11,8 @@ under the same processing) and SSD (the speculator unprocessed).
   tokens 1-4 of 5, chi-square as in test_distribution (tests/stats.py).
   Power: `ignoring_drafts` (rows penalise the prompt and the committed tokens
   only, not the drafts before them) fails the same test in SD.
+- allowed_token_ids {0, 2, 3, 4}: greedy and sampled as above; its -inf is static, the term
+  logit_bias takes, whose break test_processing's chi-square catches.
 - bad_words (as token id sequences): "5 5" (the likeliest pair) and "1": the law bans 1
   everywhere and 5 right after a 5. Greedy: AR == SD == SSD, free of them; sampled: as for
   the penalty. Power: `ignoring_drafts` (matched against committed tokens only).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -40,7 +44,7 @@ from ssd.models import TinyTokenizer
 from ssd.saguaro.target import SSDEngine
 from ssd.sampling import probs_from_logits
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
-from tests.test_processing import K, N_TOKENS, POSITIONS, PROMPT, SMALL, V, pair  # noqa: F401 (pair: a fixture)
+from tests.test_processing import K, N_TOKENS, POSITIONS, PROMPT, SMALL, V, ignoring_drafts, pair  # noqa: F401
 
 R = 2.0
 REPETITION = Processing(repetition_penalty=R)
@@ -137,27 +141,12 @@ def run(mode, pair, eos=None, **kw):
 # --- breaks -----------------------------------------------------------------------------------
 
 
-def ignoring_drafts(monkeypatch, method: str) -> None:
-    """Break LogitsProcessor.<method>: it sees the committed tokens only, not the drafts
-    pending before a verification row."""
-    original = getattr(LogitsProcessor, method)
-
-    def committed_only(self, *args):
-        pending, self.pending = self.pending, []
-        try:
-            return original(self, *args)
-        finally:
-            self.pending = pending
-
-    monkeypatch.setattr(LogitsProcessor, method, committed_only)
-
-
 def min_tokens_ignores_drafts(monkeypatch) -> None:
     original = LogitsProcessor.bias
 
     def bias(self, vocab):
         out = original(self, vocab)
-        if self.generated < self.min_tokens:
+        if self.counts.total() < self.min_tokens:
             out.add[EOS] = float("-inf")
         return out
 
@@ -195,48 +184,67 @@ def test_a_bad_words_last_token_is_banned_where_the_output_sets_it_up():
     assert banned() == {1, 5}
 
 
-# --- repetition_penalty and bad_words: greedy, the law, power ------------------------------------
+# --- repetition_penalty, bad_words, allowed_token_ids: greedy, the law, power ---------------------
 
-# name: (processing, the reference law's processing of logits, the method a break hides the drafts from,
-#        prompts whose greedy output the processing changes)
+
+@dataclass(frozen=True)
+class Law:
+    spec: Processing
+    process: Callable[[torch.Tensor, list[int]], torch.Tensor]  # the reference law's processing of logits
+    prompts: list[list[int]]  # prompts whose greedy output the processing changes
+    holds: Callable[[list[int]], bool]  # what any output under it satisfies
+    reads_drafts: str | None  # the LogitsProcessor method a break hides the drafts from (None: static)
+
+
+ALLOWED = (0, 2, 3, 4)  # not 5, the likeliest token, nor 1
+
+
+def allowed_only(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    return logits.masked_fill(~torch.isin(torch.arange(V), torch.tensor(ALLOWED)), float("-inf"))
+
+
+def no_bad_word(ids: list[int]) -> bool:
+    return 1 not in ids and all(ids[i : i + 2] != [5, 5] for i in range(len(ids) - 1))
+
+
 LAWS = {
-    "repetition_penalty": (REPETITION, hf_penalised, "_repeated", [[5, 5, 2, 1], [3], [2, 4]]),
-    "bad_words": (BAD_WORDS, bad_words_banned, "_bad_words_banned", [PROMPT, [5, 5, 2, 1], [3]]),
+    "repetition_penalty": Law(REPETITION, hf_penalised, [[5, 5, 2, 1], [3], [2, 4]], lambda ids: True, "_repeated"),
+    "bad_words": Law(BAD_WORDS, bad_words_banned, [PROMPT, [5, 5, 2, 1], [3]], no_bad_word, "_bad_words_banned"),
+    # A static -inf, the additive term logit_bias takes too: its break is test_processing's.
+    "allowed_token_ids": Law(Processing(allowed_token_ids=ALLOWED), allowed_only, [PROMPT, [3]],
+                             lambda ids: set(ids) <= set(ALLOWED), None),
 }
 
 
 @pytest.mark.parametrize("name", LAWS)
 def test_greedy_with_the_processing_is_ar_with_it_in_every_mode(pair, name):
-    spec, process, _, prompts = LAWS[name]
-    greedy = SamplingConfig(temperature=0.0)
-    for prompt in prompts:
-        reference = generate(engine("ar", pair), greedy, 24, spec, prompt=prompt).token_ids
-        assert reference != generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
-        if name == "bad_words":
-            assert 1 not in reference and all(reference[i : i + 2] != [5, 5] for i in range(len(reference) - 1))
-        assert generate(engine("sd", pair), greedy, 24, spec, prompt=prompt).token_ids == reference
+    law, greedy = LAWS[name], SamplingConfig(temperature=0.0)
+    for prompt in law.prompts:
+        reference = generate(engine("ar", pair), greedy, 24, law.spec, prompt=prompt).token_ids
+        assert law.holds(reference) and reference != generate(engine("ar", pair), greedy, 24, prompt=prompt).token_ids
+        assert generate(engine("sd", pair), greedy, 24, law.spec, prompt=prompt).token_ids == reference
         with engine("ssd", pair) as ssd:
-            assert generate(ssd, greedy, 24, spec, prompt=prompt).token_ids == reference
+            assert generate(ssd, greedy, 24, law.spec, prompt=prompt).token_ids == reference
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 @pytest.mark.parametrize("name", LAWS)
 def test_sampled_output_follows_the_processed_law(pair, name, mode):
-    spec, process, _, _ = LAWS[name]
-    samples = run(mode, pair, processing=spec)
-    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], process, ends=False))
+    law = LAWS[name]
+    samples = run(mode, pair, processing=law.spec)
+    pvalue = chi_square_pvalue(samples, exact_joint(pair[0], law.process, ends=False))
     report_pvalue(name, "T=1", mode, len(samples), pvalue)
     assert pvalue > ALPHA, pvalue
 
 
-@pytest.mark.parametrize("name", LAWS)
+@pytest.mark.parametrize("name", [name for name, law in LAWS.items() if law.reads_drafts])
 def test_the_chi_square_sees_processing_that_ignores_the_drafts(pair, monkeypatch, name):
-    spec, process, method, _ = LAWS[name]
-    expected = exact_joint(pair[0], process, ends=False)
-    ignoring_drafts(monkeypatch, method)
-    samples = run("sd", pair, processing=spec)
+    law = LAWS[name]
+    expected = exact_joint(pair[0], law.process, ends=False)
+    ignoring_drafts(monkeypatch, law.reads_drafts)
+    samples = run("sd", pair, processing=law.spec)
     pvalue = chi_square_pvalue(samples, expected)
-    report_pvalue(name, "T=1", f"{method} ignores the drafts", len(samples), pvalue)
+    report_pvalue(name, "T=1", f"{law.reads_drafts} ignores the drafts", len(samples), pvalue)
     assert pvalue < ALPHA, pvalue
 
 
@@ -262,22 +270,6 @@ def test_min_tokens_holds_the_end_back_and_greedy_stays_ar(pair, mode, end):
             assert generate(eng, greedy, 24, min_tokens=min_tokens, **fields).token_ids == reference.token_ids
         finally:
             eng.close()
-
-
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_allowed_token_ids_bound_the_output_and_greedy_stays_ar(pair, mode):
-    """vLLM's allowed_token_ids: a static -inf outside the set, the additive term logit_bias
-    takes too (its law: test_processing's chi-square)."""
-    greedy, allowed = SamplingConfig(temperature=0.0), Processing(allowed_token_ids=(0, 2, 3))
-    reference = generate(engine("ar", pair), greedy, 24, allowed).token_ids
-    assert set(reference) <= {0, 2, 3} and not set(generate(engine("ar", pair), greedy, 24).token_ids) <= {0, 2, 3}
-    eng = engine(mode, pair)
-    try:
-        assert generate(eng, greedy, 24, allowed).token_ids == reference
-        for seed in range(5):
-            assert set(generate(eng, dataclasses.replace(SAMPLED, seed=seed), 24, allowed).token_ids) <= {0, 2, 3}
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])

@@ -70,7 +70,7 @@ def test_subset_logits_are_the_full_heads_rows(int8):
 
 
 def test_q_is_zero_outside_the_subset_and_uniform_over_allowed_tokens_when_a_mask_leaves_none():
-    from ssd.sampling import probs_from_logits
+    from ssd.sampling import Bias, probs_from_logits
 
     logits = torch.full((16,), FILL, dtype=torch.float32)
     logits[torch.tensor(SUBSET16)] = torch.randn(10)
@@ -78,7 +78,7 @@ def test_q_is_zero_outside_the_subset_and_uniform_over_allowed_tokens_when_a_mas
     assert (q[[4, 6, 9, 11, 13, 15]] == 0).all() and abs(float(q.sum()) - 1) < 1e-12
     grammar = torch.full((16,), float("-inf"), dtype=torch.float64)
     grammar[[4, 6]] = 0.0  # only tokens outside the subset allowed
-    q = probs_from_logits(logits, SamplingConfig(temperature=0.7), grammar)
+    q = probs_from_logits(logits, SamplingConfig(temperature=0.7), Bias(grammar))
     assert q[4] == q[6] == 0.5
 
 

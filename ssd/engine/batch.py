@@ -351,10 +351,10 @@ class BatchedEngine(Engine):
         spec = request.processing or Processing()
         generation = request.generation
         held = set(generation.stop_token_ids) | (set() if generation.ignore_eos else self.eos_ids)
-        min_tokens = generation.min_tokens if held else 0
-        if not spec.active and not min_tokens:
+        if not spec.active and not (generation.min_tokens and held):
             return None
-        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, min_tokens, sorted(held))
+        return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, generation.min_tokens,
+                               sorted(held))
 
     def _target_sequence(self) -> AnySequence:
         """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""

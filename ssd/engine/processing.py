@@ -61,11 +61,11 @@ class LogitsProcessor:
     ) -> None:
         self.spec = spec
         self.held_ids = list(held_ids)  # banned before min_tokens: EOS (unless ignored), stop token ids
-        self.min_tokens = min_tokens if self.held_ids else 0
+        self.min_tokens = min_tokens
         self.prompt_ids = set(prompt_ids) if spec.repetition_penalty != 1 else set()
         self.counts: Counter[int] = Counter()
-        self.generated = 0  # committed tokens
         self.tail: list[int] = []  # the last committed tokens, as many as the longest bad word needs
+        self.tail_len = max(map(len, spec.bad_words), default=1) - 1
         self.pending: list[int] = []
         self.consumed = 0  # of the pending tokens, those the grammar took (none once it is complete)
         self.frozen = False  # a pending token went past the grammar's end
@@ -83,7 +83,7 @@ class LogitsProcessor:
         penalties = self._penalties(vocab)
         if penalties is not None:
             out -= penalties
-        if self.generated + len(self.pending) < self.min_tokens:
+        if self.min_tokens and self.counts.total() + len(self.pending) < self.min_tokens:
             out[[t for t in self.held_ids if t < vocab]] = float("-inf")
         banned = self._bad_words_banned()
         if banned:
@@ -179,10 +179,8 @@ class LogitsProcessor:
         """The row emitted `tokens`: they count for the penalties and advance the grammar."""
         self.reset()
         self.counts.update(tokens)
-        self.generated += len(tokens)
-        if self.spec.bad_words:
-            keep = max(map(len, self.spec.bad_words)) - 1
-            self.tail = (self.tail + list(tokens))[-keep:] if keep else []
+        if self.tail_len:
+            self.tail = (self.tail + list(tokens))[-self.tail_len:]
         if self.matcher is not None:
             for token in tokens:
                 if self.matcher.is_stopped():

@@ -107,6 +107,11 @@ def invalid(exc: InvalidArgument, param: str | None = None) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+def unavailable(exc: Exception) -> ApiError:
+    """503: the model is loading or the server is stopping (NotServing, WorkerClosed, ...)."""
+    return ApiError(503, str(exc), type_="server_error", code="unavailable")
+
+
 class OpenAIFrontend:
     """The routes, over the GenerationService the gRPC front end shares."""
 
@@ -163,7 +168,7 @@ class OpenAIFrontend:
         try:
             up_to_context = self.service.info().defaults.serve_defaults.max_new_tokens is None
         except NotServing as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+            raise unavailable(exc) from None
         defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
                     "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
                     # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
@@ -192,7 +197,7 @@ class OpenAIFrontend:
         except InvalidArgument as exc:
             raise invalid(exc, schema.body_param(exc.field, body)) from None
         except NotServing as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+            raise unavailable(exc) from None
         limits = self._model_info().limits
         return JSONResponse({"count": len(ids), "max_model_len": limits.max_context_tokens, "tokens": ids})
 
@@ -206,7 +211,7 @@ class OpenAIFrontend:
         except InvalidArgument as exc:
             raise invalid(exc) from None
         except NotServing as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+            raise unavailable(exc) from None
 
     def _check_model(self, model: str | None) -> None:
         served = self._model_info().target_model
@@ -268,7 +273,7 @@ class OpenAIFrontend:
         try:
             return self.service.model_info()
         except NotServing as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+            raise unavailable(exc) from None
 
     def _submit_all(self, body: Any) -> list[Choice]:
         """Every choice as its own request (a row of the batch): each prompt's n samples
@@ -316,7 +321,7 @@ class OpenAIFrontend:
         except QueueFull as exc:
             raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
         except (NotServing, WorkerClosed, DuplicateRequestId) as exc:
-            raise ApiError(503, str(exc), type_="server_error", code="unavailable") from None
+            raise unavailable(exc) from None
 
     def _authorize(self, request: Request) -> None:
         token = self.options.token

@@ -9,7 +9,8 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `ignore_eos`, `coupling` (standard | gumbel: sampling.coupling), `speculation`
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
+`coupling` (standard | gumbel: sampling.coupling), `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
 choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older

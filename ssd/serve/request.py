@@ -85,7 +85,7 @@ class Request:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's: > 0, 1 off; over the prompt and the output
-    min_tokens: int | None = None  # vLLM's: no EOS and no stop string before that many tokens
+    min_tokens: int | None = None  # vLLM's: no EOS, stop token or stop string before that many tokens
     stop_token_ids: list[int] | None = None  # vLLM's: each ends the output, kept in it
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn

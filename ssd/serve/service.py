@@ -33,7 +33,8 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.request import Request
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import (
-    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, prompt_ids, validate,
+    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, prompt_ids, token_ids_in_vocabulary,
+    validate,
 )
 from ssd.serve.worker import (
     Done,
@@ -207,9 +208,7 @@ class Generation:
         self.service, self.worker, self.backend, self.job = service, worker, backend, job
         self.queued_ahead = queued_ahead
         # Without stream_text, rounds carry no text and the end carries it all (no decode per round).
-        generation = job.request.generation
-        self.text = (TextStream(backend.decode, generation.stop, generation.min_tokens,
-                                generation.include_stop_str_in_output) if stream_text else None)
+        self.text = TextStream(backend.decode, job.request.generation) if stream_text else None
 
     @property
     def request_id(self) -> str:
@@ -319,11 +318,7 @@ class GenerationService:
     def detokenize(self, ids: list[int]) -> str:
         """The text of `ids`, each in the vocabulary (vLLM's /detokenize)."""
         backend, _ = self.serving()
-        vocab = backend.info.vocab_size
-        for position, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise InvalidArgument("tokens", f"id {token} at position {position} is outside the vocabulary 0..{vocab - 1}")
-        return backend.decode(ids)
+        return backend.decode(token_ids_in_vocabulary("tokens", ids, backend.info.vocab_size))
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request by id; False if there is none."""

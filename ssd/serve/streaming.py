@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+from ssd.config import GenerationConfig
 from ssd.engine.output import cut_at_stop, first_stop, held_chars
 
 log = logging.getLogger(__name__)
@@ -24,16 +25,15 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), min_tokens: int = 0,
-        include_stop: bool = False,
-    ) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], generation: GenerationConfig | None = None) -> None:
+        """`generation`: the request's stop strings, min_tokens and include_stop_str_in_output."""
+        generation = generation or GenerationConfig()
         self.decode = decode
-        self.stop = list(stop)
-        self.min_tokens = min_tokens
-        self.include_stop = include_stop
+        self.stop = list(generation.stop)
+        self.min_tokens = generation.min_tokens
+        self.include_stop = generation.include_stop_str_in_output
         self.held: int | None = None  # the first min_tokens tokens' text length, once they are out
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.sent = ""
 

@@ -81,7 +81,7 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
             raise InvalidArgument(name, f"must be in 0..{MAX_LOGPROBS} (alternatives per token), got {value}")
     generation = GenerationConfig(
         max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos, min_tokens=min_tokens,
-        stop_token_ids=_token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size),
+        stop_token_ids=token_ids_in_vocabulary("stop_token_ids", request.stop_token_ids, info.vocab_size),
         include_stop_str_in_output=request.include_stop_str_in_output,
     )
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
@@ -171,7 +171,7 @@ def _context_default(request: Request, prompt_tokens: int, info: BackendInfo, op
 
 
 def _min_tokens(request: Request, max_new: int, processing: Processing | None) -> int:
-    """vLLM's min_tokens: no EOS and no stop string before that many tokens."""
+    """vLLM's min_tokens: no EOS, stop token or stop string before that many tokens."""
     min_tokens = _given(request.min_tokens, 0)
     if not 0 <= min_tokens <= max_new:
         raise InvalidArgument("min_tokens", f"must be in 0..max_new_tokens ({max_new}), got {min_tokens}")
@@ -180,10 +180,12 @@ def _min_tokens(request: Request, max_new: int, processing: Processing | None) -
     return min_tokens
 
 
-def _token_ids(name: str, ids: list[int] | None, vocab_size: int) -> list[int]:
-    for token in ids or ():
+def token_ids_in_vocabulary(name: str, ids: list[int] | None, vocab_size: int) -> list[int]:
+    """`ids` (None: none), each checked to lie in the vocabulary; InvalidArgument(name) otherwise."""
+    for position, token in enumerate(ids or ()):
         if not 0 <= token < vocab_size:
-            raise InvalidArgument(name, f"token id {token} is outside the vocabulary 0..{vocab_size - 1}")
+            raise InvalidArgument(
+                name, f"id {token} at position {position} is outside the vocabulary 0..{vocab_size - 1}")
     return list(ids or ())
 
 
@@ -213,7 +215,7 @@ def _processing(request: Request, backend: Backend, options: ServeOptions) -> Pr
         raise InvalidArgument("ignore_eos", "cannot be combined with structured output (the grammar ends the text)")
     if request.allowed_token_ids is not None and not request.allowed_token_ids:
         raise InvalidArgument("allowed_token_ids", "must list at least one token id")
-    allowed = tuple(sorted(set(_token_ids("allowed_token_ids", request.allowed_token_ids, info.vocab_size))))
+    allowed = tuple(sorted(set(token_ids_in_vocabulary("allowed_token_ids", request.allowed_token_ids, info.vocab_size))))
     if allowed and compiled is not None:
         raise InvalidArgument("allowed_token_ids", "cannot be combined with structured output")
     bad_words = _bad_words(request.bad_words or [], backend, options)
@@ -366,14 +368,7 @@ def _text_prompt(text: str, backend: Backend) -> list[int]:
 def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     if not ids:
         raise InvalidArgument("token_ids", "must not be empty")
-    for position, token in enumerate(ids):
-        if token < 0:
-            raise InvalidArgument("token_ids", f"id {token} at position {position} is negative")
-        if token >= vocab_size:
-            raise InvalidArgument(
-                "token_ids", f"id {token} at position {position} is outside the vocabulary 0..{vocab_size - 1}"
-            )
-    return ids
+    return token_ids_in_vocabulary("token_ids", ids, vocab_size)
 
 
 def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOptions,
