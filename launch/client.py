@@ -13,6 +13,7 @@ The generated text goes to stdout; the request id and the stats go to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.prompt or args.info or args.stats):
         p.error("a prompt, --info or --stats is required")
+    if not args.chat and (args.prefill is not None or args.template_kwargs is not None):
+        p.error("--prefill and --template-kwargs lay out a chat: add --chat")
     return args
 
 
@@ -58,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", type=Path, help="TLS, trusting this PEM certificate (e.g. self-signed)")
     p.add_argument("--stream", action="store_true", help="print text as each round arrives")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    p.add_argument("--prefill", metavar="TEXT",
+                   help="with --chat: the assistant's reply starts with TEXT, which the model continues")
+    p.add_argument("--template-kwargs", type=json.loads, metavar="JSON",
+                   help='with --chat: more chat template variables, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -101,6 +108,11 @@ def run(client: GenerationClient, args: argparse.Namespace) -> int:
 
 def request_args(args: argparse.Namespace) -> dict:
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"text": args.prompt}
+    if args.chat and args.prefill is not None:
+        prompt["messages"].append({"role": "assistant", "content": args.prefill})
+        prompt["chat_options"] = {"add_generation_prompt": False, "continue_final_message": True}
+    if args.chat and args.template_kwargs is not None:
+        prompt.setdefault("chat_options", {})["template_kwargs"] = args.template_kwargs
     return dict(
         prompt, request_id=args.request_id, mode=args.mode, stop=args.stop,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -107,12 +107,56 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a conversation rendered by the model's chat template, ready for the assistant's turn;
-    `tools` (OpenAI's function definitions) go to the template, which lays them out its own way."""
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, by default ready for the
+    assistant's turn; `tools` (OpenAI's function definitions) go to the template, which lays them
+    out its own way. continue_final_message leaves the last message open (an assistant's prefill);
+    template_kwargs are more variables for the template (Qwen3's enable_thinking)."""
     extra = {"tools": tools} if tools else {}  # a template (or a stand-in) without tools never sees the key
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, **extra, **(template_kwargs or {}))
     return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+# apply_chat_template's own parameters and the variables it sets: never a template kwarg.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
+def template_variables(tokenizer: Any) -> frozenset[str] | None:
+    """The variables the tokenizer's chat template(s) read; None where the template cannot be parsed
+    here (then any template kwarg is passed on)."""
+    import jinja2
+    import jinja2.meta
+
+    template = getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    names: set[str] = set()
+    for source in filter(None, sources):
+        try:
+            environment = _template_environment(source)
+            names |= jinja2.meta.find_undeclared_variables(environment.parse(source))
+        except jinja2.TemplateError:
+            return None
+    return frozenset(names)
+
+
+def _template_environment(source: str) -> Any:
+    """The Jinja environment transformers renders chat templates in (its `{% generation %}` tag too)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(source).environment
+    except ImportError:  # another transformers layout: plain Jinja with the loop controls templates use
+        import jinja2
+
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -17,13 +17,20 @@ from ssd.config import MODES, Config
 from ssd.engine.batch import Engine
 from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.models.backend import max_positions
-from ssd.models.tokenizer import chat_ids, eos_token_ids, has_chat_template
+from ssd.models.tokenizer import (RESERVED_TEMPLATE_KWARGS, chat_ids, eos_token_ids, has_chat_template,
+                                  template_variables)
 from ssd.saguaro.startup import plan_for_pair
+from ssd.serve.request import ChatOptions
 
 log = logging.getLogger(__name__)
 
 class UnsupportedRequest(ValueError):
-    """The backend cannot do what was asked (e.g. chat without a template)."""
+    """The backend cannot do what was asked (e.g. chat without a template); `field`: the request
+    field at fault, where one is (validation's name for it)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,10 @@ class Backend(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation in the chat template (with `tools` when given), ready for the assistant."""
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   options: ChatOptions | None = None) -> list[int]:
+        """The conversation in the chat template (with `tools` when given), by default ready for the
+        assistant; `options` (given only when a request sets them) lay it out otherwise."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -65,10 +74,27 @@ class TokenizerMixin:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   options: ChatOptions | None = None) -> list[int]:
         if not self.info.chat_template:
             raise UnsupportedRequest(f"model {self.info.target_model!r} has no chat template")
-        return chat_ids(self.tokenizer, messages, tools)
+        options = options or ChatOptions()
+        self._check_template_kwargs(options.template_kwargs or {})
+        return chat_ids(self.tokenizer, messages, tools, add_generation_prompt=options.add_generation_prompt,
+                        continue_final_message=options.continue_final_message,
+                        template_kwargs=options.template_kwargs)
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Each kwarg is a variable the template reads and not one apply_chat_template sets itself:
+        one the template would never read is refused, not ignored."""
+        readable = template_variables(self.tokenizer)
+        for name in kwargs:
+            field = f"chat.template_kwargs.{name}"
+            if name in RESERVED_TEMPLATE_KWARGS:
+                raise UnsupportedRequest("set by the server (or by its own request field), not a template kwarg", field)
+            if readable is not None and name not in readable:
+                known = ", ".join(sorted(readable - RESERVED_TEMPLATE_KWARGS)) or "none"
+                raise UnsupportedRequest(f"the model's chat template does not read it (it reads: {known})", field)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -69,6 +70,7 @@ def build_request(
     text: str | None = None,
     token_ids: Sequence[int] | None = None,
     messages: Iterable[dict[str, str]] | None = None,
+    chat_options: dict[str, Any] | None = None,
     request_id: str = "",
     mode: str | int | None = None,
     stop: Sequence[str] = (),
@@ -86,6 +88,7 @@ def build_request(
     numbers: max_new_tokens, temperature, top_k, top_p, min_p, seed, coupling, presence_penalty,
     frequency_penalty, repetition_penalty, min_tokens, logprobs, prompt_logprobs, and the speculation settings k,
     fanout_budget, fanout_kind, saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
+    chat_options (with messages): add_generation_prompt, continue_final_message, template_kwargs (a dict).
     """
     request = pb.GenerateRequest(request_id=request_id, stop=list(stop), ignore_eos=ignore_eos,
                                  logit_bias=logit_bias or {}, stop_token_ids=list(stop_token_ids),
@@ -101,6 +104,11 @@ def build_request(
     if messages is not None:
         request.chat.SetInParent()
         request.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+        options = dict(chat_options or {})
+        if isinstance(options.get("template_kwargs"), dict):
+            options["template_kwargs"] = json.dumps(options["template_kwargs"])
+        for name, value in options.items():
+            setattr(request.chat, name, value)  # an unknown name raises AttributeError
     if mode is not None:
         request.mode = MODES[mode] if isinstance(mode, str) else mode
     for name, value in numbers.items():

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ssd.serve.protos import enum_names, enum_values
-from ssd.serve.request import ChatMessage, Request, Speculation, Structured
+from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation, Structured
 from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
@@ -37,6 +37,7 @@ def from_proto(message: Any) -> Request:
         request.token_ids = list(message.token_ids.ids)
     elif which == "chat":
         request.chat = [ChatMessage(m.role, m.content) for m in message.chat.messages]
+        request.chat_options = _chat_options(message.chat)
     if message.logit_bias:
         request.logit_bias = dict(message.logit_bias)
     if message.HasField("structured"):
@@ -48,6 +49,21 @@ def from_proto(message: Any) -> Request:
             **{name: getattr(given, name) for name in _OPTIONAL_SPEC if given.HasField(name)},
         )
     return request
+
+
+def _chat_options(chat: Any) -> ChatOptions | None:
+    if not (chat.HasField("add_generation_prompt") or chat.continue_final_message or chat.template_kwargs):
+        return None
+    kwargs = None
+    if chat.template_kwargs:
+        try:
+            kwargs = json.loads(chat.template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument("chat.template_kwargs", f"not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidArgument("chat.template_kwargs", "must be a JSON object")
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return ChatOptions(add, chat.continue_final_message, kwargs)
 
 
 def _structured(given: Any) -> Structured | None:

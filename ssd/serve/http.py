@@ -308,8 +308,12 @@ class OpenAIFrontend:
 
     @staticmethod
     def _echo(body: Any, prompt: Any, gen: Generation) -> str:
-        if not getattr(body, "echo", False):
+        """What the reply starts with: completions' prompt, or chat's last message where it is the assistant's (vLLM's)."""
+        if not body.echo:
             return ""
+        if isinstance(body, schema.ChatBody):
+            last = body.messages[-1]
+            return schema.message_content(last, len(body.messages) - 1, True) if last.role == "assistant" else ""
         return prompt if isinstance(prompt, str) else gen.decode(gen.request.prompt_ids)
 
     def _submit(self, request: Any, body: Any, prompt_index: int | None) -> Generation:
@@ -400,7 +404,7 @@ class Call:
         with OpenAI's error event, {"error": {...}}, and cancels the other choices."""
         for choice in self.choices:
             if self.chat:
-                yield self._sse(self._chunk(choice, {"role": "assistant", "content": ""}))
+                yield self._sse(self._chunk(choice, {"role": "assistant", "content": choice.echo}))
             elif choice.echo:
                 yield self._sse(self._chunk(choice, choice.echo))
         events: asyncio.Queue = asyncio.Queue()
@@ -492,10 +496,10 @@ class Call:
         return shown
 
     def _message(self, choice: Choice, text: str, entry: dict[str, Any]) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.echo + text}
         if choice.tools is not None:
             content, calls = tooling.parse(text)
-            message["content"] = content
+            message["content"] = choice.echo + (content or "") if choice.echo else content  # None: only calls
             if calls:
                 message["tool_calls"] = calls
                 entry["finish_reason"] = "tool_calls"

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ssd.serve import tools as tooling
-from ssd.serve.request import ChatMessage, Request, Speculation as SpeculationFields, Structured
+from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation as SpeculationFields, Structured
 from ssd.serve.validation import MAX_LOGPROBS, InvalidArgument
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # OpenAI's limit for chat top_logprobs
@@ -177,6 +177,12 @@ class ChatBody(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat fields (ssd.serve.request.ChatOptions; echo: the reply starts with the last
+    # message's content when that is the assistant's, the prefill continue_final_message continues).
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeBody(_Body):
@@ -186,6 +192,9 @@ class TokenizeBody(_Body):
     prompt: str | None = None
     messages: list[Message] | None = None
     tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(_Body):
@@ -198,9 +207,25 @@ def tokenize_request(body: TokenizeBody) -> Request:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidArgument("prompt", "give prompt or messages")
     if body.prompt is not None:
+        for name in _CHAT_OPTIONS.values():
+            if name in body.model_fields_set:
+                raise InvalidArgument(name, "applies to messages only")
         return Request(text=body.prompt)
     chat = ChatBody(model=body.model or "", messages=body.messages, tools=body.tools)
-    return Request(chat=[_message(m, i) for i, m in enumerate(body.messages)], tools=tooling.rendered(chat))
+    return Request(chat=[_message(m, i) for i, m in enumerate(body.messages)], tools=tooling.rendered(chat),
+                   chat_options=chat_options(body))
+
+
+# ChatOptions' fields -> the body's.
+_CHAT_OPTIONS = {"add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
+                 "template_kwargs": "chat_template_kwargs"}
+
+
+def chat_options(body: ChatBody | TokenizeBody) -> ChatOptions | None:
+    """The body's chat layout fields; None where it sets none."""
+    if not set(_CHAT_OPTIONS.values()) & body.model_fields_set:
+        return None
+    return ChatOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
 
 
 def parse(model: type[_Body], data: Any) -> Any:
@@ -381,6 +406,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
     if isinstance(body, ChatBody):
         request.chat = [_message(m, i) for i, m in enumerate(body.messages)]
         request.tools = tooling.rendered(body)
+        request.chat_options = chat_options(body)
     else:
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens get theirs too
             request.prompt_logprobs = body.logprobs
@@ -401,11 +427,11 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
 
 def _message(message: Message, i: int) -> ChatMessage:
     calls = tooling.message_calls(message, i)
-    return ChatMessage(message.role, _content(message, i, allow_none=bool(calls)), tool_calls=calls,
+    return ChatMessage(message.role, message_content(message, i, allow_none=bool(calls)), tool_calls=calls,
                        tool_call_id=message.tool_call_id, name=message.name)
 
 
-def _content(message: Message, i: int, allow_none: bool = False) -> str:
+def message_content(message: Message, i: int, allow_none: bool = False) -> str:
     if message.content is None:
         if allow_none:  # an assistant's turn that only called tools
             return ""
@@ -424,6 +450,9 @@ def body_param(field: str, body: _Common, prompt_index: int | None = None) -> st
             return "messages"
         return "prompt" if prompt_index is None else f"prompt[{prompt_index}]"
     if head == "chat":
+        option, _, key = rest.partition(".")
+        if option in _CHAT_OPTIONS:
+            return _CHAT_OPTIONS[option] + (f".{key}" if key else "")
         return "messages" + (rest.removeprefix("messages") if rest else "")
     if head == "max_new_tokens":
         return max_tokens_field(body)

@@ -34,6 +34,18 @@ class ChatMessage:
 
 
 @dataclass
+class ChatOptions:
+    """How a chat is rendered (vLLM's chat fields; a chat prompt only). add_generation_prompt: end
+    with the assistant's header; continue_final_message: leave the last message open, so the model
+    continues it (an assistant's prefill; not with add_generation_prompt); template_kwargs: more
+    variables for the chat template, each one the template reads (Qwen3's enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
 class Speculation:
     """Per-request speculation settings; "" for a string: not given."""
 
@@ -66,6 +78,7 @@ class Request:
     text: str | None = None
     token_ids: list[int] | None = None
     chat: list[ChatMessage] | None = None  # an empty list is a chat (and refused as one)
+    chat_options: ChatOptions | None = None  # None: the defaults
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None

@@ -36,7 +36,7 @@ from ssd.engine import grammar
 from ssd.engine.request import GenerationRequest, Processing
 from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
 from ssd.serve.options import ServeOptions
-from ssd.serve.request import ChatMessage, Request, Speculation, Structured
+from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation, Structured
 
 MAX_REQUEST_ID_CHARS = 128
 SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
@@ -350,7 +350,7 @@ def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[i
         return _text_prompt(request.text, backend)
     if which == "token_ids":
         return _id_prompt(list(request.token_ids), backend.info.vocab_size)
-    return _chat_prompt(request.chat, backend, options, request.tools)
+    return _chat_prompt(request, backend, options)
 
 
 def _text_prompt(text: str, backend: Backend) -> list[int]:
@@ -371,8 +371,8 @@ def _id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return token_ids_in_vocabulary("token_ids", ids, vocab_size)
 
 
-def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOptions,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+def _chat_prompt(request: Request, backend: Backend, options: ServeOptions) -> list[int]:
+    messages = request.chat
     if not messages:
         raise InvalidArgument("chat", "must hold at least one message")
     if len(messages) > options.max_chat_messages:
@@ -380,17 +380,30 @@ def _chat_prompt(messages: list[ChatMessage], backend: Backend, options: ServeOp
     for i, message in enumerate(messages):
         if not message.role:
             raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
+    _check_chat_options(request.chat_options, messages)
+    # Only what a request sets is passed: a backend may take messages alone.
+    extra = {name: value for name, value in (("tools", request.tools), ("options", request.chat_options)) if value}
     try:
-        rendered = [m.template_dict() for m in messages]
-        # Only a request with tools passes them: a backend may take messages alone.
-        ids = backend.apply_chat(rendered, tools=tools) if tools else backend.apply_chat(rendered)
-    except (UnsupportedRequest, ValueError) as exc:
+        ids = backend.apply_chat([m.template_dict() for m in messages], **extra)
+    except UnsupportedRequest as exc:
+        raise InvalidArgument(exc.field or "chat", str(exc)) from None
+    except ValueError as exc:
         raise InvalidArgument("chat", str(exc)) from None
     except Exception as exc:  # a template's own complaint (e.g. roles must alternate)
         raise InvalidArgument("chat", f"the chat template refused it: {exc}") from None
     if not ids:
         raise InvalidArgument("chat", "renders to no tokens")
     return ids
+
+
+def _check_chat_options(given: ChatOptions | None, messages: list[ChatMessage]) -> None:
+    if given is None or not given.continue_final_message:
+        return
+    if given.add_generation_prompt:
+        raise InvalidArgument("chat.continue_final_message", "cannot be combined with add_generation_prompt "
+                              "(the final message is continued, no new one started): set it false")
+    if not messages[-1].content:
+        raise InvalidArgument("chat.continue_final_message", "the final message has no content to continue")
 
 
 def _check_context(request: Request, prompt_tokens: int, max_new: int, info: BackendInfo) -> None:

@@ -1,0 +1,214 @@
+"""vLLM's chat layout fields: add_generation_prompt, continue_final_message (an assistant's
+prefill), chat_template_kwargs (Qwen3's enable_thinking), and chat `echo`.
+
+They change the prompt only, so exactness carries over: each test checks that the
+rendered prompt is Hugging Face's (apply_chat_template with the same options) and
+that the output over HTTP and gRPC is the engine's for those prompt ids.
+
+Two templates: the real Qwen2.5 tokenizer's (offline, no model), and for the
+live server a Jinja template over the tiny pair's 16 letters, rendered by
+transformers' own chat-template code (so continue_final_message is cut where
+transformers cuts it): each message is its role's letter, its content and "m";
+the generation prompt is "n", then "k" when the template kwarg `think` is true.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from ssd.config import load_config
+from ssd.models.tokenizer import TinyTokenizer
+from ssd.serve.backend import BackendInfo, TokenizerMixin
+from ssd.serve.client import GenerationClient
+from ssd.serve.options import ServeOptions
+from ssd.serve.request import ChatMessage, ChatOptions, Request
+from ssd.serve.validation import InvalidArgument, prompt_ids
+from tests.conftest import ROOT
+from tests.test_http import base_url, direct, oai, serving
+
+TINY_TEMPLATE = ("{%- set letter = {'system': 'p', 'user': 'o', 'assistant': 'n'} -%}"
+                 "{%- for m in messages -%}{{ letter[m.role] }}{{ m.content }}m{%- endfor -%}"
+                 "{%- if add_generation_prompt -%}n{%- if think is defined and think -%}k{%- endif -%}{%- endif -%}")
+# Qwen3's generation prompt (its chat template's last lines), on Qwen2.5's tokens.
+QWEN3_TAIL = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+              "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+              "{%- endif %}{%- endif %}")
+PREFILL = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cd"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+class TemplatedTiny(TinyTokenizer):
+    """The tiny tokenizer with a Jinja chat template, rendered as transformers renders one."""
+
+    chat_template = TINY_TEMPLATE
+
+    def apply_chat_template(self, messages, tools=None, tokenize=True, add_generation_prompt=False,
+                            continue_final_message=False, **kwargs):
+        assert not tokenize
+        rendered, _ = render_jinja_template([messages], tools=tools, chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **kwargs)
+        return rendered[0]
+
+
+class TokenizerOnly(TokenizerMixin):
+    """A backend's prompt handling over a tokenizer, no model."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.info = BackendInfo("qwen", None, len(tokenizer), 32768, ("ar",), True, (), None)
+
+
+def rendered(backend, messages: list[dict[str, str]], options: ChatOptions | None = None) -> list[int]:
+    request = Request(chat=[ChatMessage(m["role"], m["content"]) for m in messages], chat_options=options)
+    return prompt_ids(request, backend, ServeOptions())
+
+
+# --- the real Qwen2.5 template (offline tokenizer) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen(real_tokenizer):
+    return TokenizerOnly(real_tokenizer)
+
+
+def test_each_layout_is_hugging_faces(qwen, real_tokenizer):
+    def hf(messages, **options) -> list[int]:
+        return real_tokenizer.encode(real_tokenizer.apply_chat_template(messages, tokenize=False, **options),
+                                     add_special_tokens=False)
+
+    user = PREFILL[:1]
+    assert rendered(qwen, user) == hf(user, add_generation_prompt=True)
+    assert rendered(qwen, user, ChatOptions(add_generation_prompt=False)) == hf(user)
+    assert rendered(qwen, user, ChatOptions(add_generation_prompt=False)) != rendered(qwen, user)
+    prefilled = rendered(qwen, PREFILL, ChatOptions(**CONTINUE))
+    assert prefilled == hf(PREFILL, continue_final_message=True)
+    assert real_tokenizer.decode(prefilled).endswith("<|im_start|>assistant\ncd")  # open: no <|im_end|>
+
+
+def test_template_kwargs_reach_the_template_and_unread_ones_are_refused(real_tokenizer):
+    tokenizer = real_tokenizer.__class__.from_pretrained(real_tokenizer.name_or_path)
+    tokenizer.chat_template = QWEN3_TAIL
+    qwen3 = TokenizerOnly(tokenizer)
+    user = PREFILL[:1]
+    thinking_off = tokenizer.decode(rendered(qwen3, user, ChatOptions(template_kwargs={"enable_thinking": False})))
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert rendered(qwen3, user, ChatOptions(template_kwargs={"enable_thinking": True})) == rendered(qwen3, user)
+    with pytest.raises(InvalidArgument) as info:
+        rendered(qwen3, user, ChatOptions(template_kwargs={"enable_thinkin": False}))
+    assert info.value.field == "chat.template_kwargs.enable_thinkin" and "reads: enable_thinking" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:  # the Qwen2.5 template has no such variable
+        rendered(TokenizerOnly(real_tokenizer), user, ChatOptions(template_kwargs={"enable_thinking": False}))
+    assert info.value.field == "chat.template_kwargs.enable_thinking"
+    with pytest.raises(InvalidArgument) as info:  # apply_chat_template's own parameter
+        rendered(qwen3, user, ChatOptions(template_kwargs={"tokenize": True}))
+    assert info.value.field == "chat.template_kwargs.tokenize"
+
+
+@pytest.mark.parametrize("options, message", [
+    (ChatOptions(continue_final_message=True), "cannot be combined with add_generation_prompt"),
+    (ChatOptions(add_generation_prompt=False, continue_final_message=True), "no content to continue"),
+])
+def test_a_final_message_is_continued_only_where_it_can_be(qwen, options, message):
+    messages = PREFILL if options.add_generation_prompt else [PREFILL[0], {"role": "assistant", "content": ""}]
+    with pytest.raises(InvalidArgument) as info:
+        rendered(qwen, messages, options)
+    assert info.value.field == "chat.continue_final_message" and message in str(info.value)
+
+
+# --- over the wire: the tiny pair behind the Jinja template ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    from ssd.serve.backend import LocalBackend
+
+    backend = LocalBackend(load_config(ROOT / "configs" / "tiny.yaml"))
+    backend.tokenizer = TemplatedTiny(len(backend.tokenizer))
+    backend.info = dataclasses.replace(backend.info, chat_template=True)
+    with serving(lambda: backend) as running:
+        yield running, backend
+    backend.close()
+
+
+def tiny_ids(backend, text: str) -> list[int]:
+    return backend.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_a_prefill_is_continued_as_the_engine_continues_its_ids(server, mode, stream):
+    srv, backend = server
+    expected = backend.decode(direct(backend, tiny_ids(backend, "oabcmncd"), mode, max_new=12).token_ids)
+    request = dict(model="tiny", messages=PREFILL, max_tokens=12, temperature=0,
+                   extra_body={**CONTINUE, "speculation": {"mode": mode}})
+    client = oai(srv)
+    if not stream:
+        reply = client.chat.completions.create(**request)
+        assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == len("oabcmncd")
+        echoed = client.chat.completions.create(**request | {"extra_body": request["extra_body"] | {"echo": True}})
+        assert echoed.choices[0].message.content == "cd" + expected
+        return
+    chunks = list(client.chat.completions.create(stream=True, **request | {"extra_body": request["extra_body"] | {
+        "echo": True}}))
+    assert chunks[0].choices[0].delta.content == "cd"  # the echo comes with the role
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "cd" + expected
+
+
+def test_template_kwargs_and_add_generation_prompt_over_http_and_grpc(server):
+    srv, backend = server
+    client = oai(srv)
+    user = [{"role": "user", "content": "abc"}]
+    for extra, text in (({"chat_template_kwargs": {"think": True}}, "oabcmnk"),
+                        ({"add_generation_prompt": False}, "oabcm")):
+        expected = backend.decode(direct(backend, tiny_ids(backend, text), "sd", max_new=10).token_ids)
+        reply = client.chat.completions.create(model="tiny", messages=user, max_tokens=10, temperature=0,
+                                               extra_body=extra | {"speculation": {"mode": "sd"}})
+        assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == len(text)
+        with GenerationClient(f"127.0.0.1:{srv.port}") as grpc_client:
+            options = {"template_kwargs": extra["chat_template_kwargs"]} if "chat_template_kwargs" in extra else extra
+            out = grpc_client.generate(messages=user, chat_options=options, max_new_tokens=10, temperature=0,
+                                       mode="sd")
+        assert out.text == expected
+        tokenized = httpx.post(base_url(srv) + "/tokenize", json={"messages": user, **extra}).json()
+        assert tokenized["tokens"] == tiny_ids(backend, text)  # /tokenize lays the chat out the same way
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": PREFILL, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": PREFILL, "chat_template_kwargs": {"nothink": 1}},
+     "chat_template_kwargs.nothink"),
+    ("/v1/chat/completions", {"messages": PREFILL, "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs.messages"),
+    ("/v1/chat/completions", {"messages": PREFILL, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": PREFILL, "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ("/v1/completions", {"prompt": "ab", "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "ab", "add_generation_prompt": False}, "add_generation_prompt"),
+])
+def test_bad_chat_options_name_their_field(server, path, body, param):
+    reply = httpx.post(base_url(server[0]) + path, json={"model": "tiny", "max_tokens": 2} | body
+                       if path != "/tokenize" else body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("chat, field", [
+    ({"template_kwargs": "{"}, "chat.template_kwargs"),
+    ({"template_kwargs": "[1]"}, "chat.template_kwargs"),
+    ({"template_kwargs": json.dumps({"thin": True})}, "chat.template_kwargs.thin"),
+    ({"continue_final_message": True}, "chat.continue_final_message"),
+])
+def test_bad_chat_options_over_grpc_name_their_field(server, chat, field):
+    with GenerationClient(f"127.0.0.1:{server[0].port}") as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(messages=PREFILL, chat_options=chat, max_new_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field + ":"), info.value.details()
