@@ -166,6 +166,7 @@ class GenerationConfig:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: each ends the output, kept in it
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's and HF's default)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -58,8 +58,8 @@ class ControlledBackend:
     def apply_chat(self, messages):
         return self.inner.apply_chat(messages)
 
-    def decode(self, ids):
-        return self.inner.decode(ids)
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode(ids, skip_special_tokens)
 
     def close(self) -> None:
         """The module's LocalBackend outlives each server."""

@@ -107,4 +107,4 @@ class OutputTracker:
         return True
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.config.skip_special_tokens)

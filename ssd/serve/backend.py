@@ -60,7 +60,7 @@ class Backend(Protocol):
         """The conversation in the chat template (with `tools` when given), by default ready for the
         assistant; `options` (given only when a request sets them) lay it out otherwise."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def close(self) -> None: ...
 
@@ -96,8 +96,8 @@ class TokenizerMixin:
                 known = ", ".join(sorted(readable - RESERVED_TEMPLATE_KWARGS)) or "none"
                 raise UnsupportedRequest(f"the model's chat template does not read it (it reads: {known})", field)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class LocalBackend(TokenizerMixin):

@@ -16,7 +16,8 @@ from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
 _OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
+             "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs",
+             "skip_special_tokens", "truncate_prompt_tokens")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
 

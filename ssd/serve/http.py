@@ -314,7 +314,8 @@ class OpenAIFrontend:
         if isinstance(body, schema.ChatBody):
             last = body.messages[-1]
             return schema.message_content(last, len(body.messages) - 1, True) if last.role == "assistant" else ""
-        return prompt if isinstance(prompt, str) else gen.decode(gen.request.prompt_ids)
+        whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+        return prompt if whole else gen.decode(gen.request.prompt_ids)
 
     def _submit(self, request: Any, body: Any, prompt_index: int | None) -> Generation:
         """The shared validation and admission (the gRPC API's), through the service."""

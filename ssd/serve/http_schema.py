@@ -10,6 +10,8 @@ through. Its field names (the gRPC API's) are mapped back to the body's (`max_ne
 Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
+`skip_special_tokens`, `truncate_prompt_tokens`, chat's `add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs` and `echo`,
 `coupling` (standard | gumbel: sampling.coupling), `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
@@ -109,6 +111,8 @@ class _Common(_Body):
     min_tokens: int | None = None  # vLLM's
     stop_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
+    truncate_prompt_tokens: int | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
@@ -400,7 +404,8 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
-        bad_words=body.bad_words,
+        bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
         structured=structured(body),
     )
     if isinstance(body, ChatBody):

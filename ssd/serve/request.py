@@ -101,6 +101,8 @@ class Request:
     min_tokens: int | None = None  # vLLM's: no EOS, stop token or stop string before that many tokens
     stop_token_ids: list[int] | None = None  # vLLM's: each ends the output, kept in it
     include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens (EOS, <|im_end|>) in the text
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     structured: Structured | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -208,7 +209,7 @@ class Generation:
         self.service, self.worker, self.backend, self.job = service, worker, backend, job
         self.queued_ahead = queued_ahead
         # Without stream_text, rounds carry no text and the end carries it all (no decode per round).
-        self.text = TextStream(backend.decode, job.request.generation) if stream_text else None
+        self.text = TextStream(self.decode, job.request.generation) if stream_text else None
 
     @property
     def request_id(self) -> str:
@@ -233,9 +234,10 @@ class Generation:
             return Chunk(event.ids, text, event.logprobs)
         return self._final(event)
 
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text, with the model's tokenizer."""
-        return self.backend.decode(ids)
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text, with the model's tokenizer, as the request's text is decoded
+        (special tokens left out unless it asks for them)."""
+        return self.backend.decode(ids, skip_special_tokens=self.job.request.generation.skip_special_tokens)
 
     def cancel(self) -> None:
         """Stop it within a round (a no-op once it finished); frees its row."""

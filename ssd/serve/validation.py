@@ -70,7 +70,7 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
     sampling = _sampling(request, info)
     speculation = _speculation(request, info, options, mode)
     processing = _processing(request, backend, options)
-    prompt_ids = _prompt(request, backend, options)
+    prompt_ids = _truncated(request, _prompt(request, backend, options), info)
     if max_new is None:
         max_new = _context_default(request, len(prompt_ids), info, options)
     _check_context(request, len(prompt_ids), max_new, info)
@@ -83,6 +83,7 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
         max_new_tokens=max_new, stop=stop, ignore_eos=request.ignore_eos, min_tokens=min_tokens,
         stop_token_ids=token_ids_in_vocabulary("stop_token_ids", request.stop_token_ids, info.vocab_size),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
     )
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
                              logprobs=request.logprobs, processing=processing,
@@ -404,6 +405,19 @@ def _check_chat_options(given: ChatOptions | None, messages: list[ChatMessage]) 
                               "(the final message is continued, no new one started): set it false")
     if not messages[-1].content:
         raise InvalidArgument("chat.continue_final_message", "the final message has no content to continue")
+
+
+def _truncated(request: Request, ids: list[int], info: BackendInfo) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = info.max_context_tokens
+    if not 1 <= k <= info.max_context_tokens:
+        raise InvalidArgument("truncate_prompt_tokens", f"must be in 1..{info.max_context_tokens} (the model's "
+                              f"context) or -1, got {request.truncate_prompt_tokens}")
+    return ids[-k:]
 
 
 def _check_context(request: Request, prompt_tokens: int, max_new: int, info: BackendInfo) -> None:

@@ -1,15 +1,20 @@
-"""vLLM's chat layout fields: add_generation_prompt, continue_final_message (an assistant's
-prefill), chat_template_kwargs (Qwen3's enable_thinking), and chat `echo`.
+"""vLLM's request fields that shape the prompt or the text, not the law: the chat layout
+(add_generation_prompt, continue_final_message for an assistant's prefill,
+chat_template_kwargs such as Qwen3's enable_thinking, chat `echo`),
+truncate_prompt_tokens and skip_special_tokens.
 
-They change the prompt only, so exactness carries over: each test checks that the
-rendered prompt is Hugging Face's (apply_chat_template with the same options) and
-that the output over HTTP and gRPC is the engine's for those prompt ids.
+They change the prompt ids or how tokens become text, so exactness carries over:
+each test checks that the prompt is Hugging Face's (apply_chat_template with the
+same options) or the truncated one, and that the output over HTTP and gRPC is the
+engine's for those prompt ids, its text decoded as asked.
 
 Two templates: the real Qwen2.5 tokenizer's (offline, no model), and for the
 live server a Jinja template over the tiny pair's 16 letters, rendered by
 transformers' own chat-template code (so continue_final_message is cut where
 transformers cuts it): each message is its role's letter, its content and "m";
 the generation prompt is "n", then "k" when the template kwarg `think` is true.
+The tiny pair's EOS there is "p" (id 15), the system letter, which no test's
+chat uses.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ QWEN3_TAIL = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.c
               "{%- endif %}{%- endif %}")
 PREFILL = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cd"}]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+EOS = 15  # "p"
 
 
 class TemplatedTiny(TinyTokenizer):
@@ -131,8 +137,11 @@ def test_a_final_message_is_continued_only_where_it_can_be(qwen, options, messag
 def server():
     from ssd.serve.backend import LocalBackend
 
-    backend = LocalBackend(load_config(ROOT / "configs" / "tiny.yaml"))
-    backend.tokenizer = TemplatedTiny(len(backend.tokenizer))
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    for model in (config.target, config.draft):
+        model.tiny = dataclasses.replace(model.tiny, eos_token_id=EOS)
+    backend = LocalBackend(config)
+    backend.tokenizer = TemplatedTiny(len(backend.tokenizer), EOS)
     backend.info = dataclasses.replace(backend.info, chat_template=True)
     with serving(lambda: backend) as running:
         yield running, backend
@@ -212,3 +221,51 @@ def test_bad_chat_options_over_grpc_name_their_field(server, chat, field):
             client.generate(messages=PREFILL, chat_options=chat, max_new_tokens=2)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(field + ":"), info.value.details()
+
+
+# --- skip_special_tokens and truncate_prompt_tokens --------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_skip_special_tokens_false_keeps_the_eos_in_the_text(server, stream):
+    srv, backend = server
+    # EOS made likely, and ignored, so the output holds EOS tokens between others.
+    request = dict(model="tiny", prompt="abcab", max_tokens=24, temperature=1.0, seed=3, logprobs=0,
+                   extra_body={"ignore_eos": True, "logit_bias": {str(EOS): 4.0}, "speculation": {"mode": "sd"}})
+    with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+        ids = client.generate(text="abcab", max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True,
+                              logit_bias={EOS: 4.0}, mode="sd", skip_special_tokens=False)
+    assert 0 < ids.token_ids.count(EOS) < len(ids.token_ids)
+    assert ids.text == backend.decode(ids.token_ids, skip_special_tokens=False)
+    texts = {}
+    for skip in (True, False):
+        body = request | {"extra_body": request["extra_body"] | {"skip_special_tokens": skip}}
+        if stream:
+            chunks = list(oai(srv).completions.create(stream=True, **body))
+            texts[skip] = "".join(c.choices[0].text for c in chunks if c.choices)
+            tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        else:
+            choice = oai(srv).completions.create(**body).choices[0]
+            texts[skip], tokens = choice.text, choice.logprobs.tokens
+        assert tokens.count("p" if not skip else "") == ids.token_ids.count(EOS)  # logprob tokens decode alike
+    assert texts == {True: backend.decode(ids.token_ids), False: ids.text}
+    assert "p" in texts[False] and "p" not in texts[True]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    srv, backend = server
+    expected = backend.decode(direct(backend, tiny_ids(backend, "cab"), "sd", max_new=10).token_ids)
+    reply = oai(srv).completions.create(model="tiny", prompt="abcabcab", max_tokens=10, temperature=0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 3, "speculation": {"mode": "sd"}})
+    assert reply.choices[0].text == "cab" + expected and reply.usage.prompt_tokens == 3
+    with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+        out = client.generate(text="abcabcab", truncate_prompt_tokens=3, max_new_tokens=10, temperature=0, mode="sd")
+        assert out.text == expected
+        whole = client.generate(text="abcabcab", truncate_prompt_tokens=-1, max_new_tokens=10, temperature=0)
+        assert whole.text == backend.decode(direct(backend, tiny_ids(backend, "abcabcab"), "ar", max_new=10).token_ids)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(text="ab", truncate_prompt_tokens=0)
+    assert info.value.details().startswith("truncate_prompt_tokens: must be in 1..")
+    reply = httpx.post(base_url(srv) + "/v1/completions",
+                       json={"model": "tiny", "prompt": "ab", "truncate_prompt_tokens": -2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
