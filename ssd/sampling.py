@@ -118,9 +118,10 @@ def probs_from_logits(
 def token_logprobs(
     logits: torch.Tensor, params: SamplingConfig, tokens: Sequence[int], top_n: int,
     bias: Bias | None = None,
-) -> list[tuple[float, list[tuple[int, float]]]]:
-    """For each token i: (log p_i[token], the top_n (id, log p_i) pairs), p_i the
-    distribution of logits row i [n, V] under `params`.
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """For each token i: (log p_i[token], its rank, the top_n (id, log p_i) pairs), p_i the
+    distribution of logits row i [n, V] under `params`; the rank is 1 + the number of tokens
+    more likely than it (vLLM's).
 
     Sampled requests get the log of exactly the distribution verification and
     sampling use (probs_from_logits); greedy ones the log-softmax at
@@ -133,12 +134,14 @@ def token_logprobs(
         logp = torch.log_softmax(rows, dim=-1)
     else:
         logp = torch.log(probs_from_logits(rows, params))
-    chosen = logp.gather(-1, torch.tensor(list(tokens), device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    chosen = logp.gather(-1, torch.tensor(list(tokens), device=logp.device).unsqueeze(-1))
+    ranks = ((logp > chosen).sum(-1) + 1).tolist()
+    chosen = chosen.squeeze(-1).tolist()
     if top_n <= 0:
-        return [(value, []) for value in chosen]
+        return [(value, rank, []) for value, rank in zip(chosen, ranks)]
     values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return list(zip(chosen, tops))
+    return list(zip(chosen, ranks, tops))
 
 
 def _biased(logits: torch.Tensor, bias: Bias | None) -> torch.Tensor:

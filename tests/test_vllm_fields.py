@@ -1,7 +1,9 @@
 """vLLM's request fields that shape the prompt or the text, not the law: the chat layout
 (add_generation_prompt, continue_final_message for an assistant's prefill,
 chat_template_kwargs such as Qwen3's enable_thinking, chat `echo`),
-truncate_prompt_tokens and skip_special_tokens.
+truncate_prompt_tokens, skip_special_tokens, and prompt_logprobs (vLLM's view of
+the prompt's log-probabilities, with ranks: checked against the target's own
+log-softmax; the prompt scoring itself is tests/test_prompt_logprobs.py's).
 
 They change the prompt ids or how tokens become text, so exactness carries over:
 each test checks that the prompt is Hugging Face's (apply_chat_template with the
@@ -26,6 +28,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ssd.config import load_config
@@ -269,3 +272,67 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
     reply = httpx.post(base_url(srv) + "/v1/completions",
                        json={"model": "tiny", "prompt": "ab", "truncate_prompt_tokens": -2})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+# --- vLLM's prompt_logprobs ---------------------------------------------------------------------
+
+
+def _prompt_log_softmax(backend, prompt: list[int]) -> torch.Tensor:
+    """The target's log-softmax at each prompt position after the first, [len - 1, V]."""
+    with torch.no_grad():
+        out = backend.pair.target(torch.tensor([prompt]))
+    logits = (out.logits if hasattr(out, "logits") else out)[0, :-1].to(torch.float64)
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_prompt_logprobs_are_vllms_with_ranks(server, mode):
+    srv, backend = server
+    prompt = tiny_ids(backend, "abcabca")
+    logp = _prompt_log_softmax(backend, prompt)
+    reply = oai(srv).completions.create(model="tiny", prompt="abcabca", max_tokens=3, temperature=0, echo=True,
+                                        logprobs=1, extra_body={"prompt_logprobs": 3, "speculation": {"mode": mode}})
+    choice = reply.choices[0]
+    views = choice.model_extra["prompt_logprobs"]
+    assert views[0] is None and len(views) == len(prompt)
+    for i, view in enumerate(views[1:]):
+        token, row = prompt[i + 1], logp[i]
+        ranked = row.argsort(descending=True).tolist()
+        assert set(view) == {str(token), *map(str, ranked[:3])}
+        assert view[str(token)] == {"logprob": pytest.approx(row[token].item(), abs=1e-9),
+                                    "rank": int((row > row[token]).sum()) + 1,
+                                    "decoded_token": backend.decode([token])}
+        for rank, top in enumerate(ranked[:3], start=1):
+            assert view[str(top)]["rank"] == (rank if top != token else view[str(token)]["rank"])
+    assert any(v[str(t)]["rank"] > 1 for v, t in zip(views[1:], prompt[1:]))  # ranks are not all 1
+    # echo's legacy layout shows its own logprobs (1 alternative), the same values
+    echo = choice.logprobs
+    assert echo.token_logprobs[1:len(prompt)] == [v[str(t)]["logprob"] for v, t in zip(views[1:], prompt[1:])]
+    assert all(len(top) == 1 for top in echo.top_logprobs[1:len(prompt)])
+    with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+        out = client.generate(text="abcabca", max_new_tokens=3, temperature=0, prompt_logprobs=3, mode=mode)
+    assert [e.rank for e in out.prompt_logprobs] == [v[str(t)]["rank"] for v, t in zip(views[1:], prompt[1:])]
+
+
+def test_chat_prompt_logprobs_come_once_beside_the_choices(server):
+    srv, backend = server
+    user = [{"role": "user", "content": "abc"}]
+    reply = oai(srv).chat.completions.create(model="tiny", messages=user, max_tokens=2, temperature=0, n=2,
+                                             extra_body={"prompt_logprobs": 0})
+    views = reply.model_extra["prompt_logprobs"]
+    prompt = tiny_ids(backend, "oabcmn")
+    assert views[0] is None and [list(v) for v in views[1:]] == [[str(t)] for t in prompt[1:]]
+    logp = _prompt_log_softmax(backend, prompt)
+    assert [v[str(t)]["logprob"] for v, t in zip(views[1:], prompt[1:])] == pytest.approx(
+        [logp[i, t].item() for i, t in enumerate(prompt[1:])], abs=1e-9)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt_logprobs": 1, "stream": True}, "is not streamed"),
+    ({"prompt_logprobs": 21}, "must be in 0..20"),
+    ({"prompt_logprobs": -1}, "must be in 0..20"),
+])
+def test_bad_prompt_logprobs_name_their_field(server, body, message):
+    reply = httpx.post(base_url(server[0]) + "/v1/completions", json={"model": "tiny", "prompt": "ab"} | body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs"
+    assert message in reply.json()["error"]["message"]

@@ -498,8 +498,8 @@ class BatchedEngine(Engine):
         logprobs = None
         if req.logprobs is not None:
             logprobs = [
-                TokenLogprob(token, value, tuple(top))
-                for token, (value, top) in zip(admitted, token_logprobs(
+                TokenLogprob(token, value, tuple(top), rank)
+                for token, (value, rank, top) in zip(admitted, token_logprobs(
                     logits, req.sampling, admitted, req.request.logprobs, bias))
             ]
             req.logprobs.extend(logprobs)
@@ -577,7 +577,8 @@ class BatchedEngine(Engine):
             rows = logits[at : at + PROMPT_ROWS]
             scored = prompt[start + at + 1 : start + at + len(rows) + 1]  # the last chunk's last row: none
             entries = token_logprobs(rows, PLAIN_LAW, scored, top_n)
-            state.prompt_logprobs += [TokenLogprob(t, value, tuple(top)) for t, (value, top) in zip(scored, entries)]
+            state.prompt_logprobs += [TokenLogprob(t, value, tuple(top), rank)
+                                      for t, (value, rank, top) in zip(scored, entries)]
 
     def _together(self, rows: list[Row], work: Callable, *args) -> object:
         """Run work shared by `rows` (a batched forward); if it fails, each of them fails with it."""

@@ -37,6 +37,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
+    rank: int = 0  # 1 + the number of tokens more likely (vLLM's); 0: not known
 
 
 LogprobCallback = Callable[[list[TokenLogprob]], None]

@@ -123,6 +123,6 @@ def stats_response(pb: Any, stats: ServiceStats) -> Any:
 
 def token_logprobs(pb: Any, entries: list[Any] | None) -> list[Any]:
     """TokenLogprob messages from the engine's TokenLogprob entries (None: none)."""
-    return [pb.TokenLogprob(token=e.token, logprob=e.logprob,
+    return [pb.TokenLogprob(token=e.token, logprob=e.logprob, rank=e.rank,
                             top=[pb.TokenAlternative(token=t, logprob=v) for t, v in e.top])
             for e in entries or ()]

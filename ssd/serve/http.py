@@ -463,7 +463,7 @@ class Call:
         for choice in shown:
             result = choice.final.result
             logprobs = self._logprobs(choice, result.logprobs)
-            if result.prompt_logprobs is not None and logprobs is not None:
+            if not self.chat and self.body.echo and logprobs is not None:
                 logprobs = _joined(self._prompt_logprobs(choice, result.prompt_logprobs), logprobs)
             entry: dict[str, Any] = {"index": choice.index, "finish_reason": FINISH[choice.final.reason],
                                      "logprobs": logprobs}
@@ -471,14 +471,20 @@ class Call:
                 entry["message"] = self._message(choice, result.text, entry)
             else:
                 entry["text"] = choice.echo + result.text
+                if self.body.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = self._vllm_prompt_logprobs(choice, result.prompt_logprobs)
             if len(self.choices) > 1:
                 entry["speculation_stats"] = _stats_json(choice.final.stats)
             out.append(entry)
-        return JSONResponse({
+        response = {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.body.model, "choices": out,
             "usage": self._usage(), "speculation_stats": _stats_json(self.choices[0].final.stats),
-        })
+        }
+        if self.chat and self.body.prompt_logprobs is not None:  # vLLM's chat has them once, beside the choices
+            first = self.choices[0]
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(first, first.final.result.prompt_logprobs)
+        return JSONResponse(response)
 
     def _selected(self) -> list[Choice]:
         """The choices to return: all, or with best_of, each prompt's n with the highest cumulative
@@ -568,11 +574,27 @@ class Call:
     def _prompt_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> dict[str, Any]:
         """Completions' echo with logprobs: the prompt's tokens, the first without a log-probability
         (nothing comes before it), as OpenAI's legacy completions lay them out."""
+        n = self.body.logprobs
         tokens = [self._token(choice, t) for t in choice.gen.request.prompt_ids[:1]] + [
             self._token(choice, e.token) for e in entries]
         return {"tokens": tokens, "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
-                "top_logprobs": [None] + [{self._token(choice, i): _finite(v) for i, v in e.top} for e in entries],
+                "top_logprobs": [None] + [{self._token(choice, i): _finite(v) for i, v in e.top[:n]}
+                                          for e in entries],
                 "text_offset": _offsets(tokens, 0)}
+
+    def _vllm_prompt_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank,
+        decoded_token}} for the token itself and the prompt_logprobs most likely."""
+        def one(token: int, value: float, rank: int) -> dict[str, Any]:
+            return {"logprob": _finite(value), "rank": rank, "decoded_token": self._token(choice, token)}
+
+        out: list[dict[str, Any] | None] = [None]
+        for e in entries:
+            view = {str(e.token): one(e.token, e.logprob, e.rank)}
+            for rank, (token, value) in enumerate(e.top[: self.body.prompt_logprobs], start=1):
+                view.setdefault(str(token), one(token, value, rank))
+            out.append(view)
+        return out
 
     def _chat_entry(self, choice: Choice, entry: TokenLogprob) -> dict[str, Any]:
         def one(token: int, value: float) -> dict[str, Any]:

@@ -112,6 +112,7 @@ class _Common(_Body):
     stop_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens' logprobs, rank and alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
@@ -266,7 +267,10 @@ def refuse_unsupported(body: _Common) -> None:
         raise InvalidArgument("stream_options", "only allowed with stream: true")
     if isinstance(body, CompletionBody):
         _refuse_completion(body)
-    for name, value in logprobs_settings(body).items():
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidArgument("prompt_logprobs", "is not streamed (the prompt's log-probabilities come with the "
+                              "result); send stream: false")
+    for name, value in (logprobs_settings(body) | {"prompt_logprobs": body.prompt_logprobs}).items():
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(name, f"must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
     if isinstance(body, ChatBody):
@@ -369,6 +373,16 @@ def logprobs_settings(body: _Common) -> dict[str, int | None]:
     return {"top_logprobs": body.top_logprobs or 0}
 
 
+def prompt_logprobs(body: _Common) -> int | None:
+    """Alternatives per prompt token the request computes: vLLM's prompt_logprobs, or completions'
+    echo with logprobs (the echoed prompt's tokens get theirs too); each view shows its own number."""
+    wanted = [body.prompt_logprobs]
+    if isinstance(body, CompletionBody) and body.echo:
+        wanted.append(body.logprobs)
+    wanted = [n for n in wanted if n is not None]
+    return max(wanted) if wanted else None
+
+
 def top_logprobs(body: _Common) -> int | None:
     return next(iter(logprobs_settings(body).values()))
 
@@ -405,7 +419,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=prompt_logprobs(body),
         structured=structured(body),
     )
     if isinstance(body, ChatBody):
@@ -413,8 +427,6 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         request.tools = tooling.rendered(body)
         request.chat_options = chat_options(body)
     else:
-        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens get theirs too
-            request.prompt_logprobs = body.logprobs
         prompt = prompts(body)[0] if prompt is None else prompt
         if isinstance(prompt, str):
             request.text = prompt
