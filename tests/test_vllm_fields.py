@@ -336,3 +336,44 @@ def test_bad_prompt_logprobs_name_their_field(server, body, message):
     reply = httpx.post(base_url(server[0]) + "/v1/completions", json={"model": "tiny", "prompt": "ab"} | body)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs"
     assert message in reply.json()["error"]["message"]
+
+
+# --- return_tokens_as_token_ids and continuous_usage_stats --------------------------------------
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(server):
+    srv, backend = server
+    every_token = {"ignore_eos": True, "skip_special_tokens": False}  # the text spells every token
+    request = dict(model="tiny", prompt="abcab", max_tokens=8, temperature=0, logprobs=2, echo=True)
+    plain = oai(srv).completions.create(**request, extra_body=every_token).choices[0]
+    by_id = oai(srv).completions.create(**request, extra_body=every_token | {"return_tokens_as_token_ids": True})
+    by_id = by_id.choices[0]
+    ids = tiny_ids(backend, plain.text)
+    assert by_id.text == plain.text and by_id.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset  # offsets stay in the text
+    assert by_id.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert [sorted(top) for top in by_id.logprobs.top_logprobs[1:]] == [
+        sorted(f"token_id:{tiny_ids(backend, k)[0]}" for k in top) for top in plain.logprobs.top_logprobs[1:]]
+    chat = oai(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}],
+                                            max_tokens=4, temperature=0, logprobs=True, top_logprobs=1,
+                                            extra_body=every_token | {"return_tokens_as_token_ids": True})
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in tiny_ids(backend, chat.choices[0].message.content)]
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+
+
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(server):
+    srv, _ = server
+    chunks = list(oai(srv).completions.create(
+        model="tiny", prompt="abcab", max_tokens=12, temperature=0, n=2, stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert chunk.usage.prompt_tokens == 5
+        assert chunk.usage.total_tokens == 5 + chunk.usage.completion_tokens
+        seen[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 12 and len(counts) > 1
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices  # include_usage's total
+    plain = list(oai(srv).completions.create(model="tiny", prompt="abcab", max_tokens=4, temperature=0, stream=True))
+    assert all(c.usage is None for c in plain)

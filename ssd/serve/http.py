@@ -357,6 +357,7 @@ class Choice:
     echo: str = ""  # completions' echo: the prompt's text, sent before the output
     index: int = 0  # the choice's index in the response
     logprobs_sent: int = 0
+    tokens_out: int = 0  # tokens generated so far (continuous_usage_stats)
     text_offset: int = 0  # completions' text_offset: where the next token's text starts
     tools: tooling.ToolStream | None = None  # chat with tools: content streams, calls come at the end
     final: Final | None = None
@@ -513,6 +514,7 @@ class Call:
         return message
 
     def _round_chunk(self, choice: Choice, event: Chunk) -> dict[str, Any] | None:
+        choice.tokens_out += len(event.token_ids)
         delta = event.text if choice.tools is None else choice.tools.feed(event.text)
         logprobs = self._stream_logprobs(choice, event.logprobs)
         if not delta and logprobs is None:
@@ -522,6 +524,7 @@ class Call:
     def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
         """The choice's last chunks: tool calls if any, then the finish with its stats (ApiError if it failed)."""
         result = _result(final)
+        choice.tokens_out = len(result.token_ids)
         delta, calls = final.text, []
         if choice.tools is not None:
             delta, calls = choice.tools.finish(final.text)
@@ -549,8 +552,14 @@ class Call:
             entry["delta"] = delta
         else:
             entry["text"] = delta
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.body.model, "choices": [entry]}
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.body.model, "choices": [entry]}
+        options = self.body.stream_options
+        if options is not None and options.continuous_usage_stats:  # vLLM's: this choice's usage so far
+            prompt = choice.gen.prompt_tokens
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": choice.tokens_out,
+                              "total_tokens": prompt + choice.tokens_out}
+        return chunk
 
     def _stream_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> Any:
         if not self.shown_logprobs or not entries:
@@ -564,9 +573,10 @@ class Call:
             return None
         if self.chat:
             return {"content": [self._chat_entry(choice, e) for e in entries]}
-        tokens = [self._token(choice, e.token) for e in entries]
-        offsets = _offsets(tokens, choice.text_offset)
-        choice.text_offset += sum(map(len, tokens))
+        ids = [e.token for e in entries]
+        tokens = [self._token(choice, t) for t in ids]
+        offsets = self._offsets(choice, ids, choice.text_offset)
+        choice.text_offset = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
                 "top_logprobs": [{self._token(choice, i): _finite(v) for i, v in e.top} for e in entries],
                 "text_offset": offsets}
@@ -575,12 +585,12 @@ class Call:
         """Completions' echo with logprobs: the prompt's tokens, the first without a log-probability
         (nothing comes before it), as OpenAI's legacy completions lay them out."""
         n = self.body.logprobs
-        tokens = [self._token(choice, t) for t in choice.gen.request.prompt_ids[:1]] + [
-            self._token(choice, e.token) for e in entries]
-        return {"tokens": tokens, "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
+        ids = choice.gen.request.prompt_ids[:1] + [e.token for e in entries]
+        return {"tokens": [self._token(choice, t) for t in ids],
+                "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
                 "top_logprobs": [None] + [{self._token(choice, i): _finite(v) for i, v in e.top[:n]}
                                           for e in entries],
-                "text_offset": _offsets(tokens, 0)}
+                "text_offset": self._offsets(choice, ids, 0)[:-1]}
 
     def _vllm_prompt_logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank,
@@ -603,9 +613,20 @@ class Call:
 
         return one(entry.token, entry.logprob) | {"top_logprobs": [one(i, v) for i, v in entry.top]}
 
-    @staticmethod
-    def _token(choice: Choice, token: int) -> str:
+    def _token(self, choice: Choice, token: int) -> str:
+        """A token as logprobs show it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token}"
         return choice.gen.decode([token])
+
+    @staticmethod
+    def _offsets(choice: Choice, ids: list[int], at: int) -> list[int]:
+        """Where each token's text starts in the choice's text (text_offset), from `at`; one more
+        entry at the end: where the next token's starts."""
+        out = [at]
+        for token in ids:
+            out.append(out[-1] + len(choice.gen.decode([token])))
+        return out
 
     def _usage(self) -> dict[str, int]:
         """Each prompt counted once; every sample's tokens (best_of's unreturned ones too, as OpenAI bills them)."""
@@ -725,14 +746,6 @@ def _finite(value: float) -> float:
 def _joined(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
     """Two completions logprobs objects as one: their parallel lists end to end."""
     return {key: first[key] + then[key] for key in first}
-
-
-def _offsets(tokens: list[str], at: int) -> list[int]:
-    out = []
-    for token in tokens:
-        out.append(at)
-        at += len(token)
-    return out
 
 
 def _too_large(limit: int) -> ApiError:

@@ -60,6 +60,7 @@ class Speculation(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(_Body):
@@ -113,6 +114,7 @@ class _Common(_Body):
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens' logprobs, rank and alternatives
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
