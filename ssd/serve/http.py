@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, beside the gRPC one, in the same process.
 
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
+    POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.serve.responses)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                GET  /metrics
 
@@ -62,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd.engine.request import TokenLogprob
 from ssd.serve import http_schema as schema
+from ssd.serve import responses
 from ssd.serve import tools as tooling
 from ssd.serve.service import (
     Chunk,
@@ -133,6 +135,7 @@ class OpenAIFrontend:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -186,6 +189,31 @@ class OpenAIFrontend:
     async def chat(self, request: Request) -> Response:
         """OpenAI chat completions (the model's chat template). `seed`: as for /v1/completions."""
         return await self._generate(request, schema.ChatBody, chat=True)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as the chat completion it means (ssd.serve.responses)."""
+        self._authorize(request)
+        body = await self._body(request, responses.ResponsesBody)
+        self._check_model(body.model)
+        origins: list[str] = []
+        try:
+            chat, origins = responses.to_chat(body)
+            schema.refuse_unsupported(chat)
+            choices = self._submit_all(chat)
+        except InvalidArgument as exc:
+            raise invalid(exc, responses.chat_param(exc.field, origins)) from None
+        except ApiError as exc:
+            if exc.param is None or exc.status != 400:
+                raise
+            renamed = responses.chat_param(exc.param, origins)
+            raise invalid(InvalidArgument(renamed, exc.message.split(": ", 1)[-1])) from None
+        call = ResponsesCall(self, chat, choices, body)
+        if body.stream:
+            return JobStream(call.events(), on_close=call.cancel)
+        try:
+            return await call.complete(request)
+        finally:
+            call.cancel()
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the prompt's ids as a generation takes them (chat: rendered)."""
@@ -366,6 +394,8 @@ class Choice:
 class Call:
     """One request's response: the OpenAI objects built from its choices' events."""
 
+    terminator = format_sse_event(data_str="[DONE]")  # a stream's last event
+
     def __init__(self, front: OpenAIFrontend, body: Any, choices: list[Choice], chat: bool) -> None:
         self.front, self.body, self.choices, self.chat = front, body, choices, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -404,11 +434,8 @@ class Call:
         """SSE events: a first chunk per choice (chat: the role; echo: the prompt), one per round
         of each choice as they land, each choice's finish, usage, [DONE]. An error ends the stream
         with OpenAI's error event, {"error": {...}}, and cancels the other choices."""
-        for choice in self.choices:
-            if self.chat:
-                yield self._sse(self._chunk(choice, {"role": "assistant", "content": choice.echo}))
-            elif choice.echo:
-                yield self._sse(self._chunk(choice, choice.echo))
+        for data in self._opening():
+            yield self._sse(data)
         events: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(choice, events)) for choice in self.choices]
         try:
@@ -423,13 +450,23 @@ class Call:
                     self.cancel()
                     break
             else:
-                usage = self._usage_chunk()
-                if usage is not None:
-                    yield self._sse(usage)
-            yield format_sse_event(data_str="[DONE]")
+                for data in self._closing():
+                    yield self._sse(data)
+            yield self.terminator
         finally:
             for pump in pumps:
                 pump.cancel()
+
+    def _opening(self) -> list[dict[str, Any]]:
+        """A stream's first chunks: per choice, chat's role (and echo) or completions' echo."""
+        if self.chat:
+            return [self._chunk(c, {"role": "assistant", "content": c.echo}) for c in self.choices]
+        return [self._chunk(c, c.echo) for c in self.choices if c.echo]
+
+    def _closing(self) -> list[dict[str, Any]]:
+        """A stream's last chunks, after every choice's end: the usage chunk, if asked."""
+        usage = self._usage_chunk()
+        return [] if usage is None else [usage]
 
     async def _pump(self, choice: Choice, events: asyncio.Queue) -> None:
         """One choice's chunks into the stream's queue, then ("done", None); never silent
@@ -438,8 +475,7 @@ class Call:
             while True:
                 event = await self.front.next_event(choice.gen)
                 if isinstance(event, Chunk):
-                    chunk = self._round_chunk(choice, event)
-                    if chunk is not None:
+                    for chunk in self._round_chunks(choice, event):
                         events.put_nowait(("chunk", chunk))
                 elif isinstance(event, Final):
                     choice.final = event
@@ -513,13 +549,14 @@ class Call:
                 entry["finish_reason"] = "tool_calls"
         return message
 
-    def _round_chunk(self, choice: Choice, event: Chunk) -> dict[str, Any] | None:
+    def _round_chunks(self, choice: Choice, event: Chunk) -> list[dict[str, Any]]:
+        """A round's chunk (none if it adds neither text nor logprobs)."""
         choice.tokens_out += len(event.token_ids)
         delta = event.text if choice.tools is None else choice.tools.feed(event.text)
         logprobs = self._stream_logprobs(choice, event.logprobs)
         if not delta and logprobs is None:
-            return None
-        return self._chunk(choice, {"content": delta} if self.chat else delta, logprobs=logprobs)
+            return []
+        return [self._chunk(choice, {"content": delta} if self.chat else delta, logprobs=logprobs)]
 
     def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
         """The choice's last chunks: tool calls if any, then the finish with its stats (ApiError if it failed)."""
@@ -635,9 +672,120 @@ class Call:
                          if c.final is not None and c.final.result is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    @staticmethod
-    def _sse(data: dict[str, Any]) -> bytes:
+    def _sse(self, data: dict[str, Any]) -> bytes:
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
+
+
+class ResponsesCall(Call):
+    """One /v1/responses request: its one chat choice (ssd.serve.responses), laid out as Responses
+    output items; streamed as Responses events (each with its type and sequence_number)."""
+
+    terminator = b""  # the Responses stream ends with response.completed, no [DONE]
+
+    def __init__(self, front: OpenAIFrontend, chat: Any, choices: list[Choice], body: Any) -> None:
+        super().__init__(front, chat, choices, chat=True)
+        self.request_body = body
+        self.id = responses.new_id("resp")
+        self.created = responses.now()
+        self.message_id = responses.new_id("msg")
+        self.message_open = False
+        self.sequence = 0
+
+    def _response(self) -> JSONResponse:
+        choice = self.choices[0]
+        _result(choice.final)
+        return JSONResponse(self._finished(choice)[0])
+
+    def _finished(self, choice: Choice) -> tuple[dict[str, Any], str | None, list[dict[str, Any]]]:
+        """(the Response object, the message's text or None, the function calls) at the end."""
+        result = choice.final.result
+        content, calls = tooling.parse(result.text) if choice.tools is not None else (result.text, [])
+        status = "incomplete" if choice.final.reason == "length" else "completed"
+        output = [responses.call_item(call) for call in calls]
+        # A message unless the output is calls alone (or a stream already opened one).
+        text = None if calls and not content and not self.message_open else content or ""
+        if text is not None:
+            output.insert(0, responses.message_item(self.message_id, text, self._item_logprobs(choice), status))
+        usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids))
+        incomplete = "max_output_tokens" if status == "incomplete" else None
+        return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
+                                         incomplete), text, calls
+
+    def _item_logprobs(self, choice: Choice) -> list[dict[str, Any]] | None:
+        entries = choice.final.result.logprobs
+        if not self.shown_logprobs or entries is None:
+            return None
+        return [self._chat_entry(choice, e) for e in entries]
+
+    # --- the stream ----------------------------------------------------------------
+
+    def _opening(self) -> list[dict[str, Any]]:
+        created = responses.response_object(self.request_body, self.id, self.created, "in_progress", [])
+        return [{"type": "response.created", "response": created},
+                {"type": "response.in_progress", "response": created}]
+
+    def _closing(self) -> list[dict[str, Any]]:
+        return []
+
+    def _round_chunks(self, choice: Choice, event: Chunk) -> list[dict[str, Any]]:
+        delta = event.text if choice.tools is None else choice.tools.feed(event.text)
+        logprobs = self._stream_logprobs(choice, event.logprobs)
+        if not delta and logprobs is None:
+            return []
+        return self._open_message() + [self._text_event("response.output_text.delta", delta=delta,
+                                                        logprobs=(logprobs or {}).get("content", []))]
+
+    def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
+        _result(final)  # a failed choice: ApiError, the stream's error event
+        if choice.tools is not None:
+            delta, _ = choice.tools.finish(final.text)
+        else:
+            delta = final.text
+        rest = self._stream_logprobs(choice, (final.result.logprobs or [])[choice.logprobs_sent:])
+        response, text, calls = self._finished(choice)
+        out = []
+        if text is not None:
+            message = response["output"][0]
+            if delta or rest:
+                out += self._open_message() + [self._text_event(
+                    "response.output_text.delta", delta=delta, logprobs=(rest or {}).get("content", []))]
+            out += self._open_message()
+            out += [self._text_event("response.output_text.done", text=text,
+                                     logprobs=message["content"][0].get("logprobs", [])),
+                    self._text_event("response.content_part.done", part=message["content"][0]),
+                    {"type": "response.output_item.done", "output_index": 0, "item": message}]
+        first = 0 if text is None else 1
+        for index, item in enumerate(response["output"][first:], start=first):
+            out += [{"type": "response.output_item.added", "output_index": index,
+                     "item": item | {"arguments": "", "status": "in_progress"}},
+                    {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+                     "delta": item["arguments"]},
+                    {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                     "name": item["name"], "arguments": item["arguments"]},
+                    {"type": "response.output_item.done", "output_index": index, "item": item}]
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + [{"type": kind, "response": response}]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        """The message item's and its text part's added events, once, before its first text."""
+        if self.message_open:
+            return []
+        self.message_open = True
+        item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant",
+                "content": []}
+        return [{"type": "response.output_item.added", "output_index": 0, "item": item},
+                self._text_event("response.content_part.added",
+                                 part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _text_event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "item_id": self.message_id, "output_index": 0, "content_index": 0, **fields}
+
+    def _sse(self, data: dict[str, Any]) -> bytes:
+        if "type" not in data:  # an ApiError's body: the Responses error event
+            data = {"type": "error", **data["error"]}
+        data = data | {"sequence_number": self.sequence}
+        self.sequence += 1
+        return format_sse_event(data_str=json.dumps(data, separators=(",", ":")), event=data["type"])
 
 
 def _result(final: Final) -> Any:

@@ -42,12 +42,12 @@ MAX_CHOICES = 128  # n and best_of (OpenAI's limit for n); each choice is a row,
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # strict: "0.5" is not a temperature and true is not a token count.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class Speculation(_Body):
+class Speculation(Body):
     """Per-request speculation settings (an ssd extension; see ModelInfo for the limits)."""
 
     mode: Literal["ar", "sd", "ssd"] | None = None
@@ -58,24 +58,24 @@ class Speculation(_Body):
     backup: str | None = None
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # a BaseModel attribute's name otherwise
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(Body):
     """vLLM's structured_outputs: exactly one of these."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -84,7 +84,7 @@ class StructuredOutputs(_Body):
     choice: list[str] | None = None
 
 
-class _Common(_Body):
+class _Common(Body):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -131,23 +131,23 @@ class CompletionBody(_Common):
     suffix: str | None = None
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -155,23 +155,23 @@ class Message(_Body):
     tool_call_id: str | None = None  # a tool message: which call it answers
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
@@ -192,7 +192,7 @@ class ChatBody(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(Body):
     """vLLM's /tokenize: a completion's prompt or a chat's messages (and tools)."""
 
     model: str | None = None
@@ -204,7 +204,7 @@ class TokenizeBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(Body):
     model: str | None = None
     tokens: list[int]
 
@@ -235,7 +235,7 @@ def chat_options(body: ChatBody | TokenizeBody) -> ChatOptions | None:
     return ChatOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
 
 
-def parse(model: type[_Body], data: Any) -> Any:
+def parse(model: type[Body], data: Any) -> Any:
     """The body as `model`, or InvalidArgument naming the first bad field."""
     try:
         return model.model_validate(data)

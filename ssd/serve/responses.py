@@ -1,0 +1,274 @@
+"""OpenAI's Responses API (POST /v1/responses) as a chat completion underneath.
+
+A Responses body becomes the ChatBody it means (ssd.serve.http_schema), so it
+takes the one validation, admission and batch every other request takes, and
+its output is the chat output laid out as Responses items:
+
+    instructions                       -> a system message first
+    input: a string                    -> one user message
+    input: items                       -> messages (developer -> system), function_call
+                                          items -> an assistant's tool_calls,
+                                          function_call_output -> a tool message
+    max_output_tokens                  -> max_completion_tokens
+    text.format                        -> response_format (json_object, json_schema)
+    tools [{type: function, name, ...}] -> tools [{type: function, function: {...}}]
+    tool_choice {type: function, name} -> tool_choice {type: function, function: {name}}
+    top_logprobs + include ["message.output_text.logprobs"] -> logprobs, top_logprobs
+
+An error a chat field caused names the Responses field (`chat_param`). Not
+offered, and refused by name: stored responses (`store: true`,
+`previous_response_id`, `conversation`), background runs, reasoning, and
+tools other than functions. vLLM's extra fields ride along as they do on
+chat: seed, top_k, min_p, repetition_penalty, coupling, speculation.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ssd.serve import http_schema as schema
+from ssd.serve.http_schema import Body
+from ssd.serve.validation import InvalidArgument
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class ContentPart(Body):
+    """input_text, or output_text as an earlier response's output carries it (sent back as input)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputItem(Body):
+    """A message, a function call the model made, or its output (the fields each type needs are checked)."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(Body):
+    format: TextFormat | None = None
+
+
+class ResponsesBody(Body):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool | None = False
+    text: TextOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM's extra fields, as on chat.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    coupling: str | None = None
+    speculation: schema.Speculation | None = None
+
+
+def to_chat(body: ResponsesBody) -> tuple[schema.ChatBody, list[str]]:
+    """The ChatBody the request means, and for each of its messages the Responses field it came from."""
+    if body.store:
+        raise InvalidArgument("store", "responses are not stored on this server; omit store or send false")
+    for name in body.include or []:
+        if name != LOGPROBS_INCLUDE:
+            raise InvalidArgument("include", f"only {LOGPROBS_INCLUDE!r} is offered, got {name!r}")
+    messages, origins = _messages(body)
+    logprobs = LOGPROBS_INCLUDE in (body.include or [])
+    if body.top_logprobs is not None and not logprobs:
+        raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
+    extras = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k", "min_p",
+                                                     "repetition_penalty", "coupling", "speculation")}
+    chat = schema.ChatBody(
+        model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens, stream=body.stream,
+        logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
+        response_format=_response_format(body.text), tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls, **extras,
+    )
+    return chat, origins
+
+
+def _messages(body: ResponsesBody) -> tuple[list[schema.Message], list[str]]:
+    messages: list[schema.Message] = []
+    origins: list[str] = []
+    if body.instructions is not None:
+        messages.append(schema.Message(role="system", content=body.instructions))
+        origins.append("instructions")
+    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not items:
+        raise InvalidArgument("input", "must not be empty")
+    for i, item in enumerate(items):
+        where = "input" if isinstance(body.input, str) else f"input[{i}]"
+        if item.type == "function_call":
+            call = schema.ToolCall(id=_given(item.call_id, f"{where}.call_id"), function=schema.FunctionCall(
+                name=_given(item.name, f"{where}.name"), arguments=_given(item.arguments, f"{where}.arguments")))
+            if messages and messages[-1].role == "assistant" and messages[-1].tool_calls is not None:
+                messages[-1].tool_calls.append(call)  # a turn's calls, one assistant message
+                continue
+            messages.append(schema.Message(role="assistant", content=None, tool_calls=[call]))
+        elif item.type == "function_call_output":
+            messages.append(schema.Message(role="tool", tool_call_id=_given(item.call_id, f"{where}.call_id"),
+                                           content=_given(item.output, f"{where}.output")))
+        else:
+            role = _given(item.role, f"{where}.role")
+            content = _given(item.content, f"{where}.content")
+            text = content if isinstance(content, str) else "".join(part.text for part in content)
+            messages.append(schema.Message(role="system" if role == "developer" else role, content=text))
+        origins.append(where)
+    return messages, origins
+
+
+def _given(value: Any, field: str) -> Any:
+    if value is None:
+        raise InvalidArgument(field, "must be given for this item type")
+    return value
+
+
+def _response_format(text: TextOptions | None) -> schema.ResponseFormat | None:
+    if text is None or text.format is None:
+        return None
+    given = text.format
+    if given.type != "json_schema":
+        return schema.ResponseFormat(type=given.type)
+    return schema.ResponseFormat(type="json_schema", json_schema=schema.JsonSchemaFormat(
+        name=given.name, description=given.description, schema=given.schema_, strict=given.strict))
+
+
+def _tools(tools: list[FunctionTool] | None) -> list[schema.Tool] | None:
+    if tools is None:
+        return None
+    return [schema.Tool(type="function", function=schema.FunctionDef(
+        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in tools]
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    return schema.NamedToolChoice(type="function", function=schema.NamedFunction(name=choice.name))
+
+
+# --- errors: chat's field names -> the Responses body's ----------------------------------------
+
+_MESSAGE = re.compile(r"^messages\[(\d+)\](.*)$")
+_RENAMED = (
+    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+    (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
+    (re.compile(r"^response_format"), "text.format"),
+    (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
+    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+)
+
+
+def chat_param(param: str | None, origins: list[str]) -> str | None:
+    """A chat field named in an error, as the Responses body names it."""
+    if param is None:
+        return None
+    if param == "messages":
+        return "input"
+    found = _MESSAGE.match(param)
+    if found:
+        origin = origins[int(found.group(1))] if int(found.group(1)) < len(origins) else "input"
+        rest = found.group(2)
+        if rest.startswith(".tool_calls"):  # a function_call item's fields
+            rest = re.sub(r"^\.tool_calls\[\d+\](\.function)?", "", rest)
+        return origin + ("" if origin == "instructions" else rest.replace(".tool_call_id", ".call_id"))
+    for pattern, replacement in _RENAMED:
+        if pattern.match(param):
+            return pattern.sub(replacement, param, count=1)
+    return param
+
+
+# --- the output ----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """A chat tool call ({"id", "function": {"name", "arguments"}}) as a function_call item."""
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def response_object(body: ResponsesBody, response_id: str, created: float, status: str,
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                    incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Response object, as created (status in_progress, no output) or finished."""
+    tool_choice = body.tool_choice or ("auto" if body.tools else "none")
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status,
+        "model": body.model, "output": output, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
+        "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                            if body.text is not None and body.text.format is not None else {"type": "text"})},
+        "store": False, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
+        "previous_response_id": None, "reasoning": None, "error": error,
+        "incomplete_details": None if incomplete is None else {"reason": incomplete}, "usage": usage,
+    }
+
+
+def usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def now() -> float:
+    return float(int(time.time()))
