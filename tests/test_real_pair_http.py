@@ -8,7 +8,8 @@ the OpenAI API on loopback, SD by default:
   well-formed `<tool_call>` for the function, parsed into message.tool_calls
   with finish_reason tool_calls; the call and its result sent back render
   and run;
-- response_format json_schema: the text parses and satisfies the schema.
+- response_format json_schema: the text parses and satisfies the schema;
+- fill in the middle (`suffix`): the FIM prompt's greedy middle is AR's.
 """
 
 from __future__ import annotations
@@ -86,3 +87,19 @@ def test_json_schema_with_the_real_model(real):
     value = json.loads(reply.choices[0].message.content)
     assert set(value) == {"name", "age"} and 0 <= value["age"] <= 150
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_fill_in_the_middle_is_ar_on_the_fim_prompt(real):
+    """`suffix` lays the prompt out with Qwen2.5-Coder's FIM tokens; SD's greedy middle is AR's on those ids."""
+    srv, backend = real
+    before, after = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    reply = oai(srv).completions.create(model=MODEL, prompt=before, suffix=after, max_tokens=16, temperature=0)
+    prefix, suffix, middle = (backend.tokenizer.convert_tokens_to_ids(t)
+                              for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    encode = lambda text: backend.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [prefix, *encode(before), suffix, *encode(after), middle]
+    assert reply.usage.prompt_tokens == len(ids)
+    want = AREngine(backend.pair.target, backend.tokenizer).generate(GenerationRequest(
+        ids, SamplingConfig(temperature=0.0), GenerationConfig(max_new_tokens=16)))
+    assert reply.choices[0].text == want.text
+    assert reply.choices[0].text.strip() == "a + b" and reply.choices[0].finish_reason == "stop"

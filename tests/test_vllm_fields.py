@@ -1,7 +1,8 @@
 """vLLM's request fields that shape the prompt or the text, not the law: the chat layout
 (add_generation_prompt, continue_final_message for an assistant's prefill,
 chat_template_kwargs such as Qwen3's enable_thinking, chat `echo`),
-truncate_prompt_tokens, skip_special_tokens, and prompt_logprobs (vLLM's view of
+truncate_prompt_tokens, skip_special_tokens, completions' `suffix` (fill in the
+middle, between the model's FIM tokens), and prompt_logprobs (vLLM's view of
 the prompt's log-probabilities, with ranks: checked against the target's own
 log-softmax; the prompt scoring itself is tests/test_prompt_logprobs.py's).
 
@@ -27,12 +28,13 @@ from typing import Any
 
 import grpc
 import httpx
+import openai
 import pytest
 import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ssd.config import load_config
-from ssd.models.tokenizer import TinyTokenizer
+from ssd.models.tokenizer import TinyTokenizer, fim_ids
 from ssd.serve.backend import BackendInfo, TokenizerMixin
 from ssd.serve.client import GenerationClient
 from ssd.serve.options import ServeOptions
@@ -377,3 +379,43 @@ def test_continuous_usage_stats_count_each_choices_tokens_so_far(server):
     assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices  # include_usage's total
     plain = list(oai(srv).completions.create(model="tiny", prompt="abcab", max_tokens=4, temperature=0, stream=True))
     assert all(c.usage is None for c in plain)
+
+
+# --- fill in the middle (completions' suffix) ---------------------------------------------------
+
+
+def test_suffix_lays_the_prompt_out_between_the_fim_tokens(real_tokenizer):
+    qwen = TokenizerOnly(real_tokenizer)
+    qwen.info = dataclasses.replace(qwen.info, fim_ids=fim_ids(real_tokenizer))
+    ids = prompt_ids(Request(text="def f(x):\n    return ", suffix="\nprint(f(2))"), qwen, ServeOptions())
+    assert real_tokenizer.decode(ids) == "<|fim_prefix|>def f(x):\n    return <|fim_suffix|>\nprint(f(2))<|fim_middle|>"
+    assert ids[1:-1].count(qwen.info.fim_ids[1]) == 1  # the texts encoded apart: no token spans the seam
+    tiny = TokenizerOnly(TinyTokenizer(16))  # no FIM tokens
+    with pytest.raises(InvalidArgument) as info:
+        prompt_ids(Request(text="ab", suffix="cd"), tiny, ServeOptions())
+    assert info.value.field == "suffix" and "no fill-in-the-middle tokens" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:
+        prompt_ids(Request(chat=[ChatMessage("user", "ab")], suffix="cd"), qwen, ServeOptions())
+    assert info.value.field == "suffix"
+
+
+def test_suffix_over_http_and_grpc_is_the_engines_middle(server):
+    srv, backend = server
+    fim = tuple(tiny_ids(backend, "hij"))  # the stand-in's FIM tokens
+    backend.info = dataclasses.replace(backend.info, fim_ids=fim)
+    try:
+        ids = [fim[0], *tiny_ids(backend, "abc"), fim[1], *tiny_ids(backend, "cab"), fim[2]]
+        expected = backend.decode(direct(backend, ids, "sd", max_new=10).token_ids)
+        reply = oai(srv).completions.create(model="tiny", prompt="abc", suffix="cab", max_tokens=10, temperature=0,
+                                            extra_body={"speculation": {"mode": "sd"}})
+        assert reply.choices[0].text == expected and reply.usage.prompt_tokens == len(ids)
+        with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+            assert client.generate(token_ids=tiny_ids(backend, "abc"), suffix="cab", max_new_tokens=10,
+                                   temperature=0, mode="sd").text == expected
+        for extra, param in (({"echo": True}, "echo"), ({"extra_body": {"truncate_prompt_tokens": 2}},
+                                                          "truncate_prompt_tokens")):
+            with pytest.raises(openai.BadRequestError) as info:
+                oai(srv).completions.create(model="tiny", prompt="abc", suffix="cab", max_tokens=2, **extra)
+            assert info.value.body["param"] == param
+    finally:
+        backend.info = dataclasses.replace(backend.info, fim_ids=None)

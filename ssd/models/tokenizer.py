@@ -159,6 +159,25 @@ def _template_environment(source: str) -> Any:
         return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
 
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them:
+# Qwen2.5-Coder and CodeGemma, StarCoder / StarCoder2, DeepSeek-Coder.
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+
+
+def fim_ids(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The ids of the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle); None if it has none.
+    A prompt is then prefix-token, the text before, suffix-token, the text after, middle-token (PSM)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for names in FIM_TOKENS:
+        if all(name in vocab for name in names):
+            return tuple(vocab[name] for name in names)
+    return None
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 

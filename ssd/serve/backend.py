@@ -17,7 +17,7 @@ from ssd.config import MODES, Config
 from ssd.engine.batch import Engine
 from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.models.backend import max_positions
-from ssd.models.tokenizer import (RESERVED_TEMPLATE_KWARGS, chat_ids, eos_token_ids, has_chat_template,
+from ssd.models.tokenizer import (RESERVED_TEMPLATE_KWARGS, chat_ids, eos_token_ids, fim_ids, has_chat_template,
                                   template_variables)
 from ssd.saguaro.startup import plan_for_pair
 from ssd.serve.request import ChatOptions
@@ -43,6 +43,7 @@ class BackendInfo:
     chat_template: bool
     eos_token_ids: tuple[int, ...]
     defaults: Config  # sampling, generation.max_new_tokens and speculation defaults
+    fim_ids: tuple[int, int, int] | None = None  # fill-in-the-middle tokens (prefix, suffix, middle)
 
 
 class Backend(Protocol):
@@ -142,6 +143,7 @@ def backend_info(
         chat_template=has_chat_template(tokenizer),
         eos_token_ids=tuple(sorted(eos_token_ids)),
         defaults=config,
+        fim_ids=fim_ids(tokenizer),
     )
 
 

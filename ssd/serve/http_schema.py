@@ -296,8 +296,8 @@ def _refuse_completion(body: "CompletionBody") -> None:
     if body.echo and body.logprobs is not None and body.stream:
         raise InvalidArgument("echo", "with logprobs is not streamed (the prompt's log-probabilities come with "
                               "the result); send stream: false")
-    if body.suffix:
-        raise InvalidArgument("suffix", "not supported (no fill-in-the-middle template)")
+    if body.suffix is not None and body.echo:
+        raise InvalidArgument("echo", "cannot be combined with suffix (the output is the middle)")
     if isinstance(body.prompt, list) and not body.prompt:
         raise InvalidArgument("prompt", "must not be empty")
 
@@ -429,6 +429,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         request.tools = tooling.rendered(body)
         request.chat_options = chat_options(body)
     else:
+        request.suffix = body.suffix
         prompt = prompts(body)[0] if prompt is None else prompt
         if isinstance(prompt, str):
             request.text = prompt

@@ -347,11 +347,29 @@ def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[i
     which = request.prompt_field()
     if which is None:
         raise InvalidArgument("prompt", "set exactly one of text, token_ids, chat")
+    if which == "chat":
+        if request.suffix is not None:
+            raise InvalidArgument("suffix", "applies to a text or token-id prompt, not a chat")
+        return _chat_prompt(request, backend, options)
     if which == "text":
-        return _text_prompt(request.text, backend)
-    if which == "token_ids":
-        return _id_prompt(list(request.token_ids), backend.info.vocab_size)
-    return _chat_prompt(request, backend, options)
+        ids = _text_prompt(request.text, backend)
+    else:
+        ids = _id_prompt(list(request.token_ids), backend.info.vocab_size)
+    return ids if request.suffix is None else _infill(ids, request.suffix, backend)
+
+
+def _infill(prefix: list[int], suffix: str, backend: Backend) -> list[int]:
+    """A fill-in-the-middle prompt: the text before (the prompt) and after (`suffix`) between the
+    model's FIM tokens, in its training order (prefix, suffix, middle); the output is the middle."""
+    fim = backend.info.fim_ids
+    if fim is None:
+        raise InvalidArgument("suffix", f"model {backend.info.target_model!r} has no fill-in-the-middle tokens")
+    try:
+        after = backend.encode(suffix) if suffix else []
+    except ValueError as exc:
+        raise InvalidArgument("suffix", str(exc)) from None
+    prefix_token, suffix_token, middle_token = fim
+    return [prefix_token, *prefix, suffix_token, *after, middle_token]
 
 
 def _text_prompt(text: str, backend: Backend) -> list[int]:
@@ -412,6 +430,8 @@ def _truncated(request: Request, ids: list[int], info: BackendInfo) -> list[int]
     k = request.truncate_prompt_tokens
     if k is None:
         return ids
+    if request.suffix is not None:  # cutting the left would cut the FIM prefix token
+        raise InvalidArgument("truncate_prompt_tokens", "cannot be combined with suffix")
     if k == -1:
         k = info.max_context_tokens
     if not 1 <= k <= info.max_context_tokens:
