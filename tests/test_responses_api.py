@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
-from tests.test_http import base_url, oai
+from tests.test_http import base_url, oai, serving
+from tests.test_serve import ControlledBackend
 from tests.test_openai_api import TIME, WEATHER, ToolTemplate, direct, wide  # noqa: F401 - the fixture
 
 ASK = "weather in paris"
@@ -133,3 +135,18 @@ def test_errors_name_the_responses_field(wide, body, param):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
+def test_an_engine_fault_is_a_500_or_the_streams_error_event(wide):
+    _, backend = wide
+    with serving(lambda: ControlledBackend(ToolTemplate(backend), fail_after_rounds=2)) as srv:
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=20)
+        assert "injected engine fault" in info.value.body["message"]
+        reply = httpx.post(base_url(srv) + "/v1/responses", timeout=30,
+                           json={"model": "tiny", "input": "abc", "max_output_tokens": 20, "stream": True})
+        events = [json.loads(line.removeprefix("data: ")) for line in reply.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
+        assert events[-1]["code"] == "generation_failed" and "injected engine fault" in events[-1]["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -782,7 +782,7 @@ class ResponsesCall(Call):
 
     def _sse(self, data: dict[str, Any]) -> bytes:
         if "type" not in data:  # an ApiError's body: the Responses error event
-            data = {"type": "error", **data["error"]}
+            data = {**data["error"], "type": "error"}
         data = data | {"sequence_number": self.sequence}
         self.sequence += 1
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")), event=data["type"])
