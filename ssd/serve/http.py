@@ -694,10 +694,10 @@ class ResponsesCall(Call):
     def _response(self) -> JSONResponse:
         choice = self.choices[0]
         _result(choice.final)
-        return JSONResponse(self._finished(choice)[0])
+        return JSONResponse(self._finished(choice))
 
-    def _finished(self, choice: Choice) -> tuple[dict[str, Any], str | None, list[dict[str, Any]]]:
-        """(the Response object, the message's text or None, the function calls) at the end."""
+    def _finished(self, choice: Choice) -> dict[str, Any]:
+        """The Response object at the end: the message item first (if any), then the function calls."""
         result = choice.final.result
         content, calls = tooling.parse(result.text) if choice.tools is not None else (result.text, [])
         status = "incomplete" if choice.final.reason == "length" else "completed"
@@ -709,7 +709,7 @@ class ResponsesCall(Call):
         usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids))
         incomplete = "max_output_tokens" if status == "incomplete" else None
         return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
-                                         incomplete), text, calls
+                                         incomplete)
 
     def _item_logprobs(self, choice: Choice) -> list[dict[str, Any]] | None:
         entries = choice.final.result.logprobs
@@ -742,29 +742,36 @@ class ResponsesCall(Call):
         else:
             delta = final.text
         rest = self._stream_logprobs(choice, (final.result.logprobs or [])[choice.logprobs_sent:])
-        response, text, calls = self._finished(choice)
+        response = self._finished(choice)
         out = []
-        if text is not None:
-            message = response["output"][0]
-            if delta or rest:
-                out += self._open_message() + [self._text_event(
-                    "response.output_text.delta", delta=delta, logprobs=(rest or {}).get("content", []))]
-            out += self._open_message()
-            out += [self._text_event("response.output_text.done", text=text,
-                                     logprobs=message["content"][0].get("logprobs", [])),
-                    self._text_event("response.content_part.done", part=message["content"][0]),
-                    {"type": "response.output_item.done", "output_index": 0, "item": message}]
-        first = 0 if text is None else 1
-        for index, item in enumerate(response["output"][first:], start=first):
-            out += [{"type": "response.output_item.added", "output_index": index,
-                     "item": item | {"arguments": "", "status": "in_progress"}},
-                    {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
-                     "delta": item["arguments"]},
-                    {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
-                     "name": item["name"], "arguments": item["arguments"]},
-                    {"type": "response.output_item.done", "output_index": index, "item": item}]
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                out += self._message_end(item, delta, (rest or {}).get("content", []))
+            else:
+                out += self._call_events(index, item)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + [{"type": kind, "response": response}]
+
+    def _message_end(self, message: dict[str, Any], delta: str, logprobs: list[Any]) -> list[dict[str, Any]]:
+        """The message's last text (opening it, if no text came before) and its done events."""
+        out = self._open_message()
+        if delta or logprobs:
+            out.append(self._text_event("response.output_text.delta", delta=delta, logprobs=logprobs))
+        part = message["content"][0]
+        return out + [self._text_event("response.output_text.done", text=part["text"], logprobs=part["logprobs"]),
+                      self._text_event("response.content_part.done", part=part),
+                      {"type": "response.output_item.done", "output_index": 0, "item": message}]
+
+    @staticmethod
+    def _call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """A function call item's events: added, its arguments in one piece, done."""
+        where = {"item_id": item["id"], "output_index": index}
+        return [{"type": "response.output_item.added", "output_index": index,
+                 "item": item | {"arguments": "", "status": "in_progress"}},
+                {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
+                {"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                 "arguments": item["arguments"]},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
 
     def _open_message(self) -> list[dict[str, Any]]:
         """The message item's and its text part's added events, once, before its first text."""
