@@ -114,10 +114,12 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[st
     assistant's turn; `tools` (OpenAI's function definitions) go to the template, which lays them
     out its own way. continue_final_message leaves the last message open (an assistant's prefill);
     template_kwargs are more variables for the template (Qwen3's enable_thinking)."""
-    extra = {"tools": tools} if tools else {}  # a template (or a stand-in) without tools never sees the key
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, **extra, **(template_kwargs or {}))
+    # Only what is asked for is passed: a template (or a stand-in) without tools never sees the key.
+    extra = {"tools": tools} if tools else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra, **(template_kwargs or {}))
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
