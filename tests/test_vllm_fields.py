@@ -34,7 +34,7 @@ import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ssd.config import load_config
-from ssd.models.tokenizer import TinyTokenizer, fim_ids
+from ssd.models.tokenizer import TinyTokenizer, fim_ids, template_variables
 from ssd.serve.backend import BackendInfo, TokenizerMixin
 from ssd.serve.client import GenerationClient
 from ssd.serve.options import ServeOptions
@@ -419,3 +419,12 @@ def test_suffix_over_http_and_grpc_is_the_engines_middle(server):
             assert info.value.body["param"] == param
     finally:
         backend.info = dataclasses.replace(backend.info, fim_ids=None)
+
+
+def test_template_variables_are_read_from_every_template_and_none_when_unparseable():
+    tokenizer = TemplatedTiny(16)
+    assert template_variables(tokenizer) >= {"messages", "add_generation_prompt", "think"}
+    tokenizer.chat_template = {"default": "{{ messages }}", "tool_use": "{{ tools }}{{ x }}"}
+    assert template_variables(tokenizer) == {"messages", "tools", "x"}
+    tokenizer.chat_template = "{% for m in %}"  # not Jinja: no variable list, so kwargs pass on
+    assert template_variables(tokenizer) is None

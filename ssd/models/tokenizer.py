@@ -3,6 +3,7 @@ tests, the HF tokenizer stored with a model, chat templates and EOS ids."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import string
 from collections.abc import Iterable
@@ -134,19 +135,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 def template_variables(tokenizer: Any) -> frozenset[str] | None:
     """The variables the tokenizer's chat template(s) read; None where the template cannot be parsed
     here (then any template kwarg is passed on)."""
+    template = getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    found = [_variables(source) for source in sources if source]
+    return None if None in found else frozenset().union(*found)
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset[str] | None:
+    """The undeclared variables of one template's source (parsed once per source)."""
     import jinja2
     import jinja2.meta
 
-    template = getattr(tokenizer, "chat_template", None)
-    sources = list(template.values()) if isinstance(template, dict) else [template]
-    names: set[str] = set()
-    for source in filter(None, sources):
-        try:
-            environment = _template_environment(source)
-            names |= jinja2.meta.find_undeclared_variables(environment.parse(source))
-        except jinja2.TemplateError:
-            return None
-    return frozenset(names)
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_template_environment(source).parse(source)))
+    except jinja2.TemplateError:
+        return None
 
 
 def _template_environment(source: str) -> Any:
