@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd.config import BACKENDS, BACKUPS, COUPLINGS, GLUES, MODES, Config, ConfigError, load_config
-from ssd.serve.options import ServeOptions
+from ssd.serve.options import REASONING_PARSERS, ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +165,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--http-port", type=int, default=defaults.http_port,
                         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                             "/v1/models, /health, /metrics) on this port (0: any free port; default: off)")
+                             "/v1/responses, /v1/models, /health, /metrics) on this port (0: any free port; "
+                             "default: off)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=defaults.reasoning_parser,
+                        help="<think>...</think> as reasoning_content (chat) or a reasoning item (responses): "
+                             "think, none, or auto: where the tokenizer has <think> tokens (Qwen3, DeepSeek-R1)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -175,5 +179,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
         max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
-        http_port=args.http_port,
+        http_port=args.http_port, reasoning_parser=args.reasoning_parser,
     )

@@ -184,6 +184,12 @@ def fim_ids(tokenizer: Any) -> tuple[int, int, int] | None:
     return None
 
 
+def has_think_tokens(tokenizer: Any) -> bool:
+    """Whether the vocabulary has a reasoning model's <think> and </think> tokens (Qwen3, QwQ, DeepSeek-R1)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return "<think>" in vocab and "</think>" in vocab
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 

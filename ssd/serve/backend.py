@@ -18,7 +18,7 @@ from ssd.engine.batch import Engine
 from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.models.backend import max_positions
 from ssd.models.tokenizer import (RESERVED_TEMPLATE_KWARGS, chat_ids, eos_token_ids, fim_ids, has_chat_template,
-                                  template_variables)
+                                  has_think_tokens, template_variables)
 from ssd.saguaro.startup import plan_for_pair
 from ssd.serve.request import ChatOptions
 
@@ -44,6 +44,7 @@ class BackendInfo:
     eos_token_ids: tuple[int, ...]
     defaults: Config  # sampling, generation.max_new_tokens and speculation defaults
     fim_ids: tuple[int, int, int] | None = None  # fill-in-the-middle tokens (prefix, suffix, middle)
+    think_tokens: bool = False  # a reasoning model's <think> and </think> are tokens
 
 
 class Backend(Protocol):
@@ -144,6 +145,7 @@ def backend_info(
         eos_token_ids=tuple(sorted(eos_token_ids)),
         defaults=config,
         fim_ids=fim_ids(tokenizer),
+        think_tokens=has_think_tokens(tokenizer),
     )
 
 

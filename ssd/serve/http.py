@@ -65,6 +65,7 @@ from ssd.engine.request import TokenLogprob
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve import tools as tooling
+from ssd.serve.reasoning import ReasoningStream, opened_by, split as split_reasoning
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -81,6 +82,7 @@ from ssd.serve.service import (
 
 log = logging.getLogger(__name__)
 
+REASONING_TAIL = 16  # prompt tokens read to tell whether the output starts inside <think>
 EVENT_POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports masked tokens the same way
 # The engine's ends -> OpenAI's finish_reason (with tool_calls, set where calls are parsed); an
@@ -388,6 +390,8 @@ class Choice:
     tokens_out: int = 0  # tokens generated so far (continuous_usage_stats)
     text_offset: int = 0  # completions' text_offset: where the next token's text starts
     tools: tooling.ToolStream | None = None  # chat with tools: content streams, calls come at the end
+    thinks_first: bool | None = None  # reasoning parsed: whether the output starts thinking; None: not parsed
+    reasoning: ReasoningStream | None = None  # a stream's thinking, routed apart from its answer
     final: Final | None = None
 
 
@@ -407,6 +411,14 @@ class Call:
             choice.text_offset = len(choice.echo)
             if chat and tooling.active(body):
                 choice.tools = tooling.ToolStream()
+            if chat and self._parses_reasoning(choice):
+                tail = choice.gen.request.prompt_ids[-REASONING_TAIL:]
+                choice.thinks_first = opened_by(choice.gen.backend.decode(tail, skip_special_tokens=False))
+                choice.reasoning = ReasoningStream(choice.thinks_first)
+
+    def _parses_reasoning(self, choice: Choice) -> bool:
+        mode = self.front.options.reasoning_parser
+        return mode == "think" or (mode == "auto" and choice.gen.backend.info.think_tokens)
 
     def cancel(self) -> None:
         """Stop every choice (a no-op for those that finished)."""
@@ -540,7 +552,10 @@ class Call:
         return shown
 
     def _message(self, choice: Choice, text: str, entry: dict[str, Any]) -> dict[str, Any]:
+        thought, text = _answer(choice, text)
         message: dict[str, Any] = {"role": "assistant", "content": choice.echo + text}
+        if thought is not None:
+            message["reasoning_content"] = thought
         if choice.tools is not None:
             content, calls = tooling.parse(text)
             message["content"] = choice.echo + (content or "") if choice.echo else content  # None: only calls
@@ -552,26 +567,30 @@ class Call:
     def _round_chunks(self, choice: Choice, event: Chunk) -> list[dict[str, Any]]:
         """A round's chunk (none if it adds neither text nor logprobs)."""
         choice.tokens_out += len(event.token_ids)
-        delta = event.text if choice.tools is None else choice.tools.feed(event.text)
+        thought, text = choice.reasoning.feed(event.text) if choice.reasoning is not None else ("", event.text)
+        delta = text if choice.tools is None else choice.tools.feed(text)
         logprobs = self._stream_logprobs(choice, event.logprobs)
-        if not delta and logprobs is None:
+        if not delta and not thought and logprobs is None:
             return []
-        return [self._chunk(choice, {"content": delta} if self.chat else delta, logprobs=logprobs)]
+        if not self.chat:
+            return [self._chunk(choice, delta, logprobs=logprobs)]
+        return [self._chunk(choice, _delta(thought, delta), logprobs=logprobs)]
 
     def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
         """The choice's last chunks: tool calls if any, then the finish with its stats (ApiError if it failed)."""
         result = _result(final)
         choice.tokens_out = len(result.token_ids)
-        delta, calls = final.text, []
+        thought, delta = choice.reasoning.finish(final.text) if choice.reasoning is not None else ("", final.text)
+        calls = []
         if choice.tools is not None:
-            delta, calls = choice.tools.finish(final.text)
+            delta, calls = choice.tools.finish(delta)
         rest = (result.logprobs or [])[choice.logprobs_sent:]  # a remote engine sends them with the result
         chunks = []
         if calls:
             chunks.append(self._chunk(choice, {"tool_calls": [
                 {"index": i, **call} for i, call in enumerate(calls)]}))
         finish = "tool_calls" if calls else FINISH[final.reason]
-        last = self._chunk(choice, {"content": delta} if self.chat else delta, finish,
+        last = self._chunk(choice, _delta(thought, delta) if self.chat else delta, finish,
                            self._stream_logprobs(choice, rest))
         last["speculation_stats"] = _stats_json(final.stats)
         return chunks + [last]
@@ -678,7 +697,8 @@ class Call:
 
 class ResponsesCall(Call):
     """One /v1/responses request: its one chat choice (ssd.serve.responses), laid out as Responses
-    output items; streamed as Responses events (each with its type and sequence_number)."""
+    output items (a reasoning item first where the model thought, the message, the function
+    calls); streamed as Responses events, each with its type and sequence_number."""
 
     terminator = b""  # the Responses stream ends with response.completed, no [DONE]
 
@@ -687,8 +707,11 @@ class ResponsesCall(Call):
         self.request_body = body
         self.id = responses.new_id("resp")
         self.created = responses.now()
-        self.message_id = responses.new_id("msg")
+        self.message_id, self.reasoning_id = responses.new_id("msg"), responses.new_id("rs")
         self.message_open = False
+        self.thought = ""  # the reasoning streamed so far
+        self.reasoning_state = ""  # "", "open", "done": the streamed reasoning item
+        self.pending: list[TokenLogprob] = []  # logprobs waiting for the message's next text
         self.sequence = 0
 
     def _response(self) -> JSONResponse:
@@ -697,15 +720,18 @@ class ResponsesCall(Call):
         return JSONResponse(self._finished(choice))
 
     def _finished(self, choice: Choice) -> dict[str, Any]:
-        """The Response object at the end: the message item first (if any), then the function calls."""
+        """The Response object at the end: the reasoning item, the message item (if any), the function calls."""
         result = choice.final.result
-        content, calls = tooling.parse(result.text) if choice.tools is not None else (result.text, [])
+        thought, answer = _answer(choice, result.text)
+        content, calls = tooling.parse(answer) if choice.tools is not None else (answer, [])
         status = "incomplete" if choice.final.reason == "length" else "completed"
         output = [responses.call_item(call) for call in calls]
         # A message unless the output is calls alone (or a stream already opened one).
         text = None if calls and not content and not self.message_open else content or ""
         if text is not None:
             output.insert(0, responses.message_item(self.message_id, text, self._item_logprobs(choice), status))
+        if thought is not None:
+            output.insert(0, responses.reasoning_item(self.reasoning_id, thought, status))
         usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids))
         incomplete = "max_output_tokens" if status == "incomplete" else None
         return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
@@ -728,42 +754,75 @@ class ResponsesCall(Call):
         return []
 
     def _round_chunks(self, choice: Choice, event: Chunk) -> list[dict[str, Any]]:
-        delta = event.text if choice.tools is None else choice.tools.feed(event.text)
-        logprobs = self._stream_logprobs(choice, event.logprobs)
-        if not delta and logprobs is None:
-            return []
-        return self._open_message() + [self._text_event("response.output_text.delta", delta=delta,
-                                                        logprobs=(logprobs or {}).get("content", []))]
+        thought, text = choice.reasoning.feed(event.text) if choice.reasoning is not None else ("", event.text)
+        delta = text if choice.tools is None else choice.tools.feed(text)
+        self.pending += event.logprobs or []
+        out = self._reasoning_delta(choice, thought)
+        if delta or (self.message_open and self.pending):
+            out += self._text_delta(choice, delta)
+        return out
 
     def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
         _result(final)  # a failed choice: ApiError, the stream's error event
+        thought, delta = choice.reasoning.finish(final.text) if choice.reasoning is not None else ("", final.text)
         if choice.tools is not None:
-            delta, _ = choice.tools.finish(final.text)
-        else:
-            delta = final.text
-        rest = self._stream_logprobs(choice, (final.result.logprobs or [])[choice.logprobs_sent:])
+            delta, _ = choice.tools.finish(delta)
+        self.pending = (final.result.logprobs or [])[choice.logprobs_sent:]  # all not yet sent
         response = self._finished(choice)
-        out = []
+        out = self._reasoning_delta(choice, thought)
         for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
-                out += self._message_end(item, delta, (rest or {}).get("content", []))
+            if item["type"] == "reasoning":
+                out += self._reasoning_end(item)
+            elif item["type"] == "message":
+                if delta or self.pending:
+                    out += self._text_delta(choice, delta)
+                out += self._reasoning_end() + self._message_end(item)
             else:
-                out += self._call_events(index, item)
+                out += self._reasoning_end() + self._call_events(index, item)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + [{"type": kind, "response": response}]
 
-    def _message_end(self, message: dict[str, Any], delta: str, logprobs: list[Any]) -> list[dict[str, Any]]:
-        """The message's last text (opening it, if no text came before) and its done events."""
-        out = self._open_message()
-        if delta or logprobs:
-            out.append(self._text_event("response.output_text.delta", delta=delta, logprobs=logprobs))
-        part = message["content"][0]
-        return out + [self._text_event("response.output_text.done", text=part["text"], logprobs=part["logprobs"]),
-                      self._text_event("response.content_part.done", part=part),
-                      {"type": "response.output_item.done", "output_index": 0, "item": message}]
+    def _reasoning_delta(self, choice: Choice, thought: str) -> list[dict[str, Any]]:
+        """The reasoning item's added event, once the stream saw a thinking (even an empty one),
+        and a delta of its text."""
+        out = []
+        if not self.reasoning_state and choice.reasoning is not None and choice.reasoning.thought:
+            self.reasoning_state = "open"
+            out.append({"type": "response.output_item.added", "output_index": 0, "item": {
+                "type": "reasoning", "id": self.reasoning_id, "status": "in_progress", "summary": [], "content": []}})
+        if thought:
+            self.thought += thought
+            out.append({"type": "response.reasoning_text.delta", "item_id": self.reasoning_id, "output_index": 0,
+                        "content_index": 0, "delta": thought})
+        return out
 
-    @staticmethod
-    def _call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def _reasoning_end(self, item: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The reasoning item's done events, once, before the message or calls (none without one)."""
+        if self.reasoning_state != "open":
+            return []
+        self.reasoning_state = "done"
+        item = item or responses.reasoning_item(self.reasoning_id, self.thought, "completed")
+        return [{"type": "response.reasoning_text.done", "item_id": self.reasoning_id, "output_index": 0,
+                 "content_index": 0, "text": item["content"][0]["text"]},
+                {"type": "response.output_item.done", "output_index": 0, "item": item}]
+
+    def _text_delta(self, choice: Choice, delta: str) -> list[dict[str, Any]]:
+        """A delta of the message's text (closing the reasoning and opening the message first),
+        with the logprobs waiting."""
+        logprobs = self._stream_logprobs(choice, self.pending)
+        self.pending = []
+        return self._reasoning_end() + self._open_message() + [self._text_event("response.output_text.delta", delta=delta,
+                                                        logprobs=(logprobs or {}).get("content", []))]
+
+    def _message_end(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """The message's done events (opening it, if no text came before)."""
+        part = message["content"][0]
+        return self._open_message() + [
+            self._text_event("response.output_text.done", text=part["text"], logprobs=part["logprobs"]),
+            self._text_event("response.content_part.done", part=part),
+            {"type": "response.output_item.done", "output_index": self._message_index(), "item": message}]
+
+    def _call_events(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         """A function call item's events: added, its arguments in one piece, done."""
         where = {"item_id": item["id"], "output_index": index}
         return [{"type": "response.output_item.added", "output_index": index,
@@ -780,12 +839,16 @@ class ResponsesCall(Call):
         self.message_open = True
         item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant",
                 "content": []}
-        return [{"type": "response.output_item.added", "output_index": 0, "item": item},
+        return [{"type": "response.output_item.added", "output_index": self._message_index(), "item": item},
                 self._text_event("response.content_part.added",
                                  part={"type": "output_text", "text": "", "annotations": []})]
 
+    def _message_index(self) -> int:
+        return 1 if self.reasoning_state else 0
+
     def _text_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return {"type": kind, "item_id": self.message_id, "output_index": 0, "content_index": 0, **fields}
+        return {"type": kind, "item_id": self.message_id, "output_index": self._message_index(),
+                "content_index": 0, **fields}
 
     def _sse(self, data: dict[str, Any]) -> bytes:
         if "type" not in data:  # an ApiError's body: the Responses error event
@@ -793,6 +856,16 @@ class ResponsesCall(Call):
         data = data | {"sequence_number": self.sequence}
         self.sequence += 1
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")), event=data["type"])
+
+
+def _answer(choice: Choice, text: str) -> tuple[str | None, str]:
+    """(the thinking, or None; the answer) of a chat choice's whole text."""
+    return (None, text) if choice.thinks_first is None else split_reasoning(text, choice.thinks_first)
+
+
+def _delta(thought: str, content: str) -> dict[str, Any]:
+    """A chat chunk's delta: the answer's text, and the thinking's where some came."""
+    return {"content": content} | ({"reasoning_content": thought} if thought else {})
 
 
 def _result(final: Final) -> Any:

@@ -8,6 +8,9 @@ from pathlib import Path
 from ssd.config import ConfigError
 
 
+REASONING_PARSERS = ("auto", "think", "none")
+
+
 @dataclass
 class ServeOptions:
     host: str = "127.0.0.1"  # loopback unless asked: the API has no per-user quotas
@@ -31,6 +34,10 @@ class ServeOptions:
     # The OpenAI-compatible HTTP API (ssd.serve.http) on `host`, same process,
     # same batch; TLS and the token as for gRPC. 0: any free port; None: off.
     http_port: int | None = None
+    # Reasoning models' <think>...</think> as `reasoning_content` (chat) or a reasoning item
+    # (Responses), as vLLM's reasoning parsers split it: "think" on, "none" off, "auto" on
+    # where the tokenizer has <think> and </think> tokens (Qwen3, QwQ, DeepSeek-R1).
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -47,6 +54,9 @@ class ServeOptions:
                      "max_k", "max_budget", "max_chat_messages", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"serve.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"got {self.reasoning_parser!r}")
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
 

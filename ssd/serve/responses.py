@@ -19,7 +19,8 @@ An error a chat field caused names the Responses field (`chat_param`). Not
 offered, and refused by name: stored responses (`store: true`,
 `previous_response_id`, `conversation`), background runs, reasoning, and
 tools other than functions. vLLM's extra fields ride along as they do on
-chat: seed, top_k, min_p, repetition_penalty, coupling, speculation.
+chat: seed, top_k, min_p, repetition_penalty, coupling, speculation,
+structured_outputs.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class ResponsesBody(Body):
     repetition_penalty: float | None = None
     coupling: str | None = None
     speculation: schema.Speculation | None = None
+    structured_outputs: schema.StructuredOutputs | None = None
 
 
 def to_chat(body: ResponsesBody) -> tuple[schema.ChatBody, list[str]]:
@@ -125,7 +127,8 @@ def to_chat(body: ResponsesBody) -> tuple[schema.ChatBody, list[str]]:
     if body.top_logprobs is not None and not logprobs:
         raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
     extras = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k", "min_p",
-                                                     "repetition_penalty", "coupling", "speculation")}
+                                                     "repetition_penalty", "coupling", "speculation",
+                                                     "structured_outputs")}
     chat = schema.ChatBody(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens, stream=body.stream,
         logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
@@ -235,6 +238,12 @@ def new_id(prefix: str) -> str:
 def message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None, status: str) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (ssd.serve.reasoning) as a reasoning item."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
