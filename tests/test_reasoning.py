@@ -124,3 +124,14 @@ def test_without_the_parser_the_thinking_stays_in_the_content(wide):
     message = oai(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}],
                                                max_tokens=30, extra_body=THINK).choices[0].message
     assert message.content.startswith("<think>") and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_the_parser_option_is_checked_and_auto_follows_the_vocabulary(real_tokenizer):
+    from ssd.config import ConfigError
+    from ssd.models.tokenizer import has_think_tokens
+    from ssd.serve.options import ServeOptions
+
+    with pytest.raises(ConfigError, match="reasoning_parser must be one of auto, think, none"):
+        ServeOptions(reasoning_parser="qwen3")
+    assert not has_think_tokens(real_tokenizer)  # Qwen2.5: "auto" leaves its text alone
+    assert has_think_tokens(type("T", (), {"get_vocab": lambda self: {"<think>": 1, "</think>": 2}})())
