@@ -83,10 +83,12 @@ def test_chat_splits_the_thinking_into_reasoning_content(thinking, stream):
     if not stream:
         message = oai(srv).chat.completions.create(**kwargs).choices[0].message
         assert (message.model_extra["reasoning_content"], message.content) == (thought, answer)
+        assert message.model_extra["reasoning"] == thought  # vLLM's name and DeepSeek's
         return
     chunks = list(oai(srv).chat.completions.create(stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == answer
 
 
@@ -135,3 +137,31 @@ def test_the_parser_option_is_checked_and_auto_follows_the_vocabulary(real_token
         ServeOptions(reasoning_parser="qwen3")
     assert not has_think_tokens(real_tokenizer)  # Qwen2.5: "auto" leaves its text alone
     assert has_think_tokens(type("T", (), {"get_vocab": lambda self: {"<think>": 1, "</think>": 2}})())
+
+
+def test_thinking_sent_back_reaches_the_template_as_reasoning_content(thinking):
+    """Interleaved thinking: an assistant's earlier `reasoning` (or `reasoning_content`), or a Responses
+    reasoning item before its message, goes to the template as the message's reasoning_content."""
+    from ssd.serve import http_schema as schema
+    from ssd.serve.responses import ResponsesBody, to_chat
+    from ssd.serve.validation import InvalidArgument
+
+    turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "r"},
+            {"role": "user", "content": "c"}]
+    request = schema.to_request(schema.ChatBody(model="tiny", messages=turn))
+    assert [m.template_dict().get("reasoning_content") for m in request.chat] == [None, "r", None]
+    both = [turn[0], turn[1] | {"reasoning_content": "r"}]
+    with pytest.raises(InvalidArgument, match="reasoning or reasoning_content, not both") as info:
+        schema.to_request(schema.ChatBody(model="tiny", messages=both))
+    assert info.value.field == "messages[1].reasoning_content"
+    srv, _ = thinking
+    whole = oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=30, extra_body=THINK)
+    items = [{"role": "user", "content": "abc"}] + [o.model_dump(exclude_none=True) for o in whole.output] + [
+        {"role": "user", "content": "more"}]
+    chat, _ = to_chat(ResponsesBody.model_validate({"model": "tiny", "input": items}))
+    assert [(m.role, m.reasoning_content) for m in chat.messages] == [
+        ("user", None), ("assistant", whole.output[0].content[0].text), ("user", None)]
+    assert oai(srv).responses.create(model="tiny", input=items, max_output_tokens=4).output_text is not None
+    with pytest.raises(InvalidArgument, match="must come just before the assistant") as info:
+        to_chat(ResponsesBody.model_validate({"model": "tiny", "input": items[:2]}))
+    assert info.value.field == "input[1]"

@@ -554,8 +554,8 @@ class Call:
     def _message(self, choice: Choice, text: str, entry: dict[str, Any]) -> dict[str, Any]:
         thought, text = _answer(choice, text)
         message: dict[str, Any] = {"role": "assistant", "content": choice.echo + text}
-        if thought is not None:
-            message["reasoning_content"] = thought
+        if thought is not None:  # vLLM's name and DeepSeek's, which clients read
+            message["reasoning"] = message["reasoning_content"] = thought
         if choice.tools is not None:
             content, calls = tooling.parse(text)
             message["content"] = choice.echo + (content or "") if choice.echo else content  # None: only calls
@@ -864,8 +864,8 @@ def _answer(choice: Choice, text: str) -> tuple[str | None, str]:
 
 
 def _delta(thought: str, content: str) -> dict[str, Any]:
-    """A chat chunk's delta: the answer's text, and the thinking's where some came."""
-    return {"content": content} | ({"reasoning_content": thought} if thought else {})
+    """A chat chunk's delta: the answer's text, and the thinking's where some came (both names)."""
+    return {"content": content} | ({"reasoning": thought, "reasoning_content": thought} if thought else {})
 
 
 def _result(final: Final) -> Any:

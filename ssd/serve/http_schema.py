@@ -153,6 +153,9 @@ class Message(Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    # An assistant's earlier thinking, sent back (vLLM's `reasoning`, DeepSeek's `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDef(Body):
@@ -447,8 +450,11 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
 
 def _message(message: Message, i: int) -> ChatMessage:
     calls = tooling.message_calls(message, i)
+    if message.reasoning is not None and message.reasoning_content is not None:
+        raise InvalidArgument(f"messages[{i}].reasoning_content", "give reasoning or reasoning_content, not both")
+    thought = message.reasoning if message.reasoning is not None else message.reasoning_content
     return ChatMessage(message.role, message_content(message, i, allow_none=bool(calls)), tool_calls=calls,
-                       tool_call_id=message.tool_call_id, name=message.name)
+                       tool_call_id=message.tool_call_id, name=message.name, reasoning_content=thought)
 
 
 def message_content(message: Message, i: int, allow_none: bool = False) -> str:

@@ -23,11 +23,12 @@ class ChatMessage:
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant's earlier thinking (Qwen3's template reads it)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as Hugging Face chat templates take it (unset fields left out)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -42,16 +42,17 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 class ContentPart(Body):
     """input_text, or output_text as an earlier response's output carries it (sent back as input)."""
 
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text"]
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
 
 class InputItem(Body):
-    """A message, a function call the model made, or its output (the fields each type needs are checked)."""
+    """A message, a function call the model made, its output, or the model's thinking before a message
+    or call (the fields each type needs are checked)."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
     id: str | None = None
@@ -60,6 +61,8 @@ class InputItem(Body):
     name: str | None = None
     arguments: str | None = None
     output: str | None = None
+    summary: list[Any] | None = None
+    encrypted_content: str | None = None
 
 
 class FunctionTool(Body):
@@ -147,12 +150,16 @@ def _messages(body: ResponsesBody) -> tuple[list[schema.Message], list[str]]:
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not items:
         raise InvalidArgument("input", "must not be empty")
+    thought: tuple[str, str] | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = "input" if isinstance(body.input, str) else f"input[{i}]"
+        if item.type == "reasoning":
+            thought = (where, "".join(part.text for part in item.content or [] if not isinstance(item.content, str)))
+            continue
         if item.type == "function_call":
             call = schema.ToolCall(id=_given(item.call_id, f"{where}.call_id"), function=schema.FunctionCall(
                 name=_given(item.name, f"{where}.name"), arguments=_given(item.arguments, f"{where}.arguments")))
-            if messages and messages[-1].role == "assistant" and messages[-1].tool_calls is not None:
+            if messages and messages[-1].role == "assistant" and messages[-1].tool_calls is not None and not thought:
                 messages[-1].tool_calls.append(call)  # a turn's calls, one assistant message
                 continue
             messages.append(schema.Message(role="assistant", content=None, tool_calls=[call]))
@@ -164,7 +171,15 @@ def _messages(body: ResponsesBody) -> tuple[list[schema.Message], list[str]]:
             content = _given(item.content, f"{where}.content")
             text = content if isinstance(content, str) else "".join(part.text for part in content)
             messages.append(schema.Message(role="system" if role == "developer" else role, content=text))
+        if thought is not None:
+            if messages[-1].role != "assistant":
+                raise InvalidArgument(thought[0], "a reasoning item must come just before the assistant message "
+                                      "or function call it belongs to")
+            messages[-1].reasoning_content, thought = thought[1], None
         origins.append(where)
+    if thought is not None:
+        raise InvalidArgument(thought[0], "a reasoning item must come just before the assistant message "
+                              "or function call it belongs to")
     return messages, origins
 
 
