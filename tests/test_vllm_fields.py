@@ -22,6 +22,7 @@ chat uses.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from typing import Any
@@ -428,3 +429,29 @@ def test_template_variables_are_read_from_every_template_and_none_when_unparseab
     assert template_variables(tokenizer) == {"messages", "tools", "x"}
     tokenizer.chat_template = "{% for m in %}"  # not Jinja: no variable list, so kwargs pass on
     assert template_variables(tokenizer) is None
+
+
+# --- --served-model-name ------------------------------------------------------------------------
+
+
+def test_served_model_names_are_the_names_requests_give(server):
+    from ssd.app.cli import add_serve_args, serve_options_from_args
+    from ssd.config import ConfigError
+
+    _, backend = server
+    with serving(lambda: backend, served_model_names=("coder", "coder-latest")) as srv:
+        client = oai(srv)
+        assert [m.id for m in client.models.list().data] == ["coder", "coder-latest"]
+        assert client.models.retrieve("coder-latest").model_extra["root"] == "tiny"
+        reply = client.completions.create(model="coder-latest", prompt="abc", max_tokens=3, temperature=0)
+        assert reply.model == "coder-latest" and reply.choices[0].text
+        with pytest.raises(openai.NotFoundError) as info:
+            client.completions.create(model="tiny", prompt="abc", max_tokens=3)
+        assert info.value.body["param"] == "model" and "'coder', 'coder-latest'" in info.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("tiny")
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve_options_from_args(parser.parse_args(["--served-model-name", "a", "b"])).served_model_names == ("a", "b")
+    with pytest.raises(ConfigError, match="blank name"):
+        ServeOptions(served_model_names=(" ",))

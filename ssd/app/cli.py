@@ -170,6 +170,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=defaults.reasoning_parser,
                         help="<think>...</think> as reasoning_content (chat) or a reasoning item (responses): "
                              "think, none, or auto: where the tokenizer has <think> tokens (Qwen3, DeepSeek-R1)")
+    parser.add_argument("--served-model-name", nargs="+", default=list(defaults.served_model_names),
+                        metavar="NAME", help="the model's names over HTTP: requests' model must be one of them "
+                                             "(default: the target's name)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -180,4 +183,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
         max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
         http_port=args.http_port, reasoning_parser=args.reasoning_parser,
+        served_model_names=tuple(args.served_model_name),
     )

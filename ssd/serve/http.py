@@ -155,18 +155,19 @@ class OpenAIFrontend:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        return JSONResponse({"object": "list", "data": [self._card(name) for name in self._served()]})
 
     async def model(self, request: Request, model_id: str) -> JSONResponse:
         """OpenAI's model retrieval: the served model's card, 404 for any other id."""
         self._authorize(request)
-        card = self._card()
-        if model_id != card["id"]:
-            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {card['id']!r}",
-                           param="model", code="model_not_found")
-        return JSONResponse(card)
+        self._check_model(model_id)
+        return JSONResponse(self._card(model_id))
 
-    def _card(self) -> dict[str, Any]:
+    def _served(self) -> list[str]:
+        """The names requests may give as `model`: --served-model-name's, else the target's."""
+        return list(self.options.served_model_names) or [self._model_info().target_model]
+
+    def _card(self, name: str) -> dict[str, Any]:
         """The model's card: OpenAI's fields, the draft and modes, and what an omitted field gets."""
         info = self._model_info()
         d = info.defaults
@@ -178,7 +179,7 @@ class OpenAIFrontend:
                     "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
                     # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
                     "max_tokens": None if up_to_context else d.max_new_tokens}
-        return {"id": info.target_model, "object": "model", "created": self.created, "owned_by": "ssd",
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ssd", "root": info.target_model,
                 "draft_model": info.draft_model, "modes": list(info.modes),
                 "max_model_len": info.limits.max_context_tokens, "max_tokens_limit": info.limits.max_new_tokens,
                 "defaults": defaults}
@@ -244,9 +245,9 @@ class OpenAIFrontend:
             raise unavailable(exc) from None
 
     def _check_model(self, model: str | None) -> None:
-        served = self._model_info().target_model
-        if model is not None and model != served:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {served!r}",
+        served = self._served()
+        if model is not None and model not in served:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                            param="model", code="model_not_found")
 
     # --- one generation ------------------------------------------------------------

@@ -38,6 +38,9 @@ class ServeOptions:
     # (Responses), as vLLM's reasoning parsers split it: "think" on, "none" off, "auto" on
     # where the tokenizer has <think> and </think> tokens (Qwen3, QwQ, DeepSeek-R1).
     reasoning_parser: str = "auto"
+    # The names the HTTP API serves the model under (vLLM's --served-model-name): requests'
+    # `model` must be one of them, /v1/models lists each. Empty: the target's own name.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -57,6 +60,8 @@ class ServeOptions:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"serve.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                               f"got {self.reasoning_parser!r}")
+        if any(not name.strip() for name in self.served_model_names):
+            raise ConfigError("serve.served_model_names must not hold a blank name")
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
 
