@@ -215,7 +215,8 @@ def small_pair():
     return small_models()
 
 
-def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = SAMPLES, mode: str = "sd"):
+def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = SAMPLES, mode: str = "sd",
+                 prompt: list[int] = PROMPT, prediction: list[int] | None = None):
     """Tokens 1-4 of seeded SD rows at K 0 (mode "sd"; "no draft": an SD engine without a draft
     model; "ssd": SSD rows parked by k_policy) whose every lookup is forced to min(3, its match);
     asserts the first round after the prefill verified 3 looked-up tokens in every row, and
@@ -229,8 +230,8 @@ def lookup_draws(pair, sampling: SamplingConfig, verifier=None, samples: int = S
     else:
         engine = SDEngine(target, draft if mode == "sd" else None, *args, **kw)
     rounds: list[list[list[int]]] = [[] for _ in range(samples)]
-    reqs = [GenerationRequest(PROMPT, dataclasses.replace(sampling, seed=seed), GenerationConfig(max_new_tokens=N_TOKENS),
-                              spec, on_tokens=rounds[seed].append) for seed in range(samples)]
+    reqs = [GenerationRequest(prompt, dataclasses.replace(sampling, seed=seed), GenerationConfig(max_new_tokens=N_TOKENS),
+                              spec, on_tokens=rounds[seed].append, prediction=prediction) for seed in range(samples)]
     with engine:
         outs = run_rows(engine, reqs)
     first = Counter()
@@ -343,3 +344,43 @@ def test_coupled_rows_with_lookups_give_coupled_ar_s_output(tiny_models, tiny_to
             for seed in range(3) for r in requests("sd")]
     outs = run_rows(SDEngine(target, draft, tiny_tokenizer, off_spec("sd"), BatchingConfig(max_rows=4)), reqs)
     assert_equal_to_ar_with_lookups_accepted_and_rejected(outs, reqs, target, tiny_tokenizer)
+
+
+# --- a predicted output (OpenAI's Predicted Outputs) as more text to look up in ----------------
+
+
+def test_a_prediction_feeds_lookups_and_greedy_output_stays_ars(tiny_models, tiny_tokenizer, eager):
+    """A prompt that never repeats looks up nothing; with AR's own output as the prediction every
+    round looks it up and accepts it; with a wrong prediction the lookups are rejected. Output == AR."""
+    target, draft = tiny_models
+    engine = SDEngine(target, draft, tiny_tokenizer, off_spec("sd"), BatchingConfig(max_rows=4))
+    plain = GenerationRequest([5, 6, 7], GREEDY, GenerationConfig(max_new_tokens=24), off_spec("sd"))
+    want = ar(target, tiny_tokenizer, plain)
+    alone = engine.generate(plain)
+    right = engine.generate(dataclasses.replace(plain, prediction=[5, 6, 7] + want))
+    wrong = engine.generate(dataclasses.replace(plain, prediction=[5, 6, 7] + [(t + 1) % 16 for t in want]))
+    assert alone.token_ids == right.token_ids == wrong.token_ids == want
+    assert right.stats.lookup_accepted > alone.stats.lookup_accepted
+    assert right.stats.lookup_accepted == right.stats.looked_up and right.stats.rounds < alone.stats.rounds
+    assert wrong.stats.looked_up > 0 and wrong.stats.lookup_accepted < wrong.stats.looked_up
+    broken = SDEngine(target, draft, tiny_tokenizer, off_spec("sd"), BatchingConfig(max_rows=4),
+                      verifier=lambda drafted, q, p, draws, greedy=False: accept_all(drafted, q, p, draws))
+    assert broken.generate(dataclasses.replace(plain, prediction=[5, 6, 7] + [(t + 1) % 16 for t in want])).token_ids != want
+
+
+# The prompt never repeats; the prediction holds [0, 2, t, t, t, t] for each t, so whatever the
+# prefill's token t0, the text ends [0, 2, t0], which the prediction follows with [t0, t0, t0].
+PREDICTED_PROMPT = [3, 1, 0, 2]
+PREDICTION = [tok for t in range(4) for tok in (0, 2, t, t, t, t)]
+
+
+def test_sampled_lookups_from_a_prediction_keep_the_target_law(small_pair, eager):
+    samples, first = lookup_draws(small_pair, T1, prompt=PREDICTED_PROMPT, prediction=PREDICTION)
+    assert all(first[k] / len(samples) >= 0.05 for k in range(4)), first
+    pvalue = chi_square_pvalue(samples, exact_marginal(small_pair[0], PREDICTED_PROMPT, N_TOKENS, T1, POSITIONS))
+    report_pvalue("lookup from a prediction", "t1.0", "exact", len(samples), pvalue)
+    assert pvalue > ALPHA, f"a prediction changed the law: p = {pvalue:.2e}"
+    drawn, _ = lookup_draws(small_pair, T1, accept_all, STRONG, prompt=PREDICTED_PROMPT, prediction=PREDICTION)
+    broken = chi_square_pvalue(drawn, exact_marginal(small_pair[0], PREDICTED_PROMPT, N_TOKENS, T1, POSITIONS))
+    report_pvalue("lookup from a prediction", "t1.0", "accept_all", STRONG, broken)
+    assert broken < ALPHA, f"accept_all went undetected: p = {broken:.2e}"

@@ -455,3 +455,32 @@ def test_served_model_names_are_the_names_requests_give(server):
     assert serve_options_from_args(parser.parse_args(["--served-model-name", "a", "b"])).served_model_names == ("a", "b")
     with pytest.raises(ConfigError, match="blank name"):
         ServeOptions(served_model_names=(" ",))
+
+
+# --- prediction (OpenAI's Predicted Outputs) ----------------------------------------------------
+
+
+def test_a_prediction_travels_to_prompt_lookup_and_changes_no_output(monkeypatch):
+    """Rows held at K 0 (k_policy) look up in the prediction too: the same text, more tokens accepted."""
+    from ssd.engine import batch as batch_module
+    from ssd.serve.backend import LocalBackend
+
+    monkeypatch.setattr(batch_module, "best_length", lambda a, c, longest, rows=1: longest)  # verify every lookup
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    config.speculation = dataclasses.replace(config.speculation, mode="sd", k_policy={1: 0})
+    backend = LocalBackend(config)
+    with serving(lambda: backend) as srv:
+        request = dict(model="tiny", prompt="abcd", max_tokens=20, temperature=0)
+        plain = oai(srv).completions.create(**request)
+        predicted = oai(srv).completions.create(**request, extra_body={
+            "prediction": {"type": "content", "content": "abcd" + plain.choices[0].text}})
+        assert predicted.choices[0].text == plain.choices[0].text
+        stats = plain.model_extra["speculation_stats"], predicted.model_extra["speculation_stats"]
+        assert stats[1]["lookup_accepted"] > stats[0]["lookup_accepted"] and stats[1]["rounds"] < stats[0]["rounds"]
+        with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+            out = client.generate(text="abcd", max_new_tokens=20, temperature=0, prediction="abcd" + plain.choices[0].text)
+        assert out.text == plain.choices[0].text and out.finished.stats.lookup_accepted == stats[1]["lookup_accepted"]
+        reply = httpx.post(base_url(srv) + "/v1/completions", json=request | {"prediction": {"type": "content",
+                                                                                           "content": "z"}})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prediction"  # not in the vocabulary
+    backend.close()

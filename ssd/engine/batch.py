@@ -468,7 +468,8 @@ class BatchedEngine(Engine):
 
     def _look_up_row(self, row: Row, room: int, token_cost: float, rows: int) -> None:
         spec = row.state.speculation.prompt_lookup
-        n, follow = prompt_lookup(row.state.sequence, room, spec.max_n, spec.min_n)
+        prediction = row.state.request.prediction or []  # searched as text before the prompt
+        n, follow = prompt_lookup([*prediction, *row.state.sequence], room, spec.max_n, spec.min_n)
         if n:
             odds = self._lookup_odds.setdefault(n, LookupOdds.after_match(n))
             row.lookup, row.lookup_match = follow[: best_length(odds.rate, token_cost, len(follow), rows)], n

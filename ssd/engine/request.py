@@ -96,6 +96,10 @@ class GenerationRequest:
     # None: none; n >= 0: each prompt token's after the first (the model's own log-softmax,
     # unprocessed), with the n most likely alternatives; prefill then computes every position's logits.
     prompt_logprobs: int | None = None
+    # A predicted output (OpenAI's Predicted Outputs: e.g. the file a code edit rewrites): prompt
+    # lookup (ssd.engine.lookup) also searches it for what follows the text's last tokens. Only
+    # proposals change, each verified, so the output's law does not.
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

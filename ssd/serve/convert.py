@@ -17,7 +17,7 @@ from ssd.serve.validation import InvalidArgument
 
 _OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs",
-             "skip_special_tokens", "truncate_prompt_tokens", "suffix")
+             "skip_special_tokens", "truncate_prompt_tokens", "suffix", "prediction")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
 

@@ -100,6 +100,7 @@ class _Common(Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     # Extensions.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -134,6 +135,13 @@ class CompletionBody(_Common):
 class TextPart(Body):
     type: Literal["text"]
     text: str
+
+
+class Prediction(Body):
+    """OpenAI's predicted output: text much of the answer will repeat (a file a code edit rewrites)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
 
 
 class FunctionCall(Body):
@@ -357,6 +365,13 @@ def _structured_field(kind: str, value: Any, field: str) -> Structured:
     return Structured("regex" if kind == "regex" else "lark", value, field)
 
 
+def _prediction_text(prediction: Prediction | None) -> str | None:
+    if prediction is None:
+        return None
+    content = prediction.content
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 def logit_bias(body: _Common) -> dict[int, float] | None:
     """OpenAI's logit_bias, its keys (token ids as JSON strings) as ints."""
     if body.logit_bias is None:
@@ -425,6 +440,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=prompt_logprobs(body),
+        prediction=_prediction_text(body.prediction),
         structured=structured(body),
     )
     if isinstance(body, ChatBody):

@@ -105,6 +105,7 @@ class Request:
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens (EOS, <|im_end|>) in the text
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's)
     suffix: str | None = None  # the text after the insertion: a fill-in-the-middle prompt (code models)
+    prediction: str | None = None  # OpenAI's predicted output: a text prompt lookup may draw proposals from
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     structured: Structured | None = None

@@ -87,7 +87,7 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
     )
     return GenerationRequest(prompt_ids, sampling, generation, speculation, request_id=request_id,
                              logprobs=request.logprobs, processing=processing,
-                             prompt_logprobs=request.prompt_logprobs)
+                             prompt_logprobs=request.prompt_logprobs, prediction=_prediction(request, backend))
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -423,6 +423,20 @@ def _check_chat_options(given: ChatOptions | None, messages: list[ChatMessage]) 
                               "(the final message is continued, no new one started): set it false")
     if not messages[-1].content:
         raise InvalidArgument("chat.continue_final_message", "the final message has no content to continue")
+
+
+def _prediction(request: Request, backend: Backend) -> list[int] | None:
+    """OpenAI's predicted output as token ids (None: none), within the model's context."""
+    if not request.prediction:
+        return None
+    try:
+        ids = backend.encode(request.prediction)
+    except ValueError as exc:
+        raise InvalidArgument("prediction", str(exc)) from None
+    limit = backend.info.max_context_tokens
+    if len(ids) > limit:
+        raise InvalidArgument("prediction", f"at most {limit} tokens (the model's context), got {len(ids)}")
+    return ids
 
 
 def _truncated(request: Request, ids: list[int], info: BackendInfo) -> list[int]:
