@@ -484,3 +484,12 @@ def test_a_prediction_travels_to_prompt_lookup_and_changes_no_output(monkeypatch
                                                                                            "content": "z"}})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "prediction"  # not in the vocabulary
     backend.close()
+
+
+def test_an_infill_at_the_start_of_a_file_has_an_empty_prompt(real_tokenizer):
+    qwen = TokenizerOnly(real_tokenizer)
+    qwen.info = dataclasses.replace(qwen.info, fim_ids=fim_ids(real_tokenizer))
+    ids = prompt_ids(Request(text="", suffix="print(1)\n"), qwen, ServeOptions())
+    assert real_tokenizer.decode(ids) == "<|fim_prefix|><|fim_suffix|>print(1)\n<|fim_middle|>"
+    with pytest.raises(InvalidArgument, match="must not be empty"):
+        prompt_ids(Request(text=""), qwen, ServeOptions())  # no suffix: an empty prompt is still refused

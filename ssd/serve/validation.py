@@ -352,7 +352,8 @@ def _prompt(request: Request, backend: Backend, options: ServeOptions) -> list[i
             raise InvalidArgument("suffix", "applies to a text or token-id prompt, not a chat")
         return _chat_prompt(request, backend, options)
     if which == "text":
-        ids = _text_prompt(request.text, backend)
+        infill_at_start = request.suffix is not None and request.text == ""  # the cursor at a file's start
+        ids = [] if infill_at_start else _text_prompt(request.text, backend)
     else:
         ids = _id_prompt(list(request.token_ids), backend.info.vocab_size)
     return ids if request.suffix is None else _infill(ids, request.suffix, backend)
