@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --chat: the assistant's reply starts with TEXT, which the model continues")
     p.add_argument("--suffix", metavar="TEXT",
                    help="fill in the middle: the text after the insertion (code models with FIM tokens)")
+    p.add_argument("--prediction", metavar="TEXT",
+                   help="a predicted output (e.g. the code an edit rewrites): prompt lookup also searches it")
     p.add_argument("--template-kwargs", type=json.loads, metavar="JSON",
                    help='with --chat: more chat template variables, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--mode", choices=MODES)
@@ -120,7 +122,7 @@ def request_args(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
         fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup, logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs, suffix=args.suffix,
+        prompt_logprobs=args.prompt_logprobs, suffix=args.suffix, prediction=args.prediction,
     )
 
 
