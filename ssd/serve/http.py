@@ -812,8 +812,8 @@ class ResponsesCall(Call):
         with the logprobs waiting."""
         logprobs = self._stream_logprobs(choice, self.pending)
         self.pending = []
-        return self._reasoning_end() + self._open_message() + [self._text_event("response.output_text.delta", delta=delta,
-                                                        logprobs=(logprobs or {}).get("content", []))]
+        text = self._text_event("response.output_text.delta", delta=delta, logprobs=(logprobs or {}).get("content", []))
+        return self._reasoning_end() + self._open_message() + [text]
 
     def _message_end(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         """The message's done events (opening it, if no text came before)."""

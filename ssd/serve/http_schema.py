@@ -187,7 +187,15 @@ class NamedToolChoice(Body):
     function: NamedFunction
 
 
-class ChatBody(_Common):
+class ChatLayout(Body):
+    """vLLM's chat layout fields (ssd.serve.request.ChatOptions), on chat and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatBody(_Common, ChatLayout):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -198,21 +206,15 @@ class ChatBody(_Common):
     # vLLM's chat fields (ssd.serve.request.ChatOptions; echo: the reply starts with the last
     # message's content when that is the assistant's, the prefill continue_final_message continues).
     echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeBody(Body):
+class TokenizeBody(ChatLayout):
     """vLLM's /tokenize: a completion's prompt or a chat's messages (and tools)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
     tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(Body):
@@ -239,7 +241,7 @@ _CHAT_OPTIONS = {"add_generation_prompt": "add_generation_prompt", "continue_fin
                  "template_kwargs": "chat_template_kwargs"}
 
 
-def chat_options(body: ChatBody | TokenizeBody) -> ChatOptions | None:
+def chat_options(body: ChatLayout) -> ChatOptions | None:
     """The body's chat layout fields; None where it sets none."""
     if not set(_CHAT_OPTIONS.values()) & body.model_fields_set:
         return None

@@ -30,8 +30,6 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
-
 from ssd.serve import http_schema as schema
 from ssd.serve.http_schema import Body
 from ssd.serve.validation import InvalidArgument
@@ -78,12 +76,10 @@ class NamedFunction(Body):
     name: str
 
 
-class TextFormat(Body):
+class TextFormat(schema.JsonSchemaFormat):
+    """Responses' text.format: chat's json_schema fields, flat beside the type."""
+
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
 
 
 class TextOptions(Body):
@@ -195,8 +191,8 @@ def _response_format(text: TextOptions | None) -> schema.ResponseFormat | None:
     given = text.format
     if given.type != "json_schema":
         return schema.ResponseFormat(type=given.type)
-    return schema.ResponseFormat(type="json_schema", json_schema=schema.JsonSchemaFormat(
-        name=given.name, description=given.description, schema=given.schema_, strict=given.strict))
+    return schema.ResponseFormat(type="json_schema", json_schema=schema.JsonSchemaFormat.model_validate(
+        given.model_dump(exclude={"type"}, by_alias=True)))
 
 
 def _tools(tools: list[FunctionTool] | None) -> list[schema.Tool] | None:
