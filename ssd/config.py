@@ -421,6 +421,10 @@ class BatchingConfig:
     max_batched_tokens: int = 2048  # tokens in one batched forward (prefill chunks + rounds)
     prefill_chunk: int = 512  # a long prompt is prefilled this many tokens per step
     kv_memory_mb: float = 4096.0  # KV cache of all rows together; a request that would exceed it waits
+    # Keep finished rows' caches for later prompts that start the same way (ssd.engine.prefix):
+    # whole prompt chunks only, so outputs stay bit for bit what they are without it. They use
+    # memory and llama.cpp slots no running row needs, and go first when one does.
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_batched_tokens", "prefill_chunk"):

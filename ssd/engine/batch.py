@@ -41,11 +41,13 @@ from ssd.engine.drafting import Chain
 from ssd.engine.lookup import NGRAM_WINDOW, LookupOdds, StepCost, best_length, one_hot_rows, prompt_lookup
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
+from ssd.engine.prefix import CachedPrefix, PrefixCache, common_chunks, shared_chunks, whole_chunks
 from ssd.engine.processing import LogitsProcessor
 from ssd.engine.request import GenerationRequest, GenerationResult, Processing, TokenLogprob
 from ssd.hardware import sync, to_device
 from ssd.models.backend import (
-    AnySequence, Model, forward_rows, kv_bytes_per_token, new_sequence, precision_of, release, sequence_source,
+    AnySequence, Model, forward_rows, has_free_slot, keeps_prefix, kv_bytes_per_token, new_sequence, precision_of,
+    release, sequence_source,
 )
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
@@ -227,6 +229,10 @@ class BatchedEngine(Engine):
         self._target_source = self._source(target)
         self._draft_source = self._source(draft) if draft is not None else None
         self._rows: list[Row] = []
+        # finished rows' caches for later prompts (ssd.engine.prefix); the tensor-parallel
+        # target's one sequence keeps its own: `_shared_whole` positions of it
+        self._prefix = PrefixCache(batching.prefill_chunk) if batching.prefix_cache else None
+        self._shared_whole = 0
         # prompt lookup: what a scored token adds to a forward, how lookups fare by match length
         self._step_cost = StepCost()
         self._lookup_odds: dict[int, LookupOdds] = {}
@@ -265,10 +271,10 @@ class BatchedEngine(Engine):
             )
         if len(self._rows) >= self.batching.max_rows or not self._fits(need_bytes, need_tokens, self._rows):
             raise RuntimeError(f"the batch is full ({self.rows} rows); check can_admit first")
-        draft = new_sequence(self._draft_source) if self._draft_source is not None else None
-        self._rows.append(Row(
-            self._new_state(request), self._target_sequence(), draft, Stopwatch(), need_bytes, need_tokens
-        ))
+        state = self._new_state(request)
+        target, draft, cached = self._sequences(request, need_bytes)
+        state.stats.cached_prompt_tokens = cached
+        self._rows.append(Row(state, target, draft, Stopwatch(), need_bytes, need_tokens, prefilled=cached))
 
     def step(self) -> list[Finished]:
         left = self._drop_cancelled()
@@ -356,12 +362,76 @@ class BatchedEngine(Engine):
         return LogitsProcessor(spec, self.tokenizer, sorted(self.eos_ids), request.prompt_ids, generation.min_tokens,
                                sorted(held))
 
-    def _target_sequence(self) -> AnySequence:
-        """A new row's target cache: its own, or (tensor parallel, one row) the leader's, reset."""
-        if self._shared_target is None:
-            return new_sequence(self._target_source)
-        self._shared_target.reset()
-        return self._shared_target
+    # --- caches: a new row's, and what a finished row leaves (ssd.engine.prefix) ---
+
+    def _sequences(self, request: GenerationRequest, need_bytes: int) -> tuple[AnySequence, AnySequence | None, int]:
+        """A new row's target and draft caches, and how many prompt positions they already hold:
+        an earlier request's whole prompt chunks the prompt starts with, or none."""
+        reuse = self._prefix is not None and request.prompt_logprobs is None  # those score every position
+        if self._shared_target is not None:
+            return self._shared_sequences(request, reuse)
+        found = self._prefix.take(request.prompt_ids) if reuse else None
+        self._make_room(need_bytes, slots=found is None)
+        if found is None:
+            draft = new_sequence(self._draft_source) if self._draft_source is not None else None
+            return new_sequence(self._target_source), draft, 0
+        entry, cached = found
+        for sequence in (entry.target, entry.draft):
+            if sequence is not None:
+                sequence.rollback(cached)
+        return entry.target, entry.draft, cached
+
+    def _shared_sequences(self, request: GenerationRequest, reuse: bool) -> tuple[AnySequence, AnySequence | None, int]:
+        """Tensor parallel: the one target sequence the followers mirror keeps the last prompt's
+        whole chunks (with no draft beside it to keep in step)."""
+        shared = self._shared_target
+        draft = new_sequence(self._draft_source) if self._draft_source is not None else None
+        cached = shared_chunks(shared.tokens[: self._shared_whole], request.prompt_ids,
+                               self.batching.prefill_chunk) if reuse and draft is None else 0
+        if cached:
+            shared.rollback(cached)
+        else:
+            shared.reset()
+        return shared, draft, cached
+
+    def _make_room(self, need_bytes: int, slots: bool) -> None:
+        """Drop the oldest cached prefixes while they hold the memory the new row needs, or
+        (`slots`: it needs new sequences) every free llama.cpp slot."""
+        if self._prefix is None:
+            return
+        reserved = need_bytes + sum(row.kv_bytes for row in self._rows)
+        budget = self.batching.kv_memory_mb * 2**20
+        sources = [s for s in (self._target_source, self._draft_source) if s is not None] if slots else []
+        while len(self._prefix) and (reserved + self._prefix.nbytes > budget
+                                     or not all(has_free_slot(s) for s in sources)):
+            self._drop(self._prefix.pop_oldest())
+
+    def _keep(self, row: Row) -> bool:
+        """Cache a finishing row's whole prompt chunks for later prompts; False: nothing to keep."""
+        if self._prefix is None or row.error is not None:
+            return False
+        chunk, prompt = self.batching.prefill_chunk, row.request.prompt_ids
+        whole = whole_chunks(min(row.prefilled, row.target.length), chunk)
+        if row.target is self._shared_target:
+            self._shared_whole = whole if row.target.tokens[:whole] == list(prompt[:whole]) else 0
+            return True
+        sequences = [s for s in (row.target, row.draft) if s is not None]
+        if not all(keeps_prefix(s) for s in sequences):
+            return False
+        for sequence in sequences:  # what each holds of those whole chunks
+            whole = common_chunks(sequence.tokens, prompt, chunk, limit=whole)
+        if whole == 0:
+            return False
+        for sequence in sequences:
+            sequence.rollback(whole)
+        self._prefix.put(CachedPrefix(tuple(prompt[:whole]), row.target, row.draft, whole * self._token_bytes))
+        return True
+
+    @staticmethod
+    def _drop(entry: CachedPrefix | None) -> None:
+        if entry is not None:
+            release(entry.target)
+            release(entry.draft)
 
     def _result(self, req: SequenceState, clock: Stopwatch) -> GenerationResult:
         req.stats.total_s = clock.elapsed()
@@ -605,9 +675,14 @@ class BatchedEngine(Engine):
             row.error = error
 
     def _leave(self, row: Row) -> None:
-        """The row leaves the batch; its own sequences go back (a llama.cpp slot is freed at once)."""
+        """The row leaves the batch; its caches wait for a later prompt (`_keep`) or go back
+        (a llama.cpp slot is freed at once)."""
         self._rows.remove(row)
-        if row.target is not self._shared_target:
+        if self._keep(row):
+            return
+        if row.target is self._shared_target:
+            self._shared_whole = 0
+        else:
             release(row.target)
         release(row.draft)
 

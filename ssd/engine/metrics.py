@@ -122,6 +122,7 @@ class GenerationStats(RoundRatios):
     precision: str = ""  # e.g. "target int8, draft int8"
     requests: int = 1  # generations counted here: 1, or more in a total (see `total`)
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, served from an earlier request's cache (ssd.engine.prefix)
     new_tokens: int = 0
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0

@@ -86,6 +86,13 @@ class KVSequence:
         """Whether any layer keeps only a window of entries (transformers' carrier only)."""
         return self._fast is None and any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
 
+    @property
+    def keeps_prefix(self) -> bool:
+        """Whether this cache may wait, idle, for a later prompt (ssd.engine.prefix): not a slot
+        of the model's graphed store (a batched forward covers every slot it holds), nor a
+        sliding window (which cannot roll back to a prefix)."""
+        return self._graphed is None and not self.sliding
+
     def reset(self) -> None:
         self._clear()
 

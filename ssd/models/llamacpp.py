@@ -293,6 +293,10 @@ class LlamaCppContext:
         L.llama_set_n_threads(self._ctx, n_threads, n_threads)
         self.n_threads = n_threads
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def take_slot(self) -> int:
         if not self._free:
             raise LlamaCppError(f"all {self.n_seq} sequence slots are taken")

@@ -1,0 +1,233 @@
+"""Prefix caching across requests (ssd.engine.prefix): a later prompt that starts as an earlier
+one did takes its whole prompt chunks, and its output is what it would be without the cache.
+
+Greedy and seeded-sampled outputs with the cache equal a fresh engine's, tokens and
+logprobs bit for bit, in AR, SD and SSD, on torch and on llama.cpp's Q4_K_M kernels; the
+sampled law holds on a hit (chi-square); a cache that served another prompt's keys, or
+positions a decode step computed, fails those checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ssd.engine.batch as batch_module
+from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine import AREngine, SDEngine
+from ssd.engine.prefix import CachedPrefix, PrefixCache, common_chunks, shared_chunks, whole_chunks
+from ssd.engine.request import GenerationRequest
+from ssd.models import TinyTokenizer
+from ssd.models.kv import KVSequence
+from ssd.saguaro.target import SSDEngine
+from tests.exact import exact_marginal
+from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
+from tests.test_distribution import SMALL, small_models
+
+CHUNK = 8
+FIRST = [(7 * i + 3) % 16 for i in range(21)]  # the tiny models' 16-token vocabulary
+
+
+# --- the bookkeeping -------------------------------------------------------------------
+
+def test_shared_chunks_count_whole_chunks_and_leave_the_last_token():
+    assert whole_chunks(21, 8) == 16 and whole_chunks(7, 8) == 0 and whole_chunks(16, 8) == 16
+    tokens = list(range(16))
+    assert common_chunks(tokens, list(range(30)), 8) == 16
+    assert common_chunks(tokens, list(range(30)), 8, limit=15) == 8
+    assert common_chunks(tokens, [*range(12), 99, *range(13, 30)], 8) == 8  # chunk 2 differs at 12
+    assert shared_chunks(tokens, list(range(16)), 8) == 8  # the prompt's last token stays to feed
+    assert shared_chunks(tokens, list(range(17)), 8) == 16
+    assert shared_chunks(tokens, [99, *range(1, 30)], 8) == 0
+
+
+def test_the_cache_serves_the_longest_match_the_newest_among_equals_and_forgets_it():
+    cache = PrefixCache(4)
+    old, new, longer = (CachedPrefix(tuple(t), target=name, nbytes=10) for t, name in
+                        (((1, 2, 3, 4), "old"), ((1, 2, 3, 4), "new"), ((1, 2, 3, 4, 5, 6, 7, 8), "longer")))
+    for entry in (old, new, longer):
+        cache.put(entry)
+    assert len(cache) == 3 and cache.nbytes == 30
+    assert cache.take([9, 9, 9, 9, 9]) is None
+    assert cache.take([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (longer, 8)
+    assert cache.take([1, 2, 3, 4, 0]) == (new, 4)
+    assert cache.pop_oldest() is old and cache.pop_oldest() is None
+    with pytest.raises(ValueError, match="whole chunks"):
+        cache.put(CachedPrefix((1, 2), target="short"))
+
+
+# --- engines: the output is what it is without the cache ---------------------------------
+
+def _request(prompt, sampling=SamplingConfig(temperature=0.0), n=10, **kw):
+    return GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=n), logprobs=0, **kw)
+
+
+def _outcome(result):
+    return result.token_ids, [t.logprob for t in result.logprobs]
+
+
+def _engine(mode, target, draft, tok, batching):
+    if mode == "ar":
+        return AREngine(target, tok, batching)
+    if mode == "sd":
+        return SDEngine(target, draft, tok, SpeculationConfig(mode="sd", k=3), batching=batching)
+    return SSDEngine.in_process(target, draft, tok, SpeculationConfig(mode="ssd", k=3), batching=batching)
+
+
+SECOND = [(5 * i + 1) % 16 for i in range(19)]
+EXTRA = [1, 2, 3, 4, 5]
+
+
+def _fresh(mode, target, draft, tok, prompt, sampling, chunk=CHUNK, n=10):
+    """`prompt`'s outcome on a fresh engine without the cache."""
+    engine = _engine(mode, target, draft, tok, BatchingConfig(prefill_chunk=chunk, prefix_cache=False))
+    try:
+        return _outcome(engine.generate(_request(prompt, sampling, n)))
+    finally:
+        getattr(engine, "close", lambda: None)()
+
+
+def _chats(mode, target, draft, tok, sampling, chats=(FIRST, SECOND), chunk=CHUNK, n=10, turns=3, engine=None):
+    """Chats taking turns on one engine with the cache, each prompt the chat's last prompt, its
+    output and a new message; per turn (prompt, outcome, cached prompt tokens, fresh outcome)."""
+    engine = engine or _engine(mode, target, draft, tok, BatchingConfig(prefill_chunk=chunk))
+    prompts, out = [list(c) for c in chats], []
+    try:
+        for turn in range(turns):
+            for chat in range(len(prompts)):
+                seeded = dataclasses.replace(sampling, seed=10 * turn + chat)
+                result = engine.generate(_request(prompts[chat], seeded, n))
+                want = _fresh(mode, target, draft, tok, prompts[chat], seeded, chunk, n)
+                out.append((prompts[chat], _outcome(result), result.stats.cached_prompt_tokens, want))
+                prompts[chat] = prompts[chat] + result.token_ids + [(t + turn) % 16 for t in EXTRA]
+    finally:
+        getattr(engine, "close", lambda: None)()
+    return out
+
+
+def _same(mode, got, want) -> bool:
+    if mode == "ssd":  # its hits (timing) set how many rows a verification scores: fp64 apart by ulps
+        return got[0] == want[0] and got[1] == pytest.approx(want[1], rel=0, abs=1e-12)
+    return got == want
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, top_k=5)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_chats_taking_turns_equal_each_turn_alone(tiny_models, tiny_tokenizer, mode, sampling):
+    """Two chats take turns on one engine: each later turn starts from its own chat's last
+    prompt's whole chunks (asserted), and every turn's tokens and logprobs equal that prompt's on
+    a fresh engine without the cache, bit for bit (SSD's logprobs to 1e-12: they move by ulps
+    between two fresh runs too). Power: a cache that matched prompts by length alone hands one
+    chat the other's keys and values, and fails it."""
+    target, draft = tiny_models
+    if mode == "ssd" and not sampling.greedy:  # SSD's draws follow its hits, which timing moves: coupled
+        sampling = dataclasses.replace(sampling, coupling="gumbel")  # sampling makes a seed one output
+    turns = _chats(mode, target, draft, tiny_tokenizer, sampling)
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert _same(mode, got, want), f"turn {i // 2} of chat {i % 2}"
+        last = turns[i - 2][0] if i >= 2 else []
+        assert cached == whole_chunks(len(last), CHUNK) and (i < 2 or cached > 0)
+
+
+def test_a_cache_that_matched_by_length_alone_fails_the_check(tiny_models, tiny_tokenizer, monkeypatch):
+    import ssd.engine.prefix as prefix
+
+    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk: prefix.common_chunks(
+        tokens, tokens, chunk, limit=len(prompt) - 1))
+    target, draft = tiny_models
+    turns = _chats("ar", target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0))
+    assert not all(_same("ar", got, want) for _, got, _, want in turns)
+
+
+# --- sampled: a hit's output follows the target's law -----------------------------------
+
+LAW_PROMPTS = ([0, 1, 2, 3, 0, 1, 2], [3, 3, 1, 0, 2, 2, 1])  # 6 positions in whole chunks of 2 each
+LAW_SAMPLING = SamplingConfig(temperature=1.0)
+LAW_TOKENS, LAW_POSITIONS = 5, [1, 2, 3, 4]  # the prefill's token, then a first round of K = 3 and its bonus
+
+
+def _law_pvalues(samples: int, hits: bool = True) -> list[float]:
+    """SD (K = 3) on the 4-token model, the two prompts in turn on one engine with the cache
+    (chunks of 2): every request after the first two takes 6 cached positions (asserted)."""
+    target, draft = small_models()
+    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=3),
+                      batching=BatchingConfig(prefill_chunk=2))
+    draws: list[list[tuple[int, ...]]] = [[], []]
+    for seed in range(samples):
+        for i, prompt in enumerate(LAW_PROMPTS):
+            sampling = dataclasses.replace(LAW_SAMPLING, seed=2 * seed + i)
+            result = engine.generate(GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=LAW_TOKENS)))
+            assert result.stats.cached_prompt_tokens == 6 or not (seed and hits)
+            draws[i].append(tuple(result.token_ids[p] for p in LAW_POSITIONS))
+    return [chi_square_pvalue(d, exact_marginal(target, prompt, LAW_TOKENS, LAW_SAMPLING, LAW_POSITIONS))
+            for d, prompt in zip(draws, LAW_PROMPTS)]
+
+
+def test_sampled_output_on_a_hit_follows_the_target_law():
+    pvalues = _law_pvalues(300)
+    for prompt, pvalue in zip(LAW_PROMPTS, pvalues):
+        report_pvalue("sd, prefix cache hit", f"{prompt} T=1", "exact", 300, pvalue)
+    assert min(pvalues) > ALPHA, pvalues
+
+
+def test_the_law_test_catches_a_cache_that_serves_another_prompts_keys(monkeypatch):
+    """Matched by length alone, the second prompt takes the first's entry every time (the
+    first finds none: an entry holding another prompt's keys is never kept again)."""
+    import ssd.engine.prefix as prefix
+
+    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk: prefix.common_chunks(
+        tokens, tokens, chunk, limit=len(prompt) - 1))
+    pvalues = _law_pvalues(150, hits=False)
+    for prompt, pvalue in zip(LAW_PROMPTS, pvalues):
+        report_pvalue("sd, prefix cache hit", f"{prompt} T=1", "the other prompt's keys", 150, pvalue)
+    assert pvalues[1] < ALPHA, pvalues
+
+
+# --- what the cache holds, and what it gives up ------------------------------------------
+
+def test_cached_prefixes_give_way_to_a_new_rows_memory(tiny_models, tiny_tokenizer):
+    """Entries count against batching.kv_memory_mb and the oldest go when a new row needs the
+    room: with room for one request and one entry, a third prompt drops the first's entry."""
+    target, _ = tiny_models
+    per_token = batch_module.kv_bytes_per_token(target)
+    need = (len(FIRST) + 10) * per_token  # what a request of FIRST with 10 new tokens reserves
+    engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK,
+                                                             kv_memory_mb=(need + 8 * per_token) / 2**20))
+    first = engine.generate(_request(FIRST))
+    assert len(engine._prefix) == 1 and engine._prefix.nbytes == 16 * per_token
+    engine.generate(_request(SECOND))  # its row needs the room the first's entry holds: dropped
+    assert len(engine._prefix) == 1
+    again = engine.generate(_request(FIRST))
+    assert again.stats.cached_prompt_tokens == 0 and _outcome(again) == _outcome(first)
+
+
+def test_prompt_logprobs_requests_score_their_whole_prompt(tiny_models, tiny_tokenizer):
+    target, _ = tiny_models
+    engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
+    engine.generate(_request(FIRST))
+    scored = engine.generate(_request(FIRST, prompt_logprobs=0))
+    assert scored.stats.cached_prompt_tokens == 0 and len(scored.prompt_logprobs) == len(FIRST) - 1
+    assert engine.generate(_request(FIRST)).stats.cached_prompt_tokens == 16  # it left its chunks
+
+
+def test_the_one_shared_target_sequence_keeps_its_last_prompt(tiny_models, tiny_tokenizer):
+    """A tensor-parallel target hands the engine one sequence (here a plain KVSequence in its
+    place): it keeps the last prompt's whole chunks, and the next turn equals a fresh run."""
+    target, _ = tiny_models
+    engine = AREngine(KVSequence(target), tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
+    first = engine.generate(_request(FIRST))
+    prompt = FIRST + first.token_ids + EXTRA
+    second = engine.generate(_request(prompt))
+    assert second.stats.cached_prompt_tokens == 16
+    assert _outcome(second) == _fresh("ar", target, None, tiny_tokenizer, prompt, SamplingConfig(temperature=0.0))
+    assert engine.generate(_request(SECOND)).stats.cached_prompt_tokens == 0
+
+
+def test_the_cache_can_be_turned_off(tiny_models, tiny_tokenizer):
+    target, _ = tiny_models
+    engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK, prefix_cache=False))
+    engine.generate(_request(FIRST))
+    assert engine.generate(_request(FIRST)).stats.cached_prompt_tokens == 0

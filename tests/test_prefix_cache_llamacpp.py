@@ -1,0 +1,75 @@
+"""Prefix caching on llama.cpp's Q4_K_M kernels, whose keys and values depend on how a position
+was computed (a prompt chunk's whole ubatches, a decode step's invariant ones): two chats taking
+turns, in AR, SD and SSD, give each turn's tokens and logprobs bit for bit as a fresh engine
+without the cache does, in every layout this host runs; a cache that also served the positions
+decode steps computed (as llama.cpp's server's cache_prompt does) fails that check where
+prompts and decode steps run different layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from ssd.config import BatchingConfig, SamplingConfig  # noqa: E402
+from ssd.engine import AREngine  # noqa: E402
+from ssd.engine.batch import BatchedEngine  # noqa: E402
+from ssd.engine.prefix import CachedPrefix, PrefixCache, whole_chunks  # noqa: E402
+from ssd.models import TinyTokenizer  # noqa: E402
+from tests.test_llamacpp import CFG, LONG, k_quant_files, k_quant_pair  # noqa: E402,F401 - fixtures
+from tests.test_prefix_cache import _chats, _fresh, _outcome, _request  # noqa: E402
+
+CHUNK = 16
+CHATS = (LONG, [(3 * i + 1) % CFG.vocab_size for i in range(37)])
+TOK = TinyTokenizer(CFG.vocab_size)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_chats_taking_turns_equal_each_turn_alone_bit_for_bit(k_quant_pair, mode):
+    target, draft = k_quant_pair
+    turns = _chats(mode, target, draft, TOK, SamplingConfig(temperature=0.0), CHATS, CHUNK, n=12)
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert got == want, f"turn {i // 2} of chat {i % 2}"
+        last = turns[i - 2][0] if i >= 2 else []
+        assert cached == whole_chunks(len(last), CHUNK) and (i < 2 or cached > 0)
+
+
+def test_serving_the_positions_decode_steps_computed_fails_the_check(k_quant_pair, monkeypatch):
+    """The premise of whole prompt chunks: a cache that kept all a row held, its output too, and
+    served any common prefix, changes later turns' logprobs where prompts run on the plain
+    layouts and decode steps on the repacked ones (the real pair's setting on an AMD EPYC host;
+    measured 1.0e-7 here). In one layout the tiny model's decode steps and chunks agree (0.0)."""
+    target, _ = k_quant_pair
+
+    def keep_all(self, row):
+        if row.error is not None or self._prefix is None:  # the fresh engines keep nothing
+            return False
+        self._prefix.put(CachedPrefix(tuple(row.target.tokens), row.target, row.draft))
+        return True
+
+    monkeypatch.setattr(BatchedEngine, "_keep", keep_all)
+    engine = AREngine(target, TOK, BatchingConfig(prefill_chunk=CHUNK))
+    engine._prefix = PrefixCache(1)
+    turns = _chats("ar", target, None, TOK, SamplingConfig(temperature=0.0), CHATS, CHUNK, n=12, engine=engine)
+    assert all(cached > len(last) for (last, *_), (_, _, cached, _) in zip(turns, turns[2:]))  # the outputs too
+    apart = max(abs(a - b) for _, (_, got), _, (_, want) in turns for a, b in zip(got, want))
+    print(f"\nlogprobs apart by {apart:.2e} ({'repacked' if target.repacked else 'plain'})")
+    if target.plain_twin is not None:
+        assert apart > 0
+
+
+def test_cached_prefixes_give_their_slots_to_new_rows(k_quant_pair):
+    """A context has batching.max_rows slots: entries hold the slots no row needs, and the
+    oldest goes when a new row needs one. Two slots: A and B cached, C drops A's entry; B's
+    next turn still takes its own, A's does not, and both equal fresh runs."""
+    target, _ = k_quant_pair
+    engine = AREngine(target, TOK, BatchingConfig(prefill_chunk=CHUNK, max_rows=2))
+    third = [(7 * i + 2) % CFG.vocab_size for i in range(35)]
+    outputs = [engine.generate(_request(p, n=6)).token_ids for p in (*CHATS, third)]
+    assert len(engine._prefix) == 2
+    for chat, cached in ((1, 32), (0, 0)):
+        prompt = [*CHATS[chat], *outputs[chat], 1, 2, 3]
+        result = engine.generate(_request(prompt, n=6))
+        assert result.stats.cached_prompt_tokens == cached
+        assert _outcome(result) == _fresh("ar", target, None, TOK, prompt, SamplingConfig(temperature=0.0), CHUNK, 6)
