@@ -67,6 +67,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="override batching.prefix_cache: later prompts reuse earlier ones' whole prompt chunks")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="override batching.prefill_chunk (prompt tokens a step; the prefix cache's unit)")
     for role in ("target", "draft"):
         parser.add_argument(f"--{role}-precision", choices=sorted(PRECISIONS),
                             help=f"override {role}.dtype and {role}.quantization (auto: fastest on this host)")
@@ -111,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("serve_defaults", "max_new_tokens", args.max_new_tokens),
         ("sampling", "coupling", args.coupling),
         ("runtime", "threads", args.threads),
+        ("batching", "prefix_cache", args.prefix_cache),
+        ("batching", "prefill_chunk", args.prefill_chunk),
         # launch/cluster.py's placement flags (other scripts do not take them)
         ("cluster", "replicas", getattr(args, "replicas", None)),
         ("cluster", "draft_node", getattr(args, "draft_node", None)),

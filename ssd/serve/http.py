@@ -685,12 +685,16 @@ class Call:
             out.append(out[-1] + len(choice.gen.decode([token])))
         return out
 
-    def _usage(self) -> dict[str, int]:
-        """Each prompt counted once; every sample's tokens (best_of's unreturned ones too, as OpenAI bills them)."""
-        prompt = sum(c.gen.prompt_tokens for c in self.choices if c.sample == 0)
+    def _usage(self) -> dict[str, Any]:
+        """Each prompt counted once; every sample's tokens (best_of's unreturned ones too, as OpenAI bills them);
+        OpenAI's cached_tokens: the prompt tokens the prefix cache served (ssd.engine.prefix)."""
+        firsts = [c for c in self.choices if c.sample == 0]
+        prompt = sum(c.gen.prompt_tokens for c in firsts)
+        cached = sum(c.final.stats.cached_prompt_tokens for c in firsts if c.final is not None and c.final.stats)
         completion = sum(len(c.final.result.token_ids) for c in self.choices
                          if c.final is not None and c.final.result is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _sse(self, data: dict[str, Any]) -> bytes:
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
@@ -733,7 +737,8 @@ class ResponsesCall(Call):
             output.insert(0, responses.message_item(self.message_id, text, self._item_logprobs(choice), status))
         if thought is not None:
             output.insert(0, responses.reasoning_item(self.reasoning_id, thought, status))
-        usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids))
+        cached = choice.final.stats.cached_prompt_tokens if choice.final.stats else 0
+        usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids), cached)
         incomplete = "max_output_tokens" if status == "incomplete" else None
         return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
                                          incomplete)

@@ -160,6 +160,8 @@ def _requests(c: Counters) -> Iterator[Metric]:
     yield _counter("ssd:request_success", "Finished requests by reason.",
                    {(r,): n for r, n in sorted(c.finished.items())}, ["finished_reason"])
     yield _counter("ssd:prompt_tokens", "Prompt tokens processed.", g.prompt_tokens)
+    yield _counter("ssd:prefix_cache_hits", "Prompt tokens an earlier request's cache served.",
+                   g.cached_prompt_tokens)
     yield _counter("ssd:generation_tokens", "Tokens generated.", g.new_tokens)
     yield _counter("ssd:num_rounds", "Engine rounds (verifications).", g.rounds)
 

@@ -111,6 +111,7 @@ class RequestStats:
     lookup_rounds: int = 0  # prompt lookup: rounds, tokens verified, tokens accepted
     looked_up: int = 0
     lookup_accepted: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served by an earlier request's cache
 
 
 @dataclass
@@ -406,4 +407,5 @@ def request_stats(stats: GenerationStats, queue_s: float, ttft_s: float, total_s
         acceptance_by_position=list(stats.acceptance_by_position),
         accepted_length_histogram=accepted_length_histogram(stats), spec=spec,
         lookup_rounds=stats.lookup_rounds, looked_up=stats.looked_up, lookup_accepted=stats.lookup_accepted,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
     )
