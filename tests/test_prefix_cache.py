@@ -89,9 +89,11 @@ def _fresh(mode, target, draft, tok, prompt, sampling, chunk=CHUNK, n=10):
         getattr(engine, "close", lambda: None)()
 
 
-def _chats(mode, target, draft, tok, sampling, chats=(FIRST, SECOND), chunk=CHUNK, n=10, turns=3, engine=None):
+def _chats(mode, target, draft, tok, sampling, chats=(FIRST, SECOND), chunk=CHUNK, n=10, turns=3, engine=None,
+           warm=False):
     """Chats taking turns on one engine with the cache, each prompt the chat's last prompt, its
-    output and a new message; per turn (prompt, outcome, cached prompt tokens, fresh outcome)."""
+    output and a new message; per turn (prompt, outcome, cached prompt tokens, fresh outcome).
+    `warm`: the engine's idle work runs out between turns (the reply prefilled)."""
     engine = engine or _engine(mode, target, draft, tok, BatchingConfig(prefill_chunk=chunk))
     prompts, out = [list(c) for c in chats], []
     try:
@@ -99,6 +101,8 @@ def _chats(mode, target, draft, tok, sampling, chats=(FIRST, SECOND), chunk=CHUN
             for chat in range(len(prompts)):
                 seeded = dataclasses.replace(sampling, seed=10 * turn + chat)
                 result = engine.generate(_request(prompts[chat], seeded, n))
+                while warm and engine.warm():
+                    pass
                 want = _fresh(mode, target, draft, tok, prompts[chat], seeded, chunk, n)
                 out.append((prompts[chat], _outcome(result), result.stats.cached_prompt_tokens, want))
                 prompts[chat] = prompts[chat] + result.token_ids + [(t + turn) % 16 for t in EXTRA]
@@ -231,3 +235,28 @@ def test_the_cache_can_be_turned_off(tiny_models, tiny_tokenizer):
     engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK, prefix_cache=False))
     engine.generate(_request(FIRST))
     assert engine.generate(_request(FIRST)).stats.cached_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_idle_work_prefills_the_reply_as_the_next_turn_would(tiny_models, tiny_tokenizer, mode):
+    """Between turns the engine prefills each finished chat's prompt rest and reply in whole
+    chunks (`warm`): the next turn takes them too, and still equals a fresh run, bit for bit."""
+    target, draft = tiny_models
+    turns = _chats(mode, target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0), n=20, warm=True)
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert _same(mode, got, want), f"turn {i // 2} of chat {i % 2}"
+        if i >= 2:
+            last, (ids, _) = turns[i - 2][0], turns[i - 2][1]
+            assert cached == whole_chunks(len(last) + len(ids), CHUNK) > whole_chunks(len(last), CHUNK)
+
+
+def test_idle_work_stops_at_the_memory_limit_and_never_runs_beside_rows(tiny_models, tiny_tokenizer):
+    target, _ = tiny_models
+    per_token = batch_module.kv_bytes_per_token(target)
+    need = (len(FIRST) + 20) * per_token
+    engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK, kv_memory_mb=need / 2**20))
+    engine.generate(_request(FIRST, n=20))  # leaves 16 positions and 25 pending
+    assert engine.warm() and engine.warm() and engine._prefix.nbytes == 32 * per_token
+    assert not engine.warm()  # a third chunk would pass kv_memory_mb (41 tokens' worth)
+    engine.admit(_request(SECOND))
+    assert not engine.warm()  # rows run: no idle work

@@ -35,6 +35,19 @@ def test_chats_taking_turns_equal_each_turn_alone_bit_for_bit(k_quant_pair, mode
         assert cached == whole_chunks(len(last), CHUNK) and (i < 2 or cached > 0)
 
 
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_replies_prefilled_between_turns_equal_fresh_runs_bit_for_bit(k_quant_pair, mode):
+    """The engine's idle work prefills each reply as the next turn's prompt chunks would be:
+    the next turn takes them, and its tokens and logprobs equal a fresh run's, bit for bit."""
+    target, draft = k_quant_pair
+    turns = _chats(mode, target, draft, TOK, SamplingConfig(temperature=0.0), CHATS, CHUNK, n=24, warm=True)
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert got == want, f"turn {i // 2} of chat {i % 2}"
+        if i >= 2:
+            last, (ids, _) = turns[i - 2][0], turns[i - 2][1]
+            assert cached == whole_chunks(len(last) + len(ids), CHUNK) > whole_chunks(len(last), CHUNK)
+
+
 def test_serving_the_positions_decode_steps_computed_fails_the_check(k_quant_pair, monkeypatch):
     """The premise of whole prompt chunks: a cache that kept all a row held, its output too, and
     served any common prefix, changes later turns' logprobs where prompts run on the plain

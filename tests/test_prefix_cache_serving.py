@@ -7,6 +7,7 @@ counter), and its output is the engine's for that prompt on a fresh engine witho
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -47,10 +48,11 @@ def test_a_next_turn_over_http_reports_cached_tokens_and_equals_a_fresh_run(cach
     text = PROMPT + {"ar": "ab", "sd": "cd", "ssd": "ef"}[mode]  # a prompt of this test's own
     first = client.completions.create(model="tiny", prompt=text, max_tokens=6, temperature=0, extra_body=extra)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+    _idle(srv, mode)  # the reply prefilled too (the next test): the count below is then fixed
     turn = text + first.choices[0].text + "ca"
     second = client.completions.create(model="tiny", prompt=turn, max_tokens=6, temperature=0, extra_body=extra)
-    prompt = len(backend.encode(text))
-    assert second.usage.prompt_tokens_details.cached_tokens == prompt // CHUNK * CHUNK > 0
+    held = len(backend.encode(text + first.choices[0].text))
+    assert second.usage.prompt_tokens_details.cached_tokens == held // CHUNK * CHUNK > 0
     assert second.choices[0].text == backend.decode(_fresh(backend, turn, 6))
 
 
@@ -58,10 +60,12 @@ def test_grpc_responses_and_metrics_report_them_too(cached):
     srv, backend = cached
     with GenerationClient(f"127.0.0.1:{srv.port}") as client:
         first = client.generate(text="mnomnomnomngh", max_new_tokens=5, temperature=0.0, mode="ar", timeout=60)
+        _idle(srv, "ar")
         turn = "mnomnomnomngh" + first.text + "b"
         second = client.generate(text=turn, max_new_tokens=5, temperature=0.0, mode="ar", timeout=60)
         assert first.finished.stats.cached_prompt_tokens == 0
-        assert second.finished.stats.cached_prompt_tokens == len(backend.encode("mnomnomnomngh")) // CHUNK * CHUNK
+        held = len(backend.encode("mnomnomnomngh" + first.text))
+        assert second.finished.stats.cached_prompt_tokens == held // CHUNK * CHUNK
         assert second.token_ids == _fresh(backend, turn, 5)
         assert "ssd:prefix_cache_hits_total" in client.stats().prometheus_text
     client = oai(srv)
@@ -69,3 +73,28 @@ def test_grpc_responses_and_metrics_report_them_too(cached):
     again = client.responses.create(model="tiny", input="jkljkljkljkij" + once.output_text + "a",
                                     max_output_tokens=4, temperature=0)
     assert once.usage.input_tokens_details.cached_tokens == 0 < again.usage.input_tokens_details.cached_tokens
+
+
+def _idle(srv, mode: str, timeout_s: float = 30.0) -> None:
+    """Wait until the server's `mode` engine has no idle work left (its replies prefilled)."""
+    deadline = time.monotonic() + timeout_s
+    engine = srv._worker._engines[mode]
+    while engine._prefix.warmable() is not None:
+        assert time.monotonic() < deadline, "the idle work never ran out"
+        time.sleep(0.01)
+
+
+def test_the_server_prefills_a_reply_before_the_next_turn(cached):
+    """Between requests the worker runs the engines' idle work: the next turn then takes the
+    first turn's prompt and reply in whole chunks, and its output is a fresh run's."""
+    srv, backend = cached
+    client = oai(srv)
+    text = "popopopopop"
+    extra = {"speculation": {"mode": "ar"}}
+    first = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, extra_body=extra)
+    _idle(srv, "ar")
+    turn = text + first.choices[0].text + "ab"
+    second = client.completions.create(model="tiny", prompt=turn, max_tokens=6, temperature=0, extra_body=extra)
+    held = len(backend.encode(text + first.choices[0].text))
+    assert second.usage.prompt_tokens_details.cached_tokens == held // CHUNK * CHUNK > len(backend.encode(text))
+    assert second.choices[0].text == backend.decode(_fresh(backend, turn, 6))

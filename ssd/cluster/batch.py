@@ -165,6 +165,16 @@ class RemoteBatchEngine(Engine):
         """The rows of each step the last call ran on the target (several within cluster.step_call_s)."""
         return self._stepped
 
+    def warm(self) -> bool:
+        """The target engine's idle work (Engine.warm), one piece a call; none while rows run
+        here or the target is not serving."""
+        if self._requests or self._again or not self.cluster.serving:
+            return False
+        try:
+            return self._call("batch_warm", self.mode)
+        except GeneratorUnavailable:
+            return False
+
     def drop_rows(self, why: str, rerun: bool = False) -> list[Finished]:
         """End every row, the target being lost: each fails with TargetLost saying what it had
         streamed, but with `rerun` a row that streamed nothing waits to run again."""

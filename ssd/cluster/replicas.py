@@ -383,6 +383,12 @@ class ReplicaBatchEngine(Engine):
         """Each replica step that came back in the last call, however many rows this engine had."""
         return self._stepped
 
+    def warm(self) -> bool:
+        """A piece of idle work on each replica not stepping (Engine.warm); whether any is left."""
+        left = [engine.warm() for index, engine in enumerate(self.engines)
+                if not engine.rows and not self.replicas.stepping(index)]
+        return any(left)
+
     def close(self) -> None:
         self.replicas.forget(self)
 

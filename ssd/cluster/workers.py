@@ -241,6 +241,12 @@ class TargetWorker:
             ended.append((key, finished.result, error))
         return emitted, ended, steps
 
+    @compute
+    def batch_warm(self, mode: str) -> bool:
+        """The engine's idle work, one piece (ssd.engine.batch.Engine.warm); whether more is left."""
+        self._pin(self._step_cores())
+        return self._engine(mode).warm()
+
     def inject_step_delay(self, seconds: float) -> None:
         """Fault injection: every batched step call from now on first sleeps `seconds` (a slow or
         hung host); for drills and tests of ssd.cluster.replicas' step deadline."""

@@ -122,6 +122,11 @@ class Engine(ABC):
                     raise finished.error
                 return finished.result
 
+    def warm(self) -> bool:
+        """Idle work between requests, one short piece a call (ssd.engine.prefix: prefilling a
+        finished chat's reply before its next turn); whether more is left. None by default."""
+        return False
+
     def close(self) -> None:
         """Free whatever the engine runs besides the caller's thread."""
 
@@ -424,8 +429,33 @@ class BatchedEngine(Engine):
             return False
         for sequence in sequences:
             sequence.rollback(whole)
-        self._prefix.put(CachedPrefix(tuple(prompt[:whole]), row.target, row.draft, whole * self._token_bytes))
+        sequence = row.state.sequence
+        self._prefix.put(CachedPrefix(tuple(sequence[:whole]), row.target, row.draft, whole * self._token_bytes,
+                                      pending=tuple(sequence[whole:])))
         return True
+
+    def warm(self) -> bool:
+        """Idle work (no rows): prefill one whole chunk of the newest entry's pending ids as a
+        prompt chunk (ssd.engine.prefix); whether more is left. Within kv_memory_mb; an entry
+        whose chunk fails (its context is full) stops warming."""
+        entry = self._prefix.warmable() if self._prefix is not None and not self._rows else None
+        if entry is None:
+            return False
+        chunk = self._prefix.chunk
+        if self._prefix.nbytes + chunk * self._token_bytes > self.batching.kv_memory_mb * 2**20:
+            return False
+        sequences = [s for s in (entry.target, entry.draft) if s is not None]
+        try:
+            for sequence in sequences:
+                forward_rows([sequence], [list(entry.pending[:chunk])], last_only=True)
+        except Exception as error:  # noqa: BLE001 - the entry stays as it was; warming it stops
+            log.info("warming a cached prefix stopped: %r", error)
+            for sequence in sequences:
+                sequence.rollback(entry.whole)
+            entry.pending = ()
+            return self._prefix.warmable() is not None
+        entry.grow(chunk, self._token_bytes)
+        return self._prefix.warmable() is not None
 
     @staticmethod
     def _drop(entry: CachedPrefix | None) -> None:

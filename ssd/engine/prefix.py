@@ -17,8 +17,14 @@ prefilled, `whole` positions, and a new prompt takes the longest run of them
 it shares, chunk by chunk, leaving at least its last token to feed (the first
 token is sampled from that forward). Its later chunks then start where a
 fresh prefill would start them, and every position holds what a fresh
-prefill computes. The tokens a row generated are never reused: the
-next turn prefills them as prompt.
+prefill computes. The positions a row decoded are never served as they are:
+decode steps ran other kernels.
+
+But a chat's next prompt repeats the reply, so while the engine is idle (the
+user reads it), `BatchedEngine.warm` prefills an entry's `pending` tokens (the
+rest of the row's prompt and its output) as prompt chunks from the same
+fixed positions, one whole chunk a call: exactly what the next turn's
+prefill would compute for them, done before it arrives.
 
 The cache is pure bookkeeping over opaque sequences: which entry serves a
 prompt, and which goes first when memory or a llama.cpp slot is needed
@@ -40,10 +46,16 @@ class CachedPrefix:
     target: Any  # its target sequence (a KVSequence or LlamaCppSequence)
     draft: Any = None  # its draft sequence (SD in process), holding the same ids, or None
     nbytes: int = 0  # what it holds of the engine's KV memory
+    pending: tuple[int, ...] = ()  # the row's ids after `tokens` (its prompt's rest, its output): `warm`'s
 
     @property
     def whole(self) -> int:
         return len(self.tokens)
+
+    def grow(self, chunk: int, token_bytes: int) -> None:
+        """The first `chunk` pending ids were fed as a prompt chunk: they are held now."""
+        self.tokens, self.pending = self.tokens + self.pending[:chunk], self.pending[chunk:]
+        self.nbytes += chunk * token_bytes
 
 
 def whole_chunks(prefilled: int, chunk: int) -> int:
@@ -103,6 +115,10 @@ class PrefixCache:
             return None
         del self._entries[best_key]
         return best, best_len
+
+    def warmable(self) -> CachedPrefix | None:
+        """The newest entry with a whole chunk pending (the chat most likely to come back first)."""
+        return next((e for e in reversed(self._entries.values()) if len(e.pending) >= self.chunk), None)
 
     def pop_oldest(self) -> CachedPrefix | None:
         """The least recently cached entry, gone from the cache (None when empty)."""

@@ -146,6 +146,7 @@ class GenerationWorker:
         self._running: dict[str, Job] = {}  # rows in an engine
         self._engines: dict[str, Engine] = {}  # worker thread only
         self._last_stepped = ""
+        self._idle_work = False  # engines may have idle work (Engine.warm) since a row finished
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ssd-generation-worker", daemon=True)
         self._thread.start()
@@ -222,10 +223,30 @@ class GenerationWorker:
             self._close_engines()
 
     def _wait_for_work(self) -> bool:
-        """Block until something is queued or running; False once closed and drained."""
+        """Block until something is queued or running; False once closed and drained. While
+        nothing is, the engines do their idle work (`_warm`), a piece at a time."""
         with self._lock:
-            self._lock.wait_for(lambda: self._pending or self._running or self._closed)
+            while not (self._pending or self._running or self._closed):
+                if not self._idle_work:
+                    self._lock.wait()
+                    continue
+                self._lock.release()
+                try:
+                    self._idle_work = self._warm()
+                finally:
+                    self._lock.acquire()
             return bool(self._pending or self._running)
+
+    def _warm(self) -> bool:
+        """One piece of some engine's idle work (a finished chat's reply prefilled for its next
+        turn: ssd.engine.prefix); whether any is left. A failure only ends it."""
+        for mode, engine in list(self._engines.items()):
+            try:
+                if engine.warm():
+                    return True
+            except Exception:  # noqa: BLE001 - idle work is optional; the engine serves on
+                log.exception("idle work of the %s engine failed", mode)
+        return False
 
     def _admit_queued(self) -> None:
         """Admit queued jobs into their engines in arrival order, while they fit."""
@@ -302,6 +323,7 @@ class GenerationWorker:
             self.metrics.stepped(stepped)
         for row in finished:
             self._finish_row(row)
+        self._idle_work = self._idle_work or bool(finished)
 
     def _next_mode(self) -> str | None:
         """Round-robin over the modes whose engine has rows, after the last one stepped."""

@@ -56,7 +56,10 @@ class LlamaCppEngine:
 
     mode = MODE
 
-    def __init__(self, gguf: Path, threads: int = 0, n_ctx: int = 4096, precision: str = "q4_k_m") -> None:
+    def __init__(self, gguf: Path, threads: int = 0, n_ctx: int = 4096, precision: str = "q4_k_m",
+                 reuse_prefix: bool = False) -> None:
+        """reuse_prefix: keep the last request's cache and feed only what a prompt adds to their
+        common prefix, as llama.cpp's server does (`cache_prompt`, its default)."""
         try:
             import llama_cpp as L
         except ImportError as exc:
@@ -75,6 +78,8 @@ class LlamaCppEngine:
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {gguf}")
         self._eos = set(self.model.generation_config.eos_token_id)
+        self.reuse_prefix = reuse_prefix
+        self._held: list[int] = []  # the ids the context's cache holds (reuse_prefix)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """Plain decoding of the GGUF; token callbacks get the whole output at once."""
@@ -82,12 +87,13 @@ class LlamaCppEngine:
         prompt_ids, sampling, generation = list(request.prompt_ids), request.sampling, request.generation
         clock = Stopwatch()
         stats = GenerationStats(mode=MODE, precision=self.precision, prompt_tokens=len(prompt_ids))
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        start = self._reusable(prompt_ids)
+        stats.cached_prompt_tokens = start
         sampler = self._sampler(sampling)
         tokens: list[int] = []
         finish = "length"
         try:
-            for i in range(0, len(prompt_ids), 512):
+            for i in range(start, len(prompt_ids), 512):
                 self._decode(prompt_ids[i:i + 512])
             while True:
                 token = int(L.llama_sampler_sample(sampler, ctx, -1))
@@ -107,6 +113,21 @@ class LlamaCppEngine:
         stats.rounds = max(0, len(tokens) - 1)  # decode steps after the first token, as for AR
         request.emit(tokens)
         return GenerationResult(tokens, self._detokenize(tokens), finish, stats)
+
+    def _reusable(self, prompt_ids: list[int]) -> int:
+        """Positions of the cache kept for `prompt_ids` (the rest is dropped): their common
+        prefix with what it holds, leaving the last prompt token to feed; 0 without reuse_prefix."""
+        L = self._L
+        keep = 0
+        if self.reuse_prefix:
+            limit = min(len(self._held), len(prompt_ids) - 1)
+            keep = next((i for i in range(limit) if self._held[i] != prompt_ids[i]), limit)
+        if keep:
+            L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), 0, keep, -1)
+        else:
+            L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        self._held = prompt_ids[:keep]
+        return keep
 
     def _sampler(self, sampling):
         """llama.cpp's chain: greedy at T = 0, else top-k, top-p, temperature, a seeded draw."""
@@ -137,6 +158,7 @@ class LlamaCppEngine:
         rc = L.llama_decode(self._ctx, L.llama_batch_get_one(array, len(ids)))
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
+        self._held += ids
 
     def close(self) -> None:
         if self._ctx:

@@ -1,0 +1,98 @@
+"""A chat's turns on the real target, with and without the prefix cache (ssd.engine.prefix),
+beside plain llama.cpp with and without its server's prompt cache (`cache_prompt`).
+
+Every engine holds its own conversation: a system message and the user turns below, each
+turn's prompt the chat template over all earlier messages and the engine's own replies, so a
+turn's prompt starts with the last one's. The engines take each turn in turn (interleaved,
+the order rotating), one request at a time, greedy. Reported per engine: time to the first
+token per turn (what the prefix cache saves), the whole turn's time, the prompt tokens it
+fed and those it took from the cache; and whether our engines' replies agree token for token
+(they must: the cache serves whole prompt chunks only). Run it with launch/bench_chat.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ssd import hardware
+from ssd.config import Config, GenerationConfig, SamplingConfig
+from ssd.engine import AREngine
+from ssd.engine.request import GenerationRequest
+from ssd.factory import load_pair
+from ssd.models.backend import precision_of
+from ssd.models.tokenizer import chat_ids
+
+SYSTEM = ("You are a senior Python engineer reviewing a small command-line tool. Answer briefly, "
+          "with code where it helps. The tool reads a CSV of orders (id, customer, amount, date), "
+          "groups them by customer, and prints each customer's total and their largest order. "
+          "It must run on Python 3.11 without third-party packages.")
+TURNS = (
+    "Write the function that reads the CSV into a list of dicts.",
+    "Now group the orders by customer.",
+    "Add each customer's total and largest order.",
+    "How should it handle a malformed amount?",
+    "Write a test for the grouping with pytest.",
+    "Make the output sorted by total, largest first.",
+)
+
+
+def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequence[str] = TURNS,
+               llamacpp: bool = True) -> dict[str, Any]:
+    """Per engine and turn: TTFT, the turn's seconds, prompt and cached tokens; our engines'
+    replies compared. `chunks`: batching.prefill_chunk of the engines with the cache."""
+    pair = load_pair(config, with_draft=False)
+    engines: dict[str, Callable[[GenerationRequest], Any]] = {}
+    for chunk in chunks:
+        batching = dataclasses.replace(config.batching, prefill_chunk=chunk, prefix_cache=True)
+        engines[f"ssd, prefix cache (chunk {chunk})"] = AREngine(pair.target, pair.tokenizer, batching).generate
+    plain = dataclasses.replace(config.batching, prefix_cache=False)
+    engines[f"ssd, no cache (chunk {plain.prefill_chunk})"] = AREngine(pair.target, pair.tokenizer, plain).generate
+    if llamacpp:
+        from ssd.tools.bench.llamacpp import LlamaCppEngine, gguf_for
+
+        gguf = gguf_for(config.target.name)
+        threads = torch.get_num_threads()
+        engines["llama.cpp, cache_prompt"] = LlamaCppEngine(gguf, threads, reuse_prefix=True).generate
+        engines["llama.cpp, no cache"] = LlamaCppEngine(gguf, threads).generate
+    histories = {name: [{"role": "system", "content": SYSTEM}] for name in engines}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    replies: dict[str, list[list[int]]] = {name: [] for name in engines}
+    generation, greedy = GenerationConfig(max_new_tokens=tokens), SamplingConfig(temperature=0.0)
+    order = list(engines)
+    for turn, text in enumerate(tqdm(turns, desc="turns")):
+        for name in order[turn % len(order):] + order[: turn % len(order)]:  # each first in turn
+            history = histories[name]
+            history.append({"role": "user", "content": text})
+            ids = chat_ids(pair.tokenizer, history)
+            result = engines[name](GenerationRequest(ids, greedy, generation))
+            history.append({"role": "assistant", "content": result.text})
+            replies[name].append(list(result.token_ids))
+            s = result.stats
+            rows[name].append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": s.cached_prompt_tokens,
+                               "ttft_s": s.time_to_first_token_s, "total_s": s.total_s, "new_tokens": s.new_tokens})
+    ours = [replies[name] for name in engines if name.startswith("ssd")]
+    return {"machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
+            "target": f"{config.target.name} ({precision_of(pair.target)})", "tokens": tokens, "turns": list(turns),
+            "rows": rows, "ours_agree": all(r == ours[0] for r in ours)}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Per engine: TTFT per turn, the mean of turns after the first, the turns' total seconds."""
+    lines = [f"{result['machine']}; {result['threads']} threads; target {result['target']}; "
+             f"greedy, {result['tokens']} new tokens a turn; uptime {result['uptime']}",
+             "time to first token (s) per turn; prompt tokens fed / taken from the cache at the last turn",
+             "| engine | " + " | ".join(f"turn {i + 1}" for i in range(len(result["turns"])))
+             + " | mean TTFT, turns 2+ | all turns (s) | last turn: prompt / cached |",
+             "|---|" + "---|" * (len(result["turns"]) + 3)]
+    for name, rows in result["rows"].items():
+        later = [r["ttft_s"] for r in rows[1:]]
+        lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows)
+                     + f" | {statistics.mean(later) if later else float('nan'):.2f} | "
+                     f"{sum(r['total_s'] for r in rows):.1f} | {rows[-1]['prompt_tokens']} / {rows[-1]['cached_tokens']} |")
+    lines.append(f"our engines' replies agree token for token: {result['ours_agree']}")
+    return "\n".join(lines)
