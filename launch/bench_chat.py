@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512],
                         help="batching.prefill_chunk of the engines with the prefix cache (its unit)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--no-llamacpp", action="store_true", help="leave plain llama.cpp out")
     parser.add_argument("--out", type=Path, help="write OUT.txt (the table) and OUT.json")
     return parser

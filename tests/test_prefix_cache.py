@@ -17,7 +17,9 @@ import torch
 import ssd.engine.batch as batch_module
 from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
-from ssd.engine.prefix import CachedPrefix, PrefixCache, common_chunks, shared_chunks, whole_chunks
+from ssd.engine.prefix import (
+    CachedPrefix, PrefixCache, chunk_end, chunk_ends, common_chunks, shared_chunks, whole_chunks,
+)
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence
@@ -32,8 +34,19 @@ FIRST = [(7 * i + 3) % 16 for i in range(21)]  # the tiny models' 16-token vocab
 
 # --- the bookkeeping -------------------------------------------------------------------
 
+def test_chunks_end_after_their_size_or_at_an_end_of_turn_token():
+    assert list(chunk_ends(list(range(21)), 8)) == [8, 16]
+    ids = [1, 1, 9, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 9, 1]
+    # 9 ends a chunk once it holds 8 // 4 = 2 tokens: not at 0-2 (a 3-token chunk would do), then at 7
+    assert chunk_end(ids, 0, 8, {9}) == 3 and chunk_end([9, 9], 0, 8, {9}) == 2 and chunk_end([9], 0, 8, {9}) is None
+    assert list(chunk_ends(ids, 8, {9})) == [3, 8, 16, 19]
+    assert whole_chunks(ids, 20, 8, {9}) == 19 and whole_chunks(ids, 18, 8, {9}) == 16
+    assert whole_chunks(list(range(21)), 21, 8) == 16 and whole_chunks(list(range(7)), 7, 8) == 0
+    assert whole_chunks(list(range(16)), 16, 8) == 16
+    assert common_chunks(ids, ids[:8] + [5] * 12, 8, {9}) == 8  # a prefix shares its chunks
+
+
 def test_shared_chunks_count_whole_chunks_and_leave_the_last_token():
-    assert whole_chunks(21, 8) == 16 and whole_chunks(7, 8) == 0 and whole_chunks(16, 8) == 16
     tokens = list(range(16))
     assert common_chunks(tokens, list(range(30)), 8) == 16
     assert common_chunks(tokens, list(range(30)), 8, limit=15) == 8
@@ -56,6 +69,8 @@ def test_the_cache_serves_the_longest_match_the_newest_among_equals_and_forgets_
     assert cache.pop_oldest() is old and cache.pop_oldest() is None
     with pytest.raises(ValueError, match="whole chunks"):
         cache.put(CachedPrefix((1, 2), target="short"))
+    with pytest.raises(ValueError, match="whole chunks"):
+        cache.put(CachedPrefix((1, 2, 3, 4, 5, 6), target="past a chunk's end"))
 
 
 # --- engines: the output is what it is without the cache ---------------------------------
@@ -133,14 +148,14 @@ def test_chats_taking_turns_equal_each_turn_alone(tiny_models, tiny_tokenizer, m
     for i, (prompt, got, cached, want) in enumerate(turns):
         assert _same(mode, got, want), f"turn {i // 2} of chat {i % 2}"
         last = turns[i - 2][0] if i >= 2 else []
-        assert cached == whole_chunks(len(last), CHUNK) and (i < 2 or cached > 0)
+        assert cached == whole_chunks(last, len(last), CHUNK) and (i < 2 or cached > 0)
 
 
 def test_a_cache_that_matched_by_length_alone_fails_the_check(tiny_models, tiny_tokenizer, monkeypatch):
     import ssd.engine.prefix as prefix
 
-    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk: prefix.common_chunks(
-        tokens, tokens, chunk, limit=len(prompt) - 1))
+    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk, stops=(): prefix.common_chunks(
+        tokens, tokens, chunk, stops, limit=len(prompt) - 1))
     target, draft = tiny_models
     turns = _chats("ar", target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0))
     assert not all(_same("ar", got, want) for _, got, _, want in turns)
@@ -182,8 +197,8 @@ def test_the_law_test_catches_a_cache_that_serves_another_prompts_keys(monkeypat
     first finds none: an entry holding another prompt's keys is never kept again)."""
     import ssd.engine.prefix as prefix
 
-    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk: prefix.common_chunks(
-        tokens, tokens, chunk, limit=len(prompt) - 1))
+    monkeypatch.setattr(prefix, "shared_chunks", lambda tokens, prompt, chunk, stops=(): prefix.common_chunks(
+        tokens, tokens, chunk, stops, limit=len(prompt) - 1))
     pvalues = _law_pvalues(150, hits=False)
     for prompt, pvalue in zip(LAW_PROMPTS, pvalues):
         report_pvalue("sd, prefix cache hit", f"{prompt} T=1", "the other prompt's keys", 150, pvalue)
@@ -247,7 +262,8 @@ def test_idle_work_prefills_the_reply_as_the_next_turn_would(tiny_models, tiny_t
         assert _same(mode, got, want), f"turn {i // 2} of chat {i % 2}"
         if i >= 2:
             last, (ids, _) = turns[i - 2][0], turns[i - 2][1]
-            assert cached == whole_chunks(len(last) + len(ids), CHUNK) > whole_chunks(len(last), CHUNK)
+            held = last + ids
+            assert cached == whole_chunks(held, len(held), CHUNK) > whole_chunks(last, len(last), CHUNK)
 
 
 def test_idle_work_stops_at_the_memory_limit_and_never_runs_beside_rows(tiny_models, tiny_tokenizer):
@@ -260,3 +276,23 @@ def test_idle_work_stops_at_the_memory_limit_and_never_runs_beside_rows(tiny_mod
     assert not engine.warm()  # a third chunk would pass kv_memory_mb (41 tokens' worth)
     engine.admit(_request(SECOND))
     assert not engine.warm()  # rows run: no idle work
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_a_reply_that_ends_its_turn_is_served_whole(tiny_models, mode):
+    """A chunk also ends after an end-of-turn token (the model's EOS), so a reply that ended with
+    one is prefilled to its end while idle, and the next turn takes all of it (asserted where
+    that chunk holds a quarter of prefill_chunk); every turn still equals a fresh run."""
+    target, draft = tiny_models
+    plain = TinyTokenizer(16)
+    end = AREngine(target, plain).generate(_request(FIRST, n=6)).token_ids[3]  # the reply's 4th token ends it
+    tok = TinyTokenizer(16, eos_token_id=end)
+    turns = _chats(mode, target, draft, tok, SamplingConfig(temperature=0.0), n=20, warm=True)
+    whole_turns = 0
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert _same(mode, got, want), f"turn {i // 2} of chat {i % 2}"
+        if i >= 2:
+            held = turns[i - 2][0] + turns[i - 2][1][0]
+            assert cached == whole_chunks(held, len(held), CHUNK, {end})
+            whole_turns += held[-1] == end and cached == len(held)
+    assert whole_turns > 0

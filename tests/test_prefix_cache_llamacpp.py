@@ -16,6 +16,7 @@ from ssd.config import BatchingConfig, SamplingConfig  # noqa: E402
 from ssd.engine import AREngine  # noqa: E402
 from ssd.engine.batch import BatchedEngine  # noqa: E402
 from ssd.engine.prefix import CachedPrefix, PrefixCache, whole_chunks  # noqa: E402
+from ssd.models.tokenizer import eos_token_ids  # noqa: E402
 from ssd.models import TinyTokenizer  # noqa: E402
 from tests.test_llamacpp import CFG, LONG, k_quant_files, k_quant_pair  # noqa: E402,F401 - fixtures
 from tests.test_prefix_cache import _chats, _fresh, _outcome, _request  # noqa: E402
@@ -32,7 +33,7 @@ def test_chats_taking_turns_equal_each_turn_alone_bit_for_bit(k_quant_pair, mode
     for i, (prompt, got, cached, want) in enumerate(turns):
         assert got == want, f"turn {i // 2} of chat {i % 2}"
         last = turns[i - 2][0] if i >= 2 else []
-        assert cached == whole_chunks(len(last), CHUNK) and (i < 2 or cached > 0)
+        assert cached == whole_chunks(last, len(last), CHUNK, eos_token_ids(TOK, target)) and (i < 2 or cached > 0)
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
@@ -45,7 +46,8 @@ def test_replies_prefilled_between_turns_equal_fresh_runs_bit_for_bit(k_quant_pa
         assert got == want, f"turn {i // 2} of chat {i % 2}"
         if i >= 2:
             last, (ids, _) = turns[i - 2][0], turns[i - 2][1]
-            assert cached == whole_chunks(len(last) + len(ids), CHUNK) > whole_chunks(len(last), CHUNK)
+            held, stops = last + ids, eos_token_ids(TOK, target)
+            assert cached == whole_chunks(held, len(held), CHUNK, stops) > whole_chunks(last, len(last), CHUNK, stops)
 
 
 def test_serving_the_positions_decode_steps_computed_fails_the_check(k_quant_pair, monkeypatch):
@@ -86,3 +88,22 @@ def test_cached_prefixes_give_their_slots_to_new_rows(k_quant_pair):
         result = engine.generate(_request(prompt, n=6))
         assert result.stats.cached_prompt_tokens == cached
         assert _outcome(result) == _fresh("ar", target, None, TOK, prompt, SamplingConfig(temperature=0.0), CHUNK, 6)
+
+
+def test_replies_that_end_their_turn_are_served_whole_bit_for_bit(k_quant_pair):
+    """Chunks that end at an end-of-turn token (the reply's last) on Q4_K_M: a short chunk runs
+    in the invariant ubatches, a fresh prefill computes it the same, and the next turn, taking
+    all of the last prompt and reply, equals a fresh run bit for bit."""
+    target, draft = k_quant_pair
+    end = AREngine(target, TOK).generate(_request(CHATS[0], n=6)).token_ids[3]
+    tok = TinyTokenizer(CFG.vocab_size, eos_token_id=end)
+    stops = eos_token_ids(tok, target)
+    turns = _chats("sd", target, draft, tok, SamplingConfig(temperature=0.0), CHATS, CHUNK, n=24, warm=True)
+    whole_turns = 0
+    for i, (prompt, got, cached, want) in enumerate(turns):
+        assert got == want, f"turn {i // 2} of chat {i % 2}"
+        if i >= 2:
+            held = turns[i - 2][0] + turns[i - 2][1][0]
+            assert cached == whole_chunks(held, len(held), CHUNK, stops)
+            whole_turns += held[-1] == end and cached == len(held)
+    assert whole_turns > 0

@@ -41,7 +41,7 @@ from ssd.engine.drafting import Chain
 from ssd.engine.lookup import NGRAM_WINDOW, LookupOdds, StepCost, best_length, one_hot_rows, prompt_lookup
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.output import OutputTracker
-from ssd.engine.prefix import CachedPrefix, PrefixCache, common_chunks, shared_chunks, whole_chunks
+from ssd.engine.prefix import CachedPrefix, PrefixCache, chunk_end, common_chunks, shared_chunks, whole_chunks
 from ssd.engine.processing import LogitsProcessor
 from ssd.engine.request import GenerationRequest, GenerationResult, Processing, TokenLogprob
 from ssd.hardware import sync, to_device
@@ -236,7 +236,8 @@ class BatchedEngine(Engine):
         self._rows: list[Row] = []
         # finished rows' caches for later prompts (ssd.engine.prefix); the tensor-parallel
         # target's one sequence keeps its own: `_shared_whole` positions of it
-        self._prefix = PrefixCache(batching.prefill_chunk) if batching.prefix_cache else None
+        self._stops = frozenset(self.eos_ids)  # a prompt chunk also ends after one (ssd.engine.prefix)
+        self._prefix = PrefixCache(batching.prefill_chunk, self._stops) if batching.prefix_cache else None
         self._shared_whole = 0
         # prompt lookup: what a scored token adds to a forward, how lookups fare by match length
         self._step_cost = StepCost()
@@ -392,7 +393,7 @@ class BatchedEngine(Engine):
         shared = self._shared_target
         draft = new_sequence(self._draft_source) if self._draft_source is not None else None
         cached = shared_chunks(shared.tokens[: self._shared_whole], request.prompt_ids,
-                               self.batching.prefill_chunk) if reuse and draft is None else 0
+                               self.batching.prefill_chunk, self._stops) if reuse and draft is None else 0
         if cached:
             shared.rollback(cached)
         else:
@@ -412,19 +413,20 @@ class BatchedEngine(Engine):
             self._drop(self._prefix.pop_oldest())
 
     def _keep(self, row: Row) -> bool:
-        """Cache a finishing row's whole prompt chunks for later prompts; False: nothing to keep."""
+        """Cache a finishing row's whole prompt chunks for later prompts; False: its caches go
+        back (the tensor-parallel target's one sequence stays, `_shared_whole` of it kept)."""
         if self._prefix is None or row.error is not None:
             return False
-        chunk, prompt = self.batching.prefill_chunk, row.request.prompt_ids
-        whole = whole_chunks(min(row.prefilled, row.target.length), chunk)
-        if row.target is self._shared_target:
-            self._shared_whole = whole if row.target.tokens[:whole] == list(prompt[:whole]) else 0
-            return True
+        chunk, prompt, stops = self.batching.prefill_chunk, row.request.prompt_ids, self._stops
+        whole = whole_chunks(prompt, min(row.prefilled, row.target.length), chunk, stops)
+        if row.target is self._shared_target:  # it stays; `_shared_whole` of it serve the next prompt
+            self._shared_whole = common_chunks(row.target.tokens, prompt, chunk, stops, limit=whole)
+            return False
         sequences = [s for s in (row.target, row.draft) if s is not None]
         if not all(keeps_prefix(s) for s in sequences):
             return False
         for sequence in sequences:  # what each holds of those whole chunks
-            whole = common_chunks(sequence.tokens, prompt, chunk, limit=whole)
+            whole = common_chunks(sequence.tokens, prompt, chunk, stops, limit=whole)
         if whole == 0:
             return False
         for sequence in sequences:
@@ -441,7 +443,7 @@ class BatchedEngine(Engine):
         entry = self._prefix.warmable() if self._prefix is not None and not self._rows else None
         if entry is None:
             return False
-        chunk = self._prefix.chunk
+        chunk = self._prefix.next_chunk(entry)
         if self._prefix.nbytes + chunk * self._token_bytes > self.batching.kv_memory_mb * 2**20:
             return False
         sequences = [s for s in (entry.target, entry.draft) if s is not None]
@@ -635,10 +637,12 @@ class BatchedEngine(Engine):
     def _chunks(self, decoding: list[Row]) -> list[tuple[Row, list[int]]]:
         """Prompt chunks for this step, oldest rows first, within the budget the rounds leave.
 
-        A chunk runs from a multiple of prefill_chunk to the next (or the prompt's
-        end) and is never cut to fit: a prompt's chunks are the same whatever else
-        a step runs, so are its keys and values where a backend computes a chunk as
-        a whole (llama.cpp, ssd.models.llamacpp). A chunk that does not fit waits.
+        A chunk ends where the prompt's own tokens say (ssd.engine.prefix.chunk_end: after
+        prefill_chunk tokens, or at an end-of-turn token) or at the prompt's end, and is
+        never cut to fit: a prompt's chunks are the same whatever else a step runs, so are
+        its keys and values where a backend computes a chunk as a whole (llama.cpp,
+        ssd.models.llamacpp), and a cached prefix holds what a fresh prefill computes.
+        A chunk that does not fit waits.
         """
         size = self.batching.prefill_chunk
         budget = self.batching.max_batched_tokens - sum(self._round_cost(r) for r in decoding)
@@ -647,7 +651,7 @@ class BatchedEngine(Engine):
             if row.decoding:
                 continue
             prompt = row.request.prompt_ids
-            end = min(len(prompt), (row.prefilled // size + 1) * size)
+            end = chunk_end(prompt, row.prefilled, size, self._stops) or len(prompt)
             if end - row.prefilled > budget:
                 break
             chunks.append((row, prompt[row.prefilled : end]))
@@ -708,11 +712,11 @@ class BatchedEngine(Engine):
         """The row leaves the batch; its caches wait for a later prompt (`_keep`) or go back
         (a llama.cpp slot is freed at once)."""
         self._rows.remove(row)
-        if self._keep(row):
-            return
         if row.target is self._shared_target:
             self._shared_whole = 0
-        else:
+        if self._keep(row):
+            return
+        if row.target is not self._shared_target:
             release(row.target)
         release(row.draft)
 

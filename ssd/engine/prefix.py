@@ -1,4 +1,5 @@
-"""Prefix caching across requests: a finished row's caches serve the next prompt that starts as its did.
+"""Prompt chunks, and prefix caching across requests: a finished row's caches serve the next
+prompt that starts as its did.
 
 A chat's next turn, an agent's next call, a second question about one file:
 each sends again a prompt that begins with what the last request held. vLLM
@@ -8,23 +9,26 @@ draft sequences wait in a PrefixCache, and a new row whose prompt starts the
 same way takes them instead of prefilling that prefix again.
 
 What may be reused, so that the output stays what it would be without the
-cache, bit for bit: the engine prefills a prompt in chunks from fixed
-positions (multiples of `batching.prefill_chunk`, ssd.engine.batch), and a
-backend's keys and values depend on how a position was computed (llama.cpp
-runs a prompt chunk as whole ubatches, a decode step in other kernels:
-ssd.models.llamacpp). So an entry offers only the whole prompt chunks its row
-prefilled, `whole` positions, and a new prompt takes the longest run of them
-it shares, chunk by chunk, leaving at least its last token to feed (the first
-token is sampled from that forward). Its later chunks then start where a
-fresh prefill would start them, and every position holds what a fresh
-prefill computes. The positions a row decoded are never served as they are:
-decode steps ran other kernels.
+cache, bit for bit: a backend's keys and values depend on how a position was
+computed (llama.cpp runs a prompt chunk as whole ubatches, a decode step in
+other kernels: ssd.models.llamacpp). So the engine prefills every prompt in
+the same chunks, whatever else a step runs (ssd.engine.batch), and an entry
+offers only the whole chunks its row prefilled. Where a chunk ends is read
+from the prompt's own tokens, left to right (`chunk_end`): after
+`prefill_chunk` tokens, or earlier after an end-of-turn token (the model's
+EOS ids: a chat template ends every message with one) once the chunk holds a
+quarter of that. Two prompts that share a prefix then share its chunks, and
+a new prompt takes the longest run of chunks it shares with an entry,
+leaving at least its last token to feed (the first token is sampled from that
+forward): every position holds what a fresh prefill computes. The positions a
+row decoded are never served as they are: decode steps ran other kernels.
 
 But a chat's next prompt repeats the reply, so while the engine is idle (the
-user reads it), `BatchedEngine.warm` prefills an entry's `pending` tokens (the
-rest of the row's prompt and its output) as prompt chunks from the same
-fixed positions, one whole chunk a call: exactly what the next turn's
-prefill would compute for them, done before it arrives.
+user reads it), `BatchedEngine.warm` prefills an entry's `pending` ids (the
+rest of the row's prompt and its output) as the same prompt chunks, one a
+call: exactly what the next turn's prefill computes for them, done before it
+arrives. A reply that ended with its end-of-turn token ends a chunk there, so
+the next turn feeds little more than its new message.
 
 The cache is pure bookkeeping over opaque sequences: which entry serves a
 prompt, and which goes first when memory or a llama.cpp slot is needed
@@ -34,8 +38,52 @@ prompt, and which goes first when memory or a llama.cpp slot is needed
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
+
+def chunk_end(tokens: Sequence[int], start: int, chunk: int, stops: Collection[int] = ()) -> int | None:
+    """Where the prompt chunk from `start` (a chunk's end) ends: after `chunk` tokens, or after a
+    token in `stops` once the chunk holds chunk // 4 of them; None where `tokens` end first."""
+    least = max(1, chunk // 4)
+    for i in range(start + least - 1, min(len(tokens), start + chunk)):
+        if tokens[i] in stops:
+            return i + 1
+    return start + chunk if start + chunk <= len(tokens) else None
+
+
+def chunk_ends(tokens: Sequence[int], chunk: int, stops: Collection[int] = (), start: int = 0) -> Iterator[int]:
+    """The ends of the whole chunks of `tokens` after `start` (a chunk's end), in order."""
+    while (end := chunk_end(tokens, start, chunk, stops)) is not None:
+        yield end
+        start = end
+
+
+def whole_chunks(tokens: Sequence[int], held: int, chunk: int, stops: Collection[int] = ()) -> int:
+    """Positions of the whole chunks among the first `held` of `tokens`."""
+    whole = 0
+    for end in chunk_ends(tokens[:held], chunk, stops):
+        whole = end
+    return whole
+
+
+def common_chunks(tokens: Sequence[int], prompt: Sequence[int], chunk: int, stops: Collection[int] = (),
+                  limit: int | None = None) -> int:
+    """How many leading positions `tokens` and `prompt` share, in whole chunks, at most `limit`."""
+    limit = min(len(tokens), len(prompt), len(prompt) if limit is None else limit)
+    shared = 0
+    for end in chunk_ends(prompt[:limit], chunk, stops):
+        if list(prompt[shared:end]) != list(tokens[shared:end]):
+            break
+        shared = end
+    return shared
+
+
+def shared_chunks(tokens: Sequence[int], prompt: Sequence[int], chunk: int, stops: Collection[int] = ()) -> int:
+    """The positions a cache holding `tokens` serves a new `prompt`: their common whole chunks,
+    leaving the prompt's last token to feed (its forward gives the first token's logits)."""
+    return common_chunks(tokens, prompt, chunk, stops, limit=len(prompt) - 1)
 
 
 @dataclass
@@ -52,39 +100,19 @@ class CachedPrefix:
     def whole(self) -> int:
         return len(self.tokens)
 
-    def grow(self, chunk: int, token_bytes: int) -> None:
-        """The first `chunk` pending ids were fed as a prompt chunk: they are held now."""
-        self.tokens, self.pending = self.tokens + self.pending[:chunk], self.pending[chunk:]
-        self.nbytes += chunk * token_bytes
-
-
-def whole_chunks(prefilled: int, chunk: int) -> int:
-    """Positions of the whole prompt chunks a row prefilled (chunks start at multiples of `chunk`)."""
-    return prefilled // chunk * chunk
-
-
-def common_chunks(tokens: Sequence[int], prompt: Sequence[int], chunk: int, limit: int | None = None) -> int:
-    """How many leading positions `tokens` and `prompt` share, counted in whole chunks, at most `limit`."""
-    limit = min(len(tokens), len(prompt), len(prompt) if limit is None else limit)
-    shared = 0
-    while shared + chunk <= limit and list(prompt[shared : shared + chunk]) == list(tokens[shared : shared + chunk]):
-        shared += chunk
-    return shared
-
-
-def shared_chunks(tokens: Sequence[int], prompt: Sequence[int], chunk: int) -> int:
-    """The positions a cache holding `tokens` serves a new `prompt`: their common whole chunks,
-    leaving the prompt's last token to feed (its forward gives the first token's logits)."""
-    return common_chunks(tokens, prompt, chunk, limit=len(prompt) - 1)
+    def grow(self, n: int, token_bytes: int) -> None:
+        """The first `n` pending ids were fed as a prompt chunk: they are held now."""
+        self.tokens, self.pending = self.tokens + self.pending[:n], self.pending[n:]
+        self.nbytes += n * token_bytes
 
 
 class PrefixCache:
     """Finished rows' caches by recency; `take` hands the best match to a new row and forgets it."""
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, stops: Collection[int] = ()) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        self.chunk = chunk
+        self.chunk, self.stops = chunk, frozenset(stops)
         self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # oldest first
         self._next_key = 0
 
@@ -96,9 +124,9 @@ class PrefixCache:
         return sum(entry.nbytes for entry in self._entries.values())
 
     def put(self, entry: CachedPrefix) -> None:
-        """Keep `entry` as the most recent (one with no whole chunk is the caller's to release)."""
-        if entry.whole < self.chunk:
-            raise ValueError(f"an entry holds whole chunks of {self.chunk} tokens, got {entry.whole}")
+        """Keep `entry` as the most recent (one holding no whole chunk is the caller's to release)."""
+        if entry.whole == 0 or whole_chunks(entry.tokens, entry.whole, self.chunk, self.stops) != entry.whole:
+            raise ValueError(f"an entry holds whole chunks, got {entry.whole} positions")
         self._entries[self._next_key] = entry
         self._next_key += 1
 
@@ -108,7 +136,7 @@ class PrefixCache:
         its sequences become the new row's."""
         best, best_key, best_len = None, None, 0
         for key, entry in reversed(self._entries.items()):  # newest first: ties go to it
-            shared = shared_chunks(entry.tokens, prompt, self.chunk)
+            shared = shared_chunks(entry.tokens, prompt, self.chunk, self.stops)
             if shared > best_len:
                 best, best_key, best_len = entry, key, shared
         if best is None:
@@ -116,9 +144,13 @@ class PrefixCache:
         del self._entries[best_key]
         return best, best_len
 
+    def next_chunk(self, entry: CachedPrefix) -> int:
+        """How many of `entry`'s pending ids its next whole chunk takes (0: none is whole yet)."""
+        return chunk_end(entry.pending, 0, self.chunk, self.stops) or 0  # `whole` is a chunk's end
+
     def warmable(self) -> CachedPrefix | None:
         """The newest entry with a whole chunk pending (the chat most likely to come back first)."""
-        return next((e for e in reversed(self._entries.values()) if len(e.pending) >= self.chunk), None)
+        return next((e for e in reversed(self._entries.values()) if self.next_chunk(e)), None)
 
     def pop_oldest(self) -> CachedPrefix | None:
         """The least recently cached entry, gone from the cache (None when empty)."""

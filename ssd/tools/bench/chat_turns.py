@@ -7,13 +7,16 @@ turn's prompt starts with the last one's. The engines take each turn in turn (in
 the order rotating), one request at a time, greedy. Reported per engine: time to the first
 token per turn (what the prefix cache saves), the whole turn's time, the prompt tokens it
 fed and those it took from the cache; and whether our engines' replies agree token for token
-(they must: the cache serves whole prompt chunks only). Run it with launch/bench_chat.py.
+(they must: the cache serves whole prompt chunks only). Engines with idle work prefill each
+reply after its turn (Engine.warm, what the server does while the user reads), timed apart
+from the turns. Run it with launch/bench_chat.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,9 +50,15 @@ def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequen
     replies compared. `chunks`: batching.prefill_chunk of the engines with the cache."""
     pair = load_pair(config, with_draft=False)
     engines: dict[str, Callable[[GenerationRequest], Any]] = {}
+    idle: dict[str, Callable[[], bool]] = {}  # the engines' idle work between turns (Engine.warm)
     for chunk in chunks:
         batching = dataclasses.replace(config.batching, prefill_chunk=chunk, prefix_cache=True)
-        engines[f"ssd, prefix cache (chunk {chunk})"] = AREngine(pair.target, pair.tokenizer, batching).generate
+        for warm in (False, True):
+            name = f"ssd, prefix cache (chunk {chunk}){', reply prefilled while idle' if warm else ''}"
+            engine = AREngine(pair.target, pair.tokenizer, batching)
+            engines[name] = engine.generate
+            if warm:
+                idle[name] = engine.warm
     plain = dataclasses.replace(config.batching, prefix_cache=False)
     engines[f"ssd, no cache (chunk {plain.prefill_chunk})"] = AREngine(pair.target, pair.tokenizer, plain).generate
     if llamacpp:
@@ -72,9 +81,13 @@ def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequen
             result = engines[name](GenerationRequest(ids, greedy, generation))
             history.append({"role": "assistant", "content": result.text})
             replies[name].append(list(result.token_ids))
+            started = time.perf_counter()
+            while name in idle and idle[name]():  # what the server does while the user reads
+                pass
             s = result.stats
             rows[name].append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": s.cached_prompt_tokens,
-                               "ttft_s": s.time_to_first_token_s, "total_s": s.total_s, "new_tokens": s.new_tokens})
+                               "ttft_s": s.time_to_first_token_s, "total_s": s.total_s, "new_tokens": s.new_tokens,
+                               "idle_work_s": time.perf_counter() - started if name in idle else 0.0})
     ours = [replies[name] for name in engines if name.startswith("ssd")]
     return {"machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
             "target": f"{config.target.name} ({precision_of(pair.target)})", "tokens": tokens, "turns": list(turns),
@@ -87,12 +100,13 @@ def format_table(result: dict[str, Any]) -> str:
              f"greedy, {result['tokens']} new tokens a turn; uptime {result['uptime']}",
              "time to first token (s) per turn; prompt tokens fed / taken from the cache at the last turn",
              "| engine | " + " | ".join(f"turn {i + 1}" for i in range(len(result["turns"])))
-             + " | mean TTFT, turns 2+ | all turns (s) | last turn: prompt / cached |",
-             "|---|" + "---|" * (len(result["turns"]) + 3)]
+             + " | mean TTFT, turns 2+ | all turns (s) | idle work (s) | last turn: prompt / cached |",
+             "|---|" + "---|" * (len(result["turns"]) + 4)]
     for name, rows in result["rows"].items():
         later = [r["ttft_s"] for r in rows[1:]]
         lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows)
                      + f" | {statistics.mean(later) if later else float('nan'):.2f} | "
-                     f"{sum(r['total_s'] for r in rows):.1f} | {rows[-1]['prompt_tokens']} / {rows[-1]['cached_tokens']} |")
+                     f"{sum(r['total_s'] for r in rows):.1f} | {sum(r['idle_work_s'] for r in rows):.1f} | "
+                     f"{rows[-1]['prompt_tokens']} / {rows[-1]['cached_tokens']} |")
     lines.append(f"our engines' replies agree token for token: {result['ours_agree']}")
     return "\n".join(lines)
