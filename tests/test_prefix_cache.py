@@ -296,3 +296,30 @@ def test_a_reply_that_ends_its_turn_is_served_whole(tiny_models, mode):
             assert cached == whole_chunks(held, len(held), CHUNK, {end})
             whole_turns += held[-1] == end and cached == len(held)
     assert whole_turns > 0
+
+
+def test_a_reply_cut_short_is_prefilled_as_its_template_will_close_it(tiny_models):
+    """Cut by max_tokens, a reply gets the end-of-turn token that closed the prompt's earlier
+    messages appended while idle: a next prompt that closes it so is served to that token; one
+    that goes on otherwise shares nothing past the reply, and both equal fresh runs."""
+    target, _ = tiny_models
+    end = 15
+    tok = TinyTokenizer(16, eos_token_id=end)
+    prompt = [t % 15 for t in FIRST] + [end, 4, 5]  # an earlier message closed by `end`
+    engine = AREngine(target, tok, BatchingConfig(prefill_chunk=CHUNK))
+    reply = engine.generate(_request(prompt, n=12)).token_ids
+    assert end not in reply and len(reply) == 12  # cut by max_tokens
+    while engine.warm():
+        pass
+    entry = engine._prefix.warmable() or next(iter(engine._prefix._entries.values()))
+    assert entry.tokens[-1] == end and len(entry.tokens) == len(prompt) + len(reply) + 1
+    for closing, served in (([end], len(prompt) + len(reply) + 1), ([7], whole_chunks(prompt + reply, 36, CHUNK, {end}))):
+        turn = prompt + reply + closing + [1, 2, 3]
+        result = engine.generate(_request(turn, n=6))
+        assert result.stats.cached_prompt_tokens == served
+        alone = AREngine(target, tok, BatchingConfig(prefill_chunk=CHUNK, prefix_cache=False))
+        assert _outcome(result) == _outcome(alone.generate(_request(turn, n=6)))
+        engine = AREngine(target, tok, BatchingConfig(prefill_chunk=CHUNK))  # the same first turn again
+        engine.generate(_request(prompt, n=12))
+        while engine.warm():
+            pass

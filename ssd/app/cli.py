@@ -67,8 +67,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
-                        help="override batching.prefix_cache: later prompts reuse earlier ones' whole prompt chunks")
+    parser.add_argument("--prefix-cache", "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="override batching.prefix_cache: later prompts reuse earlier ones' "
+                        "whole prompt chunks (vLLM's flag name too)")
     parser.add_argument("--prefill-chunk", type=int, metavar="N",
                         help="override batching.prefill_chunk (prompt tokens a step; the prefix cache's unit)")
     for role in ("target", "draft"):

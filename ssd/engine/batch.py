@@ -433,8 +433,17 @@ class BatchedEngine(Engine):
             sequence.rollback(whole)
         sequence = row.state.sequence
         self._prefix.put(CachedPrefix(tuple(sequence[:whole]), row.target, row.draft, whole * self._token_bytes,
-                                      pending=tuple(sequence[whole:])))
+                                      pending=(*sequence[whole:], *self._turn_end(row))))
         return True
+
+    def _turn_end(self, row: Row) -> tuple[int, ...]:
+        """What a chat's next prompt likely puts after an output that did not end its turn (cut by
+        max_tokens or a stop string): the end-of-turn token that closed the prompt's earlier
+        messages, so `warm` can prefill up to it. Only a guess of what to prefill: a prompt
+        that goes on otherwise shares nothing past it."""
+        if row.state.output.token_ids[-1:] and row.state.output.token_ids[-1] in self._stops:
+            return ()
+        return next(((t,) for t in reversed(row.request.prompt_ids) if t in self._stops), ())
 
     def warm(self) -> bool:
         """Idle work (no rows): prefill one whole chunk of the newest entry's pending ids as a

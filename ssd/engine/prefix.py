@@ -28,7 +28,10 @@ user reads it), `BatchedEngine.warm` prefills an entry's `pending` ids (the
 rest of the row's prompt and its output) as the same prompt chunks, one a
 call: exactly what the next turn's prefill computes for them, done before it
 arrives. A reply that ended with its end-of-turn token ends a chunk there, so
-the next turn feeds little more than its new message.
+the next turn feeds little more than its new message; a reply cut short
+(max_tokens) is prefilled as if the end-of-turn token that closed the
+prompt's earlier messages followed it, as a chat template closes it in the
+next prompt (a guess: a prompt that goes on otherwise shares nothing past it).
 
 The cache is pure bookkeeping over opaque sequences: which entry serves a
 prompt, and which goes first when memory or a llama.cpp slot is needed
