@@ -34,6 +34,16 @@ from ssd.models.llamacpp import (  # noqa: E402
 )
 from ssd.saguaro.branches import make_branch_decoder  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
+import ssd.models.llamacpp as llamacpp_module  # noqa: E402
+
+PLAIN_PREFILL_MIN = llamacpp_module.PLAIN_PREFILL_MIN  # the shipped value, before the fixture below
+
+@pytest.fixture(autouse=True)
+def short_prompts_on_the_plain_twin(monkeypatch):  # noqa: D401
+    """These models' prompts are short: every prompt chunk past n_ubatch runs on the plain twin
+    where there is one, as long chunks of a real prompt do (llamacpp.PLAIN_PREFILL_MIN)."""
+    monkeypatch.setattr(llamacpp_module, "PLAIN_PREFILL_MIN", 1)
+
 
 CFG = TinyModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, seed=3)
 PROMPT = [5, 17, 3, 42, 9, 60, 1, 33]
@@ -738,3 +748,22 @@ def test_asking_for_prompt_logprobs_leaves_a_llamacpp_rows_cache_as_it_was(k_qua
     monkeypatch.setattr(llamacpp.LlamaCppContext, "_calls", packed)
     model = llamacpp.LlamaCppModel(k_quant_files[0], use_extra_bufts=False)
     assert run(model, 0)[1][1:] != run(model, None)[1][1:]
+
+
+def test_short_prompt_chunks_run_in_place_long_ones_on_the_plain_twin(k_quant_files, monkeypatch):
+    """Moving a row's cache to the plain twin and back costs more than a short chunk saves there:
+    chunks shorter than PLAIN_PREFILL_MIN run in place (a decision by length alone, so a prompt's
+    cache still depends on the prompt alone)."""
+    if not repack_probe(k_quant_files[0])["runs"]:
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    monkeypatch.setattr(llamacpp_module, "PLAIN_PREFILL_MIN", PLAIN_PREFILL_MIN)
+    target = LlamaCppModel(k_quant_files[0], use_extra_bufts=True, plain_prefill=True)
+    context = LlamaCppContext(target, n_seq=1, n_ctx_seq=256)
+    moved = []
+    real = context._prompt_chunk_apart
+    monkeypatch.setattr(context, "_prompt_chunk_apart", lambda piece: moved.append(len(piece[3])) or real(piece))
+    row = LlamaCppSequence(context)
+    ids = [(5 * i + 3) % CFG.vocab_size for i in range(2 * PLAIN_PREFILL_MIN)]
+    row.forward(ids[: PLAIN_PREFILL_MIN - 1], last_only=True)
+    row.forward(ids[PLAIN_PREFILL_MIN - 1 :], last_only=True)
+    assert moved == [PLAIN_PREFILL_MIN + 1]

@@ -88,6 +88,7 @@ from ssd.engine.request import GenerationRequest  # noqa: E402
 from ssd.models import TinyTokenizer  # noqa: E402
 from ssd.models.gguf_export import export_gguf  # noqa: E402
 from ssd.models.llamacpp import LlamaCppContext, LlamaCppModel, LlamaCppSequence, repack_probe  # noqa: E402
+from tests.test_llamacpp import short_prompts_on_the_plain_twin  # noqa: E402,F401 - autouse
 from ssd.saguaro.target import SSDEngine  # noqa: E402
 from ssd.verify import verify  # noqa: E402
 from tests.exact import exact_marginal, exact_marginal_stepwise  # noqa: E402

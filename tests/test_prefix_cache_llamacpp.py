@@ -18,7 +18,9 @@ from ssd.engine.batch import BatchedEngine  # noqa: E402
 from ssd.engine.prefix import CachedPrefix, PrefixCache, whole_chunks  # noqa: E402
 from ssd.models.tokenizer import eos_token_ids  # noqa: E402
 from ssd.models import TinyTokenizer  # noqa: E402
-from tests.test_llamacpp import CFG, LONG, k_quant_files, k_quant_pair  # noqa: E402,F401 - fixtures
+from tests.test_llamacpp import (  # noqa: E402,F401 - fixtures (the last autouse)
+    CFG, LONG, k_quant_files, k_quant_pair, short_prompts_on_the_plain_twin,
+)
 from tests.test_prefix_cache import _chats, _fresh, _outcome, _request  # noqa: E402
 
 CHUNK = 16

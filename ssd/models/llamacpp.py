@@ -64,6 +64,10 @@ GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
 REPACK_PROBE_TIMEOUT_S = 300  # the probe of the 1.5B q4_k_m target takes ~5 s
 PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
+# A shorter prompt chunk runs in place even where prompts run on the plain twin: moving the row's
+# cache there and back cost more than the layouts saved (real q4_k_m target, AMD EPYC, 2 threads,
+# after 850 tokens: 20 tokens 519 ms in place vs 674 ms moved, 40: 839 vs 891, 64: 1223 vs 1041).
+PLAIN_PREFILL_MIN = 48
 _init_lock = threading.Lock()
 # A share of one llama_decode call: (job index, seq, start position, ids, which rows
 # give logits: "all", "last" or "none").
@@ -354,7 +358,8 @@ class LlamaCppContext:
         try:
             for call in self._calls(jobs):
                 # A shared pool (SSD's draft) shares prefix cells between slots: its chunks stay here.
-                apart = self.model.plain_twin is not None and not self.shared and len(call[0][3]) > self.n_ubatch
+                apart = (self.model.plain_twin is not None and not self.shared
+                         and len(call[0][3]) > max(self.n_ubatch, PLAIN_PREFILL_MIN - 1))
                 for (index, *_), logits in zip(call, self._prompt_chunk_apart(call[0]) if apart
                                                else self._decode_call(call)):
                     pieces[index].append(logits)
