@@ -56,16 +56,18 @@ def test_shared_chunks_count_whole_chunks_and_leave_the_last_token():
     assert shared_chunks(tokens, [99, *range(1, 30)], 8) == 0
 
 
-def test_the_cache_serves_the_longest_match_the_newest_among_equals_and_forgets_it():
+def test_the_cache_finds_the_longest_match_the_newest_among_equals():
     cache = PrefixCache(4)
     old, new, longer = (CachedPrefix(tuple(t), target=name, nbytes=10) for t, name in
                         (((1, 2, 3, 4), "old"), ((1, 2, 3, 4), "new"), ((1, 2, 3, 4, 5, 6, 7, 8), "longer")))
     for entry in (old, new, longer):
         cache.put(entry)
     assert len(cache) == 3 and cache.nbytes == 30
-    assert cache.take([9, 9, 9, 9, 9]) is None
-    assert cache.take([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (longer, 8)
-    assert cache.take([1, 2, 3, 4, 0]) == (new, 4)
+    assert cache.find([9, 9, 9, 9, 9]) is None
+    assert cache.find([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (longer, 8)
+    cache.remove(longer)
+    assert cache.find([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (new, 4)
+    assert cache.pop_oldest(spare=old) is new and cache.pop_oldest(spare=old) is None
     assert cache.pop_oldest() is old and cache.pop_oldest() is None
     with pytest.raises(ValueError, match="whole chunks"):
         cache.put(CachedPrefix((1, 2), target="short"))
@@ -323,3 +325,22 @@ def test_a_reply_cut_short_is_prefilled_as_its_template_will_close_it(tiny_model
         engine.generate(_request(prompt, n=12))
         while engine.warm():
             pass
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_chats_under_one_system_prompt_copy_it_and_keep_their_own(tiny_models, tiny_tokenizer, mode):
+    """Two chats whose prompts share their first 16 positions (a system prompt): the second
+    gets a copy of those from the first's entry, which stays, so each chat's next turn takes
+    its own whole last prompt; every turn equals a fresh run."""
+    target, draft = tiny_models
+    system = FIRST[:16]
+    chats = (system + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], system + [9, 8, 7, 6, 5, 4, 3, 2, 1])
+    turns = _chats(mode, target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0), chats, n=6, turns=2)
+    assert all(_same(mode, got, want) for _, got, _, want in turns)
+    assert [cached for _, _, cached, _ in turns] == [0, 16, 24, 24]  # turn 2: each its own last prompt's
+    engine = _engine(mode, target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
+    first = engine.generate(_request(chats[0], n=6))
+    engine.generate(_request(chats[1], n=6))
+    assert len(engine._prefix) == 2  # the first's entry stayed
+    again = engine.generate(_request(chats[0] + first.token_ids + [1, 2], n=6))
+    assert again.stats.cached_prompt_tokens == 24  # not the 16 the second chat's entry shares

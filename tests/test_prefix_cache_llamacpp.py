@@ -109,3 +109,16 @@ def test_replies_that_end_their_turn_are_served_whole_bit_for_bit(k_quant_pair):
             assert cached == whole_chunks(held, len(held), CHUNK, stops)
             whole_turns += held[-1] == end and cached == len(held)
     assert whole_turns > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_chats_under_one_system_prompt_copy_its_slot_bit_for_bit(k_quant_pair, mode):
+    """A second chat under the same 32-token system prompt gets a copy of the first's slot
+    (LlamaCppContext.copy), whose entry stays for its own next turn; every turn equals a fresh
+    run bit for bit."""
+    target, draft = k_quant_pair
+    system = LONG[:32]
+    chats = (system + LONG[32:] + [1, 2], system + [9, 8, 7, 6, 5, 4, 3, 2, 1])
+    turns = _chats(mode, target, draft, TOK, SamplingConfig(temperature=0.0), chats, CHUNK, n=8, turns=2)
+    assert all(got == want for _, got, _, want in turns)
+    assert [cached for _, _, cached, _ in turns] == [0, 32, 32, 32]

@@ -376,16 +376,41 @@ class BatchedEngine(Engine):
         reuse = self._prefix is not None and request.prompt_logprobs is None  # those score every position
         if self._shared_target is not None:
             return self._shared_sequences(request, reuse)
-        found = self._prefix.take(request.prompt_ids) if reuse else None
-        self._make_room(need_bytes, slots=found is None)
+        found = self._prefix.find(request.prompt_ids) if reuse else None
         if found is None:
+            self._make_room(need_bytes, slots=True)
             draft = new_sequence(self._draft_source) if self._draft_source is not None else None
             return new_sequence(self._target_source), draft, 0
         entry, cached = found
+        if cached < entry.whole:  # another prompt's entry: a copy of the shared part, if there is room
+            forked = self._fork(entry, cached, need_bytes)
+            if forked is not None:
+                return (*forked, cached)
+        self._prefix.remove(entry)  # this prompt continues it (or no room for a copy): it moves
+        self._make_room(need_bytes, slots=False)
         for sequence in (entry.target, entry.draft):
             if sequence is not None:
                 sequence.rollback(cached)
         return entry.target, entry.draft, cached
+
+    def _fork(self, entry: CachedPrefix, length: int,
+              need_bytes: int) -> tuple[AnySequence, AnySequence | None] | None:
+        """Copies of `entry`'s first `length` positions for a new row, the entry staying
+        cached; None where the room or a backend's copy is lacking."""
+        self._make_room(need_bytes, slots=True, spare=entry)
+        sources = [s for s in (self._target_source, self._draft_source) if s is not None]
+        if not all(has_free_slot(s) for s in sources):
+            return None
+        made = []
+        try:
+            for sequence in (entry.target, entry.draft):
+                made.append(sequence.fork(length) if sequence is not None else None)
+        except (AttributeError, ValueError) as error:  # a sequence that cannot copy itself
+            log.debug("a cached prefix moves instead of being copied: %r", error)
+            for sequence in made:
+                release(sequence)
+            return None
+        return made[0], made[1]
 
     def _shared_sequences(self, request: GenerationRequest, reuse: bool) -> tuple[AnySequence, AnySequence | None, int]:
         """Tensor parallel: the one target sequence the followers mirror keeps the last prompt's
@@ -400,17 +425,17 @@ class BatchedEngine(Engine):
             shared.reset()
         return shared, draft, cached
 
-    def _make_room(self, need_bytes: int, slots: bool) -> None:
-        """Drop the oldest cached prefixes while they hold the memory the new row needs, or
-        (`slots`: it needs new sequences) every free llama.cpp slot."""
+    def _make_room(self, need_bytes: int, slots: bool, spare: CachedPrefix | None = None) -> None:
+        """Drop the oldest cached prefixes (but `spare`) while they hold the memory the new row
+        needs, or (`slots`: it needs new sequences) every free llama.cpp slot."""
         if self._prefix is None:
             return
         reserved = need_bytes + sum(row.kv_bytes for row in self._rows)
         budget = self.batching.kv_memory_mb * 2**20
         sources = [s for s in (self._target_source, self._draft_source) if s is not None] if slots else []
-        while len(self._prefix) and (reserved + self._prefix.nbytes > budget
-                                     or not all(has_free_slot(s) for s in sources)):
-            self._drop(self._prefix.pop_oldest())
+        while len(self._prefix) > (spare is not None) and (reserved + self._prefix.nbytes > budget
+                                                           or not all(has_free_slot(s) for s in sources)):
+            self._drop(self._prefix.pop_oldest(spare))
 
     def _keep(self, row: Row) -> bool:
         """Cache a finishing row's whole prompt chunks for later prompts; False: its caches go

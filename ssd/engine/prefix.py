@@ -33,9 +33,12 @@ the next turn feeds little more than its new message; a reply cut short
 prompt's earlier messages followed it, as a chat template closes it in the
 next prompt (a guess: a prompt that goes on otherwise shares nothing past it).
 
-The cache is pure bookkeeping over opaque sequences: which entry serves a
-prompt, and which goes first when memory or a llama.cpp slot is needed
-(least recently used). The engine owns the sequences' release.
+A prompt that continues an entry (its chat's next turn) takes the entry's
+sequences; one that shares only part of it (another chat under the same
+system prompt) gets a copy of that part, and the entry stays for its own
+chat. The cache is pure bookkeeping over opaque sequences: which entry serves
+a prompt, and which goes first when memory or a llama.cpp slot is needed
+(least recently used). The engine owns the sequences' copies and release.
 """
 
 from __future__ import annotations
@@ -133,19 +136,20 @@ class PrefixCache:
         self._entries[self._next_key] = entry
         self._next_key += 1
 
-    def take(self, prompt: Sequence[int]) -> tuple[CachedPrefix, int] | None:
+    def find(self, prompt: Sequence[int]) -> tuple[CachedPrefix, int] | None:
         """The entry sharing the most whole chunks with `prompt` (the newest among equals) and
-        how many positions it serves; None where none shares a chunk. The entry leaves the cache:
-        its sequences become the new row's."""
-        best, best_key, best_len = None, None, 0
-        for key, entry in reversed(self._entries.items()):  # newest first: ties go to it
+        how many positions it serves; None where none shares a chunk."""
+        best, best_len = None, 0
+        for entry in reversed(self._entries.values()):  # newest first: ties go to it
             shared = shared_chunks(entry.tokens, prompt, self.chunk, self.stops)
             if shared > best_len:
-                best, best_key, best_len = entry, key, shared
-        if best is None:
-            return None
-        del self._entries[best_key]
-        return best, best_len
+                best, best_len = entry, shared
+        return (best, best_len) if best is not None else None
+
+    def remove(self, entry: CachedPrefix) -> None:
+        """`entry` leaves the cache (its sequences become a new row's)."""
+        key = next(k for k, e in self._entries.items() if e is entry)
+        del self._entries[key]
 
     def next_chunk(self, entry: CachedPrefix) -> int:
         """How many of `entry`'s pending ids its next whole chunk takes (0: none is whole yet)."""
@@ -155,8 +159,9 @@ class PrefixCache:
         """The newest entry with a whole chunk pending (the chat most likely to come back first)."""
         return next((e for e in reversed(self._entries.values()) if self.next_chunk(e)), None)
 
-    def pop_oldest(self) -> CachedPrefix | None:
-        """The least recently cached entry, gone from the cache (None when empty)."""
-        if not self._entries:
-            return None
-        return self._entries.popitem(last=False)[1]
+    def pop_oldest(self, spare: CachedPrefix | None = None) -> CachedPrefix | None:
+        """The least recently cached entry but `spare`, gone from the cache (None: no other)."""
+        entry = next((e for e in self._entries.values() if e is not spare), None)
+        if entry is not None:
+            self.remove(entry)
+        return entry

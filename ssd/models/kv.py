@@ -32,6 +32,7 @@ the same slots.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -189,6 +190,24 @@ class KVSequence:
                 if extra > 0:
                     layer.crop(-extra)  # transformers 5.24: a negative count of tokens to drop
         self._extra = 0
+
+    def fork(self, length: int) -> "KVSequence":
+        """A new sequence of the same model holding a copy of this one's first `length` entries
+        (a cached prefix that another prompt shares: ssd.engine.prefix). Not from a graphed store."""
+        if not self.keeps_prefix or not 0 <= length <= self.length:
+            raise ValueError(f"cannot fork {length} of {self.length} tokens of this sequence")
+        twin = KVSequence(self.model, fast=self._fast is not None, slots=False)
+        if self._fast is not None:
+            twin.cache.reserve(length, keep=0)
+            for mine, theirs in ((self.cache.keys, twin.cache.keys), (self.cache.values, twin.cache.values)):
+                for source, target in zip(mine, theirs):
+                    target[:, :length] = source[:, :length]
+        else:
+            twin.cache = copy.deepcopy(self.cache)
+            if length < self.cached:
+                twin.cache.crop(length - self.cached)  # negative: tokens to remove
+        twin.tokens = self.tokens[:length]
+        return twin
 
     def prefix_kv(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views of the first `length` cached keys and values per layer, [1, kv heads, length, D]."""

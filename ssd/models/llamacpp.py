@@ -314,17 +314,18 @@ class LlamaCppContext:
     def copy(self, src: int, dst: int, length: int) -> None:
         """Make sequence `dst` hold the first `length` entries of sequence `src` (dst's own are dropped).
 
-        A shared pool (shared_room): dst's cells are src's. Otherwise slots are separate KV streams (kv_unified=False), and llama.cpp copies
-        between streams only whole: `llama_memory_seq_cp` queues a copy of
-        src's stream buffer (done at the next llama_decode), then dst's
-        positions >= length are dropped. The copy lands in the same cells, so
-        a branch attends exactly as its root would.
+        A shared pool (shared_room): dst's cells are src's. Otherwise slots are
+        separate KV streams (kv_unified=False), and src's cells are read out and
+        written into dst's stream now (`llama_memory_seq_cp` between streams
+        only queues the copy until the next llama_decode, which a prompt chunk
+        on the plain twin would read before: `_prompt_chunk_apart`); then dst's
+        positions >= length are dropped. The copy holds src's very bits.
         """
         L.llama_memory_seq_rm(self._memory, dst, -1, -1)
         if self.shared:  # one pool: dst joins src's cells at positions < length, nothing is copied
             L.llama_memory_seq_cp(self._memory, src, dst, 0, length)
             return
-        L.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+        self._set_seq_state(dst, restream(self._seq_state(src), src, dst, dst, self._n_stream))
         self.remove(dst, length)
 
     def remove(self, seq: int, start: int) -> None:
@@ -600,6 +601,18 @@ class LlamaCppSequence:
         n = min(self.length, len(sequence) - 1)
         shared = next((i for i in range(n) if self.tokens[i] != sequence[i]), n)
         self.rollback(shared)
+
+    def fork(self, length: int) -> "LlamaCppSequence":
+        """A new sequence in another slot of this context holding this one's first `length`
+        entries (the context copies the slot's KV stream: `LlamaCppContext.copy`)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot fork {length} of {self.length} tokens of this sequence")
+        if self._owns_context:
+            raise ValueError("a sequence with a context of its own has no slot to fork into")
+        twin = LlamaCppSequence(self.context)
+        self.context.copy(self.seq, twin.seq, length)
+        twin.tokens = self.tokens[:length]
+        return twin
 
     def close(self) -> None:
         if self.context is not None:
