@@ -45,9 +45,11 @@ TURNS = (
 
 
 def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequence[str] = TURNS,
-               llamacpp: bool = True) -> dict[str, Any]:
+               llamacpp: bool = True, chats: int = 1) -> dict[str, Any]:
     """Per engine and turn: TTFT, the turn's seconds, prompt and cached tokens; our engines'
-    replies compared. `chunks`: batching.prefill_chunk of the engines with the cache."""
+    replies compared. `chunks`: batching.prefill_chunk of the engines with the cache. `chats`:
+    that many chats under the one system message take each turn in turn (chat k's messages
+    name its project k), as users of one server do."""
     pair = load_pair(config, with_draft=False)
     engines: dict[str, Callable[[GenerationRequest], Any]] = {}
     idle: dict[str, Callable[[], bool]] = {}  # the engines' idle work between turns (Engine.warm)
@@ -68,15 +70,15 @@ def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequen
         threads = torch.get_num_threads()
         engines["llama.cpp, cache_prompt"] = LlamaCppEngine(gguf, threads, reuse_prefix=True).generate
         engines["llama.cpp, no cache"] = LlamaCppEngine(gguf, threads).generate
-    histories = {name: [{"role": "system", "content": SYSTEM}] for name in engines}
+    histories = {name: [[{"role": "system", "content": SYSTEM}] for _ in range(chats)] for name in engines}
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     replies: dict[str, list[list[int]]] = {name: [] for name in engines}
     generation, greedy = GenerationConfig(max_new_tokens=tokens), SamplingConfig(temperature=0.0)
     order = list(engines)
-    for turn, text in enumerate(tqdm(turns, desc="turns")):
+    for turn, chat, text in tqdm([(t, c, text) for t, text in enumerate(turns) for c in range(chats)], desc="turns"):
         for name in order[turn % len(order):] + order[: turn % len(order)]:  # each first in turn
-            history = histories[name]
-            history.append({"role": "user", "content": text})
+            history = histories[name][chat]
+            history.append({"role": "user", "content": text if chats == 1 else f"(Project {chat + 1}) {text}"})
             ids = chat_ids(pair.tokenizer, history)
             result = engines[name](GenerationRequest(ids, greedy, generation))
             history.append({"role": "assistant", "content": result.text})
@@ -85,25 +87,29 @@ def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequen
             while name in idle and idle[name]():  # what the server does while the user reads
                 pass
             s = result.stats
-            rows[name].append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": s.cached_prompt_tokens,
+            rows[name].append({"turn": turn, "chat": chat, "prompt_tokens": len(ids), "cached_tokens": s.cached_prompt_tokens,
                                "ttft_s": s.time_to_first_token_s, "total_s": s.total_s, "new_tokens": s.new_tokens,
                                "idle_work_s": time.perf_counter() - started if name in idle else 0.0})
     ours = [replies[name] for name in engines if name.startswith("ssd")]
     return {"machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
             "target": f"{config.target.name} ({precision_of(pair.target)})", "tokens": tokens, "turns": list(turns),
-            "rows": rows, "ours_agree": all(r == ours[0] for r in ours)}
+            "chats": chats, "rows": rows, "ours_agree": all(r == ours[0] for r in ours)}
 
 
 def format_table(result: dict[str, Any]) -> str:
     """Per engine: TTFT per turn, the mean of turns after the first, the turns' total seconds."""
+    chats = result.get("chats", 1)
+    first = next(iter(result["rows"].values()))
+    labels = [f"turn {r['turn'] + 1}" + (f" chat {r['chat'] + 1}" if chats > 1 else "") for r in first]
     lines = [f"{result['machine']}; {result['threads']} threads; target {result['target']}; "
-             f"greedy, {result['tokens']} new tokens a turn; uptime {result['uptime']}",
+             f"greedy, {result['tokens']} new tokens a turn; {chats} chat(s) under one system message; "
+             f"uptime {result['uptime']}",
              "time to first token (s) per turn; prompt tokens fed / taken from the cache at the last turn",
-             "| engine | " + " | ".join(f"turn {i + 1}" for i in range(len(result["turns"])))
+             "| engine | " + " | ".join(labels)
              + " | mean TTFT, turns 2+ | all turns (s) | idle work (s) | last turn: prompt / cached |",
-             "|---|" + "---|" * (len(result["turns"]) + 4)]
+             "|---|" + "---|" * (len(labels) + 4)]
     for name, rows in result["rows"].items():
-        later = [r["ttft_s"] for r in rows[1:]]
+        later = [r["ttft_s"] for r in rows if r["turn"] > 0]
         lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows)
                      + f" | {statistics.mean(later) if later else float('nan'):.2f} | "
                      f"{sum(r['total_s'] for r in rows):.1f} | {sum(r['idle_work_s'] for r in rows):.1f} | "
