@@ -2,7 +2,7 @@
 with and without its server's prompt cache; one request at a time, interleaved.
 
     python launch/bench_chat.py                                # llama.cpp backend, 2 threads
-    python launch/bench_chat.py --chunks 512 128 --out docs/results/prefix_cache
+    python launch/bench_chat.py --out docs/results/prefix_cache   # --chunks 512 128: other chunk sizes
     python launch/bench_chat.py --chats 2 --turns 3 --out docs/results/prefix_cache_two_chats
 
 Time to first token per turn, each turn's prompt and the tokens the cache served, and
@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "qwen2.5-coder-cpu.yaml")
     parser.add_argument("--backend", choices=["auto", "llamacpp", "torch"], default="auto")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[512],
-                        help="batching.prefill_chunk of the engines with the prefix cache (its unit)")
+    parser.add_argument("--chunks", type=int, nargs="+",
+                        help="batching.prefill_chunk of the engines with the prefix cache (default: the config's)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--turns", type=int, help="the first N turns of the chat (default: all six)")
     parser.add_argument("--chats", type=int, default=1,
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     config = load_config(args.config, {"target": {"backend": args.backend}, "runtime": {"threads": args.threads}})
     turns = TURNS[: args.turns] if args.turns else TURNS
-    result = bench_chat(config, args.chunks, args.max_new_tokens, turns, llamacpp=not args.no_llamacpp, chats=args.chats)
+    result = bench_chat(config, args.chunks or [config.batching.prefill_chunk], args.max_new_tokens, turns, llamacpp=not args.no_llamacpp, chats=args.chats)
     command = " ".join(["python launch/bench_chat.py", *(sys.argv[1:] if argv is None else argv)])
     print_and_save(command, format_table(result), result, args.out)
 
