@@ -464,3 +464,28 @@ def test_replicas_on_one_node_take_disjoint_slots_and_a_full_node_is_refused_by_
     assert slots.take(0, "b", 4, 0).target == (2,) and slots.take(3, "a", 4, 0).target == (0,)  # 0 moved: freed
     on_gpus = NodeSlots(gpus)
     assert on_gpus.take(0, "a", 64, 8).target == (0, 1) and on_gpus.take(1, "a", 64, 8).target == (3, 4)
+
+
+def test_a_chats_next_turn_goes_to_the_replica_that_ran_its_last(stack):
+    """Cache-aware routing (ssd.cluster.replicas.route_order): with a long request busy on the
+    replica that ran a chat's first turn, the roomiest is the other, yet the next turn goes back
+    to the first (it runs one row more, within ROUTE_SLACK); the output is local AR's."""
+    replicas, _, client, _ = stack
+    text = "abcdefghijklmnop" * 5  # 80 tokens: more than ROUTE_MIN_PREFIX
+    before = [c.routed for c in replicas.counts]
+    first = client.generate(text=text, max_new_tokens=8, mode="ar", timeout=RECOVERY_S)
+    (home,) = [i for i, c in enumerate(replicas.counts) if c.routed > before[i]]
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(client.generate, text="p", max_new_tokens=480, mode="ar", timeout=RECOVERY_S)
+        deadline = time.monotonic() + RECOVERY_S
+        while sum(replicas.running(i) for i in range(2)) == 0:
+            assert time.monotonic() < deadline and not busy.done()
+            time.sleep(0.01)
+        if replicas.running(home) == 0:  # the long request went to the other replica: make `home` the busier
+            pytest.skip("the long request landed on the other replica")
+        turn = text + first.text + "ab"
+        before = [c.routed for c in replicas.counts]
+        second = client.generate(text=turn, max_new_tokens=8, mode="ar", timeout=RECOVERY_S)
+        assert [c.routed - b for c, b in zip(replicas.counts, before)] == [int(i == home) for i in range(2)]
+        busy.result()
+    assert second.token_ids == expected_ar(replicas, turn, 8)

@@ -344,3 +344,18 @@ def test_chats_under_one_system_prompt_copy_it_and_keep_their_own(tiny_models, t
     assert len(engine._prefix) == 2  # the first's entry stayed
     again = engine.generate(_request(chats[0] + first.token_ids + [1, 2], n=6))
     assert again.stats.cached_prompt_tokens == 24  # not the 16 the second chat's entry shares
+
+
+def test_a_chat_is_routed_to_the_replica_that_holds_it_while_the_load_stays_near_even():
+    """Replicas: the prompt goes to the replica whose recent text shares >= ROUTE_MIN_PREFIX of its
+    tokens if that one runs at most ROUTE_SLACK more rows than the roomiest; else by room."""
+    from ssd.cluster.replicas import ROUTE_MIN_PREFIX, ROUTE_SLACK, route_order
+    from ssd.engine.prefix import common_prefix
+
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1], [1, 2]) == 1
+    held = ROUTE_MIN_PREFIX
+    assert route_order([0, 1, 2], {0: 0, 1: 1, 2: 1}, {2: held}) == [2, 0, 1]
+    assert route_order([0, 1, 2], {0: 0, 1: 1, 2: 1}, {1: held, 2: held + 1}) == [2, 0, 1]
+    assert route_order([0, 1], {0: 0, 1: ROUTE_SLACK + 1}, {1: 10 * held}) == [0, 1]  # too busy: by room
+    assert route_order([0, 1], {0: 0, 1: 0}, {1: held - 1}) == [0, 1]  # too little shared
+    assert route_order([], {}, {}) == []

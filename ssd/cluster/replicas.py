@@ -9,7 +9,11 @@ device: the k-th there runs on the given devices shifted k spans up (cores
 make whole groups of; a count the nodes cannot hold is refused up front.
 
 Routing: a request goes to the serving replica with the most free batch
-capacity (the fewest rows running); each replica keeps its own continuous
+capacity (the fewest rows running), unless another no more than ROUTE_SLACK
+rows busier recently finished a request whose text the prompt continues
+(ROUTE_MIN_PREFIX tokens or more): each replica has its own prefix cache
+(ssd.engine.prefix), so a chat's next turn goes where its last one ran, as
+SGLang's cache-aware router sends it. Each replica keeps its own continuous
 batch on its target rank 0, and each replica steps on its own schedule: a
 step goes to every replica with rows and no step on its way, and each result
 is taken as it comes back (ray.wait), so a slow replica holds only its own
@@ -27,6 +31,7 @@ Health is SERVING while at least one replica serves.
 
 from __future__ import annotations
 
+import collections
 import functools
 from concurrent.futures import ThreadPoolExecutor, wait
 import logging
@@ -46,6 +51,7 @@ from ssd.cluster.placing import node_resources, start_ray
 from ssd.cluster.runtime import Cluster
 from ssd.config import Config, ConfigError
 from ssd.engine.batch import Engine, Finished
+from ssd.engine.prefix import common_prefix
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable
 
 log = logging.getLogger(__name__)
@@ -322,6 +328,26 @@ class Stepping:
     sent: float
 
 
+ROUTE_MIN_PREFIX = 64  # prompt tokens a replica's recent text must hold for the prompt to go there
+ROUTE_SLACK = 1  # how many more rows than the roomiest such a replica may run
+ROUTE_MEMORY = 32  # finished texts remembered per replica
+
+
+def route_order(roomiest: Sequence[int], running: dict[int, int], shared: dict[int, int]) -> list[int]:
+    """The replicas to try for a prompt, in order: `roomiest` (the fewest rows `running` first),
+    except that the one whose recent text shares the most of the prompt (`shared`, at least
+    ROUTE_MIN_PREFIX tokens) goes first if it runs at most ROUTE_SLACK rows more than the roomiest:
+    its prefix cache holds that start, and the load stays near even."""
+    if not roomiest:
+        return []
+    least = min(running[i] for i in roomiest)
+    holders = [i for i in roomiest if shared.get(i, 0) >= ROUTE_MIN_PREFIX and running[i] <= least + ROUTE_SLACK]
+    if not holders:
+        return list(roomiest)
+    best = max(holders, key=lambda i: shared[i])  # the roomiest among equals: max keeps the first
+    return [best, *(i for i in roomiest if i != best)]
+
+
 class ReplicaBatchEngine(Engine):
     """One mode's continuous batch on every replica, as one Engine for the serving worker.
 
@@ -340,6 +366,7 @@ class ReplicaBatchEngine(Engine):
         self._stepped: list[int] = []  # rows of each replica step that came back in the last `step` (for /metrics)
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request
+        self._recent: dict[int, collections.deque] = {}  # per replica: the texts of its last finished rows
 
     @property
     def rows(self) -> int:
@@ -425,13 +452,22 @@ class ReplicaBatchEngine(Engine):
                 continue
             if row.result is not None:
                 self.replicas.count(index, tokens=len(row.result.token_ids))
+                texts = self._recent.setdefault(index, collections.deque(maxlen=ROUTE_MEMORY))
+                texts.append((*row.request.prompt_ids, *row.result.token_ids))
             finished.append(row)
         return finished
 
     def _find_room(self, request: GenerationRequest) -> int | None:
-        """The roomiest serving replica, between its steps, whose batch admits `request` now."""
-        for index in self.replicas.by_room():
+        """The serving replica, between its steps, whose batch admits `request` now: the roomiest,
+        or one that holds the prompt's start if it is not much busier (`route_order`)."""
+        roomiest = self.replicas.by_room()
+        shared = {i: max((common_prefix(text, request.prompt_ids) for text in self._recent.get(i, ())), default=0)
+                  for i in roomiest}
+        order = route_order(roomiest, {i: self.replicas.running(i) for i in roomiest}, shared)
+        for index in order:
             if self.replicas.stepping(index):
+                if index == order[0] and shared.get(index, 0) >= ROUTE_MIN_PREFIX:
+                    return None  # the replica holding the prompt's start: wait for its step (a round), not a prefill
                 continue  # its target is mid-step: ask it once the step is back
             try:
                 if self.engines[index].can_admit(request):

@@ -49,6 +49,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def chunk_end(tokens: Sequence[int], start: int, chunk: int, stops: Collection[int] = ()) -> int | None:
     """Where the prompt chunk from `start` (a chunk's end) ends: after `chunk` tokens, or after a
     token in `stops` once the chunk holds chunk // 4 of them; None where `tokens` end first."""
