@@ -57,12 +57,12 @@ def test_shared_chunks_count_whole_chunks_and_leave_the_last_token():
 
 
 def test_the_cache_finds_the_longest_match_the_newest_among_equals():
-    cache = PrefixCache(4)
-    old, new, longer = (CachedPrefix(tuple(t), target=name, nbytes=10) for t, name in
+    cache = PrefixCache(4, token_bytes=10)
+    old, new, longer = (CachedPrefix(tuple(t), target=name) for t, name in
                         (((1, 2, 3, 4), "old"), ((1, 2, 3, 4), "new"), ((1, 2, 3, 4, 5, 6, 7, 8), "longer")))
     for entry in (old, new, longer):
         cache.put(entry)
-    assert len(cache) == 3 and cache.nbytes == 30
+    assert len(cache) == 3 and cache.nbytes == 160  # 16 positions held
     assert cache.find([9, 9, 9, 9, 9]) is None
     assert cache.find([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (longer, 8)
     cache.remove(longer)
@@ -170,27 +170,31 @@ LAW_SAMPLING = SamplingConfig(temperature=1.0)
 LAW_TOKENS, LAW_POSITIONS = 5, [1, 2, 3, 4]  # the prefill's token, then a first round of K = 3 and its bonus
 
 
-def _law_pvalues(samples: int, hits: bool = True) -> list[float]:
-    """SD (K = 3) on the 4-token model, the two prompts in turn on one engine with the cache
-    (chunks of 2): every request after the first two takes 6 cached positions (asserted)."""
+def _law_pvalues(samples: int, hits: bool = True, mode: str = "sd") -> list[float]:
+    """SD or SSD (K = 3) on the 4-token model, the two prompts in turn on one engine with the
+    cache (chunks of 2): every request after the first two takes 6 cached positions (asserted)."""
     target, draft = small_models()
-    engine = SDEngine(target, draft, TinyTokenizer(SMALL.vocab_size), SpeculationConfig(mode="sd", k=3),
-                      batching=BatchingConfig(prefill_chunk=2))
+    engine = _engine(mode, target, draft, TinyTokenizer(SMALL.vocab_size), BatchingConfig(prefill_chunk=2))
     draws: list[list[tuple[int, ...]]] = [[], []]
-    for seed in range(samples):
-        for i, prompt in enumerate(LAW_PROMPTS):
-            sampling = dataclasses.replace(LAW_SAMPLING, seed=2 * seed + i)
-            result = engine.generate(GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=LAW_TOKENS)))
-            assert result.stats.cached_prompt_tokens == 6 or not (seed and hits)
-            draws[i].append(tuple(result.token_ids[p] for p in LAW_POSITIONS))
+    try:
+        for seed in range(samples):
+            for i, prompt in enumerate(LAW_PROMPTS):
+                sampling = dataclasses.replace(LAW_SAMPLING, seed=2 * seed + i)
+                request = GenerationRequest(list(prompt), sampling, GenerationConfig(max_new_tokens=LAW_TOKENS))
+                result = engine.generate(request)
+                assert result.stats.cached_prompt_tokens == 6 or not (seed and hits)
+                draws[i].append(tuple(result.token_ids[p] for p in LAW_POSITIONS))
+    finally:
+        getattr(engine, "close", lambda: None)()
     return [chi_square_pvalue(d, exact_marginal(target, prompt, LAW_TOKENS, LAW_SAMPLING, LAW_POSITIONS))
             for d, prompt in zip(draws, LAW_PROMPTS)]
 
 
-def test_sampled_output_on_a_hit_follows_the_target_law():
-    pvalues = _law_pvalues(300)
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_sampled_output_on_a_hit_follows_the_target_law(mode):
+    pvalues = _law_pvalues(300, mode=mode)
     for prompt, pvalue in zip(LAW_PROMPTS, pvalues):
-        report_pvalue("sd, prefix cache hit", f"{prompt} T=1", "exact", 300, pvalue)
+        report_pvalue(f"{mode}, prefix cache hit", f"{prompt} T=1", "exact", 300, pvalue)
     assert min(pvalues) > ALPHA, pvalues
 
 

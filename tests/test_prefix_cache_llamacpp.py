@@ -122,3 +122,28 @@ def test_chats_under_one_system_prompt_copy_its_slot_bit_for_bit(k_quant_pair, m
     turns = _chats(mode, target, draft, TOK, SamplingConfig(temperature=0.0), chats, CHUNK, n=8, turns=2)
     assert all(got == want for _, got, _, want in turns)
     assert [cached for _, _, cached, _ in turns] == [0, 32, 32, 32]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_long_and_short_chunks_on_their_layouts_equal_fresh_runs(k_quant_files, monkeypatch, mode):
+    """The shipped PLAIN_PREFILL_MIN where prompts run on the plain twin: chunks of 64 move
+    there, the shorter ends of prompts and replies run in place; chats taking turns with idle
+    prefill still equal fresh runs bit for bit, and both kinds of chunk ran (asserted)."""
+    from ssd.models import llamacpp
+    from tests.test_llamacpp import PLAIN_PREFILL_MIN, repack_probe
+
+    if not repack_probe(k_quant_files[0])["runs"]:
+        pytest.skip("llama.cpp's repacked layouts do not run on this host")
+    monkeypatch.setattr(llamacpp, "PLAIN_PREFILL_MIN", PLAIN_PREFILL_MIN)
+    target, draft = (llamacpp.LlamaCppModel(f, use_extra_bufts=True, plain_prefill=True) for f in k_quant_files)
+    moved, in_place = [], []
+    real_apart, real_call = llamacpp.LlamaCppContext._prompt_chunk_apart, llamacpp.LlamaCppContext._decode_call
+    monkeypatch.setattr(llamacpp.LlamaCppContext, "_prompt_chunk_apart",
+                        lambda self, piece: moved.append(len(piece[3])) or real_apart(self, piece))
+    monkeypatch.setattr(llamacpp.LlamaCppContext, "_decode_call", lambda self, pieces: in_place.append(
+        sum(len(p[3]) for p in pieces)) or real_call(self, pieces))
+    chats = ([(5 * i + 3) % CFG.vocab_size for i in range(150)], [(3 * i + 1) % CFG.vocab_size for i in range(140)])
+    turns = _chats(mode, target, draft, TOK, SamplingConfig(temperature=0.0), chats, 64, n=24, warm=True)
+    assert all(got == want for _, got, _, want in turns)
+    assert any(cached for _, _, cached, _ in turns)
+    assert max(moved) == 64 and any(PLAIN_PREFILL_MIN > n > target.invariant_options()["n_ubatch"] for n in in_place)

@@ -46,8 +46,8 @@ from ssd.engine.processing import LogitsProcessor
 from ssd.engine.request import GenerationRequest, GenerationResult, Processing, TokenLogprob
 from ssd.hardware import sync, to_device
 from ssd.models.backend import (
-    AnySequence, Model, forward_rows, has_free_slot, keeps_prefix, kv_bytes_per_token, new_sequence, precision_of,
-    release, sequence_source,
+    AnySequence, Model, forward_rows, has_free_slot, kv_bytes_per_token, new_sequence, precision_of, release,
+    sequence_source,
 )
 from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
@@ -237,7 +237,8 @@ class BatchedEngine(Engine):
         # finished rows' caches for later prompts (ssd.engine.prefix); the tensor-parallel
         # target's one sequence keeps its own: `_shared_whole` positions of it
         self._stops = frozenset(self.eos_ids)  # a prompt chunk also ends after one (ssd.engine.prefix)
-        self._prefix = PrefixCache(batching.prefill_chunk, self._stops) if batching.prefix_cache else None
+        self._prefix = (PrefixCache(batching.prefill_chunk, self._stops, self._token_bytes)
+                        if batching.prefix_cache else None)
         self._shared_whole = 0
         # prompt lookup: what a scored token adds to a forward, how lookups fare by match length
         self._step_cost = StepCost()
@@ -405,7 +406,7 @@ class BatchedEngine(Engine):
         try:
             for sequence in (entry.target, entry.draft):
                 made.append(sequence.fork(length) if sequence is not None else None)
-        except (AttributeError, ValueError) as error:  # a sequence that cannot copy itself
+        except ValueError as error:  # a sequence that cannot copy itself (a context of its own)
             log.debug("a cached prefix moves instead of being copied: %r", error)
             for sequence in made:
                 release(sequence)
@@ -448,7 +449,7 @@ class BatchedEngine(Engine):
             self._shared_whole = common_chunks(row.target.tokens, prompt, chunk, stops, limit=whole)
             return False
         sequences = [s for s in (row.target, row.draft) if s is not None]
-        if not all(keeps_prefix(s) for s in sequences):
+        if not all(s.keeps_prefix for s in sequences):
             return False
         for sequence in sequences:  # what each holds of those whole chunks
             whole = common_chunks(sequence.tokens, prompt, chunk, stops, limit=whole)
@@ -456,9 +457,9 @@ class BatchedEngine(Engine):
             return False
         for sequence in sequences:
             sequence.rollback(whole)
-        sequence = row.state.sequence
-        self._prefix.put(CachedPrefix(tuple(sequence[:whole]), row.target, row.draft, whole * self._token_bytes,
-                                      pending=(*sequence[whole:], *self._turn_end(row))))
+        text = row.state.sequence
+        self._prefix.put(CachedPrefix(tuple(text[:whole]), row.target, row.draft,
+                                      pending=(*text[whole:], *self._turn_end(row))))
         return True
 
     def _turn_end(self, row: Row) -> tuple[int, ...]:
@@ -466,7 +467,8 @@ class BatchedEngine(Engine):
         max_tokens or a stop string): the end-of-turn token that closed the prompt's earlier
         messages, so `warm` can prefill up to it. Only a guess of what to prefill: a prompt
         that goes on otherwise shares nothing past it."""
-        if row.state.output.token_ids[-1:] and row.state.output.token_ids[-1] in self._stops:
+        output = row.state.output.token_ids
+        if not output or output[-1] in self._stops:  # no output (left while prefilling), or it ended its turn
             return ()
         return next(((t,) for t in reversed(row.request.prompt_ids) if t in self._stops), ())
 
@@ -490,7 +492,7 @@ class BatchedEngine(Engine):
                 sequence.rollback(entry.whole)
             entry.pending = ()
             return self._prefix.warmable() is not None
-        entry.grow(chunk, self._token_bytes)
+        entry.grow(chunk)
         return self._prefix.warmable() is not None
 
     @staticmethod

@@ -105,42 +105,39 @@ class CachedPrefix:
     tokens: tuple[int, ...]  # the ids whose keys and values the sequences hold: `whole` of them
     target: Any  # its target sequence (a KVSequence or LlamaCppSequence)
     draft: Any = None  # its draft sequence (SD in process), holding the same ids, or None
-    nbytes: int = 0  # what it holds of the engine's KV memory
     pending: tuple[int, ...] = ()  # the row's ids after `tokens` (its prompt's rest, its output): `warm`'s
 
     @property
     def whole(self) -> int:
         return len(self.tokens)
 
-    def grow(self, n: int, token_bytes: int) -> None:
+    def grow(self, n: int) -> None:
         """The first `n` pending ids were fed as a prompt chunk: they are held now."""
         self.tokens, self.pending = self.tokens + self.pending[:n], self.pending[n:]
-        self.nbytes += n * token_bytes
 
 
 class PrefixCache:
     """Finished rows' caches by recency; `take` hands the best match to a new row and forgets it."""
 
-    def __init__(self, chunk: int, stops: Collection[int] = ()) -> None:
+    def __init__(self, chunk: int, stops: Collection[int] = (), token_bytes: int = 0) -> None:
+        """token_bytes: KV memory one held position takes (the target's and draft's together)."""
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        self.chunk, self.stops = chunk, frozenset(stops)
-        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # oldest first
-        self._next_key = 0
+        self.chunk, self.stops, self.token_bytes = chunk, frozenset(stops), token_bytes
+        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # by id(entry), oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self._entries.values())
+        return self.token_bytes * sum(entry.whole for entry in self._entries.values())
 
     def put(self, entry: CachedPrefix) -> None:
         """Keep `entry` as the most recent (one holding no whole chunk is the caller's to release)."""
         if entry.whole == 0 or whole_chunks(entry.tokens, entry.whole, self.chunk, self.stops) != entry.whole:
             raise ValueError(f"an entry holds whole chunks, got {entry.whole} positions")
-        self._entries[self._next_key] = entry
-        self._next_key += 1
+        self._entries[id(entry)] = entry
 
     def find(self, prompt: Sequence[int]) -> tuple[CachedPrefix, int] | None:
         """The entry sharing the most whole chunks with `prompt` (the newest among equals) and
@@ -154,8 +151,7 @@ class PrefixCache:
 
     def remove(self, entry: CachedPrefix) -> None:
         """`entry` leaves the cache (its sequences become a new row's)."""
-        key = next(k for k, e in self._entries.items() if e is entry)
-        del self._entries[key]
+        del self._entries[id(entry)]
 
     def next_chunk(self, entry: CachedPrefix) -> int:
         """How many of `entry`'s pending ids its next whole chunk takes (0: none is whole yet)."""

@@ -10,7 +10,7 @@ given, so an engine runs on either without knowing which:
     logits = forward_rows([seq, ...], [ids, ...], last_only)       # one packed forward
     release(seq)                                                   # when the row leaves
 
-plus `has_free_slot` and `keeps_prefix` (what may wait for a later prompt:
+plus `has_free_slot` (room for a sequence a later prompt's cache may copy:
 ssd.engine.prefix), `kv_bytes_per_token`, `vocab_size` and `precision_of` for admission and
 reports, and `model_of` (a sequence's model) and `device_of` for the start-up
 plan's probes. Logits are torch tensors either way (float32 on the CPU from
@@ -89,11 +89,6 @@ def has_free_slot(source: Model | LlamaCppContext) -> bool:
     if is_llamacpp(source) and isinstance(source, _llamacpp().LlamaCppContext):
         return source.free_slots > 0
     return True
-
-
-def keeps_prefix(sequence: AnySequence) -> bool:
-    """Whether `sequence` may wait, idle, for a later prompt (ssd.engine.prefix)."""
-    return is_llamacpp(sequence) or sequence.keeps_prefix
 
 
 def branch_decoder(sequence: AnySequence) -> Any | None:

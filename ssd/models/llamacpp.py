@@ -559,6 +559,8 @@ class LlamaCppSequence:
         self.seq = self.context.take_slot()
         self.tokens: list[int] = []
 
+    keeps_prefix = True  # may wait, idle, for a later prompt (ssd.engine.prefix; KVSequence.keeps_prefix)
+
     @property
     def length(self) -> int:
         """Committed tokens in the cache."""
