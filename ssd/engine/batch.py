@@ -172,6 +172,10 @@ class Row:
     lookup_match: int = 0  # how many of the text's last tokens it matched
     link: Any = None  # SSD: the row's sequence on the draft link (ssd.saguaro.target.RowLink)
     error: Exception | None = None
+    # a running row whose prompt chunks this one copies once it has prefilled them (`_follow`):
+    # `shares` positions of it; meanwhile this row's prefill waits
+    leader: "Row | None" = None
+    shares: int = 0
 
     @property
     def request(self) -> GenerationRequest:
@@ -281,10 +285,13 @@ class BatchedEngine(Engine):
         state = self._new_state(request)
         target, draft, cached = self._sequences(request, need_bytes)
         state.stats.cached_prompt_tokens = cached
-        self._rows.append(Row(state, target, draft, Stopwatch(), need_bytes, need_tokens, prefilled=cached))
+        row = Row(state, target, draft, Stopwatch(), need_bytes, need_tokens, prefilled=cached)
+        row.leader, row.shares = self._leader(request, cached)
+        self._rows.append(row)
 
     def step(self) -> list[Finished]:
         left = self._drop_cancelled()
+        self._follow()
         decoding = [row for row in self._rows if row.decoding]
         chunks = self._chunks(decoding)
         self._together([row for row, _ in chunks], self._prefill_draft, chunks)
@@ -402,12 +409,19 @@ class BatchedEngine(Engine):
         sources = [s for s in (self._target_source, self._draft_source) if s is not None]
         if not all(has_free_slot(s) for s in sources):
             return None
+        return self._copies(entry.target, entry.draft, length)
+
+    @staticmethod
+    def _copies(target: AnySequence, draft: AnySequence | None,
+                length: int) -> tuple[AnySequence, AnySequence | None] | None:
+        """Copies of the first `length` positions of a target sequence and its draft's (None:
+        none); None, and nothing made, where a sequence cannot copy itself (a context of its own)."""
         made = []
         try:
-            for sequence in (entry.target, entry.draft):
+            for sequence in (target, draft):
                 made.append(sequence.fork(length) if sequence is not None else None)
-        except ValueError as error:  # a sequence that cannot copy itself (a context of its own)
-            log.debug("a cached prefix moves instead of being copied: %r", error)
+        except ValueError as error:
+            log.debug("a prefix is not copied: %r", error)
             for sequence in made:
                 release(sequence)
             return None
@@ -437,6 +451,58 @@ class BatchedEngine(Engine):
         while len(self._prefix) > (spare is not None) and (reserved + self._prefix.nbytes > budget
                                                            or not all(has_free_slot(s) for s in sources)):
             self._drop(self._prefix.pop_oldest(spare))
+
+    def _leader(self, request: GenerationRequest, cached: int) -> tuple["Row | None", int]:
+        """The running row whose prompt shares the most whole chunks with `request`'s, more than
+        the `cached` ones the new row holds, and how many positions: `n` samples of one prompt,
+        or requests under one system prompt, admitted together prefill the shared chunks once
+        (vLLM and SGLang share them through their prefix caches the same way)."""
+        if self._prefix is None or self._shared_target is not None or request.prompt_logprobs is not None:
+            return None, 0
+        best, most = None, cached
+        for row in self._rows:
+            if row.leader is not None or row.error is not None or not self._copyable(row):
+                continue
+            shares = shared_chunks(row.request.prompt_ids, request.prompt_ids, self.batching.prefill_chunk,
+                                   self._stops)
+            if shares > most:
+                best, most = row, shares
+        return (best, most) if best is not None else (None, 0)
+
+    @staticmethod
+    def _copyable(row: Row) -> bool:
+        return all(s.keeps_prefix for s in (row.target, row.draft) if s is not None)
+
+    def _follow(self) -> None:
+        """Rows whose leader has prefilled the chunks they share take copies of them; a leader
+        that failed or left leaves its followers to prefill on their own."""
+        for row in self._rows:
+            leader = row.leader
+            if leader is None:
+                continue
+            gone = leader.error is not None or leader not in self._rows
+            if not gone and leader.prefilled < row.shares:
+                continue
+            row.leader = None
+            if not gone:
+                self._copy_chunks(row, leader)
+
+    def _copy_chunks(self, row: Row, leader: Row) -> None:
+        """`row`'s caches become copies of the prompt chunks it shares with `leader`: a prompt chunk
+        computes the same keys and values in any row, so they hold what its own prefill would."""
+        prompt, chunk = row.request.prompt_ids, self.batching.prefill_chunk
+        length = min(common_chunks(s.tokens, prompt, chunk, self._stops, limit=row.shares)
+                     for s in (leader.target, leader.draft) if s is not None)
+        if length <= row.prefilled:
+            return
+        release(row.target)  # first: a llama.cpp copy takes the slot this frees
+        release(row.draft)
+        copies = self._copies(leader.target, leader.draft, length)
+        if copies is None:  # a sequence that cannot copy itself: this row prefills on its own
+            length, copies = 0, (new_sequence(self._target_source),
+                                 new_sequence(self._draft_source) if self._draft_source is not None else None)
+        row.target, row.draft = copies
+        row.prefilled = row.state.stats.cached_prompt_tokens = length
 
     def _keep(self, row: Row) -> bool:
         """Cache a finishing row's whole prompt chunks for later prompts; False: its caches go
@@ -684,7 +750,7 @@ class BatchedEngine(Engine):
         budget = self.batching.max_batched_tokens - sum(self._round_cost(r) for r in decoding)
         chunks = []
         for row in self._rows:
-            if row.decoding:
+            if row.decoding or row.leader is not None:  # a follower waits for its leader's chunks
                 continue
             prompt = row.request.prompt_ids
             end = chunk_end(prompt, row.prefilled, size, self._stops) or len(prompt)
