@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{role} {name}: {m.description}{', repacked' if m.repacked else ''}; file {os.path.getsize(paths[name]) / 2**20:.0f} MiB; "
             f"load {t1 - t0:.2f} s; RSS +{r1 - r0:.0f} MiB (model, mmap'd pages touched so far), "
             f"+{r2 - r1:.0f} MiB for a 1-slot context of {m.n_ctx} tokens "
-            f"(F32 KV {m.kv_bytes_per_token() * m.n_ctx / 2**20:.1f} MiB); vocab {m.vocab_size}, "
+            f"(KV {m.kv_bytes_per_token() * m.n_ctx / 2**20:.1f} MiB); vocab {m.vocab_size}, "
             f"trained context {m.n_ctx_train}")
         models[role] = m
     target, draft = models["target"], models["draft"]
@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [
             ("default (F32 KV, no flash attn, pad_single)", {}, False),
             ("flash attention on (F32 KV)", {"flash_attn": True}, False),
-            ("F16 KV cache, no flash attn", {"f32_kv": False}, False),
-            ("F16 KV + flash attn (llama.cpp's usual)", {"f32_kv": False, "flash_attn": True}, False),
+            ("F16 KV cache, no flash attn", {"kv_type": "f16"}, False),
+            ("F16 KV + flash attn (llama.cpp's usual)", {"kv_type": "f16", "flash_attn": True}, False),
+            ("BF16 KV + flash attn", {"kv_type": "bf16", "flash_attn": True}, False),
         ] + ([("the other weight layout, default context", {}, True)] if args.other_layout else [])
         for role in ("target", "draft"):
             base = models[role]

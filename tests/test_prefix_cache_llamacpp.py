@@ -7,6 +7,8 @@ prompts and decode steps run different layouts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("llama_cpp")
@@ -21,7 +23,7 @@ from ssd.models import TinyTokenizer  # noqa: E402
 from tests.test_llamacpp import (  # noqa: E402,F401 - fixtures (the last autouse)
     CFG, LONG, k_quant_files, k_quant_pair, short_prompts_on_the_plain_twin,
 )
-from tests.test_prefix_cache import _chats, _fresh, _outcome, _request  # noqa: E402
+from tests.test_prefix_cache import _chats, _engine, _fresh, _outcome, _request  # noqa: E402
 
 CHUNK = 16
 CHATS = (LONG, [(3 * i + 1) % CFG.vocab_size for i in range(37)])
@@ -147,3 +149,26 @@ def test_long_and_short_chunks_on_their_layouts_equal_fresh_runs(k_quant_files, 
     assert all(got == want for _, got, _, want in turns)
     assert any(cached for _, _, cached, _ in turns)
     assert max(moved) == 64 and any(PLAIN_PREFILL_MIN > n > target.invariant_options()["n_ubatch"] for n in in_place)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_rows_admitted_together_copy_one_prefill_bit_for_bit(k_quant_pair, mode):
+    """Three samples of one prompt and a request under its system prompt, admitted together
+    (ssd.engine.batch `_follow`): the first row prefills, the others copy its slot's 32 shared
+    positions, and each row's tokens and logprobs equal its request's alone on a fresh
+    engine without the cache, bit for bit (seeded T = 1 in AR; SSD's draws follow its
+    hits: greedy there)."""
+    from tests.test_shared_prefill import run_together
+
+    target, draft = k_quant_pair
+    prompts = [LONG[:40], LONG[:40], LONG[:40], LONG[:32] + [9, 8, 7, 6, 5, 4, 3]]
+    sampling = SamplingConfig(temperature=0.0) if mode != "ar" else SamplingConfig(temperature=1.0)
+    engine = _engine(mode, target, draft, TOK, BatchingConfig(prefill_chunk=CHUNK, max_rows=4))
+    requests = [_request(p, dataclasses.replace(sampling, seed=i), 8) for i, p in enumerate(prompts)]
+    try:
+        results = run_together(engine, requests)
+    finally:
+        getattr(engine, "close", lambda: None)()
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, 32, 32, 32]
+    for request, result in zip(requests, results):
+        assert _outcome(result) == _fresh(mode, target, draft, TOK, request.prompt_ids, request.sampling, CHUNK, 8)

@@ -30,8 +30,9 @@ Options for batch invariance (a token's logits must not depend on how
 many positions share its forward) come from `LlamaCppModel.invariant_options`:
 F32/F16 weights keep flash attention off, an F32 KV cache and `pad_single`
 (logits within ~2e-6 of the fp32 torch model); quantized weights get the
-fastest options a probe finds bit-invariant (the real q4_k_m pair: flash
-attention, F16 KV, at most 7 tokens a call in plain layouts, 3 in repacked ones;
+fastest options a probe finds bit-invariant past 256 positions (the real q4_k_m
+pair: flash attention, a BF16 KV cache, at most 7 tokens a call in plain layouts, 3
+in repacked ones;
 prompt chunks run alone, as whole ubatches, from fixed positions:
 `LlamaCppContext.decode`). Quantized weights load in llama.cpp's repacked layouts
 (`use_extra_bufts`, its default) where a probe in a child process finds that they
@@ -60,7 +61,7 @@ import llama_cpp as L
 
 log = logging.getLogger(__name__)
 
-GGML_TYPE_F32 = 0  # ggml_type: the KV cache's element type
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # the KV cache's element type, as ggml_type
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
 REPACK_PROBE_TIMEOUT_S = 300  # the probe of the 1.5B q4_k_m target takes ~5 s
 PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
@@ -194,20 +195,21 @@ class LlamaCppModel:
             kind = kind.replace(size, suffix)
         return "gguf " + kind.replace(" ", "_")
 
-    def kv_bytes_per_token(self, f32_kv: bool | None = None) -> int:
-        """Bytes of keys and values one token takes in a context's cache (F32 cache, or F16;
-        default: the model's, see `f32_kv`)."""
-        f32_kv = self.f32_kv if f32_kv is None else f32_kv
+    def kv_bytes_per_token(self, kv_type: str | None = None) -> int:
+        """Bytes of keys and values one token takes in a context's cache of `kv_type`
+        (default: the model's, see `kv_type`)."""
+        kv_type = self.kv_type if kv_type is None else kv_type
         m = self._model
         head_dim = L.llama_model_n_embd(m) // L.llama_model_n_head(m)
-        return L.llama_model_n_layer(m) * 2 * L.llama_model_n_head_kv(m) * head_dim * (4 if f32_kv else 2)
+        return L.llama_model_n_layer(m) * 2 * L.llama_model_n_head_kv(m) * head_dim * (4 if kv_type == "f32" else 2)
 
     @property
-    def f32_kv(self) -> bool:
-        """F32 keys and values for F32/F16 weights (the logits then match torch's to
-        ~2e-6); llama.cpp's F16 cache for quantized weights (half the memory and reads;
-        a token's keys round the same way in any batch, so invariance holds)."""
-        return not self.quantized
+    def kv_type(self) -> str:
+        """The KV cache's type: F32 for F32/F16 weights (the logits then match torch's to
+        ~2e-6); for quantized weights the probe's (`invariant_options`): BF16 where ggml's
+        flash attention would take its split-KV path for a lone query row over an F16
+        cache (see INVARIANCE_CANDIDATES)."""
+        return "f32" if not self.quantized else self.invariant_options().get("kv", "f16")
 
     def close(self) -> None:
         if self.plain_twin is not None:
@@ -228,12 +230,12 @@ class LlamaCppContext:
 
     def __init__(
         self, model: LlamaCppModel, n_seq: int = 1, n_ctx_seq: int | None = None, n_threads: int | None = None,
-        flash_attn: bool | None = None, f32_kv: bool | None = None, n_batch: int = 512,
+        flash_attn: bool | None = None, kv_type: str | None = None, n_batch: int = 512,
         pad_single: bool | None = None, n_ubatch: int | None = None, shared_room: int = 0,
     ) -> None:
-        """pad_single: never run a forward with a single output row (see `decode`); it takes
-        one extra sequence slot, the scratch slot, for the padding token. flash_attn and
-        pad_single default to the model's `invariant_options`; f32_kv to the model's.
+        """pad_single: never run a forward with a single output row (see `_decode_call`); a
+        lone token gets a padding token after it, one cell past n_ctx_seq at most. flash_attn and
+        pad_single default to the model's `invariant_options`; kv_type to the model's.
         n_threads None: torch's intra-op threads of the calling thread, followed at every
         decode (the cluster sets them to the actor's cores; the bench and the start-up
         plan change them between runs); a number fixes them.
@@ -252,19 +254,21 @@ class LlamaCppContext:
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq or model.n_ctx
         self.pad_single = pad_single
-        self._scratch = n_seq if pad_single else None
-        slots = n_seq + (1 if pad_single else 0)
+        slots = n_seq
         self.shared = shared_room > 0
         self._follow_torch = n_threads is None
         n_threads = torch.get_num_threads() if n_threads is None else n_threads
         self.n_threads = n_threads
-        f32_kv = model.f32_kv if f32_kv is None else f32_kv
+        kv_type = model.kv_type if kv_type is None else kv_type
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self._n_stream = slots  # KV streams (one per slot; prompts move apart only where they are not shared)
         # A moved cache must fit the twin's context: the same cache types and attention.
-        self._prompt_options = {"flash_attn": flash_attn, "f32_kv": f32_kv, "n_batch": n_batch}
+        self._prompt_options = {"flash_attn": flash_attn, "kv_type": kv_type, "n_batch": n_batch}
         self._prompt_context: LlamaCppContext | None = None  # on model.plain_twin: see _prompt_chunk_apart
         params = L.llama_context_default_params()
-        params.n_ctx = self.n_ctx_seq + shared_room + (1 if pad_single else 0) if self.shared else self.n_ctx_seq * slots
+        room = self.n_ctx_seq + (1 if pad_single else 0)  # a padding token's cell after a full sequence
+        params.n_ctx = room + shared_room if self.shared else room * slots
         params.n_seq_max = slots
         # Not shared: one KV stream per sequence, so a row's attention never sees another's entries.
         params.kv_unified = self.shared
@@ -277,9 +281,7 @@ class LlamaCppContext:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        if f32_kv:
-            params.type_k = GGML_TYPE_F32
-            params.type_v = GGML_TYPE_F32
+        params.type_k = params.type_v = KV_TYPES[kv_type]
         params.no_perf = True
         self.n_batch = n_batch
         self._ctx = L.llama_init_from_model(model._model, params)
@@ -404,7 +406,10 @@ class LlamaCppContext:
         two-token forward, while every forward of >= 2 rows agrees to the
         bit). A piece with one output row among several tokens then also outputs
         its next-to-last row; a forward of one token in all gets a padding token
-        on the scratch slot, removed again after the call.
+        after it in its own sequence, whose cell is removed again after the call.
+        (Not on a slot of its own: llama.cpp splits a batch into ubatches of
+        consecutive sequence ids, so the token and a pad on another slot would
+        run as two one-row ubatches.)
         """
         total = sum(len(ids) for *_, ids, _ in pieces)
         pad = self.pad_single and total == 1
@@ -424,11 +429,11 @@ class LlamaCppContext:
                 i += 1
             outputs.append(rows)
         if self.pad_single and n_out < 2:
-            if pad:  # one token in all: a padding token beside it
+            if pad:  # one token in all: a padding token after it, in its sequence
                 batch.token[i] = 0
-                batch.pos[i] = 0
+                batch.pos[i] = batch.pos[0] + 1
                 batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = self._scratch
+                batch.seq_id[i][0] = batch.seq_id[0][0]
                 batch.logits[i] = True
                 i += 1
             else:  # one output row among several tokens: output another row too
@@ -438,7 +443,7 @@ class LlamaCppContext:
             self.set_threads(torch.get_num_threads())
         rc = L.llama_decode(self._ctx, batch)
         if pad:
-            L.llama_memory_seq_rm(self._memory, self._scratch, -1, -1)
+            L.llama_memory_seq_rm(self._memory, batch.seq_id[0][0], batch.pos[1], -1)
         if rc != 0:
             raise LlamaCppError(f"llama_decode returned {rc}")
         V = self.vocab_size
@@ -630,11 +635,18 @@ class LlamaCppSequence:
             pass
 
 
-INVARIANCE_CANDIDATES = (  # fastest first
-    {"flash_attn": True, "pad_single": False}, {"flash_attn": False, "pad_single": False},
-    {"flash_attn": True, "pad_single": True}, {"flash_attn": False, "pad_single": True},
+# Fastest first. ggml's CPU flash attention takes a split-KV path ("flash decoding": the
+# cells cut among threads, partial sums merged) for a ubatch of one query row over an F16 or
+# F32 cache of >= 512 cells, which llama.cpp's KV view reaches past 256 positions: there a
+# lone decode step parts from the same token in a verification or beside other rows (by 0.3
+# in a logit on the real q4_k_m target). A BF16 cache takes the row-by-row path always.
+INVARIANCE_CANDIDATES = (
+    {"flash_attn": True, "pad_single": False, "kv": "f16"}, {"flash_attn": True, "pad_single": False, "kv": "bf16"},
+    {"flash_attn": False, "pad_single": False, "kv": "f16"}, {"flash_attn": True, "pad_single": True, "kv": "f16"},
+    {"flash_attn": False, "pad_single": True, "kv": "f16"},
 )
 PROBE_TOKENS = 16  # the longest forward the probe tries; longer ones run as ubatches of what it finds
+PROBE_LEAD = 260  # positions before the probe's forwards: past 256, where the KV view reaches 512 cells
 
 
 def _first_invariant(model: LlamaCppModel) -> dict:
@@ -655,7 +667,8 @@ def _first_invariant(model: LlamaCppModel) -> dict:
 def _cached_probe(model: LlamaCppModel) -> dict:
     """`_first_invariant`, kept on disk per GGUF file, weight layout, llama.cpp build and
     host (the probe takes seconds a load: ~10 s for the 1.5B target on one core)."""
-    return _cached("invariance", model.path, ("repacked", model.repacked), lambda: _first_invariant(model))
+    return _cached("invariance", model.path, ("repacked", model.repacked, "lead", PROBE_LEAD),
+                   lambda: _first_invariant(model))
 
 
 def _cached(kind: str, gguf: Path, extra: tuple, compute: Callable[[], Any]) -> Any:
@@ -745,23 +758,38 @@ def repack_probe(gguf: Path) -> dict:
     return _cached("repack", gguf, ("threads", torch.get_num_threads(), "child", child), probe)
 
 
-def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, n: int = PROBE_TOKENS) -> int:
+def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, kv: str | None = None,
+                     n: int = PROBE_TOKENS, lead: int = PROBE_LEAD) -> int:
     """The most tokens m <= n such that every forward of up to m tokens, one row or two rows
-    packed, gives logits bit-identical to decoding its tokens one at a time (0: not even one)."""
+    packed, gives logits bit-identical to decoding its tokens one at a time (0: not even one),
+    after `lead` positions (none where the model's context is under 512: its view never
+    reaches 512 cells). `kv`: the cache's type (default F32 for F32/F16 weights, else F16)."""
+    kv = kv or ("f16" if model.quantized else "f32")
+    lead = lead if model.n_ctx >= 512 else 0
     ids = [(7 * i + 3) % model.vocab_size for i in range(n)]
-    options = {"n_ctx_seq": 2 * n, "flash_attn": flash_attn, "pad_single": pad_single, "n_ubatch": n}
-    alone = LlamaCppSequence(LlamaCppContext(model, **options))
-    one_by_one = torch.cat([alone.forward([t]) for t in ids])
-    if not pad_single and not torch.equal(one_by_one[:1], LlamaCppSequence(LlamaCppContext(model, **options))
-                                          .forward(ids[:2])[:1]):
+    # two threads at least: with one, ggml's split-KV path has one chunk and agrees with the rest
+    context = LlamaCppContext(model, n_seq=3, n_ctx_seq=lead + 2 * n, flash_attn=flash_attn, pad_single=pad_single,
+                              kv_type=kv, n_ubatch=n, n_threads=max(2, torch.get_num_threads()))
+    alone, row, other = (LlamaCppSequence(context) for _ in range(3))
+    if lead:
+        alone.forward([(5 * i + 1) % model.vocab_size for i in range(lead)], last_only=True)
+        for sequence in (row, other):
+            context.copy(alone.seq, sequence.seq, lead)
+            sequence.tokens = list(alone.tokens)
+
+    def fed(*forwards: torch.Tensor) -> list[torch.Tensor]:  # the rows go back to the lead
+        for sequence in (alone, row, other):
+            sequence.rollback(lead)
+        return list(forwards)
+
+    one_by_one, = fed(torch.cat([alone.forward([t]) for t in ids]))
+    if not pad_single and not torch.equal(one_by_one[:1], fed(row.forward(ids[:2]))[0][:1]):
         return 0  # a one-row forward parts from a two-row one
     for m in range(2, n + 1):
-        together = LlamaCppSequence(LlamaCppContext(model, **options)).forward(ids[:m])
-        packed_context = LlamaCppContext(model, n_seq=2, **options)
-        rows = [LlamaCppSequence(packed_context), LlamaCppSequence(packed_context)]
+        together, = fed(row.forward(ids[:m]))
         half = m // 2
-        packed = forward_rows(rows, [ids[:half], ids[: m - half]])
-        if not (torch.equal(together, one_by_one[:m]) and torch.equal(packed[1], one_by_one[: m - half])):
+        _, packed = fed(*forward_rows([row, other], [ids[:half], ids[: m - half]]))
+        if not (torch.equal(together, one_by_one[:m]) and torch.equal(packed, one_by_one[: m - half])):
             return m - 1
     return n
 
