@@ -11,36 +11,26 @@ whether our two engines' samples agree.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
-from pathlib import Path
 
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
-from ssd.config import load_config  # noqa: E402
-from ssd.tools.bench.report import print_and_save  # noqa: E402
+from ssd.tools.bench.report import print_and_save, small_bench_config, small_bench_parser  # noqa: E402
 from ssd.tools.bench.samples import bench_samples, format_table  # noqa: E402
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "qwen2.5-coder-cpu.yaml")
-    parser.add_argument("--backend", choices=["auto", "llamacpp", "torch"], default="auto")
-    parser.add_argument("--threads", type=int, default=2)
+def build_parser():
+    parser = small_bench_parser(__doc__, ROOT / "configs" / "qwen2.5-coder-cpu.yaml")
     parser.add_argument("-n", type=int, default=4, help="samples of the prompt (OpenAI's n)")
     parser.add_argument("--prompt-tokens", type=int, default=700)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-llamacpp", action="store_true", help="leave plain llama.cpp out")
-    parser.add_argument("--out", type=Path, help="write OUT.txt (the table) and OUT.json")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    config = load_config(args.config, {"target": {"backend": args.backend}, "runtime": {"threads": args.threads}})
+    config = small_bench_config(args)
     result = bench_samples(config, args.n, args.prompt_tokens, args.max_new_tokens, args.repeats,
                            llamacpp=not args.no_llamacpp)
     command = " ".join(["python launch/bench_samples.py", *(sys.argv[1:] if argv is None else argv)])

@@ -36,6 +36,7 @@ from ssd.models.llamacpp import (  # noqa: E402
 from ssd.saguaro.branches import make_branch_decoder  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
 import ssd.models.llamacpp as llamacpp_module  # noqa: E402
+from tests.batches import run_together  # noqa: E402
 
 PLAIN_PREFILL_MIN = llamacpp_module.PLAIN_PREFILL_MIN  # the shipped value, before the fixture below
 
@@ -225,14 +226,7 @@ def _request(prompt, sampling=GREEDY, k=None):
 
 def _run_batch(engine, requests, what=lambda result: result.token_ids):
     """Admit every request, step until all left; token ids (or `what` of the result) per request."""
-    for r in requests:
-        engine.admit(r)
-    out = {}
-    while engine.rows:
-        for finished in engine.step():
-            assert finished.error is None, finished.error
-            out[id(finished.request)] = what(finished.result)
-    return [out[id(r)] for r in requests]
+    return run_together(engine, requests, what)
 
 
 def test_backend_dispatch(pair):
@@ -795,8 +789,6 @@ def _long_rows(target, draft, mode="ar"):
     positions llama.cpp's KV view holds 512 cells, where ggml's flash attention over an F16
     cache takes another path for a lone query row than for several."""
     from tests.test_prefix_cache import _engine, _outcome, _request
-    from tests.test_shared_prefill import run_together
-
     prompts = [[(a * i + b) % CFG.vocab_size for i in range(300)] for a, b in ((5, 3), (7, 1), (3, 2))]
     batching = BatchingConfig(prefill_chunk=64, prefix_cache=False)
     engine = _engine(mode, target, draft, TinyTokenizer(CFG.vocab_size), batching)

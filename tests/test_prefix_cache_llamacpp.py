@@ -23,6 +23,7 @@ from ssd.models import TinyTokenizer  # noqa: E402
 from tests.test_llamacpp import (  # noqa: E402,F401 - fixtures (the last autouse)
     CFG, LONG, k_quant_files, k_quant_pair, short_prompts_on_the_plain_twin,
 )
+from tests.batches import run_together  # noqa: E402
 from tests.test_prefix_cache import _chats, _engine, _fresh, _outcome, _request  # noqa: E402
 
 CHUNK = 16
@@ -158,8 +159,6 @@ def test_rows_admitted_together_copy_one_prefill_bit_for_bit(k_quant_pair, mode)
     positions, and each row's tokens and logprobs equal its request's alone on a fresh
     engine without the cache, bit for bit (seeded T = 1 in AR; SSD's draws follow its
     hits: greedy there)."""
-    from tests.test_shared_prefill import run_together
-
     target, draft = k_quant_pair
     prompts = [LONG[:40], LONG[:40], LONG[:40], LONG[:32] + [9, 8, 7, 6, 5, 4, 3]]
     sampling = SamplingConfig(temperature=0.0) if mode != "ar" else SamplingConfig(temperature=1.0)

@@ -18,6 +18,7 @@ import pytest
 import ssd.engine.batch as batch_module
 from ssd.config import BatchingConfig, SamplingConfig
 from ssd.models import TinyTokenizer
+from tests.batches import run_together
 from tests.exact import exact_marginal
 from tests.stats import ALPHA, chi_square_pvalue, report_pvalue
 from tests.test_distribution import SMALL, small_models
@@ -31,18 +32,6 @@ OTHER = SYSTEM + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 2]  # another request under the 
 def _same(got, want) -> bool:
     """The same tokens, logprobs within 1e-9 (a batch's row count moves fp32 matmuls by ulps)."""
     return got[0] == want[0] and got[1] == pytest.approx(want[1], rel=0, abs=1e-9)
-
-
-def run_together(engine, requests):
-    """Admit every request before the first step; each one's result, in order."""
-    for request in requests:
-        engine.admit(request)
-    results = {}
-    while engine.rows:
-        for finished in engine.step():
-            assert finished.error is None, finished.error
-            results[id(finished.request)] = finished.result
-    return [results[id(r)] for r in requests]
 
 
 class FedTokens:

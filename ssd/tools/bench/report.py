@@ -246,6 +246,29 @@ def write_json(
     Path(path).write_text(json.dumps(payload, indent=2))
 
 
+def small_bench_parser(doc: str | None, config: Path) -> Any:
+    """A small bench's command line: --config (default `config`), --backend, --threads,
+    --no-llamacpp (leave the plain llama.cpp peer out) and --out; the bench adds its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=config)
+    parser.add_argument("--backend", choices=["auto", "llamacpp", "torch"], default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-llamacpp", action="store_true", help="leave plain llama.cpp out")
+    parser.add_argument("--out", type=Path, help="write OUT.txt (the table) and OUT.json")
+    return parser
+
+
+def small_bench_config(args: Any) -> Any:
+    """A small bench's config: `args.config` with `args.backend` for the target and
+    `args.threads`; warnings logged."""
+    from ssd.config import load_config
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    return load_config(args.config, {"target": {"backend": args.backend}, "runtime": {"threads": args.threads}})
+
+
 def print_and_save(command: str, table: str, result: dict[str, Any], out: Path | None) -> None:
     """A small bench's report: the command line that made it, then its table; with `out`,
     also OUT.txt (the same) and OUT.json (`result`)."""
