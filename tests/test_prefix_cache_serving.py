@@ -98,3 +98,24 @@ def test_the_server_prefills_a_reply_before_the_next_turn(cached):
     held = len(backend.encode(text + first.choices[0].text))
     assert second.usage.prompt_tokens_details.cached_tokens == held // CHUNK * CHUNK > len(backend.encode(text))
     assert second.choices[0].text == backend.decode(_fresh(backend, turn, 6))
+
+
+def _served(srv) -> float:
+    """The ssd:prefix_cache_hits counter: prompt tokens an earlier request's cache, or another
+    row's prefill, served."""
+    with GenerationClient(f"127.0.0.1:{srv.port}") as client:
+        text = client.stats().prometheus_text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ssd:prefix_cache_hits_total"))
+
+
+def test_samples_of_one_completion_prefill_its_prompt_once(cached):
+    """n = 3 greedy samples of a prompt no cache holds: the later samples take the first's whole
+    chunks (copied while it runs, or from its entry once it finished: the worker's timing says
+    which), and every sample equals a fresh run."""
+    srv, backend = cached
+    before = _served(srv)
+    prompt = "hijhijhijhijhij"
+    out = oai(srv).completions.create(model="tiny", prompt=prompt, n=3, max_tokens=5, temperature=0)
+    want = backend.decode(_fresh(backend, prompt, 5))
+    assert [c.text for c in out.choices] == [want] * 3
+    assert _served(srv) - before >= (len(backend.encode(prompt)) - 1) // CHUNK * CHUNK
