@@ -25,6 +25,7 @@ BRANCH_DECODERS = ("tree", "batched")
 # Which kernels run a model: torch (any model, any device), llama.cpp (a GGUF on
 # the CPU: ssd.models.llamacpp), or "auto": ssd.models.loading.resolve_backend.
 BACKENDS = ("torch", "llamacpp", AUTO)
+LLAMACPP_KV = (AUTO, "f16", "bf16", "f32")  # model.llamacpp_kv: a llama.cpp KV cache's type
 # How an SSD cache build starts (ssd.saguaro.builder.build_cache): "fold" feeds
 # the one drafted token the draft lacks inside the first branch step (K draft
 # forwards a build; bonus branches propose K - 1 tokens); "reuse" feeds it in
@@ -95,10 +96,17 @@ class ModelConfig:
     # quantized weight serves several rows). None: where they run on this host
     # (a probe in a child process, cached); false: plain layouts.
     llamacpp_repack: bool | None = None
+    # llama.cpp: the KV cache's type. "auto": the invariance probe's (BF16 on the real
+    # pair: exact); "f16": llama.cpp's own, faster past 256 positions (a lone decode step
+    # there 0.82x the time, 1200 positions, AMD EPYC), where batched rows and verifications
+    # then part from lone steps (docs/llamacpp.md); "bf16", "f32".
+    llamacpp_kv: str = AUTO
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.llamacpp_kv not in LLAMACPP_KV:
+            raise ConfigError(f"model.llamacpp_kv must be one of {LLAMACPP_KV}, got {self.llamacpp_kv!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
         if self.backend == "llamacpp" and (self.quantization == "int8" or self.dtype in ("bf16", "fp64")):

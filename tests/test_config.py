@@ -67,6 +67,7 @@ def test_overrides_merge_into_sections(tmp_path):
         ("generation: {max_new_tokens: 0}", "max_new_tokens"),
         ("sampling: {top_p: 0}", "top_p"),
         ("sampling: {coupling: philox}", "sampling.coupling"),
+        ("target: {llamacpp_kv: q8_0}", "model.llamacpp_kv"),
         ("target: 3", "target must be a mapping"),
     ],
 )

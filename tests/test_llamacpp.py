@@ -545,6 +545,7 @@ def test_a_tiny_model_on_llamacpp_loads_from_its_config(tmp_path, monkeypatch):
     assert lm.generation_config.eos_token_id == []  # the tiny config names none (llama.cpp would assume one)
     want = _torch_logits(build_tiny_model(cfg.tiny, torch.float32), PROMPT)
     assert _rel(LlamaCppSequence(lm).forward(PROMPT), want) < REL_TOL
+    assert lm.kv_type == "f32" and load_model(dataclasses.replace(cfg, llamacpp_kv="f16")).kv_type == "f16"
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -808,11 +809,12 @@ def test_rows_past_256_positions_equal_each_alone_bit_for_bit(k_quant_pair, mode
     assert together == alone
 
 
-def test_an_f16_cache_parts_rows_past_256_positions(k_quant_files, monkeypatch):
-    """The premise: with an F16 cache (llama.cpp's default) a lone decode step there takes the
-    split-KV path, and the batched rows' logprobs part from each alone's."""
-    monkeypatch.setattr(LlamaCppModel, "kv_type", property(lambda self: "f16"))
-    target = LlamaCppModel(k_quant_files[0], use_extra_bufts=False)
+def test_an_f16_cache_parts_rows_past_256_positions(k_quant_files):
+    """The premise: with an F16 cache (llama.cpp's default, `model.llamacpp_kv: f16`) a lone
+    decode step there takes the split-KV path, and the batched rows' logprobs part from each
+    alone's; the probe picks BF16 for this model."""
+    target = LlamaCppModel(k_quant_files[0], use_extra_bufts=False, kv_type="f16")  # model.llamacpp_kv: f16
+    assert target.kv_type == "f16" and LlamaCppModel(k_quant_files[0], use_extra_bufts=False).kv_type == "bf16"
     with torch_threads(2):
         together, alone = _long_rows(target, None)
     apart = max(abs(a - b) for (_, got), (_, want) in zip(together, alone) for a, b in zip(got, want))

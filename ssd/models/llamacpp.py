@@ -100,7 +100,8 @@ class LlamaCppModel:
     """A GGUF model loaded once: read-only, shared by every context made from it."""
 
     def __init__(self, path: str | Path, use_extra_bufts: bool | None = None, n_ctx: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None, plain_prefill: bool | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None, plain_prefill: bool | None = None,
+                 kv_type: str | None = None) -> None:
         """use_extra_bufts: llama.cpp's repacked weight layouts (its default), which read
         each quantized weight once for several rows; None: where they run on this host
         (`repack_probe`, cached, in a child process: on an AVX512/AMX Xeon they died
@@ -115,6 +116,9 @@ class LlamaCppModel:
         context). Every context made from the model sizes its slots by it, so a real model's
         contexts (the engine's, and SSD's draft slots and branches) are sized for the job
         rather than 32k tokens per slot.
+
+        kv_type: the KV cache's type ("f16", "bf16", "f32"); None: `kv_type`'s default (the
+        probe's, exact). "f16" past 256 positions is faster and not batch-invariant.
 
         eos_token_ids: where generation ends (`generation_config.eos_token_id`, read by
         ssd.models.tokenizer.eos_token_ids); None: the GGUF's own EOS and EOT tokens,
@@ -132,6 +136,9 @@ class LlamaCppModel:
         L.llama_model_desc(self._model, desc, len(desc))
         self.description = desc.value.decode(errors="replace")  # "qwen2 ?B all F32": architecture, size, weight type
         self._invariant: dict | None = None
+        if kv_type is not None and kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        self._kv_type = kv_type
         eos = self._gguf_eos() if eos_token_ids is None else [int(t) for t in eos_token_ids]
         self.generation_config = SimpleNamespace(eos_token_id=eos)
         self.plain_twin: LlamaCppModel | None = None
@@ -145,7 +152,7 @@ class LlamaCppModel:
                 plain_prefill = probe["plain_prefill_s"] < probe["repacked_prefill_s"]
         if self.repacked and plain_prefill:
             self.plain_twin = LlamaCppModel(self.path, use_extra_bufts=False, n_ctx=n_ctx,
-                                            eos_token_ids=self.generation_config.eos_token_id)
+                                            eos_token_ids=self.generation_config.eos_token_id, kv_type=kv_type)
 
     def _load(self, use_extra_bufts: bool):
         params = L.llama_model_default_params()
@@ -209,6 +216,8 @@ class LlamaCppModel:
         ~2e-6); for quantized weights the probe's (`invariant_options`): BF16 where ggml's
         flash attention would take its split-KV path for a lone query row over an F16
         cache (see INVARIANCE_CANDIDATES)."""
+        if self._kv_type is not None:
+            return self._kv_type
         return "f32" if not self.quantized else self.invariant_options().get("kv", "f16")
 
     def close(self) -> None:

@@ -125,7 +125,8 @@ def load_llamacpp(cfg: ModelConfig) -> Any:
     if cfg.name == TINY:
         eos = () if cfg.tiny.eos_token_id is None else (cfg.tiny.eos_token_id,)
     return LlamaCppModel(gguf_file(cfg), use_extra_bufts=cfg.llamacpp_repack,
-                         n_ctx=cfg.max_model_len or LLAMACPP_CONTEXT, eos_token_ids=eos)
+                         n_ctx=cfg.max_model_len or LLAMACPP_CONTEXT, eos_token_ids=eos,
+                         kv_type=None if cfg.llamacpp_kv == AUTO else cfg.llamacpp_kv)
 
 
 def gguf_file(cfg: ModelConfig) -> Path:

@@ -334,6 +334,7 @@ def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, A
     gpu = any(d.startswith("cuda") for d in devices)
     precisions = [f"{resolve_backend(m, 'cuda' if gpu else 'cpu')}:{m.dtype}/{m.quantization}"
                   + ("" if m.llamacpp_repack is None else f"/repack={m.llamacpp_repack}")
+                  + ("" if m.llamacpp_kv == "auto" else f"/kv={m.llamacpp_kv}")
                   for m in (config.target, config.draft)]
     meta = {"machine": hardware.describe(), "torch": torch.__version__, "target": config.target.name,
             "draft": config.draft.name, "precisions": precisions, "devices": list(devices)}
