@@ -22,7 +22,7 @@ from ssd.models.offline import DRAFT_NAME, TARGET_NAME  # noqa: E402
 from ssd.models.tokenizer import encode_prompt  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
-from tests.test_llamacpp import _run_batch  # noqa: E402
+from tests.test_llamacpp import _run_batch, torch_threads  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +90,48 @@ def test_logits_do_not_depend_on_the_thread_count(pair):
         runs.append((seq.forward(ids, last_only=True), seq.forward([7, 8, 9]), seq.forward([4])))
         seq.close()
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+LONG_PROMPTS = [ids for ids in ([(a * i + b) % 5000 + 100 for i in range(300)] for a, b in ((7, 3), (11, 5), (13, 1)))]
+
+
+def _long_outcomes(target, tokenizer):
+    """Three 300-token prompts, greedy with logprobs: batched on one engine, and each alone."""
+    requests = [GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=12), logprobs=0) for p in LONG_PROMPTS]
+    outcome = lambda r: (r.token_ids, [e.logprob for e in r.logprobs])  # noqa: E731
+    together = _run_batch(AREngine(target, tokenizer), requests, outcome)
+    return together, [outcome(AREngine(target, tokenizer).generate(r)) for r in requests]
+
+
+def test_rows_past_256_positions_equal_each_alone_and_an_f16_cache_parts_them(pair):
+    """Past 256 positions llama.cpp's KV view holds 512 cells, where ggml's flash attention
+    over an F16 cache takes a split-KV path for a lone query row (docs/llamacpp.md): with the
+    probe's cache, batched rows equal each alone, tokens and logprobs bit for bit; with
+    llama.cpp's F16 cache (`model.llamacpp_kv: f16`) their logprobs part."""
+    target, _, tokenizer, *_ = pair
+    with torch_threads(2):  # with one, the split path has one chunk and agrees with the rest
+        together, alone = _long_outcomes(target, tokenizer)
+        assert target.kv_type == "bf16" and together == alone
+        f16 = load_model(ModelConfig(name=TARGET_NAME, backend="llamacpp", max_model_len=512, llamacpp_kv="f16"))
+        together, alone = _long_outcomes(f16, tokenizer)
+    assert max(abs(a - b) for (_, x), (_, y) in zip(together, alone) for a, b in zip(x, y)) > 0
+
+
+def test_logits_past_256_positions_do_not_depend_on_the_thread_count(pair):
+    """As above, after 300 positions, where an F16 cache's split-KV path would cut the cells by thread."""
+    from ssd.models.llamacpp import LlamaCppContext, LlamaCppSequence
+
+    target, *_ = pair
+
+    def runs(kv_type):
+        out = []
+        for threads in (1, 2):
+            seq = LlamaCppSequence(LlamaCppContext(target, n_threads=threads, n_ctx_seq=512, kv_type=kv_type))
+            seq.forward(LONG_PROMPTS[0][:128], last_only=True)
+            seq.forward(LONG_PROMPTS[0][128:256], last_only=True)
+            out.append((seq.forward(LONG_PROMPTS[0][256:], last_only=True), seq.forward([7, 8, 9]), seq.forward([4])))
+            seq.close()
+        return [torch.equal(a, b) for a, b in zip(*out)]
+
+    assert all(runs(None))
+    assert runs("f16") == [True, True, False]  # the premise: the lone step parts
