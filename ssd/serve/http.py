@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
     POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.serve.responses)
+    GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored: ssd.serve.stored)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                GET  /metrics
 
@@ -64,6 +65,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.engine.request import TokenLogprob
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
+from ssd.serve.stored import ResponseStore, StoredResponse, input_items, page
 from ssd.serve import tools as tooling
 from ssd.serve.reasoning import ReasoningStream, opened_by, split as split_reasoning
 from ssd.serve.service import (
@@ -124,6 +126,7 @@ class OpenAIFrontend:
         self.options = options
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
+        self.stored = ResponseStore(options.stored_responses)
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------
@@ -138,6 +141,9 @@ class OpenAIFrontend:
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.stored_response, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"])
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -198,9 +204,10 @@ class OpenAIFrontend:
         self._authorize(request)
         body = await self._body(request, responses.ResponsesBody)
         self._check_model(body.model)
+        earlier = self._continued(body)
         origins: list[str] = []
         try:
-            chat, origins = responses.to_chat(body)
+            chat, origins = responses.to_chat(body, earlier)
             schema.refuse_unsupported(chat)
             choices = self._submit_all(chat)
         except InvalidArgument as exc:
@@ -210,13 +217,62 @@ class OpenAIFrontend:
                 raise
             renamed = responses.chat_param(exc.param, origins)
             raise invalid(InvalidArgument(renamed, exc.message.split(": ", 1)[-1])) from None
-        call = ResponsesCall(self, chat, choices, body)
+        call = ResponsesCall(self, chat, choices, body, earlier)
         if body.stream:
             return JobStream(call.events(), on_close=call.cancel)
         try:
             return await call.complete(request)
         finally:
             call.cancel()
+
+    def _continued(self, body: responses.ResponsesBody) -> list[dict[str, Any]]:
+        """The conversation of the stored response the request continues (none: [])."""
+        if body.store and self.stored.capacity == 0:
+            raise invalid(InvalidArgument("store", "this server stores no responses (--stored-responses 0); "
+                                                   "omit store or send false"))
+        if body.previous_response_id is None:
+            return []
+        return self._stored(body.previous_response_id, "previous_response_id").conversation
+
+    def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        found = self.stored.get(response_id)
+        if found is None:
+            raise ApiError(404, f"{param + ': ' if param else ''}no stored response {response_id!r} (never "
+                           f"stored, deleted, or evicted: the server keeps the last {self.stored.capacity})",
+                           param=param, code="previous_response_not_found" if param else "response_not_found")
+        return found
+
+    async def stored_response(self, request: Request, response_id: str) -> JSONResponse:
+        """OpenAI's response retrieval: a stored response as its request returned it."""
+        self._authorize(request)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise ApiError(400, "stream: a stored response is retrieved whole, not streamed", param="stream",
+                           code="invalid_value")
+        return JSONResponse(self._stored(response_id).response)
+
+    async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
+        self._authorize(request)
+        if not self.stored.delete(response_id):
+            self._stored(response_id)  # the 404
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def response_input(self, request: Request, response_id: str) -> JSONResponse:
+        """OpenAI's input item list: a stored response's own input items, `order` (default desc),
+        `limit` (1-100, default 20) and the cursor `after`."""
+        self._authorize(request)
+        query = request.query_params
+        order, limit = query.get("order", "desc"), query.get("limit", "20")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ApiError(400, f"limit: must be an integer in 1..100, got {limit!r}", param="limit",
+                           code="invalid_value")
+        found = self._stored(response_id)
+        try:
+            return JSONResponse(page(found.input_items, order, int(limit), query.get("after")))
+        except KeyError:
+            raise ApiError(400, f"after: no input item {query['after']!r} in response {response_id!r}",
+                           param="after", code="invalid_value") from None
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the prompt's ids as a generation takes them (chat: rendered)."""
@@ -707,9 +763,12 @@ class ResponsesCall(Call):
 
     terminator = b""  # the Responses stream ends with response.completed, no [DONE]
 
-    def __init__(self, front: OpenAIFrontend, chat: Any, choices: list[Choice], body: Any) -> None:
+    def __init__(self, front: OpenAIFrontend, chat: Any, choices: list[Choice], body: Any,
+                 earlier: list[dict[str, Any]]) -> None:
         super().__init__(front, chat, choices, chat=True)
         self.request_body = body
+        self.earlier = earlier  # the stored conversation it continues
+        self.store = body.store is not False and front.stored.capacity > 0
         self.id = responses.new_id("resp")
         self.created = responses.now()
         self.message_id, self.reasoning_id = responses.new_id("msg"), responses.new_id("rs")
@@ -722,7 +781,7 @@ class ResponsesCall(Call):
     def _response(self) -> JSONResponse:
         choice = self.choices[0]
         _result(choice.final)
-        return JSONResponse(self._finished(choice))
+        return JSONResponse(self._kept(self._finished(choice)))
 
     def _finished(self, choice: Choice) -> dict[str, Any]:
         """The Response object at the end: the reasoning item, the message item (if any), the function calls."""
@@ -741,7 +800,15 @@ class ResponsesCall(Call):
         usage = responses.usage(choice.gen.prompt_tokens, len(result.token_ids), cached)
         incomplete = "max_output_tokens" if status == "incomplete" else None
         return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
-                                         incomplete)
+                                         incomplete, stored=self.store)
+
+    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, stored (OpenAI's default) with its conversation."""
+        if self.store:
+            given = self.request_body.input
+            own = given if isinstance(given, str) else [item.model_dump(exclude_none=True) for item in given]
+            self.front.stored.put(StoredResponse(response, input_items(own), self.earlier))
+        return response
 
     def _item_logprobs(self, choice: Choice) -> list[dict[str, Any]] | None:
         entries = choice.final.result.logprobs
@@ -752,7 +819,8 @@ class ResponsesCall(Call):
     # --- the stream ----------------------------------------------------------------
 
     def _opening(self) -> list[dict[str, Any]]:
-        created = responses.response_object(self.request_body, self.id, self.created, "in_progress", [])
+        created = responses.response_object(self.request_body, self.id, self.created, "in_progress", [],
+                                            stored=self.store)
         return [{"type": "response.created", "response": created},
                 {"type": "response.in_progress", "response": created}]
 
@@ -774,7 +842,7 @@ class ResponsesCall(Call):
         if choice.tools is not None:
             delta, _ = choice.tools.finish(delta)
         self.pending = (final.result.logprobs or [])[choice.logprobs_sent:]  # all not yet sent
-        response = self._finished(choice)
+        response = self._kept(self._finished(choice))
         out = self._reasoning_delta(choice, thought)
         for index, item in enumerate(response["output"]):
             if item["type"] == "reasoning":

@@ -41,6 +41,9 @@ class ServeOptions:
     # The names the HTTP API serves the model under (vLLM's --served-model-name): requests'
     # `model` must be one of them, /v1/models lists each. Empty: the target's own name.
     served_model_names: tuple[str, ...] = ()
+    # Finished Responses API responses kept in memory for previous_response_id and GET
+    # /v1/responses/{id} (ssd.serve.stored), least recently used out first; 0: none.
+    stored_responses: int = 1024
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -62,6 +65,8 @@ class ServeOptions:
                               f"got {self.reasoning_parser!r}")
         if any(not name.strip() for name in self.served_model_names):
             raise ConfigError("serve.served_model_names must not hold a blank name")
+        if self.stored_responses < 0:
+            raise ConfigError(f"serve.stored_responses must be >= 0, got {self.stored_responses}")
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
 

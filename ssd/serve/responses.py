@@ -15,10 +15,13 @@ its output is the chat output laid out as Responses items:
     tool_choice {type: function, name} -> tool_choice {type: function, function: {name}}
     top_logprobs + include ["message.output_text.logprobs"] -> logprobs, top_logprobs
 
-An error a chat field caused names the Responses field (`chat_param`). Not
-offered, and refused by name: stored responses (`store: true`,
-`previous_response_id`, `conversation`), background runs, reasoning, and
-tools other than functions. vLLM's extra fields ride along as they do on
+A response is stored unless `store` is false (OpenAI's default), and one
+that names it as `previous_response_id` continues its conversation
+(ssd.serve.stored); items that came from there are named
+`previous_response_id` in errors. An error a chat field caused names the
+Responses field (`chat_param`). Not offered, and refused by name: the
+Conversations API (`conversation`), background runs, reasoning, and tools
+other than functions. vLLM's extra fields ride along as they do on
 chat: seed, top_k, min_p, repetition_penalty, coupling, speculation,
 structured_outputs.
 """
@@ -100,7 +103,8 @@ class ResponsesBody(Body):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    store: bool | None = None
+    store: bool | None = None  # None: OpenAI's default, stored
+    previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -114,14 +118,14 @@ class ResponsesBody(Body):
     structured_outputs: schema.StructuredOutputs | None = None
 
 
-def to_chat(body: ResponsesBody) -> tuple[schema.ChatBody, list[str]]:
-    """The ChatBody the request means, and for each of its messages the Responses field it came from."""
-    if body.store:
-        raise InvalidArgument("store", "responses are not stored on this server; omit store or send false")
+def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None
+            ) -> tuple[schema.ChatBody, list[str]]:
+    """The ChatBody the request means, and for each of its messages the Responses field it came from.
+    `earlier`: the conversation of the response it continues (ssd.serve.stored), as items."""
     for name in body.include or []:
         if name != LOGPROBS_INCLUDE:
             raise InvalidArgument("include", f"only {LOGPROBS_INCLUDE!r} is offered, got {name!r}")
-    messages, origins = _messages(body)
+    messages, origins = _messages(body, earlier or [])
     logprobs = LOGPROBS_INCLUDE in (body.include or [])
     if body.top_logprobs is not None and not logprobs:
         raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
@@ -137,18 +141,20 @@ def to_chat(body: ResponsesBody) -> tuple[schema.ChatBody, list[str]]:
     return chat, origins
 
 
-def _messages(body: ResponsesBody) -> tuple[list[schema.Message], list[str]]:
+def _messages(body: ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[list[schema.Message], list[str]]:
     messages: list[schema.Message] = []
     origins: list[str] = []
     if body.instructions is not None:
         messages.append(schema.Message(role="system", content=body.instructions))
         origins.append("instructions")
-    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    if not items:
+    own = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not own:
         raise InvalidArgument("input", "must not be empty")
+    places = ["input"] if isinstance(body.input, str) else [f"input[{i}]" for i in range(len(own))]
+    items = [InputItem.model_validate(item) for item in earlier] + own
+    places = ["previous_response_id"] * len(earlier) + places
     thought: tuple[str, str] | None = None  # a reasoning item's text, for the assistant turn after it
-    for i, item in enumerate(items):
-        where = "input" if isinstance(body.input, str) else f"input[{i}]"
+    for item, where in zip(items, places):
         if item.type == "reasoning":
             thought = (where, "".join(part.text for part in item.content or [] if not isinstance(item.content, str)))
             continue
@@ -265,7 +271,8 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
 
 def response_object(body: ResponsesBody, response_id: str, created: float, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                    incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+                    incomplete: str | None = None, error: dict[str, Any] | None = None,
+                    stored: bool = False) -> dict[str, Any]:
     """The Response object, as created (status in_progress, no output) or finished."""
     tool_choice = body.tool_choice or ("auto" if body.tools else "none")
     return {
@@ -278,8 +285,8 @@ def response_object(body: ResponsesBody, response_id: str, created: float, statu
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
         "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                             if body.text is not None and body.text.format is not None else {"type": "text"})},
-        "store": False, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
-        "previous_response_id": None, "reasoning": None, "error": error,
+        "store": stored, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
+        "previous_response_id": body.previous_response_id, "reasoning": None, "error": error,
         "incomplete_details": None if incomplete is None else {"reason": incomplete}, "usage": usage,
     }
 

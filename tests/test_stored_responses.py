@@ -1,0 +1,175 @@
+"""Stored responses: OpenAI's `store`, `previous_response_id`, GET/DELETE /v1/responses/{id}
+and its input_items, through the official `openai` client.
+
+A response that names an earlier one as previous_response_id is that response's
+conversation (its earlier items, its input, its output) followed by its own
+input, so exactness is the chat path's: each turn's text equals the engine's
+greedy text for the whole chat, the same as sending the history by hand. The
+store itself (ssd.serve.stored) is tested pure first.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from ssd.serve.stored import ResponseStore, StoredResponse, input_items, page
+from tests.test_http import base_url, oai, serving
+from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
+from tests.test_responses_api import ASK, FUNCTIONS, expected
+
+
+def _stored(response_id: str, text: str = "hi") -> StoredResponse:
+    output = [{"type": "message", "id": "msg_" + response_id, "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    return StoredResponse({"id": response_id, "output": output}, input_items("q " + response_id))
+
+
+def test_the_store_keeps_the_most_recently_used_and_hands_out_copies():
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(_stored(name))
+    assert store.get("a") is None and len(store) == 2  # the oldest went first
+    store.get("b")  # now b is the most recently used: c goes next
+    store.put(_stored("d"))
+    assert store.get("c") is None and store.get("b") is not None and store.get("d") is not None
+    store.get("b").response["output"].clear()  # a caller's change stays its own
+    assert store.get("b").response["output"]
+    assert store.delete("b") and not store.delete("b") and store.get("b") is None
+    off = ResponseStore(0)
+    off.put(_stored("x"))
+    assert off.get("x") is None and len(off) == 0
+
+
+def test_a_conversation_is_earlier_items_then_input_then_output():
+    first = _stored("a", "one")
+    second = StoredResponse({"id": "b", "output": [{"type": "message", "role": "assistant", "content": "two"}]},
+                            input_items([{"role": "user", "content": "again"}]), first.conversation)
+    texts = [item["content"][0]["text"] if isinstance(item["content"], list) else item["content"]
+             for item in second.conversation]
+    assert texts == ["q a", "one", "again", "two"]
+
+
+def test_input_items_get_ids_and_content_parts():
+    items = input_items([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "id": "msg_1"},
+                         {"type": "function_call_output", "call_id": "c", "output": "o", "id": None}])
+    assert [item["content"][0]["type"] for item in items[:2]] == ["input_text", "output_text"]
+    assert items[1]["id"] == "msg_1" and items[0]["id"].startswith("msg_") and items[2]["id"].startswith("fco_")
+    assert items[0]["status"] == "completed" and "status" not in items[2]
+    assert input_items("hello")[0]["content"] == [{"type": "input_text", "text": "hello"}]
+
+
+def test_pages_follow_order_limit_and_cursor():
+    items = [{"id": str(i)} for i in range(5)]
+    assert [i["id"] for i in page(items)["data"]] == ["4", "3", "2", "1", "0"]
+    first = page(items, "asc", 2)
+    assert [i["id"] for i in first["data"]] == ["0", "1"] and first["has_more"] and first["last_id"] == "1"
+    rest = page(items, "asc", 10, after=first["last_id"])
+    assert [i["id"] for i in rest["data"]] == ["2", "3", "4"] and not rest["has_more"]
+    assert page(items, "desc", 2, after="0")["data"] == [] and page([], "asc")["first_id"] is None
+    with pytest.raises(KeyError):
+        page(items, after="9")
+
+
+# --- over HTTP ----------------------------------------------------------------------------------
+
+
+def _text_of(reply) -> dict:
+    return {"role": "assistant", "content": reply.output_text}
+
+
+def test_turns_through_previous_response_id_are_the_whole_chats_output(wide):
+    srv, backend = wide
+    client = oai(srv)
+    first = client.responses.create(model="tiny", input="abc", instructions="be brief", max_output_tokens=8)
+    assert first.store and first.previous_response_id is None
+    second = client.responses.create(model="tiny", input="more", previous_response_id=first.id, max_output_tokens=8)
+    # The earlier instructions are not carried over (OpenAI's rule): no system message now.
+    chat = [{"role": "user", "content": "abc"}, _text_of(first), {"role": "user", "content": "more"}]
+    assert second.output_text == expected(backend, chat, max_new=8) and second.previous_response_id == first.id
+    third = client.responses.create(model="tiny", input=[{"role": "user", "content": "end"}], instructions="x",
+                                    previous_response_id=second.id, max_output_tokens=8)
+    chat = [{"role": "system", "content": "x"}] + chat + [_text_of(second), {"role": "user", "content": "end"}]
+    assert third.output_text == expected(backend, chat, max_new=8)
+    by_hand = client.responses.create(model="tiny", instructions="x", max_output_tokens=8, store=False, input=[
+        {"role": "user", "content": "abc"}, first.output[0].model_dump(exclude_none=True),
+        {"role": "user", "content": "more"}, second.output[0].model_dump(exclude_none=True),
+        {"role": "user", "content": "end"}])
+    assert by_hand.output_text == third.output_text
+    assert third.usage.input_tokens == by_hand.usage.input_tokens
+
+
+def test_a_function_calls_output_goes_back_by_previous_response_id(wide):
+    srv, backend = wide
+    client = oai(srv)
+    asked = client.responses.create(model="tiny", input=ASK, tools=FUNCTIONS, max_output_tokens=200,
+                                    tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False)
+    [call] = asked.output
+    answer = client.responses.create(
+        model="tiny", previous_response_id=asked.id, tools=FUNCTIONS, tool_choice="none", max_output_tokens=12,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    chat = [{"role": "user", "content": ASK},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}]
+    assert answer.output_text == expected(backend, chat)
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(wide):
+    srv, _ = wide
+    client = oai(srv)
+    made = client.responses.create(model="tiny", input=[{"role": "developer", "content": "d"},
+                                                        {"role": "user", "content": "abc"}], max_output_tokens=6)
+    assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    listed = client.responses.input_items.list(made.id, order="asc")
+    assert [(item.role, item.content[0].text) for item in listed.data] == [("developer", "d"), ("user", "abc")]
+    assert [i.id for i in client.responses.input_items.list(made.id).data] == [i.id for i in listed.data][::-1]
+    one = client.responses.input_items.list(made.id, order="asc", limit=1)
+    assert one.has_more and one.data[0].id == listed.data[0].id
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="tiny", input="x", previous_response_id=made.id)
+    assert info.value.body["param"] == "previous_response_id"
+    assert info.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_shows_it(wide):
+    srv, _ = wide
+    client = oai(srv)
+    events = list(client.responses.create(model="tiny", input="abc", max_output_tokens=6, stream=True))
+    final = events[-1].response
+    assert events[0].response.store and client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_store_false_is_not_kept(wide):
+    srv, _ = wide
+    client = oai(srv)
+    made = client.responses.create(model="tiny", input="abc", max_output_tokens=4, store=False)
+    assert made.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+
+
+@pytest.mark.parametrize("path, param", [
+    ("/input_items?order=up", "order"), ("/input_items?limit=0", "limit"), ("/input_items?limit=101", "limit"),
+    ("/input_items?after=msg_none", "after"), ("?stream=true", "stream"),
+])
+def test_bad_queries_name_the_parameter(wide, path, param):
+    srv, _ = wide
+    made = oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=2)
+    reply = httpx.get(base_url(srv) + f"/v1/responses/{made.id}{path}")
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_server_that_stores_nothing_refuses_store_true(wide):
+    _, backend = wide
+    with serving(lambda: ToolTemplate(backend), stored_responses=0) as srv:
+        made = oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=2)
+        assert made.store is False
+        reply = httpx.post(base_url(srv) + "/v1/responses", json={"model": "tiny", "input": "a", "store": True})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "store"
