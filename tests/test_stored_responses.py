@@ -11,6 +11,8 @@ store itself (ssd.serve.stored) is tested pure first.
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -20,6 +22,7 @@ from ssd.serve.stored import ResponseStore, StoredResponse, input_items, page
 from tests.test_http import base_url, oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
 from tests.test_responses_api import ASK, FUNCTIONS, expected
+from tests.test_serve import ControlledBackend
 
 
 def _stored(response_id: str, text: str = "hi") -> StoredResponse:
@@ -173,3 +176,74 @@ def test_a_server_that_stores_nothing_refuses_store_true(wide):
         assert made.store is False
         reply = httpx.post(base_url(srv) + "/v1/responses", json={"model": "tiny", "input": "a", "store": True})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "store"
+
+
+# --- background responses ------------------------------------------------------------------------
+
+
+def _polled(client, response_id: str, until: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = client.responses.retrieve(response_id)
+        if found.status in until:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} never reached {until}")
+
+
+def test_a_background_response_answers_queued_then_is_polled_to_the_same_output(wide):
+    srv, _ = wide
+    client = oai(srv)
+    queued = client.responses.create(model="tiny", input="abc", max_output_tokens=10, background=True)
+    assert queued.background and queued.status in ("queued", "in_progress") and queued.output == []
+    done = _polled(client, queued.id)
+    plain = client.responses.create(model="tiny", input="abc", max_output_tokens=10, store=False)
+    assert done.status == "incomplete" and done.output_text == plain.output_text and done.background
+    assert done.usage == plain.usage
+    later = client.responses.create(model="tiny", input="x", previous_response_id=done.id, max_output_tokens=4)
+    assert later.status == "incomplete"
+    with pytest.raises(openai.BadRequestError) as info:  # it ended: nothing to cancel
+        client.responses.cancel(done.id)
+    assert info.value.body["code"] == "response_not_cancellable"
+    with pytest.raises(openai.BadRequestError):  # not a background response
+        client.responses.cancel(later.id)
+
+
+def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
+    _, backend = wide
+    gate = threading.Event()  # the engine's steps wait here: the response cannot end before the cancel
+    with serving(lambda: ControlledBackend(ToolTemplate(backend), gate=gate)) as srv:
+        client = oai(srv)
+        queued = client.responses.create(model="tiny", input="abc", max_output_tokens=50, background=True)
+        cancelled = client.responses.cancel(queued.id)
+        assert cancelled.status == "cancelled" and cancelled.id == queued.id and cancelled.output == []
+        assert client.responses.cancel(queued.id).status == "cancelled"  # again: the same answer
+        gate.set()
+        deadline = time.monotonic() + 30
+        while srv_running(srv) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        assert client.responses.create(model="tiny", input="abc", max_output_tokens=3).status == "incomplete"
+
+
+def srv_running(srv) -> bool:
+    """Whether a background response still runs on the server's HTTP front end."""
+    return bool(srv._http.front.running)
+
+
+def test_a_failed_background_response_is_stored_with_its_error(wide):
+    _, backend = wide
+    with serving(lambda: ControlledBackend(ToolTemplate(backend), fail_after_rounds=2)) as srv:
+        client = oai(srv)
+        queued = client.responses.create(model="tiny", input="abc", max_output_tokens=20, background=True)
+        failed = _polled(client, queued.id)
+        assert failed.status == "failed" and failed.error.code == "generation_failed"
+        assert "injected engine fault" in failed.error.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"background": True, "store": False}, "background"), ({"background": True, "stream": True}, "stream"),
+])
+def test_background_needs_store_and_no_stream(wide, body, param):
+    reply = httpx.post(base_url(wide[0]) + "/v1/responses", json={"model": "tiny", "input": "a"} | body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

@@ -3,6 +3,7 @@
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
     POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.serve.responses)
     GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored: ssd.serve.stored)
+    POST /v1/responses/{id}/cancel                                      (a background response)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                GET  /metrics
 
@@ -127,6 +128,7 @@ class OpenAIFrontend:
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
+        self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------
@@ -144,6 +146,7 @@ class OpenAIFrontend:
         app.add_api_route("/v1/responses/{response_id}", self.stored_response, methods=["GET"])
         app.add_api_route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"])
         app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -218,6 +221,8 @@ class OpenAIFrontend:
             renamed = responses.chat_param(exc.param, origins)
             raise invalid(InvalidArgument(renamed, exc.message.split(": ", 1)[-1])) from None
         call = ResponsesCall(self, chat, choices, body, earlier)
+        if body.background:
+            return JSONResponse(self._start_background(call))
         if body.stream:
             return JobStream(call.events(), on_close=call.cancel)
         try:
@@ -230,6 +235,12 @@ class OpenAIFrontend:
         if body.store and self.stored.capacity == 0:
             raise invalid(InvalidArgument("store", "this server stores no responses (--stored-responses 0); "
                                                    "omit store or send false"))
+        if body.background and (body.store is False or self.stored.capacity == 0):
+            raise invalid(InvalidArgument("background", "a background response is stored to be polled: "
+                                                        "it needs store (and --stored-responses > 0)"))
+        if body.background and body.stream:
+            raise invalid(InvalidArgument("stream", "a background response is polled (GET "
+                                                    "/v1/responses/{id}), not streamed; send one or the other"))
         if body.previous_response_id is None:
             return []
         return self._stored(body.previous_response_id, "previous_response_id").conversation
@@ -249,6 +260,28 @@ class OpenAIFrontend:
             raise ApiError(400, "stream: a stored response is retrieved whole, not streamed", param="stream",
                            code="invalid_value")
         return JSONResponse(self._stored(response_id).response)
+
+    def _start_background(self, call: ResponsesCall) -> dict[str, Any]:
+        """Store the response as queued, run it on the event loop, answer with it now."""
+        queued = call.snapshot("queued")
+        call.save(queued)
+        self.running[call.id] = call  # and so its task, which leaves it as the response ends
+        call.task = asyncio.get_running_loop().create_task(call.run_in_background())
+        return queued
+
+    async def cancel_response(self, request: Request, response_id: str) -> JSONResponse:
+        """OpenAI's cancel: a queued or running background response stops and is stored as
+        cancelled (again: the same answer); any other is 400."""
+        self._authorize(request)
+        call = self.running.get(response_id)
+        if call is not None:
+            return JSONResponse(call.cancel_in_background())
+        found = self._stored(response_id).response
+        if found.get("background") and found["status"] == "cancelled":
+            return JSONResponse(found)
+        why = "ended" if found.get("background") else "not a background response"
+        raise ApiError(400, f"response {response_id!r} is {found['status']} ({why}): only a queued or running "
+                       f"background response can be cancelled", code="response_not_cancellable")
 
     async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
         self._authorize(request)
@@ -769,6 +802,11 @@ class ResponsesCall(Call):
         self.request_body = body
         self.earlier = earlier  # the stored conversation it continues
         self.store = body.store is not False and front.stored.capacity > 0
+        given = body.input
+        self.input_items = input_items(given if isinstance(given, str) else
+                                       [item.model_dump(exclude_none=True) for item in given])
+        self.cancelled = False  # a background response's cancel came
+        self.task: asyncio.Task | None = None  # a background response's run
         self.id = responses.new_id("resp")
         self.created = responses.now()
         self.message_id, self.reasoning_id = responses.new_id("msg"), responses.new_id("rs")
@@ -802,12 +840,51 @@ class ResponsesCall(Call):
         return responses.response_object(self.request_body, self.id, self.created, status, output, usage,
                                          incomplete, stored=self.store)
 
+    def snapshot(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The Response object with no output yet: queued, in_progress, cancelled or failed."""
+        return responses.response_object(self.request_body, self.id, self.created, status, [], error=error,
+                                         stored=self.store)
+
+    def save(self, response: dict[str, Any]) -> None:
+        self.front.stored.put(StoredResponse(response, self.input_items, self.earlier))
+
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored (OpenAI's default) with its conversation."""
         if self.store:
-            given = self.request_body.input
-            own = given if isinstance(given, str) else [item.model_dump(exclude_none=True) for item in given]
-            self.front.stored.put(StoredResponse(response, input_items(own), self.earlier))
+            self.save(response)
+        return response
+
+    # --- background: run on the event loop, polled through the store --------------
+
+    async def run_in_background(self) -> None:
+        """Wait for the one choice's end, storing the response as it goes (in_progress at the
+        first round) and as it ended: completed or incomplete, cancelled, or failed with its error."""
+        choice, started = self.choices[0], False
+        try:
+            while choice.final is None:
+                event = await self.front.next_event(choice.gen)
+                if isinstance(event, Final):
+                    choice.final = event
+                elif event is not None and not started and not self.cancelled:
+                    started = True
+                    self.save(self.snapshot("in_progress"))
+            if not self.cancelled:
+                _result(choice.final)
+                self._kept(self._finished(choice))
+        except ApiError as exc:
+            self.save(self.snapshot("failed", error={"code": exc.code, "message": exc.message}))
+        except Exception as exc:  # noqa: BLE001 - the poller reads it as the response's error
+            log.exception("background response %s failed", self.id)
+            self.save(self.snapshot("failed", error={"code": "internal_error",
+                                                     "message": f"{type(exc).__name__}: {exc}"}))
+        finally:  # at once, with no await after the last save: a cancel now finds it ended
+            self.front.running.pop(self.id, None)
+
+    def cancel_in_background(self) -> dict[str, Any]:
+        self.cancelled = True
+        self.cancel()
+        response = self.snapshot("cancelled")
+        self.save(response)
         return response
 
     def _item_logprobs(self, choice: Choice) -> list[dict[str, Any]] | None:

@@ -19,9 +19,10 @@ A response is stored unless `store` is false (OpenAI's default), and one
 that names it as `previous_response_id` continues its conversation
 (ssd.serve.stored); items that came from there are named
 `previous_response_id` in errors. An error a chat field caused names the
-Responses field (`chat_param`). Not offered, and refused by name: the
-Conversations API (`conversation`), background runs, reasoning, and tools
-other than functions. vLLM's extra fields ride along as they do on
+Responses field (`chat_param`). `background` answers at once with the
+stored response queued; it is polled by id and can be cancelled. Not offered,
+and refused by name: the Conversations API (`conversation`), reasoning, and
+tools other than functions. vLLM's extra fields ride along as they do on
 chat: seed, top_k, min_p, repetition_penalty, coupling, speculation,
 structured_outputs.
 """
@@ -104,6 +105,7 @@ class ResponsesBody(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None  # None: OpenAI's default, stored
+    background: bool | None = None  # answer at once (queued); poll GET /v1/responses/{id}
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
@@ -285,7 +287,8 @@ def response_object(body: ResponsesBody, response_id: str, created: float, statu
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
         "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                             if body.text is not None and body.text.format is not None else {"type": "text"})},
-        "store": stored, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
+        "background": bool(body.background), "store": stored, "truncation": "disabled",
+        "metadata": body.metadata or {}, "user": body.user,
         "previous_response_id": body.previous_response_id, "reasoning": None, "error": error,
         "incomplete_details": None if incomplete is None else {"reason": incomplete}, "usage": usage,
     }
