@@ -4,6 +4,7 @@ with and without its server's prompt cache; one request at a time, interleaved.
     python launch/bench_chat.py                                # llama.cpp backend, 2 threads
     python launch/bench_chat.py --out docs/results/prefix_cache   # --chunks 512 128: other chunk sizes
     python launch/bench_chat.py --chats 2 --turns 3 --out docs/results/prefix_cache_two_chats
+    python launch/bench_chat.py --mode ssd --no-llamacpp --out docs/results/prefix_cache_ssd
 
 Time to first token per turn, each turn's prompt and the tokens the cache served, and
 whether our engines' greedy replies agree.
@@ -25,6 +26,8 @@ def build_parser():
                         help="batching.prefill_chunk of the engines with the prefix cache (default: the config's)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--turns", type=int, help="the first N turns of the chat (default: all six)")
+    parser.add_argument("--mode", choices=("ar", "ssd"), default="ar",
+                        help="our engines' mode; ssd also runs one whose draft prefills every prompt whole")
     parser.add_argument("--chats", type=int, default=1,
                         help="chats under one system message, taking each turn in turn (users of one server)")
     return parser
@@ -34,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = small_bench_config(args)
     turns = TURNS[: args.turns] if args.turns else TURNS
-    result = bench_chat(config, args.chunks or [config.batching.prefill_chunk], args.max_new_tokens, turns, llamacpp=not args.no_llamacpp, chats=args.chats)
+    result = bench_chat(config, args.chunks or [config.batching.prefill_chunk], args.max_new_tokens, turns,
+                        llamacpp=not args.no_llamacpp, chats=args.chats, mode=args.mode)
     command = " ".join(["python launch/bench_chat.py", *(sys.argv[1:] if argv is None else argv)])
     print_and_save(command, format_table(result), result, args.out)
 

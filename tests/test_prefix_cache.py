@@ -363,3 +363,73 @@ def test_a_chat_is_routed_to_the_replica_that_holds_it_while_the_load_stays_near
     assert route_order([0, 1], {0: 0, 1: ROUTE_SLACK + 1}, {1: 10 * held}) == [0, 1]  # too busy: by room
     assert route_order([0, 1], {0: 0, 1: 0}, {1: held - 1}) == [0, 1]  # too little shared
     assert route_order([], {}, {}) == []
+
+
+# --- SSD's draft side ----------------------------------------------------------------------------
+
+
+def test_the_draft_starts_a_prompt_from_a_released_cache_that_shares_its_start(tiny_models):
+    """The speculator's prefill takes the kept cache sharing the prompt's longest start, rolled
+    back to it, and feeds the rest: its next-token logits are a fresh prefill's. A cache kept
+    past a divergence (no roll back) feeds the wrong keys and fails this."""
+    import torch
+
+    from ssd.saguaro import protocol
+    from ssd.saguaro.speculator import KEPT_SEQUENCES, Speculator
+    from ssd.transport.inprocess import inprocess_pair
+
+    _, draft = tiny_models
+    _, draft_end = inprocess_pair()
+    speculator = Speculator(draft, draft_end)  # its handlers called directly, no thread
+    sampling, speculation = SamplingConfig(temperature=0.0), SpeculationConfig(mode="ssd", k=3)
+
+    def prefill(seq: int, prompt: list[int], reuse: bool = True) -> KVSequence:
+        speculator._prefill(protocol.prefill(seq, prompt, sampling, speculation, reuse=reuse))
+        return speculator.sequences[seq].kv
+
+    def fresh_logits(prompt: list[int]) -> torch.Tensor:
+        kv = KVSequence(draft)
+        kv.forward(prompt[:-1])
+        return kv.forward(prompt[-1:])
+
+    first = prefill(1, FIRST)
+    first.forward([5, 6])  # as rounds feed it: positions past the prompt
+    speculator._release(protocol.release(1))
+    assert speculator.kept == [(speculation.fanout.ceiling, first)]
+    for seq, prompt in ((2, FIRST + EXTRA), (3, FIRST[:9] + EXTRA)):  # a next turn; a prompt that parts at 9
+        kv = prefill(seq, prompt)
+        assert kv is first and kv.tokens == prompt[:-1] and not speculator.kept
+        assert torch.allclose(kv.forward(prompt[-1:]), fresh_logits(prompt), rtol=0, atol=1e-12)
+        kv.rollback(len(prompt) - 1)
+        speculator._release(protocol.release(seq))
+    other = prefill(4, [(t + 1) % 16 for t in FIRST])  # shares no first token: a cache of its own
+    assert other is not first and other.length == len(FIRST) - 1 and len(speculator.kept) == 1
+    for seq in range(5, 6 + KEPT_SEQUENCES):
+        prefill(seq, [seq % 16, 1, 2])
+        speculator._release(protocol.release(seq))
+    assert len(speculator.kept) == KEPT_SEQUENCES and all(kv is not first for _, kv in speculator.kept)
+    unkept = prefill(20, FIRST, reuse=False)  # the engine's cache off: never kept
+    speculator._release(protocol.release(20))
+    assert all(kv is not unkept for _, kv in speculator.kept)
+
+
+def test_ssd_drafts_a_chats_next_turn_from_its_last_turns_cache(tiny_models, tiny_tokenizer, monkeypatch):
+    """Through the engine: each later turn's draft prefill starts from its chat's last cache
+    (the whole last prompt at least), and every turn still equals a fresh engine's."""
+    from ssd.saguaro.speculator import Speculator
+
+    reused, original = [], Speculator._reused
+
+    def spy(self, prompt, branches):
+        kv = original(self, prompt, branches)
+        reused.append((list(prompt), 0 if kv is None else kv.length))
+        return kv
+
+    monkeypatch.setattr(Speculator, "_reused", spy)
+    target, draft = tiny_models
+    turns = _chats("ssd", target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0))
+    for i, (prompt, got, _, want) in enumerate(turns):
+        assert _same("ssd", got, want), f"turn {i // 2} of chat {i % 2}"
+    assert [p for p, _ in reused] == [prompt for prompt, *_ in turns]  # fresh engines keep nothing
+    for i in range(2, len(turns)):
+        assert reused[i][1] >= len(turns[i - 2][0]) - 1, f"turn {i // 2} of chat {i % 2}"

@@ -53,6 +53,10 @@ class Prefill:
     (0 at admission; a parked, failed or re-linked row comes back with the
     next one): the draft keys the row's random stream by (seed, epoch), so a
     row prefilled again never replays draws it used before.
+
+    `reuse`: the engine's prefix cache is on (batching.prefix_cache), so the
+    draft may start the sequence from a released one's cache that shares the
+    prompt's start, and keep this one's when it is released.
     """
 
     seq: int
@@ -60,13 +64,15 @@ class Prefill:
     sampling: SamplingConfig
     speculation: SpeculationConfig
     epoch: int = 0
+    reuse: bool = False
 
 
 def prefill(
-    seq: int, prompt: list[int], sampling: SamplingConfig, speculation: SpeculationConfig, epoch: int = 0
+    seq: int, prompt: list[int], sampling: SamplingConfig, speculation: SpeculationConfig, epoch: int = 0,
+    reuse: bool = False,
 ) -> Message:
     return Message(PREFILL, {
-        "seq": seq, "prompt": list(prompt), "epoch": epoch,
+        "seq": seq, "prompt": list(prompt), "epoch": epoch, "reuse": reuse,
         "sampling": dataclasses.asdict(sampling), "speculation": dataclasses.asdict(speculation),
     })
 
@@ -74,7 +80,8 @@ def prefill(
 def parse_prefill(msg: Message) -> Prefill:
     h = msg.header
     speculation = from_dict(SpeculationConfig, h["speculation"])
-    return Prefill(h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), speculation, h["epoch"])
+    return Prefill(h["seq"], h["prompt"], from_dict(SamplingConfig, h["sampling"]), speculation, h["epoch"],
+                   h.get("reuse", False))
 
 
 @dataclass(frozen=True)

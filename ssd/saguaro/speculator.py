@@ -12,6 +12,14 @@ a backup: a hit row's proposal is ready, and drafting it again would cost the
 batch the time the cache saved. A row that fails is answered with its error
 and stays failed until released; the other rows go on.
 
+The prefix cache's draft side: with the engine's prefix cache on (the
+prefill's `reuse`), a released row's draft cache waits (the last
+KEPT_SEQUENCES of them), and a later prompt that starts the same way, as a
+chat's next turn does, starts from it and feeds only the rest. Unlike the
+target's (ssd.engine.prefix), these positions need not be what a fresh
+prefill computes: the draft's keys and values only steer what it proposes,
+and verification keeps the output the target's.
+
 Threads: `serve` runs in one thread and owns the sequences, their KV caches
 and the branch decoders; the draft model itself may be shared with other
 threads (ssd.models).
@@ -27,9 +35,10 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from ssd.config import SamplingConfig, SpeculationConfig
+from ssd.engine.prefix import common_prefix
 from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner, share_budget
 from ssd.hardware import sync
-from ssd.models.backend import AnySequence, device_of, new_sequence, release, vocab_size
+from ssd.models.backend import AnySequence, device_of, forward_limit, new_sequence, release, vocab_size
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.anytime import AnytimeBudget
@@ -44,6 +53,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Released rows' draft caches kept for later prompts: a chat's next turn per recent chat. Few,
+# as each is a whole sequence's cache (on llama.cpp, a context of its own).
+KEPT_SEQUENCES = 2
 EPOCH_STRIDE = 0x9E3779B97F4A7C15  # odd: epochs differ in the low 32 bits, all that mt19937 reads
 
 
@@ -80,6 +92,7 @@ class DraftSequence:
     decoder: BranchDecoder | None = None  # its own: the rows' builds run in lockstep
     failed: str | None = None  # why this row failed in a batched round; it answers only that
     k: int = 0  # this round's speculation length (the rounds message's draft_k, else speculation.k)
+    reuse: bool = False  # kept for a later prompt once released (the prefill's `reuse`)
 
 
 class Speculator:
@@ -93,6 +106,8 @@ class Speculator:
         # and the last build's (planned budget, cut, seconds) until its outcome arrives.
         self.anytime: AnytimeBudget | None = None
         self._last_build: tuple[int, bool, float, float] | None = None
+        self.kept: list[tuple[int, AnySequence]] = []  # released caches (branch slots, cache), oldest first
+        self.keep = KEPT_SEQUENCES  # how many (0: prefill every prompt whole, as before the cache)
 
     def serve(self) -> None:
         """Handle messages until shutdown. A failure is reported, not swallowed:
@@ -101,25 +116,45 @@ class Speculator:
             protocol.PREFILL: self._prefill, protocol.ROUNDS: self._rounds, protocol.RELEASE: self._release,
             protocol.PING: lambda msg: self.channel.send(Message(protocol.PONG)),
         }
-        while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
-            self._outcome_arrived(msg.op)
-            try:
-                handlers[msg.op](msg)
-            except Exception as exc:
-                log.exception("speculator failed on %s", msg.op)
-                self.channel.send(protocol.error(msg.header.get("seq", -1), _describe(exc)))
+        try:
+            while (msg := self.channel.recv()).op != protocol.SHUTDOWN:
+                self._outcome_arrived(msg.op)
+                try:
+                    handlers[msg.op](msg)
+                except Exception as exc:
+                    log.exception("speculator failed on %s", msg.op)
+                    self.channel.send(protocol.error(msg.header.get("seq", -1), _describe(exc)))
+        finally:
+            for _, kv in self.kept:
+                release(kv)
+            self.kept.clear()
 
     def _prefill(self, msg: Message) -> None:
         row = protocol.parse_prefill(msg)
-        kv = new_sequence(self.model, branches=row.speculation.fanout.ceiling)
-        if len(row.prompt) > 1:
-            kv.forward(row.prompt[:-1], last_only=True)  # overlaps the target's own prefill
+        branches = row.speculation.fanout.ceiling
+        kv = (self._reused(row.prompt, branches) if row.reuse else None) or new_sequence(self.model, branches=branches)
+        rest = row.prompt[kv.length:-1]
+        step = forward_limit(kv) or max(1, len(rest))
+        for start in range(0, len(rest), step):  # overlaps the target's own prefill
+            kv.forward(rest[start:start + step], last_only=True)
         planner = make_planner(row.speculation, self.vocab_size)
         gen = make_generator(draft_seed(row.sampling.seed, row.epoch))
         decoder = make_branch_decoder(row.speculation.branch_decoder, sequence=kv)
         self.sequences[row.seq] = DraftSequence(
-            kv, list(row.prompt), row.sampling, row.speculation, gen, planner, decoder=decoder
+            kv, list(row.prompt), row.sampling, row.speculation, gen, planner, decoder=decoder, reuse=row.reuse
         )
+
+    def _reused(self, prompt: list[int], branches: int) -> AnySequence | None:
+        """The kept cache (with room for `branches`) sharing the longest start with `prompt`,
+        rolled back to that start, leaving the prompt's last token to feed; None where none
+        shares a token."""
+        shares = [(common_prefix(kv.tokens, prompt), i) for i, (slots, kv) in enumerate(self.kept) if slots == branches]
+        shared, index = max(shares, default=(0, -1))
+        if shared == 0:
+            return None
+        _, kv = self.kept.pop(index)
+        kv.trim_to_prefix_of(prompt)
+        return kv
 
     def _rounds(self, msg: Message) -> None:
         """A round of every row sent (one, alone): answer them in one reply, then build every row's cache."""
@@ -251,8 +286,14 @@ class Speculator:
 
     def _release(self, msg: Message) -> None:
         seq = self.sequences.pop(msg.header["seq"], None)
-        if seq is not None:
+        if seq is None:
+            return
+        if not (seq.reuse and seq.failed is None and seq.kv.keeps_prefix):
             release(seq.kv)  # a llama.cpp sequence's context goes now; torch's cache when collected
+            return
+        self.kept.append((seq.speculation.fanout.ceiling, seq.kv))
+        while len(self.kept) > self.keep:
+            release(self.kept.pop(0)[1])
 
 
 class _Cut:

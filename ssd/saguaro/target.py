@@ -265,7 +265,8 @@ class SSDEngine(BatchedEngine):
         state, link = row.state, row.link
         prefix = state.sequence if not row.decoding else state.sequence[:-1]
         link.cursor = DraftCursor(next(self._seq_ids))
-        self._send(protocol.prefill(link.cursor.seq, prefix, state.sampling, state.speculation, link.prefills))
+        self._send(protocol.prefill(link.cursor.seq, prefix, state.sampling, state.speculation, link.prefills,
+                                    reuse=self.batching.prefix_cache))
         link.prefills += 1
         if row.decoding:
             row.link.cursor.restart(state.sequence[-1])

@@ -9,7 +9,10 @@ token per turn (what the prefix cache saves), the whole turn's time, the prompt 
 fed and those it took from the cache; and whether our engines' replies agree token for token
 (they must: the cache serves whole prompt chunks only). Engines with idle work prefill each
 reply after its turn (Engine.warm, what the server does while the user reads), timed apart
-from the turns. Run it with launch/bench_chat.py.
+from the turns. `mode="ssd"`: the engines run SSD (draft on a thread of this process), and a
+third compares the draft's side of the cache: the speculator keeping released rows' caches
+for the next turn (ssd.saguaro.speculator) against prefilling every prompt whole. Run it
+with launch/bench_chat.py.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from tqdm import tqdm
 from ssd import hardware
 from ssd.config import Config, GenerationConfig, SamplingConfig
 from ssd.engine import AREngine
+from ssd.engine.batch import BatchedEngine
 from ssd.engine.request import GenerationRequest
-from ssd.factory import load_pair
+from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.models.backend import precision_of
 from ssd.models.tokenizer import chat_ids
 
@@ -45,24 +49,35 @@ TURNS = (
 
 
 def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequence[str] = TURNS,
-               llamacpp: bool = True, chats: int = 1) -> dict[str, Any]:
+               llamacpp: bool = True, chats: int = 1, mode: str = "ar") -> dict[str, Any]:
     """Per engine and turn: TTFT, the turn's seconds, prompt and cached tokens; our engines'
     replies compared. `chunks`: batching.prefill_chunk of the engines with the cache. `chats`:
     that many chats under the one system message take each turn in turn (chat k's messages
-    name its project k), as users of one server do."""
-    pair = load_pair(config, with_draft=False)
+    name its project k), as users of one server do. `mode`: ar, or ssd (see above)."""
+    pair = load_pair(config, with_draft=mode == "ssd")
     engines: dict[str, Callable[[GenerationRequest], Any]] = {}
     idle: dict[str, Callable[[], bool]] = {}  # the engines' idle work between turns (Engine.warm)
+    opened: list[BatchedEngine] = []
+    label = "ssd" if mode == "ar" else "ssd, SSD mode"
+
+    def engine(batching: Any, draft_keeps: bool = True) -> BatchedEngine:
+        made = make_engine(mode, pair, config.speculation, batching)
+        if not draft_keeps:
+            made.host.speculator.keep = 0
+        opened.append(made)
+        return made
+
     for chunk in chunks:
         batching = dataclasses.replace(config.batching, prefill_chunk=chunk, prefix_cache=True)
-        for warm in (False, True):
-            name = f"ssd, prefix cache (chunk {chunk}){', reply prefilled while idle' if warm else ''}"
-            engine = AREngine(pair.target, pair.tokenizer, batching)
-            engines[name] = engine.generate
+        for warm, keeps in ((False, True), (True, True)) + (((True, False),) if mode == "ssd" else ()):
+            name = (f"{label}, prefix cache (chunk {chunk}){', reply prefilled while idle' if warm else ''}"
+                    f"{'' if keeps else ', draft prefills whole prompts'}")
+            made = engine(batching, keeps)
+            engines[name] = made.generate
             if warm:
-                idle[name] = engine.warm
+                idle[name] = made.warm
     plain = dataclasses.replace(config.batching, prefix_cache=False)
-    engines[f"ssd, no cache (chunk {plain.prefill_chunk})"] = AREngine(pair.target, pair.tokenizer, plain).generate
+    engines[f"{label}, no cache (chunk {plain.prefill_chunk})"] = engine(plain).generate
     if llamacpp:
         from ssd.tools.bench.llamacpp import LlamaCppEngine, gguf_for
 
@@ -90,8 +105,10 @@ def bench_chat(config: Config, chunks: Sequence[int], tokens: int, turns: Sequen
             rows[name].append({"turn": turn, "chat": chat, "prompt_tokens": len(ids), "cached_tokens": s.cached_prompt_tokens,
                                "ttft_s": s.time_to_first_token_s, "total_s": s.total_s, "new_tokens": s.new_tokens,
                                "idle_work_s": time.perf_counter() - started if name in idle else 0.0})
+    for made in opened:
+        made.close()
     ours = [replies[name] for name in engines if name.startswith("ssd")]
-    return {"machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
+    return {"mode": mode, "machine": hardware.summary(), "uptime": hardware.uptime(), "threads": torch.get_num_threads(),
             "target": f"{config.target.name} ({precision_of(pair.target)})", "tokens": tokens, "turns": list(turns),
             "chats": chats, "rows": rows, "ours_agree": all(r == ours[0] for r in ours)}
 
@@ -101,7 +118,8 @@ def format_table(result: dict[str, Any]) -> str:
     chats = result.get("chats", 1)
     first = next(iter(result["rows"].values()))
     labels = [f"turn {r['turn'] + 1}" + (f" chat {r['chat'] + 1}" if chats > 1 else "") for r in first]
-    lines = [f"{result['machine']}; {result['threads']} threads; target {result['target']}; "
+    lines = [f"{result['machine']}; {result['threads']} threads; mode {result.get('mode', 'ar')}; "
+             f"target {result['target']}; "
              f"greedy, {result['tokens']} new tokens a turn; {chats} chat(s) under one system message; "
              f"uptime {result['uptime']}",
              "time to first token (s) per turn; prompt tokens fed / taken from the cache at the last turn",
