@@ -96,11 +96,15 @@ def test_a_named_function_call_and_its_output_go_back_as_chat_tool_messages(wide
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
     back = oai(srv).responses.create(model="tiny", input=turn, tools=FUNCTIONS, tool_choice="none",
                                      max_output_tokens=12)
-    chat = [{"role": "user", "content": ASK},
+    assert back.output_text == expected(backend, answered_chat(call))
+
+
+def answered_chat(call, output: str = "sunny") -> list[dict]:
+    """The chat an ASK, the model's function call and the call's output make."""
+    return [{"role": "user", "content": ASK},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
-            {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}]
-    assert back.output_text == expected(backend, chat)
+                {"type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
+            {"role": "tool", "content": output, "tool_call_id": call.call_id}]
 
 
 def test_text_format_json_schema_is_structured_output(wide):

@@ -21,7 +21,7 @@ import pytest
 from ssd.serve.stored import ResponseStore, StoredResponse, input_items, page
 from tests.test_http import base_url, oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
-from tests.test_responses_api import ASK, FUNCTIONS, expected
+from tests.test_responses_api import ASK, FUNCTIONS, answered_chat, expected
 from tests.test_serve import ControlledBackend
 
 
@@ -114,11 +114,7 @@ def test_a_function_calls_output_goes_back_by_previous_response_id(wide):
     answer = client.responses.create(
         model="tiny", previous_response_id=asked.id, tools=FUNCTIONS, tool_choice="none", max_output_tokens=12,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
-    chat = [{"role": "user", "content": ASK},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
-            {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}]
-    assert answer.output_text == expected(backend, chat)
+    assert answer.output_text == expected(backend, answered_chat(call))
 
 
 def test_a_stored_response_is_retrieved_listed_and_deleted(wide):
