@@ -10,7 +10,6 @@ store itself (ssd.serve.stored) is tested pure first.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
