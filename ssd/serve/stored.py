@@ -14,7 +14,6 @@ Responses store in memory too). No model, no I/O: testable in milliseconds.
 
 from __future__ import annotations
 
-import copy
 import threading
 import uuid
 from collections import OrderedDict
@@ -24,6 +23,9 @@ from typing import Any
 
 @dataclass
 class StoredResponse:
+    """One response and its conversation. Read-only once stored: a chat's responses share their
+    earlier items (the same dicts), so a long chat's store grows with its items, not their square."""
+
     response: dict[str, Any]  # the Response object, as the request returned it
     input_items: list[dict[str, Any]]  # its own input, as items with ids (GET .../input_items)
     earlier: list[dict[str, Any]] = field(default_factory=list)  # the conversation before its input
@@ -57,13 +59,12 @@ class ResponseStore:
                 self._kept.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response (a copy: callers may change it), now the most recently used."""
+        """The stored response (read it, never change it), now the most recently used."""
         with self._lock:
             stored = self._kept.get(response_id)
-            if stored is None:
-                return None
-            self._kept.move_to_end(response_id)
-            return copy.deepcopy(stored)
+            if stored is not None:
+                self._kept.move_to_end(response_id)
+            return stored
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
