@@ -34,7 +34,7 @@ from ssd.factory import make_engine
 from ssd.serve import tools as tooling
 from ssd.serve.backend import LocalBackend
 from ssd.serve.client import GenerationClient
-from ssd.serve.http import ApiError, _result
+from ssd.serve.http_calls import ApiError, _result
 from ssd.serve.service import Final
 from ssd.serve.validation import choice_seed
 from tests.conftest import ROOT
