@@ -10,6 +10,7 @@ store itself (ssd.serve.stored) is tested pure first.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -154,7 +155,7 @@ def test_store_false_is_not_kept(wide):
 
 @pytest.mark.parametrize("path, param", [
     ("/input_items?order=up", "order"), ("/input_items?limit=0", "limit"), ("/input_items?limit=101", "limit"),
-    ("/input_items?after=msg_none", "after"), ("?stream=true", "stream"),
+    ("/input_items?after=msg_none", "after"),
 ])
 def test_bad_queries_name_the_parameter(wide, path, param):
     srv, _ = wide
@@ -217,6 +218,8 @@ def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
         while srv_running(srv) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.responses.retrieve(queued.id).status == "cancelled"
+        events = _events(httpx.get(base_url(srv) + f"/v1/responses/{queued.id}", params={"stream": "true"}))
+        assert events[0]["type"] == "response.created" and events[-1]["code"] == "cancelled"
         assert client.responses.create(model="tiny", input="abc", max_output_tokens=3).status == "incomplete"
 
 
@@ -235,9 +238,37 @@ def test_a_failed_background_response_is_stored_with_its_error(wide):
         assert "injected engine fault" in failed.error.message
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"background": True, "store": False}, "background"), ({"background": True, "stream": True}, "stream"),
-])
-def test_background_needs_store_and_no_stream(wide, body, param):
-    reply = httpx.post(base_url(wide[0]) + "/v1/responses", json={"model": "tiny", "input": "a"} | body)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+def test_background_needs_store(wide):
+    reply = httpx.post(base_url(wide[0]) + "/v1/responses",
+                       json={"model": "tiny", "input": "a", "background": True, "store": False})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "background", reply.text
+
+
+def _events(reply: httpx.Response) -> list[dict]:
+    return [json.loads(line.removeprefix("data: ")) for line in reply.text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_is_read_again_from_any_sequence_number(wide):
+    """background + stream: the POST streams the events; a reader that left comes back with
+    GET ?stream=true&starting_after=N and gets the rest, the same events; the stored response
+    is the stream's last. A reader leaving does not stop the response."""
+    srv, _ = wide
+    body = {"model": "tiny", "input": "abc", "max_output_tokens": 12, "background": True, "stream": True}
+    whole = _events(httpx.post(base_url(srv) + "/v1/responses", json=body, timeout=60))
+    assert whole[0]["type"] == "response.created" and whole[-1]["type"] == "response.incomplete"
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+    response_id = whole[0]["response"]["id"]
+    url = base_url(srv) + f"/v1/responses/{response_id}"
+    rest = _events(httpx.get(url, params={"stream": "true", "starting_after": 3}, timeout=60))
+    assert rest == whole[4:]
+    stored = httpx.get(url).json()
+    assert stored == whole[-1]["response"] and stored["background"] and stored["output"][0]["content"][0]["text"]
+    with httpx.stream("POST", base_url(srv) + "/v1/responses", json=body, timeout=60) as early:
+        first = next(line for line in early.iter_lines() if line.startswith("data: "))  # then leave
+    left_id = json.loads(first.removeprefix("data: "))["response"]["id"]
+    assert _polled(oai(srv), left_id).status == "incomplete"  # it ran to its end without a reader
+    bad = httpx.get(url, params={"stream": "true", "starting_after": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    plain = oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=2)
+    unstreamable = httpx.get(base_url(srv) + f"/v1/responses/{plain.id}", params={"stream": "true"})
+    assert unstreamable.status_code == 400 and unstreamable.json()["error"]["param"] == "stream"

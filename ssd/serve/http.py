@@ -49,6 +49,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -75,6 +76,8 @@ from ssd.serve.service import (
 )
 
 log = logging.getLogger(__name__)
+
+ENDED_STREAMS = 16  # background responses whose events stay readable after they end (late readers)
 from ssd.serve.http_calls import (
     EVENT_POLL_S,
     ApiError,
@@ -96,6 +99,7 @@ class OpenAIFrontend:
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
+        self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------
@@ -189,7 +193,8 @@ class OpenAIFrontend:
             raise invalid(InvalidArgument(renamed, exc.message.split(": ", 1)[-1])) from None
         call = ResponsesCall(self, chat, choices, body, earlier)
         if body.background:
-            return JSONResponse(self._start_background(call))
+            queued = self._start_background(call)
+            return JobStream(call.replay(), on_close=_stays) if body.stream else JSONResponse(queued)
         if body.stream:
             return JobStream(call.events(), on_close=call.cancel)
         try:
@@ -205,9 +210,6 @@ class OpenAIFrontend:
         if body.background and (body.store is False or self.stored.capacity == 0):
             raise invalid(InvalidArgument("background", "a background response is stored to be polled: "
                                                         "it needs store (and --stored-responses > 0)"))
-        if body.background and body.stream:
-            raise invalid(InvalidArgument("stream", "a background response is polled (GET "
-                                                    "/v1/responses/{id}), not streamed; send one or the other"))
         if body.previous_response_id is None:
             return []
         return self._stored(body.previous_response_id, "previous_response_id").conversation
@@ -220,13 +222,32 @@ class OpenAIFrontend:
                            param=param, code="previous_response_not_found" if param else "response_not_found")
         return found
 
-    async def stored_response(self, request: Request, response_id: str) -> JSONResponse:
-        """OpenAI's response retrieval: a stored response as its request returned it."""
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """OpenAI's response retrieval: a stored response as its request returned it; with
+        `stream=true`, a background response's events after `starting_after` (a sequence
+        number), while it runs or soon after."""
         self._authorize(request)
-        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-            raise ApiError(400, "stream: a stored response is retrieved whole, not streamed", param="stream",
-                           code="invalid_value")
-        return JSONResponse(self._stored(response_id).response)
+        query = request.query_params
+        if query.get("stream", "false").lower() in ("false", "0"):
+            return JSONResponse(self._stored(response_id).response)
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1:
+            raise ApiError(400, f"starting_after: must be a sequence number, got {after!r}",
+                           param="starting_after", code="invalid_value")
+        call = self.running.get(response_id) or self.ended_streams.get(response_id)
+        if call is None:
+            self._stored(response_id)  # a 404 when it is not even stored
+            raise ApiError(400, f"stream: response {response_id!r} is no background response this server "
+                           f"still streams; retrieve it whole", param="stream", code="invalid_value")
+        return JobStream(call.replay(int(after)), on_close=_stays)
+
+    def background_ended(self, call: ResponsesCall) -> None:
+        """A background response's run ended: no longer cancellable; its events stay readable
+        for the last ENDED_STREAMS of them."""
+        self.running.pop(call.id, None)
+        self.ended_streams[call.id] = call
+        while len(self.ended_streams) > ENDED_STREAMS:
+            self.ended_streams.popitem(last=False)
 
     def _start_background(self, call: ResponsesCall) -> dict[str, Any]:
         """Store the response as queued, run it on the event loop, answer with it now."""
@@ -241,7 +262,7 @@ class OpenAIFrontend:
         cancelled (again: the same answer); any other is 400."""
         self._authorize(request)
         call = self.running.get(response_id)
-        if call is not None:
+        if call is not None and not call.ended:
             return JSONResponse(call.cancel_in_background())
         found = self._stored(response_id).response
         if found.get("background") and found["status"] == "cancelled":
@@ -492,6 +513,10 @@ def _first_surrogate(value: Any, path: str = "") -> str | None:
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"body: larger than {limit} bytes", param="body", code="request_too_large")
+
+
+def _stays() -> None:
+    """A background response's reader left: the response runs on (cancel it by id)."""
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

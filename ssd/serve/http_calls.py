@@ -411,7 +411,12 @@ class ResponsesCall(Call):
         self.input_items = input_items(given if isinstance(given, str) else
                                        [item.model_dump(exclude_none=True) for item in given])
         self.cancelled = False  # a background response's cancel came
+        self.ended = False  # its finished response is built (and stored): too late to cancel
+        self.failure: dict[str, Any] | None = None  # the error event its stream ended with
         self.task: asyncio.Task | None = None  # a background response's run
+        self.log: list[bytes] = []  # a background response's events, for any stream that reads them
+        self.log_done = False
+        self._more = asyncio.Event()  # set (and replaced) when the log grows or ends
         self.id = responses.new_id("resp")
         self.created = responses.now()
         self.message_id, self.reasoning_id = responses.new_id("msg"), responses.new_id("rs")
@@ -455,35 +460,54 @@ class ResponsesCall(Call):
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored (OpenAI's default) with its conversation."""
+        self.ended = True
         if self.store:
             self.save(response)
         return response
 
-    # --- background: run on the event loop, polled through the store --------------
+    # --- background: run on the event loop; polled through the store, or streamed from its log
 
     async def run_in_background(self) -> None:
-        """Wait for the one choice's end, storing the response as it goes (in_progress at the
-        first round) and as it ended: completed or incomplete, cancelled, or failed with its error."""
-        choice, started = self.choices[0], False
+        """Run the response's stream into its log (any number of readers: `replay`), storing the
+        response as it goes: in_progress from its first tokens, then as it ended: completed or
+        incomplete (stored by the stream's last chunks), cancelled, or failed with its error."""
+        opening = len(self._opening())
         try:
-            while choice.final is None:
-                event = await self.front.next_event(choice.gen)
-                if isinstance(event, Final):
-                    choice.final = event
-                elif event is not None and not started and not self.cancelled:
-                    started = True
+            async for data in self.events():
+                if data:
+                    self._append(data)
+                if len(self.log) == opening + 1 and not self.cancelled and not self.ended:
                     self.save(self.snapshot("in_progress"))
-            if not self.cancelled:
-                _result(choice.final)
-                self._kept(self._finished(choice))
-        except ApiError as exc:
-            self.save(self.snapshot("failed", error={"code": exc.code, "message": exc.message}))
+            if self.failure is not None and not self.cancelled:
+                self.save(self.snapshot("failed", error={k: self.failure.get(k) for k in ("code", "message")}))
         except Exception as exc:  # noqa: BLE001 - the poller reads it as the response's error
             log.exception("background response %s failed", self.id)
             self.save(self.snapshot("failed", error={"code": "internal_error",
                                                      "message": f"{type(exc).__name__}: {exc}"}))
         finally:  # at once, with no await after the last save: a cancel now finds it ended
-            self.front.running.pop(self.id, None)
+            self.log_done = True
+            self._wake()
+            self.front.background_ended(self)
+
+    def _append(self, data: bytes) -> None:
+        self.log.append(data)
+        self._wake()
+
+    def _wake(self) -> None:
+        more, self._more = self._more, asyncio.Event()
+        more.set()
+
+    async def replay(self, after: int = -1) -> AsyncIterator[bytes]:
+        """The logged events after sequence number `after`, then each as it comes, to the end."""
+        index = after + 1
+        while True:
+            more = self._more
+            while index < len(self.log):
+                yield self.log[index]
+                index += 1
+            if self.log_done:
+                return
+            await more.wait()
 
     def cancel_in_background(self) -> dict[str, Any]:
         self.cancelled = True
@@ -519,6 +543,8 @@ class ResponsesCall(Call):
         return out
 
     def _final_chunks(self, choice: Choice, final: Final) -> list[dict[str, Any]]:
+        if self.cancelled:  # a background response's cancel: the stream's error event says so
+            raise ApiError(400, "the response was cancelled (POST /v1/responses/{id}/cancel)", code="cancelled")
         _result(final)  # a failed choice: ApiError, the stream's error event
         thought, delta = choice.reasoning.finish(final.text) if choice.reasoning is not None else ("", final.text)
         if choice.tools is not None:
@@ -608,7 +634,7 @@ class ResponsesCall(Call):
 
     def _sse(self, data: dict[str, Any]) -> bytes:
         if "type" not in data:  # an ApiError's body: the Responses error event
-            data = {**data["error"], "type": "error"}
+            data = self.failure = {**data["error"], "type": "error"}
         data = data | {"sequence_number": self.sequence}
         self.sequence += 1
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")), event=data["type"])
