@@ -154,3 +154,19 @@ def test_an_engine_fault_is_a_500_or_the_streams_error_event(wide):
         assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
         assert events[-1]["code"] == "generation_failed" and "injected engine fault" in events[-1]["message"]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_openais_hints_are_taken_and_change_nothing(wide):
+    """prompt_cache_key and safety_identifier (OpenAI's hints) are accepted on chat, completions
+    and Responses, echoed where OpenAI echoes them, and the output is the one without them."""
+    srv, _ = wide
+    client, hints = oai(srv), {"prompt_cache_key": "chat-7", "safety_identifier": "user-hash"}
+    reply = client.responses.create(model="tiny", input="abc", max_output_tokens=6, **hints)
+    assert (reply.prompt_cache_key, reply.safety_identifier) == ("chat-7", "user-hash")
+    assert reply.output_text == client.responses.create(model="tiny", input="abc", max_output_tokens=6).output_text
+    chat = [{"role": "user", "content": "abc"}]
+    with_hints = client.chat.completions.create(model="tiny", messages=chat, max_tokens=6, **hints)
+    assert with_hints.choices[0].message.content == client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=6).choices[0].message.content
+    assert client.completions.create(model="tiny", prompt="abc", max_tokens=4, extra_body=hints).choices[0].text == \
+        client.completions.create(model="tiny", prompt="abc", max_tokens=4).choices[0].text

@@ -95,6 +95,11 @@ class _Common(Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's hints, taken and left alone: who asks (abuse checks there), and a key grouping
+    # requests that share a prefix (cache routing there; here the prefix cache and the replicas'
+    # routing already match prompts by their tokens).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # Logits processing (ssd.engine.processing): part of the target's law, exact in every mode.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

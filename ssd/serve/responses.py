@@ -110,6 +110,8 @@ class ResponsesBody(Body):
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's hints, as on chat (ssd.serve.http_schema)
+    prompt_cache_key: str | None = None
     # vLLM's extra fields, as on chat.
     seed: int | None = None
     top_k: int | None = None
@@ -288,7 +290,8 @@ def response_object(body: ResponsesBody, response_id: str, created: float, statu
         "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                             if body.text is not None and body.text.format is not None else {"type": "text"})},
         "background": bool(body.background), "store": stored, "truncation": "disabled",
-        "metadata": body.metadata or {}, "user": body.user,
+        "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
         "previous_response_id": body.previous_response_id, "reasoning": None, "error": error,
         "incomplete_details": None if incomplete is None else {"reason": incomplete}, "usage": usage,
     }
