@@ -5,9 +5,10 @@ with and without its server's prompt cache; one request at a time, interleaved.
     python launch/bench_chat.py --out docs/results/prefix_cache   # --chunks 512 128: other chunk sizes
     python launch/bench_chat.py --chats 2 --turns 3 --out docs/results/prefix_cache_two_chats
     python launch/bench_chat.py --mode ssd --no-llamacpp --out docs/results/prefix_cache_ssd
+    python launch/bench_chat.py --replot docs/results/prefix_cache.json   # its plot again, no run
 
 Time to first token per turn, each turn's prompt and the tokens the cache served, and
-whether our engines' greedy replies agree.
+whether our engines' greedy replies agree; with --out, OUT.png plots the turns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import sys
 
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
-from ssd.tools.bench.chat_turns import TURNS, bench_chat, format_table  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from ssd.tools.bench.chat_turns import TURNS, bench_chat, format_table, plot_turns  # noqa: E402
 from ssd.tools.bench.report import print_and_save, small_bench_config, small_bench_parser  # noqa: E402
 
 
@@ -26,6 +30,8 @@ def build_parser():
                         help="batching.prefill_chunk of the engines with the prefix cache (default: the config's)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--turns", type=int, help="the first N turns of the chat (default: all six)")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="plot an earlier run's OUT.json as OUT.png and exit (no run)")
     parser.add_argument("--mode", choices=("ar", "ssd"), default="ar",
                         help="our engines' mode; ssd also runs one whose draft prefills every prompt whole")
     parser.add_argument("--chats", type=int, default=1,
@@ -35,12 +41,17 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        print(plot_turns(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
+        return
     config = small_bench_config(args)
     turns = TURNS[: args.turns] if args.turns else TURNS
     result = bench_chat(config, args.chunks or [config.batching.prefill_chunk], args.max_new_tokens, turns,
                         llamacpp=not args.no_llamacpp, chats=args.chats, mode=args.mode)
     command = " ".join(["python launch/bench_chat.py", *(sys.argv[1:] if argv is None else argv)])
     print_and_save(command, format_table(result), result, args.out)
+    if args.out:
+        plot_turns(result, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

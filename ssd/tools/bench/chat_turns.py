@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -134,3 +135,27 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{rows[-1]['prompt_tokens']} / {rows[-1]['cached_tokens']} |")
     lines.append(f"our engines' replies agree token for token: {result['ours_agree']}")
     return "\n".join(lines)
+
+
+def plot_turns(result: dict[str, Any], path: Path) -> Path:
+    """Two panels over the turns, a line per engine: the time to the first token, and the whole
+    turn's seconds (the Agg canvas: no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    first, whole = fig.subplots(1, 2)
+    for name, rows in result["rows"].items():
+        turns = range(1, len(rows) + 1)
+        first.plot(turns, [r["ttft_s"] for r in rows], marker="o", label=name)
+        whole.plot(turns, [r["total_s"] for r in rows], marker="o")
+    first.set(xlabel="turn (chats take each turn in turn)", ylabel="time to first token (s)", yscale="log")
+    whole.set(xlabel="turn", ylabel="the turn's seconds")
+    for ax in (first, whole):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"A chat's turns, mode {result.get('mode', 'ar')}: {result['target']}, {result['threads']} threads",
+                 fontsize="medium")
+    fig.legend(loc="outside lower center", fontsize="small", ncol=2)
+    fig.savefig(path, dpi=110)
+    return path
