@@ -213,6 +213,9 @@ def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
         cancelled = client.responses.cancel(queued.id)
         assert cancelled.status == "cancelled" and cancelled.id == queued.id and cancelled.output == []
         assert client.responses.cancel(queued.id).status == "cancelled"  # again: the same answer
+        with pytest.raises(openai.BadRequestError) as info:  # nothing to go on from
+            client.responses.create(model="tiny", input="x", previous_response_id=queued.id)
+        assert info.value.body["param"] == "previous_response_id" and "cancelled" in info.value.body["message"]
         gate.set()
         deadline = time.monotonic() + 30
         while srv_running(srv) and time.monotonic() < deadline:

@@ -212,7 +212,12 @@ class OpenAIFrontend:
                                                         "it needs store (and --stored-responses > 0)"))
         if body.previous_response_id is None:
             return []
-        return self._stored(body.previous_response_id, "previous_response_id").conversation
+        found = self._stored(body.previous_response_id, "previous_response_id")
+        status = found.response["status"]
+        if status not in ("completed", "incomplete"):  # a background one queued, running or stopped
+            raise invalid(InvalidArgument("previous_response_id", f"response {body.previous_response_id!r} is "
+                                          f"{status}: only a finished response (completed or incomplete) goes on"))
+        return found.conversation
 
     def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
         found = self.stored.get(response_id)
