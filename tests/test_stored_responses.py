@@ -275,3 +275,31 @@ def test_a_streamed_background_response_is_read_again_from_any_sequence_number(w
     plain = oai(srv).responses.create(model="tiny", input="abc", max_output_tokens=2)
     unstreamable = httpx.get(base_url(srv) + f"/v1/responses/{plain.id}", params={"stream": "true"})
     assert unstreamable.status_code == 400 and unstreamable.json()["error"]["param"] == "stream"
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(wide):
+    """A stored conversation past the context: truncation "disabled" (the default) is a 400
+    naming input; "auto" drops whole user turns from the start, as few as fit the prompt and
+    max_output_tokens, and the output is the engine's for exactly that shorter chat."""
+    srv, backend = wide
+    client, out = oai(srv), 8
+    limit = client.models.retrieve("tiny").model_extra["max_model_len"]
+    said = ["[" + "a" * 170 + "]", "{" + "b" * 170 + "}", "[" + "c" * 170 + "]", "abc"]
+    chat, last = [], None
+    for text in said[:-1]:
+        reply = client.responses.create(model="tiny", input=text, previous_response_id=last, max_output_tokens=out,
+                                        truncation="auto")
+        chat += [{"role": "user", "content": text}, _text_of(reply)]
+        last = reply.id
+    chat.append({"role": "user", "content": said[-1]})
+    template = ToolTemplate(backend)
+    assert len(template.apply_chat(chat)) + out > limit  # the whole chat does not fit
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input=said[-1], previous_response_id=last, max_output_tokens=out)
+    assert info.value.body["param"] == "input"
+    fitted = client.responses.create(model="tiny", input=said[-1], previous_response_id=last, max_output_tokens=out,
+                                     truncation="auto")
+    kept = next(chat[i:] for i in range(0, len(chat), 2) if len(template.apply_chat(chat[i:])) + out <= limit)
+    assert 2 < len(kept) < len(chat) and fitted.truncation == "auto"
+    assert fitted.output_text == expected(backend, kept, max_new=out)
+    assert fitted.usage.input_tokens == len(template.apply_chat(kept))

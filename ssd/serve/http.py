@@ -181,7 +181,8 @@ class OpenAIFrontend:
         earlier = self._continued(body)
         origins: list[str] = []
         try:
-            chat, origins = responses.to_chat(body, earlier)
+            chat, origins = (self._fitted(body, earlier) if body.truncation == "auto"
+                             else responses.to_chat(body, earlier))
             schema.refuse_unsupported(chat)
             choices = self._submit_all(chat)
         except InvalidArgument as exc:
@@ -218,6 +219,23 @@ class OpenAIFrontend:
             raise invalid(InvalidArgument("previous_response_id", f"response {body.previous_response_id!r} is "
                                           f"{status}: only a finished response (completed or incomplete) goes on"))
         return found.conversation
+
+    def _fitted(self, body: responses.ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[Any, list[str]]:
+        """truncation "auto" (OpenAI's): the chat without its oldest user turns, as few dropped as
+        let the prompt and max_output_tokens (at least one token) fit the model's context; with
+        only the last turn left, that one (and validation says what does not fit)."""
+        limit = self._model_info().limits.max_context_tokens
+        room = body.max_output_tokens or 1
+        drops = [0, *responses.turn_starts(body, earlier)]
+        for drop in drops[:-1]:
+            chat, origins = responses.to_chat(body, earlier, drop)
+            try:
+                prompt = self.service.tokenize(schema.to_request(chat))
+            except NotServing as exc:
+                raise unavailable(exc) from None
+            if len(prompt) + room <= limit:
+                return chat, origins
+        return responses.to_chat(body, earlier, drops[-1])
 
     def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
         found = self.stored.get(response_id)

@@ -107,7 +107,7 @@ class ResponsesBody(Body):
     store: bool | None = None  # None: OpenAI's default, stored
     background: bool | None = None  # answer at once (queued); poll GET /v1/responses/{id}
     previous_response_id: str | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None  # auto: drop the oldest turns to fit (`turn_starts`)
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None  # OpenAI's hints, as on chat (ssd.serve.http_schema)
@@ -122,14 +122,15 @@ class ResponsesBody(Body):
     structured_outputs: schema.StructuredOutputs | None = None
 
 
-def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None
+def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, drop: int = 0
             ) -> tuple[schema.ChatBody, list[str]]:
     """The ChatBody the request means, and for each of its messages the Responses field it came from.
-    `earlier`: the conversation of the response it continues (ssd.serve.stored), as items."""
+    `earlier`: the conversation of the response it continues (ssd.serve.stored), as items; `drop`:
+    how many of the conversation's first items (earlier, then input) to leave out."""
     for name in body.include or []:
         if name != LOGPROBS_INCLUDE:
             raise InvalidArgument("include", f"only {LOGPROBS_INCLUDE!r} is offered, got {name!r}")
-    messages, origins = _messages(body, earlier or [])
+    messages, origins = _messages(body, earlier or [], drop)
     logprobs = LOGPROBS_INCLUDE in (body.include or [])
     if body.top_logprobs is not None and not logprobs:
         raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
@@ -145,18 +146,32 @@ def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None
     return chat, origins
 
 
-def _messages(body: ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[list[schema.Message], list[str]]:
+def turn_starts(body: ResponsesBody, earlier: list[dict[str, Any]]) -> list[int]:
+    """Where the conversation's later user turns start (indices into earlier + input items): the
+    `drop`s truncation "auto" may take, oldest turns first. A cut there never parts a function
+    call from its output, nor a reasoning item from its message."""
+    items, _ = _items(body, earlier)
+    return [i for i, item in enumerate(items) if i > 0 and item.type == "message" and item.role == "user"]
+
+
+def _items(body: ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[list[InputItem], list[str]]:
+    """The conversation's items, earlier then input, and the field each came from."""
+    own = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not own:
+        raise InvalidArgument("input", "must not be empty")
+    places = ["input"] if isinstance(body.input, str) else [f"input[{i}]" for i in range(len(own))]
+    return [InputItem.model_validate(item) for item in earlier] + own, ["previous_response_id"] * len(earlier) + places
+
+
+def _messages(body: ResponsesBody, earlier: list[dict[str, Any]], drop: int = 0
+              ) -> tuple[list[schema.Message], list[str]]:
     messages: list[schema.Message] = []
     origins: list[str] = []
     if body.instructions is not None:
         messages.append(schema.Message(role="system", content=body.instructions))
         origins.append("instructions")
-    own = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    if not own:
-        raise InvalidArgument("input", "must not be empty")
-    places = ["input"] if isinstance(body.input, str) else [f"input[{i}]" for i in range(len(own))]
-    items = [InputItem.model_validate(item) for item in earlier] + own
-    places = ["previous_response_id"] * len(earlier) + places
+    items, places = _items(body, earlier)
+    items, places = items[drop:], places[drop:]
     thought: tuple[str, str] | None = None  # a reasoning item's text, for the assistant turn after it
     for item, where in zip(items, places):
         if item.type == "reasoning":
@@ -289,7 +304,7 @@ def response_object(body: ResponsesBody, response_id: str, created: float, statu
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
         "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                             if body.text is not None and body.text.format is not None else {"type": "text"})},
-        "background": bool(body.background), "store": stored, "truncation": "disabled",
+        "background": bool(body.background), "store": stored, "truncation": body.truncation or "disabled",
         "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
         "previous_response_id": body.previous_response_id, "reasoning": None, "error": error,
