@@ -210,6 +210,8 @@ def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
     with serving(lambda: ControlledBackend(ToolTemplate(backend), gate=gate)) as srv:
         client = oai(srv)
         queued = client.responses.create(model="tiny", input="abc", max_output_tokens=50, background=True)
+        gauges = _gauges(srv)
+        assert gauges["ssd:responses_background_running"] == 1 and gauges["ssd:responses_stored"] >= 1
         cancelled = client.responses.cancel(queued.id)
         assert cancelled.status == "cancelled" and cancelled.id == queued.id and cancelled.output == []
         assert client.responses.cancel(queued.id).status == "cancelled"  # again: the same answer
@@ -221,9 +223,16 @@ def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
         while srv_running(srv) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.responses.retrieve(queued.id).status == "cancelled"
+        assert _gauges(srv)["ssd:responses_background_running"] == 0
         events = _events(httpx.get(base_url(srv) + f"/v1/responses/{queued.id}", params={"stream": "true"}))
         assert events[0]["type"] == "response.created" and events[-1]["code"] == "cancelled"
         assert client.responses.create(model="tiny", input="abc", max_output_tokens=3).status == "incomplete"
+
+
+def _gauges(srv) -> dict[str, float]:
+    """The Responses gauges on /metrics."""
+    text = httpx.get(base_url(srv) + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("ssd:responses_")}
 
 
 def srv_running(srv) -> bool:

@@ -61,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
+from ssd.serve.metrics import ResponsesCollector
 from ssd.serve.stored import ResponseStore, StoredResponse, page
 from ssd.serve.service import (
     Chunk,
@@ -100,6 +101,7 @@ class OpenAIFrontend:
         self.stored = ResponseStore(options.stored_responses)
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
+        service.registry.register(ResponsesCollector(lambda: (len(self.stored), len(self.running))))
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------

@@ -141,6 +141,21 @@ class ServerCollector(Collector):
         yield from _spec_cache(c)
 
 
+class ResponsesCollector(Collector):
+    """The HTTP front end's Responses API state at scrape time: responses stored, and background
+    responses running (`counts` reads both)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        stored, running = self.counts()
+        yield GaugeMetricFamily("ssd:responses_stored", "Responses API responses stored (--stored-responses).",
+                                value=stored)
+        yield GaugeMetricFamily("ssd:responses_background_running", "Background responses queued or running.",
+                                value=running)
+
+
 def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:
     """A registry of this server's own (no process-global state)."""
     registry = CollectorRegistry(auto_describe=False)
