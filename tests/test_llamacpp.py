@@ -822,13 +822,17 @@ def test_an_f16_cache_parts_rows_past_256_positions(k_quant_files):
 
 
 def test_ssd_drafts_a_prompt_longer_than_the_drafts_batch(tmp_path):
-    """A prompt past n_batch (512) tokens: the speculator prefills the draft in pieces, and the
-    link stays up (hits), greedy equal to AR. Fed in one forward, the draft's prefill failed,
-    the link was lost and the engine ran the target alone (no hits)."""
+    """A prompt past n_batch (512) tokens: a llama.cpp sequence's forward takes it in n_batch
+    pieces, so the speculator's draft prefill holds and the link stays up (hits), greedy equal
+    to AR. As one llama_decode, the draft's prefill failed, the link was lost and the engine ran
+    the target alone (no hits)."""
     cfg = dataclasses.replace(CFG, max_position_embeddings=1024)
     lm = LlamaCppModel(export_gguf(_model(cfg), tmp_path / "long.gguf"))
     draft = LlamaCppModel(export_gguf(_model(dataclasses.replace(cfg, noise=0.03)), tmp_path / "long-draft.gguf"))
     prompt = [(7 * i + 3) % CFG.vocab_size for i in range(600)]
+    whole = LlamaCppSequence(draft).forward(prompt)  # a sequence takes any length: n_batch pieces
+    in_pieces = LlamaCppSequence(draft)
+    assert torch.equal(whole, torch.cat([in_pieces.forward(prompt[:512]), in_pieces.forward(prompt[512:])]))
     want = AREngine(lm, TOKENIZER).generate(_request(prompt)).token_ids
     engine = SSDEngine.in_process(lm, draft, TOKENIZER, _ssd(3, budget=6))
     try:

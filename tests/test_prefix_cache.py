@@ -191,8 +191,15 @@ def _law_pvalues(samples: int, hits: bool = True, mode: str = "sd") -> list[floa
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_sampled_output_on_a_hit_follows_the_target_law(mode):
+def test_sampled_output_on_a_hit_follows_the_target_law(mode, monkeypatch):
+    """SSD: every request after the first two also starts its draft from a kept cache (asserted)."""
+    from ssd.saguaro.speculator import Speculator
+
+    reused, original = [], Speculator._reused
+    monkeypatch.setattr(Speculator, "_reused", lambda self, prompt, branches: reused.append(
+        original(self, prompt, branches)) or reused[-1])
     pvalues = _law_pvalues(300, mode=mode)
+    assert mode == "sd" or sum(kv is not None for kv in reused) == 2 * 300 - 2
     for prompt, pvalue in zip(LAW_PROMPTS, pvalues):
         report_pvalue(f"{mode}, prefix cache hit", f"{prompt} T=1", "exact", 300, pvalue)
     assert min(pvalues) > ALPHA, pvalues

@@ -91,14 +91,6 @@ def has_free_slot(source: Model | LlamaCppContext) -> bool:
     return True
 
 
-def forward_limit(sequence: AnySequence) -> int | None:
-    """The most tokens one `forward` of `sequence` takes (llama.cpp: its context's n_batch);
-    None: no limit (torch). Longer inputs go in pieces of this."""
-    if is_llamacpp(sequence):
-        return sequence.context.n_batch
-    return None
-
-
 def branch_decoder(sequence: AnySequence) -> Any | None:
     """The backend's own branch decoder for `sequence` (ssd.saguaro.branches.BranchDecoder),
     or None where the backend has none (torch: ssd.saguaro.branches picks one by name).

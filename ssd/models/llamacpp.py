@@ -594,9 +594,12 @@ class LlamaCppSequence:
     def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Append `ids` to the cache; float32 logits [len(ids), V] (or [1, V] if last_only).
 
-        Row i is the next-token distribution after ids[i].
+        Row i is the next-token distribution after ids[i]. Any length, as a KVSequence takes:
+        past the context's n_batch (one llama_decode's most), in pieces of it.
         """
-        return forward_rows([self], [ids], last_only)[0]
+        step = self.context.n_batch
+        pieces = [forward_rows([self], [ids[i:i + step]], last_only)[0] for i in range(0, max(len(ids), 1), step)]
+        return pieces[-1] if last_only or len(pieces) == 1 else torch.cat(pieces)
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""

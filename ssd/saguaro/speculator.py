@@ -38,7 +38,7 @@ from ssd.config import SamplingConfig, SpeculationConfig
 from ssd.engine.prefix import common_prefix
 from ssd.saguaro.fanout import FanoutPlanner, fanout_for, make_planner, share_budget
 from ssd.hardware import sync
-from ssd.models.backend import AnySequence, device_of, forward_limit, new_sequence, release, vocab_size
+from ssd.models.backend import AnySequence, device_of, new_sequence, release, vocab_size
 from ssd.sampling import make_generator
 from ssd.saguaro import protocol
 from ssd.saguaro.anytime import AnytimeBudget
@@ -133,10 +133,8 @@ class Speculator:
         row = protocol.parse_prefill(msg)
         branches = row.speculation.fanout.ceiling
         kv = (self._reused(row.prompt, branches) if row.reuse else None) or new_sequence(self.model, branches=branches)
-        rest = row.prompt[kv.length:-1]
-        step = forward_limit(kv) or max(1, len(rest))
-        for start in range(0, len(rest), step):  # overlaps the target's own prefill
-            kv.forward(rest[start:start + step], last_only=True)
+        if len(row.prompt) - 1 > kv.length:
+            kv.forward(row.prompt[kv.length:-1], last_only=True)  # overlaps the target's own prefill
         planner = make_planner(row.speculation, self.vocab_size)
         gen = make_generator(draft_seed(row.sampling.seed, row.epoch))
         decoder = make_branch_decoder(row.speculation.branch_decoder, sequence=kv)
