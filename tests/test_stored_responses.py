@@ -229,6 +229,37 @@ def test_a_cancelled_background_response_stops_and_stays_cancelled(wide):
         assert client.responses.create(model="tiny", input="abc", max_output_tokens=3).status == "incomplete"
 
 
+def test_a_background_response_deleted_while_it_runs_stops_and_stays_deleted(wide):
+    """Its run would otherwise store it again (in_progress, then completed) as it goes."""
+    _, backend = wide
+    gate = threading.Event()
+    with serving(lambda: ControlledBackend(ToolTemplate(backend), gate=gate)) as srv:
+        client = oai(srv)
+        queued = client.responses.create(model="tiny", input="abc", max_output_tokens=50, background=True)
+        client.responses.delete(queued.id)
+        gate.set()
+        deadline = time.monotonic() + 30
+        while srv_running(srv) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not srv_running(srv)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(queued.id)
+        reply = httpx.get(base_url(srv) + f"/v1/responses/{queued.id}", params={"stream": "true"})
+        assert reply.status_code == 404, reply.text  # its events went with it
+        assert _gauges(srv)["ssd:responses_stored"] == 0
+
+
+def test_an_ended_background_responses_events_go_when_it_is_deleted(wide):
+    srv, _ = wide
+    client = oai(srv)
+    queued = client.responses.create(model="tiny", input="abc", max_output_tokens=4, background=True)
+    _polled(client, queued.id)
+    url = base_url(srv) + f"/v1/responses/{queued.id}"
+    assert httpx.get(url, params={"stream": "true"}).status_code == 200
+    client.responses.delete(queued.id)
+    assert httpx.get(url, params={"stream": "true"}).status_code == 404
+
+
 def _gauges(srv) -> dict[str, float]:
     """The Responses gauges on /metrics."""
     text = httpx.get(base_url(srv) + "/metrics").text

@@ -270,6 +270,8 @@ class OpenAIFrontend:
         """A background response's run ended: no longer cancellable; its events stay readable
         for the last ENDED_STREAMS of them."""
         self.running.pop(call.id, None)
+        if call.deleted:
+            return
         self.ended_streams[call.id] = call
         while len(self.ended_streams) > ENDED_STREAMS:
             self.ended_streams.popitem(last=False)
@@ -297,7 +299,13 @@ class OpenAIFrontend:
                        f"background response can be cancelled", code="response_not_cancellable")
 
     async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
+        """OpenAI's delete: the stored response, and its events; a background response that
+        runs stops (else its run would store it again as it goes)."""
         self._authorize(request)
+        call = self.running.get(response_id)
+        if call is not None and not call.ended:
+            call.delete_in_background()
+        self.ended_streams.pop(response_id, None)
         if not self.stored.delete(response_id):
             self._stored(response_id)  # the 404
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})

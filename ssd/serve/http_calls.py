@@ -411,6 +411,7 @@ class ResponsesCall(Call):
         self.input_items = input_items(given if isinstance(given, str) else
                                        [item.model_dump(exclude_none=True) for item in given])
         self.cancelled = False  # a background response's cancel came
+        self.deleted = False  # deleted while it ran: nothing it does later stores it again
         self.ended = False  # its finished response is built (and stored): too late to cancel
         self.failure: dict[str, Any] | None = None  # the error event its stream ended with
         self.task: asyncio.Task | None = None  # a background response's run
@@ -456,6 +457,8 @@ class ResponsesCall(Call):
                                          stored=self.store)
 
     def save(self, response: dict[str, Any]) -> None:
+        if self.deleted:
+            return
         self.front.stored.put(StoredResponse(response, self.input_items, self.earlier))
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
@@ -508,6 +511,12 @@ class ResponsesCall(Call):
             if self.log_done:
                 return
             await more.wait()
+
+    def delete_in_background(self) -> None:
+        """DELETE while it runs: it stops (as a cancel does) and stays deleted; its stream ends
+        with the cancel's error event."""
+        self.cancel_in_background()
+        self.deleted = True
 
     def cancel_in_background(self) -> dict[str, Any]:
         self.cancelled = True
