@@ -252,7 +252,7 @@ def _logit_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
         if not 0 <= token < vocab_size:
             raise InvalidArgument("logit_bias", f"token id {token} is outside the vocabulary 0..{vocab_size - 1}")
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise InvalidArgument(f"logit_bias", f"bias of token {token} must be in -100..100, got {value}")
+            raise InvalidArgument("logit_bias", f"bias of token {token} must be in -100..100, got {value}")
     return {token: float(value) for token, value in bias.items() if value != 0}
 
 
