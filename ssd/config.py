@@ -25,7 +25,7 @@ BRANCH_DECODERS = ("tree", "batched")
 # Which kernels run a model: torch (any model, any device), llama.cpp (a GGUF on
 # the CPU: ssd.models.llamacpp), or "auto": ssd.models.loading.resolve_backend.
 BACKENDS = ("torch", "llamacpp", AUTO)
-LLAMACPP_KV = (AUTO, "f16", "bf16", "f32")  # model.llamacpp_kv: a llama.cpp KV cache's type
+LLAMACPP_KV = (AUTO, "f16", "bf16/f16", "bf16", "f32")  # model.llamacpp_kv: a llama.cpp KV cache's type (K/V)
 # How an SSD cache build starts (ssd.saguaro.builder.build_cache): "fold" feeds
 # the one drafted token the draft lacks inside the first branch step (K draft
 # forwards a build; bonus branches propose K - 1 tokens); "reuse" feeds it in

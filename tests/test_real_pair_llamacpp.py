@@ -111,7 +111,7 @@ def test_rows_past_256_positions_equal_each_alone_and_an_f16_cache_parts_them(pa
     target, _, tokenizer, *_ = pair
     with torch_threads(2):  # with one, the split path has one chunk and agrees with the rest
         together, alone = _long_outcomes(target, tokenizer)
-        assert target.kv_type == "bf16" and together == alone
+        assert target.kv_type == "bf16/f16" and together == alone
         f16 = load_model(ModelConfig(name=TARGET_NAME, backend="llamacpp", max_model_len=512, llamacpp_kv="f16"))
         together, alone = _long_outcomes(f16, tokenizer)
     assert max(abs(a - b) for (_, x), (_, y) in zip(together, alone) for a, b in zip(x, y)) > 0

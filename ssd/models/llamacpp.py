@@ -61,7 +61,8 @@ import llama_cpp as L
 
 log = logging.getLogger(__name__)
 
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # the KV cache's element type, as ggml_type
+# The KV cache's element types, as ggml_type: (keys, values); "K/V" names a pair of two types.
+KV_TYPES = {"f32": (0, 0), "f16": (1, 1), "bf16": (30, 30), "bf16/f16": (30, 1)}
 BRANCH_ROOM = 32  # KV cells a draft branch may add beyond the row's prefix (K + 1 tokens, K < 32)
 REPACK_PROBE_TIMEOUT_S = 300  # the probe of the 1.5B q4_k_m target takes ~5 s
 PREFILL_UBATCH = 512  # the most tokens of a prompt chunk one ubatch computes (llama.cpp's default n_ubatch)
@@ -117,8 +118,9 @@ class LlamaCppModel:
         contexts (the engine's, and SSD's draft slots and branches) are sized for the job
         rather than 32k tokens per slot.
 
-        kv_type: the KV cache's type ("f16", "bf16", "f32"); None: `kv_type`'s default (the
-        probe's, exact). "f16" past 256 positions is faster and not batch-invariant.
+        kv_type: the KV cache's type ("f16", "bf16", "f32", or "bf16/f16": BF16 keys, F16
+        values); None: `kv_type`'s default (the probe's, exact). "f16" past 256 positions
+        is as fast as "bf16/f16" and not batch-invariant.
 
         eos_token_ids: where generation ends (`generation_config.eos_token_id`, read by
         ssd.models.tokenizer.eos_token_ids); None: the GGUF's own EOS and EOT tokens,
@@ -213,9 +215,9 @@ class LlamaCppModel:
     @property
     def kv_type(self) -> str:
         """The KV cache's type: F32 for F32/F16 weights (the logits then match torch's to
-        ~2e-6); for quantized weights the probe's (`invariant_options`): BF16 where ggml's
-        flash attention would take its split-KV path for a lone query row over an F16
-        cache (see INVARIANCE_CANDIDATES)."""
+        ~2e-6); for quantized weights the probe's (`invariant_options`): BF16 keys over F16
+        values where ggml's flash attention would take its split-KV path for a lone query
+        row over an F16 cache (see INVARIANCE_CANDIDATES)."""
         if self._kv_type is not None:
             return self._kv_type
         return "f32" if not self.quantized else self.invariant_options().get("kv", "f16")
@@ -290,7 +292,7 @@ class LlamaCppContext:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.type_k = params.type_v = KV_TYPES[kv_type]
+        params.type_k, params.type_v = KV_TYPES[kv_type]
         params.no_perf = True
         self.n_batch = n_batch
         self._ctx = L.llama_init_from_model(model._model, params)
@@ -648,12 +650,17 @@ class LlamaCppSequence:
 
 
 # Fastest first. ggml's CPU flash attention takes a split-KV path ("flash decoding": the
-# cells cut among threads, partial sums merged) for a ubatch of one query row over an F16 or
-# F32 cache of >= 512 cells, which llama.cpp's KV view reaches past 256 positions: there a
-# lone decode step parts from the same token in a verification or beside other rows (by 0.3
-# in a logit on the real q4_k_m target). A BF16 cache takes the row-by-row path always.
+# cells cut among threads, partial sums merged) for a ubatch of one query row over a cache
+# whose keys and values are both F16 (or both F32) of >= 512 cells, which llama.cpp's KV view
+# reaches past 256 positions: there a lone decode step parts from the same token in a
+# verification or beside other rows (by 0.3 in a logit on the real q4_k_m target). Any other
+# cache takes the row-by-row path always. BF16 keys over F16 values decode as fast as F16's
+# split path (its F16 values are summed as F16 values always are there); BF16 values are
+# turned to F32 key by key, 5-20% slower a step at 1200-2400 positions (docs/llamacpp.md).
 INVARIANCE_CANDIDATES = (
-    {"flash_attn": True, "pad_single": False, "kv": "f16"}, {"flash_attn": True, "pad_single": False, "kv": "bf16"},
+    {"flash_attn": True, "pad_single": False, "kv": "f16"},
+    {"flash_attn": True, "pad_single": False, "kv": "bf16/f16"},
+    {"flash_attn": True, "pad_single": False, "kv": "bf16"},
     {"flash_attn": False, "pad_single": False, "kv": "f16"}, {"flash_attn": True, "pad_single": True, "kv": "f16"},
     {"flash_attn": False, "pad_single": True, "kv": "f16"},
 )
@@ -679,7 +686,8 @@ def _first_invariant(model: LlamaCppModel) -> dict:
 def _cached_probe(model: LlamaCppModel) -> dict:
     """`_first_invariant`, kept on disk per GGUF file, weight layout, llama.cpp build and
     host (the probe takes seconds a load: ~10 s for the 1.5B target on one core)."""
-    return _cached("invariance", model.path, ("repacked", model.repacked, "lead", PROBE_LEAD),
+    return _cached("invariance", model.path, ("repacked", model.repacked, "lead", PROBE_LEAD,
+                                              "candidates", INVARIANCE_CANDIDATES),
                    lambda: _first_invariant(model))
 
 
