@@ -96,10 +96,11 @@ class ModelConfig:
     # quantized weight serves several rows). None: where they run on this host
     # (a probe in a child process, cached); false: plain layouts.
     llamacpp_repack: bool | None = None
-    # llama.cpp: the KV cache's type. "auto": the invariance probe's (BF16 on the real
-    # pair: exact); "f16": llama.cpp's own, faster past 256 positions (a lone decode step
-    # there 0.82x the time, 1200 positions, AMD EPYC), where batched rows and verifications
-    # then part from lone steps (docs/llamacpp.md); "bf16", "f32".
+    # llama.cpp: the KV cache's type, keys/values. "auto": the invariance probe's ("bf16/f16"
+    # on the real pair: exact, decoding as fast as llama.cpp's F16 cache); "f16": llama.cpp's
+    # own, where batched rows and verifications part from lone steps past 256 positions
+    # (docs/llamacpp.md); "bf16": exact, F32 sums of the values, a step 5-20% dearer at
+    # 1200-2400 positions; "f32".
     llamacpp_kv: str = AUTO
 
     def __post_init__(self) -> None:

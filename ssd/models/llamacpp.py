@@ -31,8 +31,8 @@ many positions share its forward) come from `LlamaCppModel.invariant_options`:
 F32/F16 weights keep flash attention off, an F32 KV cache and `pad_single`
 (logits within ~2e-6 of the fp32 torch model); quantized weights get the
 fastest options a probe finds bit-invariant past 256 positions (the real q4_k_m
-pair: flash attention, a BF16 KV cache, at most 7 tokens a call in plain layouts, 3
-in repacked ones;
+pair: flash attention, a KV cache of BF16 keys over F16 values, at most 7 tokens a call
+in plain layouts, 3 in repacked ones;
 prompt chunks run alone, as whole ubatches, from fixed positions:
 `LlamaCppContext.decode`). Quantized weights load in llama.cpp's repacked layouts
 (`use_extra_bufts`, its default) where a probe in a child process finds that they
