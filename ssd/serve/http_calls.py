@@ -515,8 +515,8 @@ class ResponsesCall(Call):
     def delete_in_background(self) -> None:
         """DELETE while it runs: it stops (as a cancel does) and stays deleted; its stream ends
         with the cancel's error event."""
+        self.deleted = True  # first: the cancel's own save stores nothing
         self.cancel_in_background()
-        self.deleted = True
 
     def cancel_in_background(self) -> dict[str, Any]:
         self.cancelled = True

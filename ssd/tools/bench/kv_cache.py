@@ -111,12 +111,16 @@ def decode_rates(gguf: Path, tokenizer: Any, ids: list[int], tokens: int, repeat
 
         systems["llama.cpp (F16 cache)"] = LlamaCppEngine(gguf, torch.get_num_threads())
     rates: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in tqdm(range(repeats), desc="decode", leave=False):
-        for name, system in systems.items():
-            request = GenerationRequest(list(ids), SamplingConfig(temperature=0.0),
-                                        GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
-            stats = system.generate(request).stats
-            rates[name].append((stats.new_tokens - 1) / (stats.total_s - stats.time_to_first_token_s))
+    try:
+        for _ in tqdm(range(repeats), desc="decode", leave=False):
+            for name, system in systems.items():
+                request = GenerationRequest(list(ids), SamplingConfig(temperature=0.0),
+                                            GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
+                stats = system.generate(request).stats
+                rates[name].append((stats.new_tokens - 1) / (stats.total_s - stats.time_to_first_token_s))
+    finally:
+        for system in systems.values():
+            system.close()
     return rates
 
 
