@@ -376,3 +376,24 @@ def test_round_robin_logs_a_progress_line_per_pass_and_times_after_the_warm_up(c
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(" over")[0] for line in lines] == [
         "SSD plan, test probes: pass 1 of 2", "SSD plan, test probes: pass 2 of 2", "SSD plan, cold probes: pass 1 of 1"]
+
+
+def test_a_llamacpp_plan_is_timed_again_when_what_auto_may_pick_changes(monkeypatch):
+    # a cached plan keeps the step costs of the KV cache it was timed with: a new probe
+    # candidate (which can change what "auto" picks) or llama.cpp build must miss it
+    llamacpp = pytest.importorskip("ssd.models.llamacpp")
+    from ssd.config import ModelConfig
+
+    def key(config):
+        return startup.config_key(config, ["cpu:0", "cpu:1", "in-process"])[0]
+
+    on_llamacpp = Config(target=ModelConfig(backend="llamacpp"), draft=ModelConfig(backend="llamacpp"))
+    on_torch = Config(target=ModelConfig(backend="torch"), draft=ModelConfig(backend="torch"))
+    before = key(on_llamacpp), key(on_torch)
+    monkeypatch.setattr(llamacpp, "INVARIANCE_CANDIDATES", llamacpp.INVARIANCE_CANDIDATES[1:])
+    assert key(on_llamacpp) != before[0] and key(on_torch) == before[1]
+    monkeypatch.undo()
+    monkeypatch.setattr(llamacpp.L, "__version__", "0.0.0")
+    assert key(on_llamacpp) != before[0]
+    kv = Config(target=ModelConfig(backend="llamacpp", llamacpp_kv="bf16"), draft=ModelConfig(backend="llamacpp"))
+    assert key(kv) != key(on_llamacpp)

@@ -668,6 +668,14 @@ PROBE_TOKENS = 16  # the longest forward the probe tries; longer ones run as uba
 PROBE_LEAD = 260  # positions before the probe's forwards: past 256, where the KV view reaches 512 cells
 
 
+def plan_signature() -> str:
+    """What llama.cpp timings depend on beyond the config: its build, and the candidates that
+    "auto" options are probed from (a new candidate can change the KV cache "auto" picks),
+    for the start-up plan's cache key."""
+    digest = hashlib.sha256(repr(INVARIANCE_CANDIDATES).encode()).hexdigest()[:8]
+    return f"llama.cpp={L.__version__}/candidates={digest}"
+
+
 def _first_invariant(model: LlamaCppModel) -> dict:
     """The first candidate options under which forwards of 2 or more tokens are bit-identical
     to decoding one token at a time, with `n_ubatch`: the most tokens one ubatch may hold

@@ -43,11 +43,11 @@ from ssd.saguaro.costs import (
     CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, probe_sequence,
     round_robin, verify_rows_probe,
 )
-from ssd.config import Config, SpeculationConfig
+from ssd.config import Config, ModelConfig, SpeculationConfig
 from ssd.models import offline
 from ssd.models import backend
 from ssd.models.backend import AnySequence, Model
-from ssd.models.loading import resolve_backend
+from ssd.models.loading import LLAMACPP, resolve_backend
 from ssd.saguaro.branches import TreeBranchDecoder, make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCosts, choose
 
@@ -332,13 +332,22 @@ def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, A
     """The cache key and the metadata recorded with a plan."""
     # The backend as resolved here (the driver's host): auto means llama.cpp only where it is installed.
     gpu = any(d.startswith("cuda") for d in devices)
-    precisions = [f"{resolve_backend(m, 'cuda' if gpu else 'cpu')}:{m.dtype}/{m.quantization}"
-                  + ("" if m.llamacpp_repack is None else f"/repack={m.llamacpp_repack}")
-                  + ("" if m.llamacpp_kv == "auto" else f"/kv={m.llamacpp_kv}")
-                  for m in (config.target, config.draft)]
+    precisions = [_precision(m, resolve_backend(m, "cuda" if gpu else "cpu")) for m in (config.target, config.draft)]
     meta = {"machine": hardware.describe(), "torch": torch.__version__, "target": config.target.name,
             "draft": config.draft.name, "precisions": precisions, "devices": list(devices)}
     return plan_key(config.target.name, config.draft.name, precisions, devices), meta
+
+
+def _precision(model: ModelConfig, resolved_backend: str) -> str:
+    """One model's part of the plan's key: its backend, precision and, on llama.cpp, the
+    layouts and KV cache asked for and what "auto" may resolve to (the build, the probe's candidates)."""
+    text = f"{resolved_backend}:{model.dtype}/{model.quantization}"
+    if resolved_backend != LLAMACPP:
+        return text
+    from ssd.models import llamacpp
+
+    return (text + ("" if model.llamacpp_repack is None else f"/repack={model.llamacpp_repack}")
+            + f"/kv={model.llamacpp_kv}/{llamacpp.plan_signature()}")
 
 
 def planned(config: Config, plan: Plan) -> Config:
