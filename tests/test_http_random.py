@@ -1,0 +1,208 @@
+"""Random OpenAI bodies through the live HTTP server: each drawn body, streamed, equals
+the same body whole (every choice's text, finish reason and logprobs, and the usage),
+and where the output is fixed by the seed (greedy, or coupled sampling) every mode's
+reply equals AR's.
+
+The drawn bodies combine what the feature tests pin one at a time: chat and
+completions, n and best_of, stop strings and stop tokens, penalties, logit bias,
+allowed tokens, min_tokens, top-k/top-p/min-p, logprobs and top alternatives, echo,
+and a mode, K and budget per request. SSD's sampled output without coupling depends
+on timing (docs/exactness.md), so those bodies run in AR and SD only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from ssd.engine import processing
+from ssd.serve import streaming
+from tests.test_http import ChatBackend, base_url, serving
+from tests.test_http import backend  # noqa: F401  (a module fixture: this module's own)
+from tests.test_mixed_batches import first_rows_only
+
+LETTERS = "abcdefghijklmnop"  # the tiny tokenizer's 16 tokens
+SEEDS = range(40)
+
+
+@pytest.fixture(scope="module")
+def http(backend):  # noqa: F811
+    with serving(lambda: ChatBackend(backend)) as server:
+        with httpx.Client(base_url=base_url(server), timeout=60) as client:
+            yield client
+
+
+def draw_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """A random request: its path and body (mode left to the caller)."""
+    chat = rng.random() < 0.5
+    text = "".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 12)))
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": rng.randint(1, 24), "seed": rng.randrange(1000)}
+    if chat:
+        body["messages"] = [{"role": "system", "content": text[:2]}, {"role": "user", "content": text[2:] or "a"}]
+    else:
+        body["prompt"] = text
+    body["temperature"] = rng.choice([0.0, 0.0, 0.7, 1.3])
+    body["n"] = rng.choice([1, 1, 2, 3]) if body["temperature"] > 0 else 1
+    if rng.random() < 0.5:
+        body["coupling"] = "gumbel"
+    if rng.random() < 0.4:
+        body["stop"] = [rng.choice(LETTERS) + rng.choice(LETTERS) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.2:
+        body["stop_token_ids"] = [rng.randrange(16)]
+    if rng.random() < 0.3:
+        body["presence_penalty"], body["frequency_penalty"] = rng.uniform(-1, 1), rng.uniform(0, 1)
+    if rng.random() < 0.2:
+        body["repetition_penalty"] = rng.uniform(1.0, 1.5)
+    if rng.random() < 0.3:
+        body["logit_bias"] = {str(rng.randrange(16)): rng.uniform(-5, 5) for _ in range(2)}
+    if rng.random() < 0.2:
+        body["allowed_token_ids"] = rng.sample(range(16), 6)
+    if rng.random() < 0.2:
+        body["min_tokens"] = rng.randint(0, body["max_tokens"])
+    if body["temperature"] > 0 and rng.random() < 0.5:
+        body.update(top_k=rng.randint(2, 8), top_p=rng.uniform(0.5, 1.0), min_p=rng.uniform(0, 0.2))
+    if rng.random() < 0.5:
+        if chat:
+            body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 3)
+        else:
+            body["logprobs"] = rng.randint(0, 3)
+    if not chat and rng.random() < 0.2 and "logprobs" not in body:
+        body["echo"] = True
+    if not chat and body["temperature"] > 0 and rng.random() < 0.4:
+        body["best_of"] = body["n"] + 1  # the likeliest n of n + 1 samples
+    body["speculation"] = {"k": rng.randint(1, 5), "fanout_budget": rng.randint(2, 8)}
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def whole(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    choices = {c["index"]: _choice(c, path) for c in data["choices"]}
+    return {"choices": choices, "usage": data["usage"]}
+
+
+def streamed(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    with http.stream("POST", path, json=body) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                part = _choice(c, path)
+                into = choices.setdefault(c["index"], {"text": "", "finish": None, "logprobs": []})
+                into["text"] += part["text"]
+                into["logprobs"] += part["logprobs"]
+                into["finish"] = part["finish"] or into["finish"]
+    return {"choices": choices, "usage": usage}
+
+
+def _choice(choice: dict[str, Any], path: str) -> dict[str, Any]:
+    """text, finish reason and logprobs of a choice (or a streamed chunk's piece of one)."""
+    if "chat" in path:
+        text = (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                    for e in entries]
+    else:
+        text = choice["text"]
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens", [])
+        tops = [list(top.items()) for top in lp.get("top_logprobs") or [{} for _ in tokens]]
+        logprobs = list(zip(tokens, lp.get("token_logprobs", []), tops, lp.get("text_offset", [])))
+    return {"text": text, "finish": choice.get("finish_reason"), "logprobs": logprobs}
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any], context: Any) -> None:
+    """Equal replies, log-probabilities to 1e-9: the fp64 pair's logits move in the last
+    bits with the number of rows a forward computes (a verification's K + 1)."""
+    assert got["usage"] == want["usage"] and got["choices"].keys() == want["choices"].keys(), context
+    for index, choice in got["choices"].items():
+        other = want["choices"][index]
+        assert (choice["text"], choice["finish"]) == (other["text"], other["finish"]), context
+        assert _shape(choice["logprobs"]) == _shape(other["logprobs"]), context
+        assert _values(choice["logprobs"]) == pytest.approx(_values(other["logprobs"]), abs=1e-9), context
+
+
+def _shape(logprobs: list) -> list:
+    return [(token, [alt for alt, _ in top], *offset) for token, _, top, *offset in logprobs]
+
+
+def _values(logprobs: list) -> list[float]:
+    return [v for _, value, top, *_ in logprobs for v in [value, *(lp for _, lp in top)]]
+
+
+SETTINGS = {  # what each mode takes of the drawn speculation settings (others are refused)
+    "ar": lambda drawn: {},
+    "sd": lambda drawn: {"k": drawn["k"]},
+    "ssd": lambda drawn: drawn,
+}
+
+
+def check_body(http: httpx.Client, seed: int) -> None:
+    """Seed's body, in each mode it runs in: streamed == whole; seeded output == AR's."""
+    path, body = draw_body(random.Random(seed))
+    seeded = body["temperature"] == 0 or body.get("coupling") == "gumbel"
+    modes = ("ar", "sd", "ssd") if seeded else ("ar", "sd")
+    replies = {}
+    for mode in modes:
+        mode_body = {**body, "speculation": {**SETTINGS[mode](body["speculation"]), "mode": mode}}
+        replies[mode] = whole(http, path, mode_body)
+        if not body.get("echo") and body.get("best_of", 1) == body["n"]:  # not streamed
+            assert streamed(http, path, mode_body) == replies[mode], ("streamed", seed, mode, body)
+    if seeded:
+        for mode in modes[1:]:
+            assert_same_output(replies[mode], replies["ar"], ("against AR", seed, mode, body))
+    assert len(replies["ar"]["choices"]) == body["n"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_body_streamed_equals_it_whole_and_ar_in_every_mode(http, seed):
+    check_body(http, seed)
+
+
+def test_the_bodies_cover_what_they_combine():
+    drawn = [draw_body(random.Random(seed)) for seed in SEEDS]
+    bodies = [body for _, body in drawn]
+    seeded = [b for b in bodies if b["temperature"] == 0 or b.get("coupling") == "gumbel"]
+    assert {path for path, _ in drawn} == {"/v1/chat/completions", "/v1/completions"}
+    assert len(seeded) >= 10 and any(b["temperature"] > 0 for b in seeded)
+    assert any(b["n"] > 1 for b in seeded) and any(b["n"] > 1 and b not in seeded for b in bodies)
+    for key in ("stop", "stop_token_ids", "logprobs", "logit_bias", "min_tokens", "allowed_token_ids",
+                "repetition_penalty", "presence_penalty", "top_k", "echo", "best_of"):
+        assert any(key in b for b in seeded), key
+    assert any(b.get("best_of", 0) > b["n"] > 1 for b in seeded)
+
+
+def test_the_check_sees_streamed_text_shown_before_a_stop_string_is_ruled_out(http, monkeypatch):
+    """Power: a stream that holds nothing back shows a stop string's first letters,
+    which the whole reply cuts."""
+    real = streaming.TextStream.push
+
+    def push(self, ids):
+        self.holdback = 0
+        return real(self, ids)
+
+    monkeypatch.setattr(streaming.TextStream, "push", push)
+    with pytest.raises(AssertionError, match="streamed"):
+        for seed in SEEDS:
+            check_body(http, seed)
+
+
+def test_the_check_sees_drafted_positions_scored_with_the_first_positions_penalties(http, monkeypatch):
+    """Power: a verification that applies the first position's penalties to every drafted
+    position parts SD and SSD from AR."""
+    real = processing.LogitsProcessor.rows
+    monkeypatch.setattr(processing.LogitsProcessor, "rows", first_rows_only(real))
+    with pytest.raises(AssertionError, match="against AR"):
+        for seed in SEEDS:
+            check_body(http, seed)
