@@ -1,7 +1,7 @@
 """Random OpenAI bodies through the live HTTP server: each drawn body, streamed, equals
 the same body whole (every choice's text, finish reason and logprobs, and the usage),
 and where the output is fixed by the seed (greedy, or coupled sampling) every mode's
-reply equals AR's.
+reply equals AR's, alone or sent together with others (batched by the server).
 
 The drawn bodies combine what the feature tests pin one at a time: chat and
 completions, n and best_of, stop strings and stop tokens, penalties, logit bias,
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.engine import processing
 from ssd.serve import streaming
@@ -168,6 +170,34 @@ def check_body(http: httpx.Client, seed: int) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_random_body_streamed_equals_it_whole_and_ar_in_every_mode(http, seed):
     check_body(http, seed)
+
+
+@pytest.mark.parametrize("wave", range(3))
+def test_random_bodies_sent_together_equal_each_alone(http, wave):
+    """Seeded bodies sent at once (batched by the server, some streamed) give what each gives alone."""
+    rng = random.Random(1000 + wave)
+    calls = []
+    while len(calls) < 6:
+        path, body = draw_body(rng)
+        if body["temperature"] == 0 or body.get("coupling") == "gumbel":
+            mode = rng.choice(list(SETTINGS))
+            body = {**body, "speculation": {**SETTINGS[mode](body["speculation"]), "mode": mode}}
+            stream = not body.get("echo") and body.get("best_of", 1) == body["n"] and rng.random() < 0.5
+            calls.append((path, body, stream))
+    alone = [whole(http, path, body) for path, body, _ in calls]
+    before = batched_steps(http)
+    with ThreadPoolExecutor(len(calls)) as pool:
+        together = list(pool.map(lambda call: (streamed if call[2] else whole)(http, call[0], call[1]), calls))
+    for call, got, want in zip(calls, together, alone):
+        assert_same_output(got, want, ("together", call))
+    assert batched_steps(http) > before  # some steps ran several of them as one batch
+
+
+def batched_steps(http: httpx.Client) -> float:
+    """Engine steps so far that ran more than one row (the server's /metrics)."""
+    samples = {s.name + str(s.labels): s.value for family in text_string_to_metric_families(http.get("/metrics").text)
+               for s in family.samples if s.name.startswith("ssd:batch_size")}
+    return samples["ssd:batch_size_count{}"] - samples["ssd:batch_size_bucket{'le': '1.0'}"]
 
 
 def test_the_bodies_cover_what_they_combine():
