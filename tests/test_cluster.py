@@ -6,6 +6,7 @@ needs the cores this one holds, is in test_cluster_llamacpp.
 """
 
 import dataclasses
+import random
 import subprocess
 import sys
 import threading
@@ -97,6 +98,50 @@ def test_a_step_call_runs_steps_until_a_row_leaves_with_output_unchanged(cluster
             steps += 1
             assert engine.stepped_rows(1) == [1]
         assert steps > 1
+
+
+def mixed_waves_through(cluster, mode: str) -> tuple[int, int]:
+    """tests/test_mixed_batches.py's waves through the cluster's batch engine, each row
+    checked against AR alone in this process: (rows, SSD hits)."""
+    from tests.test_mixed_batches import assert_as_alone, draw_wave, run_wave
+
+    tokenizer = load_tokenizer(CONFIG.target)
+    alone = AREngine(build_tiny_model(CONFIG.target.tiny, TORCH_DTYPES[CONFIG.target.dtype]), tokenizer)
+    engine, rows, hits = cluster.batch_engine(mode), 0, 0
+    try:
+        for seed in range(3):
+            rng, spec_rng = random.Random(seed), random.Random(-1 - seed)
+            stems = [[rng.randrange(16) for _ in range(rng.randint(4, 24))] for _ in range(2)]
+            for _ in range(2):
+                wave = draw_wave(rng, spec_rng, mode, stems, tokenizer, 16)
+                finished = run_wave(engine, wave)
+                for arrival in wave:
+                    done = finished[id(arrival.request)]
+                    assert done.error is None, done.error
+                    plain = dataclasses.replace(arrival.request, on_tokens=None, cancelled=None, speculation=None)
+                    assert_as_alone(arrival.request, done.result, alone.generate(plain), 1e-4)
+                    rows, hits = rows + 1, hits + done.result.stats.spec.hits
+    finally:
+        engine.close()
+    return rows, hits
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_random_mixed_batches_through_the_cluster_equal_ar_alone(cluster, mode):
+    """Sampling, processing, stops, logprobs, prompt logprobs, predictions, shared stems,
+    arrivals and cancellations mixed: every row's tokens equal AR alone; log-probabilities
+    to 1e-4 (this pair is fp32, whose logits move in the last bits with a forward's rows)."""
+    rows, hits = mixed_waves_through(cluster, mode)
+    assert rows >= 10 and (hits > 0) == (mode == "ssd")
+
+
+def test_the_cluster_trials_see_a_request_that_loses_its_processing_on_the_way(cluster, monkeypatch):
+    def portable(self):
+        return dataclasses.replace(self, on_tokens=None, cancelled=None, on_logprobs=None, processing=None)
+
+    monkeypatch.setattr(GenerationRequest, "portable", portable)
+    with pytest.raises(AssertionError):
+        mixed_waves_through(cluster, "ar")
 
 
 def test_actors_run_at_the_drivers_priority(cluster):
