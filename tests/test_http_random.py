@@ -1,7 +1,8 @@
 """Random OpenAI bodies through the live HTTP server: each drawn body, streamed, equals
 the same body whole (every choice's text, finish reason and logprobs, and the usage),
 and where the output is fixed by the seed (greedy, or coupled sampling) every mode's
-reply equals AR's, alone or sent together with others (batched by the server).
+reply equals AR's, alone or sent together with others (batched by the server); and
+bodies with one field made bad get a 400 naming it, never a 500.
 
 The drawn bodies combine what the feature tests pin one at a time: chat and
 completions, n and best_of, stop strings and stop tokens, penalties, logit bias,
@@ -12,6 +13,7 @@ on timing (docs/exactness.md), so those bodies run in AR and SD only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.engine import processing
-from ssd.serve import streaming
+from ssd.serve import streaming, validation
 from tests.test_http import ChatBackend, base_url, serving
 from tests.test_http import backend  # noqa: F401  (a module fixture: this module's own)
 from tests.test_mixed_batches import first_rows_only
@@ -198,6 +200,71 @@ def batched_steps(http: httpx.Client) -> float:
     samples = {s.name + str(s.labels): s.value for family in text_string_to_metric_families(http.get("/metrics").text)
                for s in family.samples if s.name.startswith("ssd:batch_size")}
     return samples["ssd:batch_size_count{}"] - samples["ssd:batch_size_bucket{'le': '1.0'}"]
+
+
+BAD_VALUES = (None, -1, 0, 10**12, -(10**12), 1.5, -0.5, 1e308, "x", "", [], {}, [None], True, False, [1, "a"],
+              {"a": 1})
+MUTABLE = ("speculation.k", "speculation.mode", "speculation.fanout_budget", "speculation.saguaro_c",
+           "speculation.backup", "messages.0.role", "messages.0.content", "messages.1", "messages", "prompt", "stream",
+           "stream_options", "stream_options.include_usage", "response_format", "response_format.type", "tools",
+           "tools.0", "tool_choice", "suffix", "top_logprobs", "n", "logprobs", "stop.0", "logit_bias.3",
+           "allowed_token_ids.0", "stop_token_ids.0", "min_p", "top_p", "echo", "ignore_eos", "prediction",
+           "prompt_logprobs", "truncate_prompt_tokens", "bad_words")
+
+
+def mutate(rng: random.Random, body: dict[str, Any]) -> str | None:
+    """Set one field (or an item in one) to a value of a wrong type or out of range; its
+    dotted path, or None where the drawn path does not fit the body."""
+    path = rng.choice([*body, *MUTABLE])
+    *parents, last = path.split(".")
+    into: Any = body
+    try:
+        for part in parents:
+            into = into[int(part)] if part.isdigit() else into.setdefault(part, {})
+        into[int(last) if isinstance(into, list) else last] = rng.choice(BAD_VALUES)
+    except (IndexError, KeyError, TypeError, AttributeError):
+        return None
+    return path
+
+
+def test_a_random_bad_field_gets_a_400_that_names_it_and_the_server_stays_up(http):
+    """Never a 500, a hang or a crash: each mutated body is served (the value was a valid
+    one) or refused with OpenAI's error shape naming the mutated field."""
+    codes = send_bad_fields(http)
+    assert codes.get(400, 0) > 100 and codes.get(200, 0) > 10, codes
+    assert http.get("/health").status_code == 200
+
+
+def test_the_bad_fields_catch_a_check_left_out(http, monkeypatch):
+    """Power: min_p's range check gone, a bad min_p reaches the sampler's config: a 500."""
+    real = validation._sampling
+
+    def unchecked(request, info):
+        return dataclasses.replace(real(dataclasses.replace(request, min_p=None), info), min_p=request.min_p or 0.0)
+
+    monkeypatch.setattr(validation, "_sampling", unchecked)
+    with pytest.raises(AssertionError, match="Internal Server Error"):
+        send_bad_fields(http)
+
+
+def send_bad_fields(http: httpx.Client) -> dict[int, int]:
+    """200 bodies, each with one bad field: the count of each status code."""
+    rng, codes = random.Random(7), {}
+    for _ in range(200):
+        path, body = draw_body(rng)
+        mode = rng.choice(list(SETTINGS))
+        body["speculation"] = {**SETTINGS[mode](body["speculation"]), "mode": mode}
+        field = mutate(rng, body)
+        if field is None:
+            continue
+        with http.stream("POST", path, json=body) as reply:  # a streamed 200 is read to its end
+            reply.read()
+        codes[reply.status_code] = codes.get(reply.status_code, 0) + 1
+        assert reply.status_code in (200, 400, 404), (field, body, reply.text)
+        if reply.status_code != 200:
+            param = reply.json()["error"]["param"]
+            assert param.split(".")[0].split("[")[0] == field.split(".")[0], (field, body, reply.text)
+    return codes
 
 
 def test_the_bodies_cover_what_they_combine():
