@@ -118,7 +118,7 @@ def test_text_format_json_schema_is_structured_output(wide):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "a", "conversation": "conv_1"}, "conversation"),
+    ({"input": "a", "conversation": {"id": 1}}, "conversation.id"),
     ({"input": "a", "include": ["file_search_call.results"]}, "include"),
     ({"input": "a", "top_logprobs": 2}, "top_logprobs"),
     ({"input": []}, "input"),

@@ -183,6 +183,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stored-responses", type=int, default=defaults.stored_responses, metavar="N",
                         help="keep the last N Responses API responses for previous_response_id and GET "
                              "/v1/responses/{id} (0: store none)")
+    parser.add_argument("--stored-conversations", type=int, default=defaults.stored_conversations, metavar="N",
+                        help="keep the last N conversations of the Conversations API (0: none)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -194,4 +196,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
         http_port=args.http_port, reasoning_parser=args.reasoning_parser,
         served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
+        stored_conversations=args.stored_conversations,
     )

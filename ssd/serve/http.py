@@ -62,7 +62,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import ResponsesCollector
-from ssd.serve.stored import ResponseStore, StoredResponse, page
+from ssd.serve.http_conversations import ConversationRoutes, listed, page_query
+from ssd.serve.stored import ResponseStore, StoredResponse
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -99,6 +100,7 @@ class OpenAIFrontend:
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
+        self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
         service.registry.register(ResponsesCollector(lambda: (len(self.stored), len(self.running))))
@@ -120,6 +122,7 @@ class OpenAIFrontend:
         app.add_api_route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"])
         app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input, methods=["GET"])
         app.add_api_route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"])
+        self.conversations.add_to(app)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -206,13 +209,18 @@ class OpenAIFrontend:
             call.cancel()
 
     def _continued(self, body: responses.ResponsesBody) -> list[dict[str, Any]]:
-        """The conversation of the stored response the request continues (none: [])."""
+        """The items the request continues: its conversation's, or those of the stored
+        response it names (none: [])."""
         if body.store and self.stored.capacity == 0:
             raise invalid(InvalidArgument("store", "this server stores no responses (--stored-responses 0); "
                                                    "omit store or send false"))
         if body.background and (body.store is False or self.stored.capacity == 0):
             raise invalid(InvalidArgument("background", "a background response is stored to be polled: "
                                                         "it needs store (and --stored-responses > 0)"))
+        if body.conversation is not None:
+            if body.previous_response_id is not None:
+                raise invalid(InvalidArgument("conversation", "cannot be combined with previous_response_id"))
+            return self.conversations.find(responses.conversation_id(body), "conversation").snapshot()
         if body.previous_response_id is None:
             return []
         found = self._stored(body.previous_response_id, "previous_response_id")
@@ -314,19 +322,8 @@ class OpenAIFrontend:
         """OpenAI's input item list: a stored response's own input items, `order` (default desc),
         `limit` (1-100, default 20) and the cursor `after`."""
         self._authorize(request)
-        query = request.query_params
-        order, limit = query.get("order", "desc"), query.get("limit", "20")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
-            raise ApiError(400, f"limit: must be an integer in 1..100, got {limit!r}", param="limit",
-                           code="invalid_value")
-        found = self._stored(response_id)
-        try:
-            return JSONResponse(page(found.input_items, order, int(limit), query.get("after")))
-        except KeyError:
-            raise ApiError(400, f"after: no input item {query['after']!r} in response {response_id!r}",
-                           param="after", code="invalid_value") from None
+        page_query(request)  # its errors before a 404
+        return listed(self._stored(response_id).input_items, request, f"response {response_id!r}")
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the prompt's ids as a generation takes them (chat: rendered)."""

@@ -462,10 +462,15 @@ class ResponsesCall(Call):
         self.front.stored.put(StoredResponse(response, self.input_items, self.earlier))
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
-        """The finished response, stored (OpenAI's default) with its conversation."""
+        """The finished response, stored (OpenAI's default) with the items it continued; its
+        input and output added to the conversation it names (unless that was deleted meanwhile)."""
         self.ended = True
         if self.store:
             self.save(response)
+        named = responses.conversation_id(self.request_body)
+        conversation = None if named is None or self.deleted else self.front.conversations.store.get(named)
+        if conversation is not None:
+            conversation.add(self.input_items + response["output"])
         return response
 
     # --- background: run on the event loop; polled through the store, or streamed from its log

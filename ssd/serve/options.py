@@ -44,6 +44,9 @@ class ServeOptions:
     # Finished Responses API responses kept in memory for previous_response_id and GET
     # /v1/responses/{id} (ssd.serve.stored), least recently used out first; 0: none.
     stored_responses: int = 1024
+    # Conversations (OpenAI's Conversations API, ssd.serve.http_conversations) kept in
+    # memory, least recently used out first; 0: none.
+    stored_conversations: int = 1024
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -65,8 +68,9 @@ class ServeOptions:
                               f"got {self.reasoning_parser!r}")
         if any(not name.strip() for name in self.served_model_names):
             raise ConfigError("serve.served_model_names must not hold a blank name")
-        if self.stored_responses < 0:
-            raise ConfigError(f"serve.stored_responses must be >= 0, got {self.stored_responses}")
+        for name in ("stored_responses", "stored_conversations"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"serve.{name} must be >= 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
 

@@ -17,12 +17,13 @@ its output is the chat output laid out as Responses items:
 
 A response is stored unless `store` is false (OpenAI's default), and one
 that names it as `previous_response_id` continues its conversation
-(ssd.serve.stored); items that came from there are named
-`previous_response_id` in errors. An error a chat field caused names the
+(ssd.serve.stored); one that names a `conversation` (the Conversations API,
+ssd.serve.http_conversations) starts from its items and adds its own input
+and output to it once it finishes. Items that came from either are named
+`previous_response_id` or `conversation` in errors. An error a chat field caused names the
 Responses field (`chat_param`). `background` answers at once with the
 stored response queued; it is polled by id and can be cancelled. Not offered,
-and refused by name: the Conversations API (`conversation`), reasoning, and
-tools other than functions. vLLM's extra fields ride along as they do on
+and refused by name: reasoning, and tools other than functions. vLLM's extra fields ride along as they do on
 chat: seed, top_k, min_p, repetition_penalty, coupling, speculation,
 structured_outputs.
 """
@@ -67,6 +68,10 @@ class InputItem(Body):
     encrypted_content: str | None = None
 
 
+class ConversationRef(Body):
+    id: str
+
+
 class FunctionTool(Body):
     type: Literal["function"]
     name: str
@@ -107,6 +112,7 @@ class ResponsesBody(Body):
     store: bool | None = None  # None: OpenAI's default, stored
     background: bool | None = None  # answer at once (queued); poll GET /v1/responses/{id}
     previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None  # starts from its items; its input and output join it
     truncation: Literal["disabled", "auto"] | None = None  # auto: drop the oldest turns to fit (`turn_starts`)
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -160,7 +166,8 @@ def _items(body: ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[list[Inp
     if not own:
         raise InvalidArgument("input", "must not be empty")
     places = ["input"] if isinstance(body.input, str) else [f"input[{i}]" for i in range(len(own))]
-    return [InputItem.model_validate(item) for item in earlier] + own, ["previous_response_id"] * len(earlier) + places
+    source = "conversation" if body.conversation is not None else "previous_response_id"
+    return [InputItem.model_validate(item) for item in earlier] + own, [source] * len(earlier) + places
 
 
 def _messages(body: ResponsesBody, earlier: list[dict[str, Any]], drop: int = 0
@@ -267,6 +274,12 @@ def chat_param(param: str | None, origins: list[str]) -> str | None:
 # --- the output ----------------------------------------------------------------------------------
 
 
+def conversation_id(body: ResponsesBody) -> str | None:
+    """The id of the conversation the request names (as its id, or {"id": ...})."""
+    given = body.conversation
+    return given.id if isinstance(given, ConversationRef) else given
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -308,6 +321,7 @@ def response_object(body: ResponsesBody, response_id: str, created: float, statu
         "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
         "previous_response_id": body.previous_response_id, "reasoning": None, "error": error,
+        "conversation": None if body.conversation is None else {"id": conversation_id(body)},
         "incomplete_details": None if incomplete is None else {"reason": incomplete}, "usage": usage,
     }
 

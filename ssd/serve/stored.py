@@ -1,4 +1,5 @@
-"""Stored responses: OpenAI's `store` and `previous_response_id` on the Responses API.
+"""Stored responses and conversations: OpenAI's `store`, `previous_response_id` and
+`conversation` on the Responses API, and its Conversations API.
 
 A finished response is kept with the conversation it ended: the items of the
 responses it continued, its own input items and its output items. A later
@@ -7,9 +8,14 @@ by its own input, so a chat goes on without sending its history again (and
 the prefix cache, ssd.engine.prefix, serves the history's prompt chunks).
 As on OpenAI, an earlier response's instructions are not carried over.
 
-The store is the HTTP front end's memory: bounded by a count of responses,
-least recently used out first, gone with the process (vLLM keeps its
-Responses store in memory too). No model, no I/O: testable in milliseconds.
+A conversation is a list of items that a response naming it starts from, and
+to which its input and output items are added once it finishes (completed or
+incomplete), as on OpenAI; its items can also be added, listed and deleted.
+
+Both stores are the HTTP front end's memory: bounded by a count of responses
+or conversations, least recently used out first, gone with the process (vLLM
+keeps its Responses store in memory too). No model, no I/O: testable in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,39 +44,80 @@ class StoredResponse:
         return self.earlier + self.input_items + self.response["output"]
 
 
-class ResponseStore:
-    """Responses by id, at most `capacity` of them; thread-safe (handlers run on a pool)."""
+class Kept(Generic[T]):
+    """Values by id, at most `capacity` of them, least recently used out first; thread-safe
+    (handlers run on a pool)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._kept: OrderedDict[str, T] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, stored: StoredResponse) -> None:
+    def keep(self, key: str, value: T) -> None:
         if self.capacity == 0:
             return
         with self._lock:
-            self._kept[stored.response["id"]] = stored
-            self._kept.move_to_end(stored.response["id"])
+            self._kept[key] = value
+            self._kept.move_to_end(key)
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response (read it, never change it), now the most recently used."""
+    def get(self, key: str) -> T | None:
+        """The value (now the most recently used), or None."""
         with self._lock:
-            stored = self._kept.get(response_id)
-            if stored is not None:
-                self._kept.move_to_end(response_id)
-            return stored
+            value = self._kept.get(key)
+            if value is not None:
+                self._kept.move_to_end(key)
+            return value
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, key: str) -> bool:
         with self._lock:
-            return self._kept.pop(response_id, None) is not None
+            return self._kept.pop(key, None) is not None
+
+
+class ResponseStore(Kept[StoredResponse]):
+    """Stored responses by id (read one, never change it)."""
+
+    def put(self, stored: StoredResponse) -> None:
+        self.keep(stored.response["id"], stored)
+
+
+@dataclass
+class Conversation:
+    """OpenAI's conversation: items that responses naming it start from and add to."""
+
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Its items now (a response starts from these; later additions do not change them)."""
+        with self.lock:
+            return list(self.items)
+
+    def add(self, items: list[dict[str, Any]]) -> None:
+        with self.lock:
+            self.items.extend(items)
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        with self.lock:
+            return next((item for item in self.items if item["id"] == item_id), None)
+
+    def remove(self, item_id: str) -> bool:
+        with self.lock:
+            kept = [item for item in self.items if item["id"] != item_id]
+            removed, self.items = len(kept) < len(self.items), kept
+            return removed
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,173 @@
+"""OpenAI's Conversations API over the HTTP front end (ssd.serve.http).
+
+    POST   /v1/conversations                        create (items, metadata)
+    GET    /v1/conversations/{id}                   retrieve
+    POST   /v1/conversations/{id}                   update its metadata
+    DELETE /v1/conversations/{id}                   delete
+    GET    /v1/conversations/{id}/items             list (order, limit, after)
+    POST   /v1/conversations/{id}/items             add items
+    GET    /v1/conversations/{id}/items/{item_id}   retrieve an item
+    DELETE /v1/conversations/{id}/items/{item_id}   delete an item
+
+A Responses request that names a conversation (`conversation`: its id, or
+{"id": ...}) starts from its items, and its input and output items join it once
+it finishes (ssd.serve.stored.Conversation). Conversations live in memory,
+`serve.stored_conversations` of them at most, least recently used out first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from ssd.serve import responses
+from ssd.serve.http_calls import ApiError, invalid
+from ssd.serve.http_schema import Body
+from ssd.serve.service import InvalidArgument
+from ssd.serve.stored import Conversation, Kept, input_items, page
+
+MAX_ITEMS = 20  # OpenAI's: items a create or an add may carry
+MAX_METADATA = (16, 64, 512)  # OpenAI's: pairs, key characters, value characters
+
+
+class ConversationBody(Body):
+    items: list[responses.InputItem] | None = Field(default=None, max_length=MAX_ITEMS)
+    metadata: dict[str, str] | None = None
+
+
+class MetadataBody(Body):
+    metadata: dict[str, str]
+
+
+class ItemsBody(Body):
+    items: list[responses.InputItem] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> dict[str, str]:
+    """OpenAI's limits on metadata, or InvalidArgument naming the field."""
+    pairs, key_chars, value_chars = MAX_METADATA
+    metadata = metadata or {}
+    if len(metadata) > pairs:
+        raise InvalidArgument(param, f"at most {pairs} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > key_chars or len(value) > value_chars:
+            raise InvalidArgument(f"{param}.{key[:key_chars]}", f"keys are at most {key_chars} characters "
+                                  f"and values at most {value_chars}")
+    return metadata
+
+
+def page_query(request: Request) -> tuple[str, int, str | None]:
+    """A list's `order` (default desc), `limit` (1-100, default 20) and cursor `after`."""
+    query = request.query_params
+    order, limit = query.get("order", "desc"), query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise ApiError(400, f"limit: must be an integer in 1..100, got {limit!r}", param="limit", code="invalid_value")
+    return order, int(limit), query.get("after")
+
+
+def listed(items: list[dict[str, Any]], request: Request, owner: str) -> JSONResponse:
+    """OpenAI's list object over `items`, as the request's query asks."""
+    order, limit, after = page_query(request)
+    try:
+        return JSONResponse(page(items, order, limit, after))
+    except KeyError:
+        raise ApiError(400, f"after: no item {after!r} in {owner}", param="after", code="invalid_value") from None
+
+
+class ConversationRoutes:
+    """The routes, over one store; `authorize` and `parse` are the front end's."""
+
+    def __init__(self, capacity: int, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
+        self.store: Kept[Conversation] = Kept(capacity)
+        self.authorize, self.parse = authorize, parse
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/conversations", self.create, methods=["POST"])
+        app.add_api_route("/v1/conversations/{conversation_id}", self.retrieve, methods=["GET"])
+        app.add_api_route("/v1/conversations/{conversation_id}", self.update, methods=["POST"])
+        app.add_api_route("/v1/conversations/{conversation_id}", self.delete, methods=["DELETE"])
+        app.add_api_route("/v1/conversations/{conversation_id}/items", self.list_items, methods=["GET"])
+        app.add_api_route("/v1/conversations/{conversation_id}/items", self.add_items, methods=["POST"])
+        app.add_api_route("/v1/conversations/{conversation_id}/items/{item_id}", self.item, methods=["GET"])
+        app.add_api_route("/v1/conversations/{conversation_id}/items/{item_id}", self.delete_item,
+                          methods=["DELETE"])
+
+    def find(self, conversation_id: str, param: str | None = None) -> Conversation:
+        """The conversation, or a 404 (naming `param` where a request's field named it)."""
+        found = self.store.get(conversation_id)
+        if found is None:
+            where = f"{param}: " if param else ""
+            raise ApiError(404, f"{where}no conversation {conversation_id!r} (never created, deleted, or evicted: "
+                           f"the server keeps the last {self.store.capacity})", param=param,
+                           code="conversation_not_found")
+        return found
+
+    async def create(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        if self.store.capacity == 0:
+            raise ApiError(400, "this server keeps no conversations (--stored-conversations 0)",
+                           code="conversations_off")
+        body = await self.parse(request, ConversationBody)
+        conversation = Conversation(responses.new_id("conv"), int(responses.now()),
+                                    _checked(body.metadata), _items(body.items or []))
+        self.store.keep(conversation.id, conversation)
+        return JSONResponse(conversation.public())
+
+    async def retrieve(self, request: Request, conversation_id: str) -> JSONResponse:
+        self.authorize(request)
+        return JSONResponse(self.find(conversation_id).public())
+
+    async def update(self, request: Request, conversation_id: str) -> JSONResponse:
+        self.authorize(request)
+        conversation = self.find(conversation_id)
+        conversation.metadata = _checked((await self.parse(request, MetadataBody)).metadata)
+        return JSONResponse(conversation.public())
+
+    async def delete(self, request: Request, conversation_id: str) -> JSONResponse:
+        self.authorize(request)
+        if not self.store.delete(conversation_id):
+            self.find(conversation_id)  # the 404
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_items(self, request: Request, conversation_id: str) -> JSONResponse:
+        self.authorize(request)
+        conversation = self.find(conversation_id)
+        return listed(conversation.snapshot(), request, f"conversation {conversation_id!r}")
+
+    async def add_items(self, request: Request, conversation_id: str) -> JSONResponse:
+        self.authorize(request)
+        conversation = self.find(conversation_id)
+        added = _items((await self.parse(request, ItemsBody)).items)
+        conversation.add(added)
+        return JSONResponse(page(added, "asc", len(added)))
+
+    async def item(self, request: Request, conversation_id: str, item_id: str) -> JSONResponse:
+        self.authorize(request)
+        found = self.find(conversation_id).item(item_id)
+        if found is None:
+            raise ApiError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
+        return JSONResponse(found)
+
+    async def delete_item(self, request: Request, conversation_id: str, item_id: str) -> JSONResponse:
+        self.authorize(request)
+        conversation = self.find(conversation_id)
+        if not conversation.remove(item_id):
+            raise ApiError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
+        return JSONResponse(conversation.public())
+
+
+def _checked(metadata: dict[str, str] | None) -> dict[str, str]:
+    try:
+        return check_metadata(metadata)
+    except InvalidArgument as exc:
+        raise invalid(exc) from None
+
+
+def _items(given: list[responses.InputItem]) -> list[dict[str, Any]]:
+    """Items as a conversation lists them: each with an id and a type, a message's content as parts."""
+    return input_items([item.model_dump(exclude_none=True) for item in given])

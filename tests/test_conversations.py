@@ -1,0 +1,152 @@
+"""OpenAI's Conversations API (ssd.serve.http_conversations) through the official `openai`
+client: create, retrieve, update, delete, and items listed, added, retrieved and deleted;
+a response that names a conversation starts from its items and adds its input and output.
+
+Exactness is the chat path's, as for previous_response_id: each turn's text equals the
+engine's greedy text for the whole chat the conversation holds.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from ssd.serve.stored import Conversation, Kept
+from tests.test_http import base_url, oai, serving
+from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
+from tests.test_responses_api import ASK, FUNCTIONS, answered_chat, expected
+
+
+def test_a_conversation_adds_removes_and_snapshots_items():
+    conversation = Conversation("conv_1", 0, {})
+    conversation.add([{"id": "a"}, {"id": "b"}])
+    before = conversation.snapshot()
+    conversation.add([{"id": "c"}])
+    assert [i["id"] for i in before] == ["a", "b"] and conversation.item("c") == {"id": "c"}
+    assert conversation.remove("b") and not conversation.remove("b")
+    assert [i["id"] for i in conversation.snapshot()] == ["a", "c"] and conversation.item("b") is None
+    kept = Kept(1)
+    kept.keep("x", conversation)
+    kept.keep("y", Conversation("conv_2", 0, {}))
+    assert kept.get("x") is None and kept.get("y").id == "conv_2"
+
+
+def _texts(items) -> list[tuple[str, str]]:
+    return [(item.role, item.content[0].text) for item in items]
+
+
+def test_turns_in_a_conversation_are_the_whole_chats_output(wide):
+    srv, backend = wide
+    client = oai(srv)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "abc"}], metadata={"who": "t"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"who": "t"}
+    first = client.responses.create(model="tiny", input="more", conversation=conversation.id, max_output_tokens=8)
+    chat = [{"role": "user", "content": "abc"}, {"role": "user", "content": "more"}]
+    assert first.output_text == expected(backend, chat, max_new=8) and first.conversation.id == conversation.id
+    chat.append({"role": "assistant", "content": first.output_text})
+    items = client.conversations.items.list(conversation.id, order="asc")
+    assert _texts(items.data) == [(m["role"], m["content"]) for m in chat]
+    second = client.responses.create(model="tiny", input=[{"role": "user", "content": "end"}], store=False,
+                                     conversation={"id": conversation.id}, max_output_tokens=8)
+    chat.append({"role": "user", "content": "end"})
+    assert second.output_text == expected(backend, chat, max_new=8)
+    assert len(client.conversations.items.list(conversation.id).data) == 5  # store=False still joins it
+
+
+def test_a_function_calls_output_goes_back_through_the_conversation(wide):
+    srv, backend = wide
+    client = oai(srv)
+    conversation = client.conversations.create()
+    asked = client.responses.create(model="tiny", input=ASK, tools=FUNCTIONS, max_output_tokens=200,
+                                    conversation=conversation.id, parallel_tool_calls=False,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    [call] = asked.output
+    answer = client.responses.create(
+        model="tiny", conversation=conversation.id, tools=FUNCTIONS, tool_choice="none", max_output_tokens=12,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert answer.output_text == expected(backend, answered_chat(call))
+
+
+def test_items_are_added_retrieved_and_deleted_and_the_conversation_updated_and_deleted(wide):
+    srv, _ = wide
+    client = oai(srv)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "a"}])
+    added = client.conversations.items.create(conversation.id, items=[
+        {"role": "assistant", "content": "b"}, {"type": "message", "role": "user", "content": "c"}])
+    assert _texts(added.data) == [("assistant", "b"), ("user", "c")] and not added.has_more
+    listed = client.conversations.items.list(conversation.id)
+    assert _texts(listed.data) == [("user", "c"), ("assistant", "b"), ("user", "a")]  # newest first
+    one = client.conversations.items.list(conversation.id, order="asc", limit=1, after=listed.data[-1].id)
+    assert _texts(one.data) == [("assistant", "b")] and one.has_more
+    found = client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    assert found.id == added.data[0].id
+    after = client.conversations.items.delete(added.data[0].id, conversation_id=conversation.id)
+    assert after.id == conversation.id
+    assert _texts(client.conversations.items.list(conversation.id, order="asc").data) == [("user", "a"), ("user", "c")]
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    updated = client.conversations.update(conversation.id, metadata={"k": "v"})
+    assert updated.metadata == {"k": "v"} == client.conversations.retrieve(conversation.id).metadata
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="tiny", input="x", conversation=conversation.id)
+    assert info.value.body["param"] == "conversation" and info.value.body["code"] == "conversation_not_found"
+
+
+@pytest.mark.parametrize("method, path, body, param", [
+    ("post", "", {"items": [{"role": "user", "content": "a"}] * 21}, "items"),
+    ("post", "", {"items": [{"role": "robot", "content": "a"}]}, "items[0].role"),
+    ("post", "", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("post", "", {"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ("post", "", {"colour": "red"}, "colour"),
+    ("post", "/{id}", {}, "metadata"),
+    ("post", "/{id}/items", {"items": []}, "items"),
+    ("get", "/{id}/items?limit=0", None, "limit"),
+    ("get", "/{id}/items?order=up", None, "order"),
+    ("get", "/{id}/items?after=msg_none", None, "after"),
+])
+def test_bad_requests_name_the_field(wide, method, path, body, param):
+    srv, _ = wide
+    made = oai(srv).conversations.create()
+    url = base_url(srv) + "/v1/conversations" + path.format(id=made.id)
+    reply = httpx.post(url, json=body) if method == "post" else httpx.get(url)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_response_names_a_conversation_or_a_previous_response_not_both(wide):
+    srv, _ = wide
+    client = oai(srv)
+    made = client.responses.create(model="tiny", input="abc", max_output_tokens=2)
+    conversation = client.conversations.create()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input="x", conversation=conversation.id, previous_response_id=made.id)
+    assert info.value.body["param"] == "conversation"
+    assert client.conversations.items.list(conversation.id).data == []  # a refused request adds nothing
+
+
+def test_a_server_that_keeps_no_conversations_says_so(wide):
+    _, backend = wide
+    with serving(lambda: ToolTemplate(backend), stored_conversations=0) as srv:
+        reply = httpx.post(base_url(srv) + "/v1/conversations", json={})
+        assert reply.status_code == 400 and "--stored-conversations" in reply.json()["error"]["message"]
+
+
+def test_streamed_and_background_responses_join_the_conversation_when_they_finish(wide):
+    from tests.test_stored_responses import _polled
+
+    srv, _ = wide
+    client = oai(srv)
+    conversation = client.conversations.create()
+    events = list(client.responses.create(model="tiny", input="abc", max_output_tokens=6, stream=True,
+                                          conversation=conversation.id))
+    streamed = events[-1].response
+    queued = client.responses.create(model="tiny", input="def", max_output_tokens=6, background=True,
+                                     conversation=conversation.id)
+    done = _polled(client, queued.id)
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert (items[1].id, items[3].id) == (streamed.output[0].id, done.output[0].id)
+    assert _texts(items) == [("user", "abc"), ("assistant", streamed.output_text),
+                             ("user", "def"), ("assistant", done.output_text)]
