@@ -88,12 +88,19 @@ def test_items_are_added_retrieved_and_deleted_and_the_conversation_updated_and_
         client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
     updated = client.conversations.update(conversation.id, metadata={"k": "v"})
     assert updated.metadata == {"k": "v"} == client.conversations.retrieve(conversation.id).metadata
+    kept = _conversations_stored(srv)
     assert client.conversations.delete(conversation.id).deleted
+    assert _conversations_stored(srv) == kept - 1 >= 0
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(conversation.id)
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model="tiny", input="x", conversation=conversation.id)
     assert info.value.body["param"] == "conversation" and info.value.body["code"] == "conversation_not_found"
+
+
+def _conversations_stored(srv) -> float:
+    lines = httpx.get(base_url(srv) + "/metrics").text.splitlines()
+    return next(float(line.split()[1]) for line in lines if line.startswith("ssd:conversations_stored "))
 
 
 @pytest.mark.parametrize("method, path, body, param", [

@@ -103,7 +103,8 @@ class OpenAIFrontend:
         self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
-        service.registry.register(ResponsesCollector(lambda: (len(self.stored), len(self.running))))
+        service.registry.register(ResponsesCollector(
+            lambda: (len(self.stored), len(self.running), len(self.conversations.store))))
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------

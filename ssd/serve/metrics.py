@@ -142,18 +142,20 @@ class ServerCollector(Collector):
 
 
 class ResponsesCollector(Collector):
-    """The HTTP front end's Responses API state at scrape time: responses stored, and background
-    responses running (`counts` reads both)."""
+    """The HTTP front end's Responses API state at scrape time: responses stored, background
+    responses running and conversations kept (`counts` reads the three)."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         self.counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        stored, running = self.counts()
+        stored, running, conversations = self.counts()
         yield GaugeMetricFamily("ssd:responses_stored", "Responses API responses stored (--stored-responses).",
                                 value=stored)
         yield GaugeMetricFamily("ssd:responses_background_running", "Background responses queued or running.",
                                 value=running)
+        yield GaugeMetricFamily("ssd:conversations_stored", "Conversations kept (--stored-conversations).",
+                                value=conversations)
 
 
 def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:
