@@ -24,10 +24,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.engine import processing
-from ssd.serve import streaming, validation
+from ssd.serve import http_calls, streaming, validation
 from tests.test_http import ChatBackend, base_url, serving
 from tests.test_http import backend  # noqa: F401  (a module fixture: this module's own)
 from tests.test_mixed_batches import first_rows_only
+from tests.test_openai_api import wide  # noqa: F401  (a module fixture: the 85-token pair, tool template)
 
 LETTERS = "abcdefghijklmnop"  # the tiny tokenizer's 16 tokens
 SEEDS = range(40)
@@ -303,3 +304,87 @@ def test_the_check_sees_drafted_positions_scored_with_the_first_positions_penalt
     with pytest.raises(AssertionError, match="against AR"):
         for seed in SEEDS:
             check_body(http, seed)
+
+
+# --- the Responses API: a random body's events against the body whole ------------------------------
+
+RESPONSES_SEEDS = range(30)
+
+
+def draw_responses_body(rng: random.Random) -> dict[str, Any]:
+    from tests.test_responses_api import FUNCTIONS
+
+    text = "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, 10)))
+    body: dict[str, Any] = {"model": "tiny", "input": text, "max_output_tokens": rng.randint(1, 40),
+                            "speculation": {"mode": rng.choice(["ar", "sd", "ssd"])}}
+    if rng.random() < 0.3:
+        body["instructions"] = "be brief"
+    if rng.random() < 0.3:
+        body["input"] = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "more"}]
+    if rng.random() < 0.3:
+        body["tools"] = FUNCTIONS
+        body["tool_choice"] = rng.choice(["auto", "required", "none", {"type": "function", "name": "get_weather"}])
+    elif rng.random() < 0.2:
+        body["text"] = {"format": {"type": "json_object"}}
+    if rng.random() < 0.4:
+        body["include"], body["top_logprobs"] = ["message.output_text.logprobs"], rng.randint(0, 3)
+    if rng.random() < 0.5:
+        body.update(temperature=0.8, seed=rng.randrange(100), coupling="gumbel")
+    return body
+
+
+def _comparable(response: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
+    """The response without its ids and times, and its log-probabilities apart (fp64: the last
+    bits move with the rows a forward computes, which SSD's timing decides)."""
+    values: list[float] = []
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            if "logprob" in value:
+                values.append(value["logprob"])
+            return {k: strip(v) for k, v in value.items() if k not in ("id", "created_at", "call_id", "logprob")}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    return strip(response), values
+
+
+@pytest.mark.parametrize("seed", RESPONSES_SEEDS)
+def test_a_random_responses_body_streams_the_events_of_its_whole_response(wide, seed):  # noqa: F811
+    """The stream's last event holds the response the body gets whole, its text deltas make the
+    message's text and logprobs, and its sequence numbers count from 0."""
+    check_responses_body(wide[0], seed)
+
+
+def test_the_responses_check_sees_a_delta_that_loses_its_logprobs(wide, monkeypatch):  # noqa: F811
+    real = http_calls.ResponsesCall._text_delta
+
+    def text_delta(self, choice, delta):
+        events = real(self, choice, delta)
+        events[-1]["logprobs"] = events[-1]["logprobs"][1:]
+        return events
+
+    monkeypatch.setattr(http_calls.ResponsesCall, "_text_delta", text_delta)
+    with pytest.raises(AssertionError, match="deltas' logprobs"):
+        for seed in RESPONSES_SEEDS:
+            check_responses_body(wide[0], seed)
+
+
+def check_responses_body(srv, seed: int) -> None:
+    """Seed's Responses body, whole and streamed."""
+    body = draw_responses_body(random.Random(seed))
+    reply = httpx.post(base_url(srv) + "/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    whole = reply.json()
+    with httpx.stream("POST", base_url(srv) + "/v1/responses", json={**body, "stream": True}, timeout=60) as stream:
+        events = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    (final, final_values), (want, want_values) = _comparable(events[-1]["response"]), _comparable(whole)
+    assert final == want and final_values == pytest.approx(want_values, abs=1e-9), body
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    messages = [item for item in whole["output"] if item["type"] == "message"]
+    part = messages[0]["content"][0] if messages else {"text": "", "logprobs": []}
+    assert "".join(e["delta"] for e in deltas) == part["text"], ("deltas' text", body)
+    streamed = [lp["token"] for e in deltas for lp in e["logprobs"]]
+    assert streamed == [lp["token"] for lp in part["logprobs"]], ("deltas' logprobs", body)
