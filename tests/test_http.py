@@ -807,3 +807,16 @@ def test_both_front_ends_make_the_same_neutral_request():
         "stop": "x", "max_completion_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1, "seed": 7,
         "coupling": "gumbel", "speculation": {"mode": "ssd", "k": 2, "fanout_budget": 4, "saguaro_c": 0.5}}))
     assert grpc_side == http_side
+
+
+def test_connections_send_small_writes_at_once(server):
+    """Nagle's algorithm off (TCP_NODELAY) on the HTTP connections: with it on, a kept-alive
+    connection's every response after the first (headers, then body) and a stream's chunks
+    waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    with httpx.Client(base_url=base_url(server)) as client:
+        assert client.get("/health").status_code == 200  # the connection stays open
+        connections = server._http._server.server_state.connections
+        sockets = [c.transport.get_extra_info("socket") for c in list(connections)]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
