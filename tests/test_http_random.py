@@ -1,9 +1,12 @@
-"""Random OpenAI bodies through the live HTTP server: each drawn body, streamed, equals
-the same body whole (every choice's text, finish reason and logprobs, and the usage),
-and where the output is fixed by the seed (greedy, or coupled sampling) every mode's
-reply equals AR's, alone or sent together with others (batched by the server); every
-choice equals the gRPC endpoint's reply to the same fields; and
-bodies with one field made bad get a 400 naming it, never a 500.
+"""Random OpenAI bodies through the live HTTP server:
+- each drawn body, streamed, equals the same body whole (every choice's text, finish
+  reason and logprobs, and the usage);
+- where the seed fixes the output (greedy, or coupled sampling), every mode's reply
+  equals AR's, alone or sent together with others (batched by the server);
+- every choice equals the gRPC endpoint's reply to the same fields;
+- bodies with one field made bad get a 400 naming it, never a 500;
+- random Responses bodies (tools, JSON output, logprobs, history, modes) stream the
+  events of the response they get whole.
 
 The drawn bodies combine what the feature tests pin one at a time: chat and
 completions, n and best_of, stop strings and stop tokens, penalties, logit bias,
