@@ -660,6 +660,7 @@ BAD = [
     (C, _ok(bad_words=["ab"], structured_outputs={"regex": "[ab]+"}), 400, "bad_words"),
     (C, _ok(coupling="philox"), 400, "coupling"),
     (C, _ok(coupling=1), 400, "coupling"),
+    (C, _ok(coupling=""), 400, "coupling"),  # "" is gRPC's unset, not HTTP's
     (C, _ok(max_tokens=0), 400, "max_tokens"),
     (C, _ok(max_tokens=10**6), 400, "max_tokens"),
     (C, _ok(max_tokens=2**40), 400, "max_tokens"),
@@ -719,6 +720,7 @@ BAD = [
     (C, _ok(speculation={"mode": "ssd", "fanout_kind": "zipf"}), 400, "speculation.fanout_kind"),
     (C, _ok(speculation={"mode": "ssd", "saguaro_c": 1.5}), 400, "speculation.saguaro_c"),
     (C, _ok(speculation={"mode": "ssd", "backup": "oracle"}), 400, "speculation.backup"),
+    (C, _ok(speculation={"mode": "ssd", "backup": ""}), 400, "speculation.backup"),
     (C, _ok(speculation={"mode": "sd", "tree": 3}), 400, "speculation.tree"),
     (CHAT, _chat(messages=[]), 400, "messages"),
     (CHAT, _chat(messages=[{"role": "", "content": "ab"}]), 400, "messages[0].role"),

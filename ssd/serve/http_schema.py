@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,6 +40,11 @@ from ssd.serve.validation import MAX_LOGPROBS, InvalidArgument
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # OpenAI's limit for chat top_logprobs
 MAX_CHOICES = 128  # n and best_of (OpenAI's limit for n); each choice is a row, within --max-queue too
 _TYPE_TAG = re.compile(r"[^a-z_]|^(str|int|float|bool|list|dict|none)$")  # pydantic's union-branch loc entries
+
+
+# A name from a fixed set, checked by ssd.serve.validation. Over gRPC "" means unset (proto3's
+# default string); over HTTP leaving the field out does, and "" is refused rather than read as unset.
+Name = Annotated[str, Field(min_length=1)]
 
 
 class Body(BaseModel):
@@ -53,9 +58,9 @@ class Speculation(Body):
     mode: Literal["ar", "sd", "ssd"] | None = None
     k: int | None = None
     fanout_budget: int | None = None
-    fanout_kind: str | None = None
+    fanout_kind: Name | None = None
     saguaro_c: float | None = None
-    backup: str | None = None
+    backup: Name | None = None
 
 
 class StreamOptions(Body):
@@ -124,7 +129,7 @@ class _Common(Body):
     truncate_prompt_tokens: int | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
-    coupling: str | None = None  # standard | gumbel, checked by ssd.serve.validation
+    coupling: Name | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     speculation: Speculation | None = None
 

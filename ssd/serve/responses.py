@@ -123,7 +123,7 @@ class ResponsesBody(Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    coupling: str | None = None
+    coupling: schema.Name | None = None
     speculation: schema.Speculation | None = None
     structured_outputs: schema.StructuredOutputs | None = None
 
