@@ -4,7 +4,8 @@
 - where the seed fixes the output (greedy, or coupled sampling), every mode's reply
   equals AR's, alone or sent together with others (batched by the server);
 - every choice equals the gRPC endpoint's reply to the same fields;
-- bodies with one field made bad get a 400 naming it, never a 500;
+- bodies with one field made bad get a 400 naming it, never a 500 (and gRPC requests
+  INVALID_ARGUMENT naming it);
 - random Responses bodies (tools, JSON output, logprobs, history, modes) stream the
   events of the response they get whole.
 
@@ -23,6 +24,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -247,14 +249,19 @@ def test_a_random_bad_field_gets_a_400_that_names_it_and_the_server_stays_up(htt
     assert http.get("/health").status_code == 200
 
 
-def test_the_bad_fields_catch_a_check_left_out(http, monkeypatch):
-    """Power: min_p's range check gone, a bad min_p reaches the sampler's config: a 500."""
+def without_min_p_check(monkeypatch) -> None:
+    """min_p's range check left out: a bad min_p reaches the sampler's config, which raises."""
     real = validation._sampling
 
     def unchecked(request, info):
         return dataclasses.replace(real(dataclasses.replace(request, min_p=None), info), min_p=request.min_p or 0.0)
 
     monkeypatch.setattr(validation, "_sampling", unchecked)
+
+
+def test_the_bad_fields_catch_a_check_left_out(http, monkeypatch):
+    """Power: min_p's range check gone, a bad min_p is a 500."""
+    without_min_p_check(monkeypatch)
     # A client of its own: uvicorn closes a connection after a 500, which the shared client's
     # next request (in the next test) could meet.
     with httpx.Client(base_url=str(http.base_url), timeout=60) as own:
@@ -328,6 +335,46 @@ def test_the_grpc_comparison_sees_a_field_the_grpc_side_drops(server, http, monk
     monkeypatch.setattr(convert, "_OPTIONAL", tuple(f for f in convert._OPTIONAL if f not in dropped))
     with pytest.raises(AssertionError):
         test_a_random_body_s_choices_are_the_grpc_endpoint_s_replies(server, http)
+
+
+GRPC_INTS = (-1, 0, 1, 2, 7, 2**31 - 1, 2**40)
+GRPC_FLOATS = (-1.0, 0.0, 0.5, 1.5, 1e30, float("nan"), float("inf"))
+GRPC_BAD = {"max_new_tokens": GRPC_INTS, "top_k": GRPC_INTS, "min_tokens": GRPC_INTS, "logprobs": GRPC_INTS,
+            "prompt_logprobs": GRPC_INTS, "k": GRPC_INTS, "fanout_budget": GRPC_INTS, "temperature": GRPC_FLOATS,
+            "top_p": GRPC_FLOATS, "min_p": GRPC_FLOATS, "presence_penalty": GRPC_FLOATS,
+            "frequency_penalty": GRPC_FLOATS, "repetition_penalty": GRPC_FLOATS, "saguaro_c": GRPC_FLOATS,
+            "seed": (0, 2**64 - 1), "mode": (0, 3, 7), "coupling": ("", "philox"), "backup": ("", "oracle"),
+            "stop_token_ids": ([-1], [16]), "allowed_token_ids": ([99], []), "logit_bias": ({99: 1.0}, {1: 1e30}),
+            "token_ids": ([], [16], [0] * 5000), "stop": ([""], ["a" * 10000])}
+
+
+def test_a_random_bad_grpc_field_is_invalid_argument_naming_it(server):
+    """The gRPC endpoint's side of the bad-field check: one field of a valid request set to a
+    value of the wrong range; served, or INVALID_ARGUMENT whose message starts with the field."""
+    rng, codes = random.Random(5), {}
+    with GenerationClient(f"127.0.0.1:{server.port}") as client:
+        for _ in range(200):
+            field, value = rng.choice(list(GRPC_BAD.items()))
+            request = {"token_ids": [1, 2, 3], "max_new_tokens": 3, "mode": rng.choice(["ar", "sd", "ssd"]),
+                       field: rng.choice(value)}
+            try:
+                client.generate(timeout=60, **request)
+                code = "OK"
+            except ValueError:
+                code = "refused by protobuf"  # out of the field's wire range: never sent
+            except grpc.RpcError as exc:
+                code = exc.code().name
+                named = exc.details().split(":")[0].split(".")[-1].split("[")[0]
+                assert code == "INVALID_ARGUMENT" and named in (field, "prompt"), (request, exc.details())
+            codes[code] = codes.get(code, 0) + 1
+        assert client.health() == "SERVING"
+    assert codes.get("INVALID_ARGUMENT", 0) > 80 and codes.get("OK", 0) > 30, codes
+
+
+def test_the_bad_grpc_fields_catch_a_check_left_out(server, monkeypatch):
+    without_min_p_check(monkeypatch)
+    with pytest.raises(AssertionError, match="min_p"):
+        test_a_random_bad_grpc_field_is_invalid_argument_naming_it(server)
 
 
 def test_the_bodies_cover_what_they_combine():
