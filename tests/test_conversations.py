@@ -3,10 +3,14 @@ client: create, retrieve, update, delete, and items listed, added, retrieved and
 a response that names a conversation starts from its items and adds its input and output.
 
 Exactness is the chat path's, as for previous_response_id: each turn's text equals the
-engine's greedy text for the whole chat the conversation holds.
+engine's greedy text for the whole chat the conversation holds. Random chats (text turns,
+function calls and their outputs, modes) continued through either equal the same turns
+with the history sent by hand.
 """
 
 from __future__ import annotations
+
+import random
 
 import httpx
 import openai
@@ -157,3 +161,60 @@ def test_streamed_and_background_responses_join_the_conversation_when_they_finis
     assert (items[1].id, items[3].id) == (streamed.output[0].id, done.output[0].id)
     assert _texts(items) == [("user", "abc"), ("assistant", streamed.output_text),
                              ("user", "def"), ("assistant", done.output_text)]
+
+
+# --- random chats: continued by the server, against the history sent by hand ---------------------
+
+
+def chat_chain(client, seed: int) -> None:
+    """A random chat of 2-4 turns (text turns, forced function calls answered with their
+    output, modes per turn), continued through `previous_response_id` or a `conversation`:
+    each turn's output equals the same turn with the whole history sent by hand."""
+    rng = random.Random(seed)
+    via = rng.choice(["previous_response_id", "conversation"])
+    conversation = client.conversations.create().id if via == "conversation" else None
+    history: list[dict] = []
+    previous = None
+    for _ in range(rng.randint(2, 4)):
+        turn = {"model": "tiny", "max_output_tokens": rng.randint(2, 12),
+                "extra_body": {"speculation": {"mode": rng.choice(["ar", "sd", "ssd"])}}}
+        if rng.random() < 0.3:
+            turn.update(tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_weather"},
+                        max_output_tokens=200, parallel_tool_calls=False)
+        new = [{"role": "user", "content": "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, 6)))}]
+        if history and history[-1].get("type") == "function_call":  # the call's output comes first
+            new.insert(0, {"type": "function_call_output", "call_id": history[-1]["call_id"], "output": "sunny"})
+        continued = {"previous_response_id": previous} if via == "previous_response_id" and previous else {}
+        if conversation is not None:
+            continued = {"conversation": conversation}
+        reply = client.responses.create(input=new, **continued, **turn)
+        by_hand = client.responses.create(input=history + new, store=False, **turn)
+        assert reply.output_text == by_hand.output_text, (seed, via, len(history))
+        assert [item.type for item in reply.output] == [item.type for item in by_hand.output], (seed, via)
+        history += new + [item.model_dump(exclude_none=True) for item in reply.output]
+        previous = reply.id
+
+
+CHAIN_SEEDS = range(8)
+
+
+def test_random_chats_continued_by_the_server_equal_their_history_sent_by_hand(wide):
+    client = oai(wide[0])
+    for seed in CHAIN_SEEDS:
+        chat_chain(client, seed)
+
+
+def test_the_chats_see_a_server_that_forgets_the_oldest_item(wide, monkeypatch):
+    """Power: continuing from all but the first item (of a stored response's or a
+    conversation's) parts the turns from the history sent by hand."""
+    from ssd.serve import stored
+
+    monkeypatch.setattr(stored.StoredResponse, "conversation",
+                        property(lambda self: (self.earlier + self.input_items + self.response["output"])[1:]))
+    monkeypatch.setattr(stored.Conversation, "snapshot", lambda self: list(self.items)[1:])
+    client = oai(wide[0])
+    for via in ("previous_response_id", "conversation"):
+        seeds = [s for s in CHAIN_SEEDS if random.Random(s).choice(["previous_response_id", "conversation"]) == via]
+        with pytest.raises(AssertionError):
+            for seed in seeds:
+                chat_chain(client, seed)
