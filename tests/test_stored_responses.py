@@ -11,6 +11,7 @@ store itself (ssd.serve.stored) is tested pure first.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -343,3 +344,60 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(wide
     assert 2 < len(kept) < len(chat) and fitted.truncation == "auto"
     assert fitted.output_text == expected(backend, kept, max_new=out)
     assert fitted.usage.input_tokens == len(template.apply_chat(kept))
+
+
+# --- --store-dir: stored responses and conversations outlive a restart ---------------------------
+
+
+def test_dumped_stores_load_back_in_order_with_shared_items_shared():
+    from ssd.serve.stored import Conversation, Kept, dump_stores, load_stores
+
+    responses, conversations = ResponseStore(8), Kept(8)
+    first = _stored("a", "one")
+    second = StoredResponse({"id": "b", "output": []}, input_items("again"), first.conversation)
+    responses.put(first)
+    responses.put(second)
+    responses.get("a")  # now b is the least recently used
+    conversations.keep("conv_1", Conversation("conv_1", 5, {"k": "v"}, input_items("x")))
+    data = json.loads(json.dumps(dump_stores(responses, conversations)))
+    assert len(data["items"]) == 3  # a's input, b's input, and a's output (in b's earlier), each once
+    again, talks = ResponseStore(8), Kept(8)
+    load_stores(data, again, talks)
+    assert [r.response["id"] for r in again.values()] == ["b", "a"]
+    assert again.get("b").conversation == second.conversation and again.get("a").input_items == first.input_items
+    assert again.get("b").earlier[0] is again.get("a").input_items[0]  # shared again
+    assert talks.get("conv_1").public() == conversations.get("conv_1").public()
+    assert talks.get("conv_1").snapshot() == conversations.get("conv_1").snapshot()
+    with pytest.raises(ValueError):
+        load_stores({"format": 2}, ResponseStore(1), Kept(1))
+
+
+def test_stored_responses_and_conversations_outlive_a_restart_with_store_dir(wide, tmp_path):
+    _, backend = wide
+    with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
+        client = oai(srv)
+        first = client.responses.create(model="tiny", input="abc", max_output_tokens=6)
+        conversation = client.conversations.create(items=[{"role": "user", "content": "hi"}], metadata={"a": "b"})
+        client.responses.create(model="tiny", input="more", conversation=conversation.id, max_output_tokens=4)
+        items = client.conversations.items.list(conversation.id).model_dump()
+    assert (tmp_path / "responses.json").exists()
+    with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
+        client = oai(srv)
+        assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        assert client.conversations.items.list(conversation.id).model_dump() == items
+        assert client.conversations.retrieve(conversation.id).metadata == {"a": "b"}
+        later = client.responses.create(model="tiny", input="go on", previous_response_id=first.id,
+                                        max_output_tokens=6)
+        chat = [{"role": "user", "content": "abc"}, _text_of(first), {"role": "user", "content": "go on"}]
+        assert later.output_text == expected(backend, chat, max_new=6)
+
+
+def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tmp_path, caplog):
+    _, backend = wide
+    (tmp_path / "responses.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="ssd.serve.http"):
+        with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
+            with pytest.raises(openai.NotFoundError):
+                oai(srv).responses.retrieve("resp_none")
+    assert any("unreadable" in r.getMessage() for r in caplog.records)
+    assert json.loads((tmp_path / "responses.json").read_text())["format"] == 1  # rewritten at the stop

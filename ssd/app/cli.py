@@ -185,6 +185,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "/v1/responses/{id} (0: store none)")
     parser.add_argument("--stored-conversations", type=int, default=defaults.stored_conversations, metavar="N",
                         help="keep the last N conversations of the Conversations API (0: none)")
+    parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
+                        help="write stored responses and conversations to DIR when the server stops, and read "
+                             "them back when it starts (default: memory only, gone with the process)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 
@@ -196,5 +199,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
         http_port=args.http_port, reasoning_parser=args.reasoning_parser,
         served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
-        stored_conversations=args.stored_conversations,
+        stored_conversations=args.stored_conversations, store_dir=args.store_dir,
     )

@@ -46,11 +46,13 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -63,7 +65,7 @@ from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import ResponsesCollector
 from ssd.serve.http_conversations import ConversationRoutes, listed, page_query
-from ssd.serve.stored import ResponseStore, StoredResponse
+from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -79,6 +81,7 @@ from ssd.serve.service import (
 
 log = logging.getLogger(__name__)
 
+STORE_FILE = "responses.json"  # in --store-dir
 ENDED_STREAMS = 16  # background responses whose events stay readable after they end (late readers)
 from ssd.serve.http_calls import (
     EVENT_POLL_S,
@@ -101,6 +104,7 @@ class OpenAIFrontend:
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
         self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
+        self._read_store()
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
         service.registry.register(ResponsesCollector(
@@ -484,6 +488,40 @@ class OpenAIFrontend:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self._write_store()
+
+    def _store_file(self) -> Path | None:
+        directory = self.options.store_dir
+        return None if directory is None else Path(directory) / STORE_FILE
+
+    def _read_store(self) -> None:
+        """The responses and conversations the last run wrote (--store-dir), if any."""
+        path = self._store_file()
+        if path is None or not path.exists():
+            return
+        try:
+            load_stores(json.loads(path.read_text()), self.stored, self.conversations.store)
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("%s unreadable (%s); starting with no stored responses or conversations", path, exc)
+            return
+        log.info("read %d stored responses and %d conversations from %s", len(self.stored),
+                 len(self.conversations.store), path)
+
+    def _write_store(self) -> None:
+        """Both stores to --store-dir, whole or not at all (a file written aside, then moved)."""
+        path = self._store_file()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            aside = path.with_suffix(f".{os.getpid()}.partial")
+            aside.write_text(json.dumps(dump_stores(self.stored, self.conversations.store)))
+            os.replace(aside, path)
+        except OSError as exc:
+            log.error("could not write %s: %s", path, exc)
+            return
+        log.info("wrote %d stored responses and %d conversations to %s", len(self.stored),
+                 len(self.conversations.store), path)
 
 
 class HttpServer:

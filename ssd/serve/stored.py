@@ -14,8 +14,9 @@ incomplete), as on OpenAI; its items can also be added, listed and deleted.
 
 Both stores are the HTTP front end's memory: bounded by a count of responses
 or conversations, least recently used out first, gone with the process (vLLM
-keeps its Responses store in memory too). No model, no I/O: testable in
-milliseconds.
+keeps its Responses store in memory too) unless the server writes them out at
+its stop and reads them back at its start (`dump_stores`, `load_stores`;
+--store-dir). No model, no I/O: testable in milliseconds.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class Kept(Generic[T]):
         with self._lock:
             return self._kept.pop(key, None) is not None
 
+    def values(self) -> list[T]:
+        """Every value, least recently used first (keep() them in this order to restore it)."""
+        with self._lock:
+            return list(self._kept.values())
+
 
 class ResponseStore(Kept[StoredResponse]):
     """Stored responses by id (read one, never change it)."""
@@ -118,6 +124,38 @@ class Conversation:
             kept = [item for item in self.items if item["id"] != item_id]
             removed, self.items = len(kept) < len(self.items), kept
             return removed
+
+
+def dump_stores(responses: ResponseStore, conversations: Kept[Conversation]) -> dict[str, Any]:
+    """Both stores as JSON data, least recently used first. An item that responses share
+    (a chat's earlier items) is written once and referred to by its index."""
+    items: list[dict[str, Any]] = []
+    index: dict[int, int] = {}
+
+    def refs(listed: list[dict[str, Any]]) -> list[int]:
+        for item in listed:
+            if id(item) not in index:
+                index[id(item)] = len(items)
+                items.append(item)
+        return [index[id(item)] for item in listed]
+
+    kept = [{"response": r.response, "input_items": refs(r.input_items), "earlier": refs(r.earlier)}
+            for r in responses.values()]
+    talks = [{"id": c.id, "created_at": c.created_at, "metadata": c.metadata, "items": c.snapshot()}
+             for c in conversations.values()]
+    return {"format": 1, "items": items, "responses": kept, "conversations": talks}
+
+
+def load_stores(data: dict[str, Any], responses: ResponseStore, conversations: Kept[Conversation]) -> None:
+    """Fill both stores from dump_stores()'s data (shared items shared again)."""
+    if data.get("format") != 1:
+        raise ValueError(f"unknown stored-responses format {data.get('format')!r}")
+    items = data["items"]
+    for r in data["responses"]:
+        responses.put(StoredResponse(r["response"], [items[i] for i in r["input_items"]],
+                                     [items[i] for i in r["earlier"]]))
+    for c in data["conversations"]:
+        conversations.keep(c["id"], Conversation(c["id"], c["created_at"], c["metadata"], c["items"]))
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
