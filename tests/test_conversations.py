@@ -19,7 +19,7 @@ import pytest
 from ssd.serve.stored import Conversation, Kept
 from tests.test_http import base_url, oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
-from tests.test_responses_api import ASK, FUNCTIONS, answered_chat, expected
+from tests.test_responses_api import FUNCTIONS, expected
 
 
 def test_a_conversation_adds_removes_and_snapshots_items():
@@ -56,20 +56,6 @@ def test_turns_in_a_conversation_are_the_whole_chats_output(wide):
     chat.append({"role": "user", "content": "end"})
     assert second.output_text == expected(backend, chat, max_new=8)
     assert len(client.conversations.items.list(conversation.id).data) == 5  # store=False still joins it
-
-
-def test_a_function_calls_output_goes_back_through_the_conversation(wide):
-    srv, backend = wide
-    client = oai(srv)
-    conversation = client.conversations.create()
-    asked = client.responses.create(model="tiny", input=ASK, tools=FUNCTIONS, max_output_tokens=200,
-                                    conversation=conversation.id, parallel_tool_calls=False,
-                                    tool_choice={"type": "function", "name": "get_weather"})
-    [call] = asked.output
-    answer = client.responses.create(
-        model="tiny", conversation=conversation.id, tools=FUNCTIONS, tool_choice="none", max_output_tokens=12,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
-    assert answer.output_text == expected(backend, answered_chat(call))
 
 
 def test_items_are_added_retrieved_and_deleted_and_the_conversation_updated_and_deleted(wide):
