@@ -20,12 +20,12 @@ that names it as `previous_response_id` continues its conversation
 (ssd.serve.stored); one that names a `conversation` (the Conversations API,
 ssd.serve.http_conversations) starts from its items and adds its own input
 and output to it once it finishes. Items that came from either are named
-`previous_response_id` or `conversation` in errors. An error a chat field caused names the
-Responses field (`chat_param`). `background` answers at once with the
-stored response queued; it is polled by id and can be cancelled. Not offered,
-and refused by name: reasoning, and tools other than functions. vLLM's extra fields ride along as they do on
-chat: seed, top_k, min_p, repetition_penalty, coupling, speculation,
-structured_outputs.
+`previous_response_id` or `conversation` in errors. An error a chat field
+caused names the Responses field (`chat_param`). `background` answers at
+once with the stored response queued; it is polled by id and can be
+cancelled. Not offered, and refused by name: reasoning, and tools other than
+functions. vLLM's extra fields ride along as they do on chat: seed, top_k,
+min_p, repetition_penalty, coupling, speculation, structured_outputs.
 """
 
 from __future__ import annotations
