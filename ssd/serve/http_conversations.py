@@ -12,7 +12,8 @@
 A Responses request that names a conversation (`conversation`: its id, or
 {"id": ...}) starts from its items, and its input and output items join it once
 it finishes (ssd.serve.stored.Conversation). Conversations live in memory,
-`serve.stored_conversations` of them at most, least recently used out first.
+`serve.stored_conversations` of them at most, least recently used out first,
+and over a restart with `serve.store_dir` (--store-dir).
 """
 
 from __future__ import annotations
