@@ -401,3 +401,31 @@ def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tm
                 oai(srv).responses.retrieve("resp_none")
     assert any("unreadable" in r.getMessage() for r in caplog.records)
     assert json.loads((tmp_path / "responses.json").read_text())["format"] == 1  # rewritten at the stop
+
+
+def test_the_stores_are_written_while_they_change_so_a_crash_keeps_them(wide, tmp_path, monkeypatch):
+    from ssd.serve import http as http_module
+
+    monkeypatch.setattr(http_module, "STORE_WRITE_S", 0.05)
+    _, backend = wide
+    with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
+        client = oai(srv)
+        made = client.responses.create(model="tiny", input="abc", max_output_tokens=4)
+        conversation = client.conversations.create()
+        client.conversations.update(conversation.id, metadata={"k": "v"})
+
+        def written() -> dict:
+            try:
+                return json.loads((tmp_path / "responses.json").read_text())
+            except (OSError, ValueError):
+                return {}
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            data = written()
+            if any(r["response"]["id"] == made.id for r in data.get("responses", [])) and \
+                    [c["metadata"] for c in data["conversations"]] == [{"k": "v"}]:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"not written while serving: {written()}")

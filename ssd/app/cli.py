@@ -186,8 +186,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stored-conversations", type=int, default=defaults.stored_conversations, metavar="N",
                         help="keep the last N conversations of the Conversations API (0: none)")
     parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
-                        help="write stored responses and conversations to DIR when the server stops, and read "
-                             "them back when it starts (default: memory only, gone with the process)")
+                        help="write stored responses and conversations to DIR (every 10 s while they change, and at "
+                             "the stop) and read them back at the start (default: memory only)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 

@@ -65,7 +65,7 @@ from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import ResponsesCollector
 from ssd.serve.http_conversations import ConversationRoutes, listed, page_query
-from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores
+from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -82,6 +82,7 @@ from ssd.serve.service import (
 log = logging.getLogger(__name__)
 
 STORE_FILE = "responses.json"  # in --store-dir
+STORE_WRITE_S = 10.0  # how often the stores are written to --store-dir while they change (and at the stop)
 ENDED_STREAMS = 16  # background responses whose events stay readable after they end (late readers)
 from ssd.serve.http_calls import (
     EVENT_POLL_S,
@@ -105,6 +106,12 @@ class OpenAIFrontend:
         self.stored = ResponseStore(options.stored_responses)
         self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
         self._read_store()
+        self._written = self._stores_version()
+        self._closing = threading.Event()
+        self._writer: threading.Thread | None = None
+        if self._store_file() is not None:
+            self._writer = threading.Thread(target=self._keep_writing, name="ssd-store", daemon=True)
+            self._writer.start()
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
         service.registry.register(ResponsesCollector(
@@ -488,7 +495,21 @@ class OpenAIFrontend:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self._write_store()
+        self._closing.set()
+        if self._writer is not None:
+            self._writer.join(timeout=STORE_WRITE_S)
+            self._write_store()
+            log.info("wrote %d stored responses and %d conversations to %s", len(self.stored),
+                     len(self.conversations.store), self._store_file())
+
+    def _stores_version(self) -> tuple[int, int, int]:
+        return stores_version(self.stored, self.conversations.store)
+
+    def _keep_writing(self) -> None:
+        """Write the stores every STORE_WRITE_S while they change, so a crash loses at most that."""
+        while not self._closing.wait(STORE_WRITE_S):
+            if self._stores_version() != self._written:
+                self._write_store()
 
     def _store_file(self) -> Path | None:
         directory = self.options.store_dir
@@ -508,20 +529,23 @@ class OpenAIFrontend:
                  len(self.conversations.store), path)
 
     def _write_store(self) -> None:
-        """Both stores to --store-dir, whole or not at all (a file written aside, then moved)."""
+        """Both stores to --store-dir, whole or not at all (a file written aside, then moved).
+        Runs on the writer thread, and once more at the stop after it has ended."""
         path = self._store_file()
         if path is None:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             aside = path.with_suffix(f".{os.getpid()}.partial")
+            version = self._stores_version()
             aside.write_text(json.dumps(dump_stores(self.stored, self.conversations.store)))
             os.replace(aside, path)
+            self._written = version
         except OSError as exc:
             log.error("could not write %s: %s", path, exc)
             return
-        log.info("wrote %d stored responses and %d conversations to %s", len(self.stored),
-                 len(self.conversations.store), path)
+        log.debug("wrote %d stored responses and %d conversations to %s", len(self.stored),
+                  len(self.conversations.store), path)
 
 
 class HttpServer:

@@ -126,7 +126,7 @@ class ConversationRoutes:
     async def update(self, request: Request, conversation_id: str) -> JSONResponse:
         self.authorize(request)
         conversation = self.find(conversation_id)
-        conversation.metadata = _checked((await self.parse(request, MetadataBody)).metadata)
+        conversation.set_metadata(_checked((await self.parse(request, MetadataBody)).metadata))
         return JSONResponse(conversation.public())
 
     async def delete(self, request: Request, conversation_id: str) -> JSONResponse:

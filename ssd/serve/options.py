@@ -47,8 +47,9 @@ class ServeOptions:
     # Conversations (OpenAI's Conversations API, ssd.serve.http_conversations) kept in
     # memory, least recently used out first; 0: none.
     stored_conversations: int = 1024
-    # A directory where the stored responses and conversations are written when the server
-    # stops and read back when it starts, so they outlive a restart; None: memory only.
+    # A directory where the stored responses and conversations are written (every 10 s while
+    # they change, and at the stop) and read back at the start, so they outlive a restart;
+    # None: memory only.
     store_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -14,9 +14,9 @@ incomplete), as on OpenAI; its items can also be added, listed and deleted.
 
 Both stores are the HTTP front end's memory: bounded by a count of responses
 or conversations, least recently used out first, gone with the process (vLLM
-keeps its Responses store in memory too) unless the server writes them out at
-its stop and reads them back at its start (`dump_stores`, `load_stores`;
---store-dir). No model, no I/O: testable in milliseconds.
+keeps its Responses store in memory too) unless the server writes them out
+while they change and at its stop, and reads them back at its start
+(`dump_stores`, `load_stores`; --store-dir). No model, no I/O: testable in milliseconds.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Kept(Generic[T]):
         self.capacity = capacity
         self._kept: OrderedDict[str, T] = OrderedDict()
         self._lock = threading.Lock()
+        self.version = 0  # counts the keeps and deletes: what is kept has changed since a reader saw it
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -63,6 +64,7 @@ class Kept(Generic[T]):
         if self.capacity == 0:
             return
         with self._lock:
+            self.version += 1
             self._kept[key] = value
             self._kept.move_to_end(key)
             while len(self._kept) > self.capacity:
@@ -78,6 +80,7 @@ class Kept(Generic[T]):
 
     def delete(self, key: str) -> bool:
         with self._lock:
+            self.version += 1
             return self._kept.pop(key, None) is not None
 
     def values(self) -> list[T]:
@@ -102,6 +105,7 @@ class Conversation:
     metadata: dict[str, str]
     items: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    version: int = field(default=0, compare=False)  # counts its changes (items, metadata)
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
@@ -114,6 +118,12 @@ class Conversation:
     def add(self, items: list[dict[str, Any]]) -> None:
         with self.lock:
             self.items.extend(items)
+            self.version += 1
+
+    def set_metadata(self, metadata: dict[str, str]) -> None:
+        with self.lock:
+            self.metadata = metadata
+            self.version += 1
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         with self.lock:
@@ -123,6 +133,7 @@ class Conversation:
         with self.lock:
             kept = [item for item in self.items if item["id"] != item_id]
             removed, self.items = len(kept) < len(self.items), kept
+            self.version += removed
             return removed
 
 
@@ -144,6 +155,11 @@ def dump_stores(responses: ResponseStore, conversations: Kept[Conversation]) -> 
     talks = [{"id": c.id, "created_at": c.created_at, "metadata": c.metadata, "items": c.snapshot()}
              for c in conversations.values()]
     return {"format": 1, "items": items, "responses": kept, "conversations": talks}
+
+
+def stores_version(responses: ResponseStore, conversations: Kept[Conversation]) -> tuple[int, int, int]:
+    """Changes whenever what dump_stores writes may have changed."""
+    return responses.version, conversations.version, sum(c.version for c in conversations.values())
 
 
 def load_stores(data: dict[str, Any], responses: ResponseStore, conversations: Kept[Conversation]) -> None:
