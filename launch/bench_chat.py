@@ -13,15 +13,13 @@ whether our engines' greedy replies agree; with --out, OUT.png plots the turns.
 
 from __future__ import annotations
 
-import sys
-
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from ssd.tools.bench.chat_turns import TURNS, bench_chat, format_table, plot_turns  # noqa: E402
-from ssd.tools.bench.report import print_and_save, small_bench_config, small_bench_parser  # noqa: E402
+from ssd.tools.bench.report import command_line, print_and_save, small_bench_config, small_bench_parser  # noqa: E402
 
 
 def build_parser():
@@ -48,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     turns = TURNS[: args.turns] if args.turns else TURNS
     result = bench_chat(config, args.chunks or [config.batching.prefill_chunk], args.max_new_tokens, turns,
                         llamacpp=not args.no_llamacpp, chats=args.chats, mode=args.mode)
-    command = " ".join(["python launch/bench_chat.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("launch/bench_chat.py", argv)
     print_and_save(command, format_table(result), result, args.out)
     if args.out:
         plot_turns(result, args.out.with_suffix(".png"))

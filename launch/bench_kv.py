@@ -8,12 +8,10 @@ precise cache, and decoding through our AR engine against plain llama.cpp.
 
 from __future__ import annotations
 
-import sys
-
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 from ssd.tools.bench.kv_cache import bench_kv, format_table  # noqa: E402
-from ssd.tools.bench.report import print_and_save, small_bench_config, small_bench_parser  # noqa: E402
+from ssd.tools.bench.report import command_line, print_and_save, small_bench_config, small_bench_parser  # noqa: E402
 
 
 def build_parser():
@@ -30,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     config = small_bench_config(args)
     result = bench_kv(config, args.positions, args.repeats, args.prompt_tokens, args.max_new_tokens,
                       llamacpp=not args.no_llamacpp)
-    command = " ".join(["python launch/bench_kv.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("launch/bench_kv.py", argv)
     print_and_save(command, format_table(result), result, args.out)
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 from ssd.config import load_config  # noqa: E402
 from ssd.tools.bench.lookup import bench_lookup, format_table  # noqa: E402
-from ssd.tools.bench.report import print_and_save  # noqa: E402
+from ssd.tools.bench.report import command_line, print_and_save  # noqa: E402
 from ssd.tools.prompts import load_prompt_set  # noqa: E402
 
 
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, overrides)
     prompts = load_prompt_set(args.prompt_file, args.prompts)
     result = bench_lookup(config, prompts, args.max_new_tokens, args.rounds, args.temperature)
-    command = " ".join(["python launch/bench_lookup.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("launch/bench_lookup.py", argv)
     print_and_save(command, format_table(result), result, args.out)
 
 

@@ -11,11 +11,9 @@ whether our two engines' samples agree.
 
 from __future__ import annotations
 
-import sys
-
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
-from ssd.tools.bench.report import print_and_save, small_bench_config, small_bench_parser  # noqa: E402
+from ssd.tools.bench.report import command_line, print_and_save, small_bench_config, small_bench_parser  # noqa: E402
 from ssd.tools.bench.samples import bench_samples, format_table  # noqa: E402
 
 
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     config = small_bench_config(args)
     result = bench_samples(config, args.n, args.prompt_tokens, args.max_new_tokens, args.repeats,
                            llamacpp=not args.no_llamacpp)
-    command = " ".join(["python launch/bench_samples.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("launch/bench_samples.py", argv)
     print_and_save(command, format_table(result), result, args.out)
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from _bootstrap import ROOT  # noqa: E402 - first: the repository root on sys.path
 
 from ssd.config import load_config  # noqa: E402
 from ssd.tools.bench.step_call import bench_step_call, format_table  # noqa: E402
-from ssd.tools.bench.report import print_and_save  # noqa: E402
+from ssd.tools.bench.report import command_line, print_and_save  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     result = bench_step_call(load_config(args.config), args.seconds, args.modes, args.prompt,
                              args.max_new_tokens, args.rounds)
-    command = " ".join(["python launch/bench_step_call.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("launch/bench_step_call.py", argv)
     print_and_save(command, format_table(result), result, args.out)
 
 

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,12 @@ def small_bench_config(args: Any) -> Any:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     return load_config(args.config, {"target": {"backend": args.backend}, "runtime": {"threads": args.threads}})
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command a small bench's report names: `script` (launch/NAME.py) and its arguments
+    (sys.argv's, when main() was not handed its own)."""
+    return " ".join([f"python {script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def print_and_save(command: str, table: str, result: dict[str, Any], out: Path | None) -> None:
