@@ -119,6 +119,8 @@ def test_text_format_json_schema_is_structured_output(wide):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "a", "conversation": {"id": 1}}, "conversation.id"),
+    ({"input": "a", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "a", "metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"input": "a", "include": ["file_search_call.results"]}, "include"),
     ({"input": "a", "top_logprobs": 2}, "top_logprobs"),
     ({"input": []}, "input"),

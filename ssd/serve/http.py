@@ -64,7 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import ResponsesCollector
-from ssd.serve.http_conversations import ConversationRoutes, listed, page_query
+from ssd.serve.http_conversations import ConversationRoutes, listed
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
     Chunk,
@@ -334,7 +334,6 @@ class OpenAIFrontend:
         """OpenAI's input item list: a stored response's own input items, `order` (default desc),
         `limit` (1-100, default 20) and the cursor `after`."""
         self._authorize(request)
-        page_query(request)  # its errors before a 404
         return listed(self._stored(response_id).input_items, request, f"response {response_id!r}")
 
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -468,7 +468,7 @@ class ResponsesCall(Call):
         if self.store:
             self.save(response)
         named = responses.conversation_id(self.request_body)
-        conversation = None if named is None or self.deleted else self.front.conversations.store.get(named)
+        conversation = None if named is None else self.front.conversations.store.get(named)
         if conversation is not None:
             conversation.add(self.input_items + response["output"])
         return response

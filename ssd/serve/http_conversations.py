@@ -26,12 +26,11 @@ from pydantic import Field
 
 from ssd.serve import responses
 from ssd.serve.http_calls import ApiError, invalid
-from ssd.serve.http_schema import Body
+from ssd.serve.http_schema import Body, check_metadata
 from ssd.serve.service import InvalidArgument
 from ssd.serve.stored import Conversation, Kept, input_items, page
 
 MAX_ITEMS = 20  # OpenAI's: items a create or an add may carry
-MAX_METADATA = (16, 64, 512)  # OpenAI's: pairs, key characters, value characters
 
 
 class ConversationBody(Body):
@@ -47,20 +46,7 @@ class ItemsBody(Body):
     items: list[responses.InputItem] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> dict[str, str]:
-    """OpenAI's limits on metadata, or InvalidArgument naming the field."""
-    pairs, key_chars, value_chars = MAX_METADATA
-    metadata = metadata or {}
-    if len(metadata) > pairs:
-        raise InvalidArgument(param, f"at most {pairs} pairs, got {len(metadata)}")
-    for key, value in metadata.items():
-        if len(key) > key_chars or len(value) > value_chars:
-            raise InvalidArgument(f"{param}.{key[:key_chars]}", f"keys are at most {key_chars} characters "
-                                  f"and values at most {value_chars}")
-    return metadata
-
-
-def page_query(request: Request) -> tuple[str, int, str | None]:
+def _page_query(request: Request) -> tuple[str, int, str | None]:
     """A list's `order` (default desc), `limit` (1-100, default 20) and cursor `after`."""
     query = request.query_params
     order, limit = query.get("order", "desc"), query.get("limit", "20")
@@ -73,7 +59,7 @@ def page_query(request: Request) -> tuple[str, int, str | None]:
 
 def listed(items: list[dict[str, Any]], request: Request, owner: str) -> JSONResponse:
     """OpenAI's list object over `items`, as the request's query asks."""
-    order, limit, after = page_query(request)
+    order, limit, after = _page_query(request)
     try:
         return JSONResponse(page(items, order, limit, after))
     except KeyError:

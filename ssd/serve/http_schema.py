@@ -258,6 +258,22 @@ def chat_options(body: ChatLayout) -> ChatOptions | None:
     return ChatOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
 
 
+MAX_METADATA = (16, 64, 512)  # OpenAI's metadata: pairs, key characters, value characters
+
+
+def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> dict[str, str]:
+    """`metadata` (Responses, conversations) within OpenAI's limits, or InvalidArgument naming it."""
+    pairs, key_chars, value_chars = MAX_METADATA
+    metadata = metadata or {}
+    if len(metadata) > pairs:
+        raise InvalidArgument(param, f"at most {pairs} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > key_chars or len(value) > value_chars:
+            raise InvalidArgument(f"{param}.{key[:key_chars]}", f"keys are at most {key_chars} characters "
+                                  f"and values at most {value_chars}")
+    return metadata
+
+
 def parse(model: type[Body], data: Any) -> Any:
     """The body as `model`, or InvalidArgument naming the first bad field."""
     try:

@@ -133,6 +133,7 @@ def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, dr
     """The ChatBody the request means, and for each of its messages the Responses field it came from.
     `earlier`: the conversation of the response it continues (ssd.serve.stored), as items; `drop`:
     how many of the conversation's first items (earlier, then input) to leave out."""
+    schema.check_metadata(body.metadata)
     for name in body.include or []:
         if name != LOGPROBS_INCLUDE:
             raise InvalidArgument("include", f"only {LOGPROBS_INCLUDE!r} is offered, got {name!r}")
