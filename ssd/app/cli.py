@@ -185,6 +185,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "/v1/responses/{id} (0: store none)")
     parser.add_argument("--stored-conversations", type=int, default=defaults.stored_conversations, metavar="N",
                         help="keep the last N conversations of the Conversations API (0: none)")
+    parser.add_argument("--stored-file-bytes", type=int, default=defaults.stored_file_bytes, metavar="BYTES",
+                        help="bytes of files (batch inputs and outputs: /v1/files, /v1/batches) kept in memory, all "
+                             "together; an upload past it is refused (default: 1 GiB)")
     parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
                         help="write stored responses and conversations to DIR (every 10 s while they change, and at "
                              "the stop) and read them back at the start (default: memory only)")
@@ -200,4 +203,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         http_port=args.http_port, reasoning_parser=args.reasoning_parser,
         served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
         stored_conversations=args.stored_conversations, store_dir=args.store_dir,
+        stored_file_bytes=args.stored_file_bytes,
     )

@@ -4,6 +4,8 @@
     POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.serve.responses)
     GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored: ssd.serve.stored)
     POST /v1/responses/{id}/cancel                                      (a background response)
+    /v1/conversations, /v1/conversations/{id}/items                     (ssd.serve.http_conversations)
+    /v1/files, /v1/batches      (OpenAI's Batch API: ssd.serve.http_batches)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                GET  /metrics
 
@@ -64,6 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import ResponsesCollector
+from ssd.serve.http_batches import BatchRoutes
 from ssd.serve.http_conversations import ConversationRoutes, listed
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
@@ -105,6 +108,7 @@ class OpenAIFrontend:
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
         self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
+        self.batches = BatchRoutes(options, self._authorize, self._body)
         self._read_store()
         self._written = self._stores_version()
         self._closing = threading.Event()
@@ -135,6 +139,7 @@ class OpenAIFrontend:
         app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input, methods=["GET"])
         app.add_api_route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"])
         self.conversations.add_to(app)
+        self.batches.add_to(app)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])

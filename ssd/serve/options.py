@@ -51,6 +51,9 @@ class ServeOptions:
     # they change, and at the stop) and read back at the start, so they outlive a restart;
     # None: memory only.
     store_dir: str | None = None
+    # Bytes of files (OpenAI's Files API: batch inputs, batch outputs) kept in memory, all
+    # files together; an upload past it is refused (ssd.serve.files). 0: no files, no batches.
+    stored_file_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -72,7 +75,7 @@ class ServeOptions:
                               f"got {self.reasoning_parser!r}")
         if any(not name.strip() for name in self.served_model_names):
             raise ConfigError("serve.served_model_names must not hold a blank name")
-        for name in ("stored_responses", "stored_conversations"):
+        for name in ("stored_responses", "stored_conversations", "stored_file_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"serve.{name} must be >= 0, got {getattr(self, name)}")
         if self.grace_s < 0:

@@ -1,0 +1,322 @@
+"""OpenAI's Files and Batch APIs over the HTTP front end (ssd.serve.http).
+
+    POST   /v1/files                 upload (multipart: file, purpose, expires_after)
+    GET    /v1/files                 list (purpose, order, limit, after)
+    GET    /v1/files/{id}            retrieve
+    GET    /v1/files/{id}/content    the bytes
+    DELETE /v1/files/{id}            delete
+    POST   /v1/batches               create (input_file_id, endpoint, completion_window, metadata)
+    GET    /v1/batches               list (limit, after)
+    GET    /v1/batches/{id}          retrieve
+    POST   /v1/batches/{id}/cancel   cancel
+
+A batch's lines run as the live requests they spell: each is posted to the front end's
+own app in process (`asgi_post`), so routing, the token, validation, admission and the
+reply are a live request's, and its rows join the same continuous batch as live traffic.
+At most `concurrency` lines run at once (half the queue: live requests keep the rest),
+and a line the queue turns away (429) waits and tries again. `launch/run_batch.py` runs
+a file the same way without a port (vLLM's `run-batch`).
+
+Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
+BATCHES_KEPT batches) and end with the process; a batch still running then is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, new_id, read_lines
+from ssd.serve.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
+from ssd.serve.http_calls import ApiError, invalid
+from ssd.serve.http_conversations import listed
+from ssd.serve.http_schema import Body, check_metadata
+from ssd.serve.service import InvalidArgument
+from ssd.serve.stored import Kept
+
+log = logging.getLogger(__name__)
+
+BATCHES_KEPT = 1024  # batches kept for retrieval, least recently used out first
+MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
+BUSY_RETRY_S = 0.2  # a line the queue turned away (429) tries again after this
+
+
+class ExpiresAfter(Body):
+    anchor: str
+    seconds: int
+
+
+class BatchBody(Body):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
+
+
+async def asgi_post(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    """POST `body` to the ASGI `app` in process: the status and the whole reply's bytes."""
+    given = False
+    never = asyncio.Event()  # the caller never leaves: a disconnect check waits and is cancelled
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    status, chunks = 500, []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *headers], "client": ("batch", 0), "server": ("batch", 0)}
+    try:
+        await app(scope, receive, send)
+    except Exception as exc:  # the app answered 500 already (its error middleware re-raises)
+        log.exception("a batch line failed")
+        return 500, json.dumps(ApiError(500, f"internal error: {exc}", type_="server_error").body()).encode()
+    return status, b"".join(chunks)
+
+
+def _reply(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {"error": {"message": data.decode(errors="replace"), "type": "server_error"}}
+
+
+class BatchRoutes:
+    """The routes, over one file store and one batch store; `authorize` and `parse` are the
+    front end's, and lines run through the app `add_to` was given."""
+
+    def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
+        self.files = FileStore(options.stored_file_bytes)
+        self.batches: Kept[Batch] = Kept(BATCHES_KEPT)
+        self.concurrency = max(1, options.max_queue // 2)
+        self.token = options.token
+        self.authorize, self.parse = authorize, parse
+        self.app: FastAPI | None = None
+        self.workers: dict[str, list[asyncio.Task]] = {}  # a running batch's, to cancel it
+
+    def add_to(self, app: FastAPI) -> None:
+        self.app = app
+        app.add_api_route("/v1/files", self.upload, methods=["POST"])
+        app.add_api_route("/v1/files", self.list_files, methods=["GET"])
+        app.add_api_route("/v1/files/{file_id}", self.retrieve_file, methods=["GET"])
+        app.add_api_route("/v1/files/{file_id}/content", self.file_content, methods=["GET"])
+        app.add_api_route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"])
+        app.add_api_route("/v1/batches", self.create, methods=["POST"])
+        app.add_api_route("/v1/batches", self.list_batches, methods=["GET"])
+        app.add_api_route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"])
+        app.add_api_route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])
+
+    # --- files -------------------------------------------------------------------------
+
+    def find_file(self, file_id: str, param: str | None = None) -> StoredFile:
+        found = self.files.get(file_id)
+        if found is None:
+            where = f"{param}: " if param else ""
+            raise ApiError(404, f"{where}no file {file_id!r} (never uploaded, deleted, or expired)",
+                           param=param, code="file_not_found")
+        return found
+
+    async def upload(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        limit = min(MAX_UPLOAD_BYTES, self.files.capacity)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit + 64 * 1024:  # the form's own fields besides
+            raise ApiError(413, f"file: larger than {limit} bytes", param="file", code="file_too_large")
+        form = await self._form(request)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "file: a multipart file field is required", param="file",
+                           code="missing_required_parameter")
+        if purpose not in PURPOSES:
+            raise ApiError(400, f"purpose: must be one of {', '.join(PURPOSES)}, got {purpose!r}",
+                           param="purpose", code="invalid_value")
+        content = await upload.read()
+        if len(content) > limit:
+            raise ApiError(413, f"file: larger than {limit} bytes", param="file", code="file_too_large")
+        lifetime = _lifetime(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"), "expires_after")
+        try:
+            stored = self.files.add(upload.filename or "upload", purpose, content,
+                                    lifetime or (BATCH_FILE_S if purpose == "batch" else None))
+        except FileFull as exc:
+            raise ApiError(400, f"file: {exc}", param="file", code="file_store_full") from None
+        return JSONResponse(stored.public())
+
+    @staticmethod
+    async def _form(request: Request) -> Any:
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(400, "body: an upload is multipart/form-data (fields file and purpose)",
+                           param="body", code="invalid_value")
+        try:
+            return await request.form(max_files=1, max_fields=8)
+        except Exception as exc:  # starlette's MultiPartException and the parser's own errors
+            raise ApiError(400, f"body: not a readable multipart form: {exc}", param="body",
+                           code="invalid_value") from None
+
+    async def list_files(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        purpose = request.query_params.get("purpose")
+        return listed([f.public() for f in self.files.listed(purpose)], request, "the files")
+
+    async def retrieve_file(self, request: Request, file_id: str) -> JSONResponse:
+        self.authorize(request)
+        return JSONResponse(self.find_file(file_id).public())
+
+    async def file_content(self, request: Request, file_id: str) -> Response:
+        self.authorize(request)
+        return Response(self.find_file(file_id).content, media_type="application/octet-stream")
+
+    async def delete_file(self, request: Request, file_id: str) -> JSONResponse:
+        self.authorize(request)
+        if not self.files.delete(file_id):
+            self.find_file(file_id)  # the 404
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    # --- batches -----------------------------------------------------------------------
+
+    def find(self, batch_id: str) -> Batch:
+        found = self.batches.get(batch_id)
+        if found is None:
+            raise ApiError(404, f"no batch {batch_id!r} (never created, or evicted: the server keeps the last "
+                           f"{BATCHES_KEPT})", code="batch_not_found")
+        return found
+
+    async def create(self, request: Request) -> JSONResponse:
+        """A batch over an uploaded file: failed at once when a line is bad, else running."""
+        self.authorize(request)
+        body = await self.parse(request, BatchBody)
+        if body.endpoint not in ENDPOINTS:
+            raise ApiError(400, f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}",
+                           param="endpoint", code="invalid_value")
+        if body.completion_window not in COMPLETION_WINDOWS:
+            raise ApiError(400, f"completion_window: must be 24h, got {body.completion_window!r}",
+                           param="completion_window", code="invalid_value")
+        try:
+            metadata = check_metadata(body.metadata) if body.metadata is not None else None
+        except InvalidArgument as exc:
+            raise invalid(exc) from None
+        expires = body.output_expires_after
+        lifetime = _lifetime(expires.anchor, str(expires.seconds), "output_expires_after") if expires else None
+        source = self.find_file(body.input_file_id, "input_file_id")
+        if source.purpose != "batch":
+            raise ApiError(400, f"input_file_id: file {source.id!r} was uploaded with purpose "
+                           f"{source.purpose!r}; a batch's input needs purpose 'batch'",
+                           param="input_file_id", code="invalid_value")
+        lines, errors = read_lines(source.content, body.endpoint)
+        batch = Batch(new_id("batch"), body.endpoint, source.id, metadata, len(lines) + len(errors))
+        self.batches.keep(batch.id, batch)
+        if errors:
+            batch.fail(errors)
+        else:
+            asyncio.get_running_loop().create_task(self.run(batch, lines, lifetime or BATCH_FILE_S))
+        return JSONResponse(batch.public())
+
+    async def run(self, batch: Batch, lines: list[BatchLine], lifetime_s: int | None = BATCH_FILE_S,
+                  on_line: Callable[[], None] | None = None) -> None:
+        """Run the lines, `concurrency` at a time, then write the output and error files."""
+        if batch.status == "cancelling":  # cancelled before it began
+            self._finish(batch, lines, lifetime_s)
+            return
+        batch.move("in_progress")
+        todo = iter(lines)  # shared by the workers: each line is taken once
+
+        async def work() -> None:
+            for line in todo:
+                status, data = await self._post_line(batch.endpoint, line.body)
+                batch.record(line, status, _reply(data))
+                if on_line is not None:
+                    on_line()
+
+        workers = [asyncio.create_task(work()) for _ in range(min(self.concurrency, len(lines)))]
+        self.workers[batch.id] = workers
+        try:
+            await asyncio.gather(*workers, return_exceptions=True)
+        finally:
+            self.workers.pop(batch.id, None)
+        self._finish(batch, lines, lifetime_s)
+
+    async def _post_line(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        headers = [(b"authorization", f"Bearer {self.token}".encode())] if self.token else []
+        data = json.dumps(body).encode()
+        while True:
+            status, reply = await asgi_post(self.app, endpoint, data, headers)
+            if status != 429:
+                return status, reply
+            await asyncio.sleep(BUSY_RETRY_S)  # live requests hold the queue: wait for a place
+
+    def _finish(self, batch: Batch, lines: list[BatchLine], lifetime_s: int | None) -> None:
+        """Lines a cancel stopped are the error file's batch_cancelled; both files are kept."""
+        cancelled = batch.status == "cancelling"
+        if cancelled:
+            for line in lines:
+                if line.line not in batch.outputs and line.line not in batch.errors_out:
+                    batch.record_unrun(line, "batch_cancelled", "the batch was cancelled before this request ended")
+        batch.move("finalizing")
+        output, errors = batch.files()
+        try:
+            if output:
+                batch.output_file_id = self.files.add(f"{batch.id}_output.jsonl", "batch_output", output,
+                                                      lifetime_s).id
+            if errors:
+                batch.error_file_id = self.files.add(f"{batch.id}_error.jsonl", "batch_output", errors,
+                                                     lifetime_s).id
+        except FileFull as exc:
+            batch.fail([{"code": "file_store_full", "line": None, "message": str(exc), "param": None}])
+            return
+        batch.move("cancelled" if cancelled else "completed")
+
+    async def retrieve(self, request: Request, batch_id: str) -> JSONResponse:
+        self.authorize(request)
+        return JSONResponse(self.find(batch_id).public())
+
+    async def list_batches(self, request: Request) -> JSONResponse:
+        """Newest first, as OpenAI's list."""
+        self.authorize(request)
+        batches = sorted(self.batches.values(), key=lambda b: b.created_ns)
+        return listed([b.public() for b in batches], request, "the batches")
+
+    async def cancel(self, request: Request, batch_id: str) -> JSONResponse:
+        """OpenAI's cancel: a running batch stops taking lines, the running ones are aborted, and
+        it ends cancelled with the files of what finished; an ended one answers as it is."""
+        self.authorize(request)
+        batch = self.find(batch_id)
+        if batch.status in ("validating", "in_progress"):
+            batch.move("cancelling")
+            for worker in self.workers.get(batch.id, []):
+                worker.cancel()
+        elif batch.status != "cancelling" and batch.status != "cancelled":
+            raise ApiError(400, f"batch {batch_id!r} is {batch.status}: only a running batch can be cancelled",
+                           code="batch_not_cancellable")
+        return JSONResponse(batch.public())
+
+
+def _lifetime(anchor: Any, seconds: Any, param: str) -> int | None:
+    """OpenAI's expires_after (anchor created_at, 3600..2592000 s) in seconds; None when absent."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError(400, f"{param}.anchor: must be created_at, got {anchor!r}", param=f"{param}.anchor",
+                       code="invalid_value")
+    low, high = EXPIRY_RANGE_S
+    if not isinstance(seconds, str) or not seconds.isdigit() or not low <= int(seconds) <= high:
+        raise ApiError(400, f"{param}.seconds: must be an integer in {low}..{high}, got {seconds!r}",
+                       param=f"{param}.seconds", code="invalid_value")
+    return int(seconds)
