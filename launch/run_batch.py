@@ -10,7 +10,8 @@ takes the first line's url (/v1/chat/completions, /v1/completions or /v1/respons
 The output holds one line per request in input order: {"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}; a request the API refused has its 4xx
 there. A file with a malformed line runs nothing: its errors are printed (exit 2).
-Lines run max-queue / 2 at a time, rows of one continuous batch.
+Lines run --max-queue at a time (nothing else needs the queue), rows of one
+continuous batch.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options.port, options.http_port, options.metrics_port = 0, None, None  # nothing to serve: a loopback port
     options.host = "127.0.0.1"
+    options.batch_concurrency = options.batch_concurrency or options.max_queue  # no live requests to leave room for
     server = serve_config(config, options, with_draft=not args.no_draft)
     try:
         if not server.wait_ready():

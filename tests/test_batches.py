@@ -126,6 +126,19 @@ def test_a_line_the_queue_turns_away_waits_and_a_crash_is_its_500(monkeypatch):
     assert row["response"]["status_code"] == 500 and "boom" in row["response"]["body"]["error"]["message"]
 
 
+def test_batch_concurrency_is_half_the_queue_unless_set_within_it():
+    from ssd.config import ConfigError
+    from ssd.serve.options import ServeOptions
+
+    assert ServeOptions(max_queue=16).batch_lines == 8 and ServeOptions(max_queue=1).batch_lines == 1
+    assert ServeOptions(max_queue=16, batch_concurrency=3).batch_lines == 3
+    for bad in (0, 17):
+        with pytest.raises(ConfigError, match="batch_concurrency"):
+            ServeOptions(max_queue=16, batch_concurrency=bad)
+    with pytest.raises(ConfigError, match="stored_file_bytes"):
+        ServeOptions(stored_file_bytes=-1)
+
+
 # --- through the server ----------------------------------------------------------------
 
 

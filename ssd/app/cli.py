@@ -188,6 +188,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stored-file-bytes", type=int, default=defaults.stored_file_bytes, metavar="BYTES",
                         help="bytes of files (batch inputs and outputs: /v1/files, /v1/batches) kept in memory, all "
                              "together; an upload past it is refused (default: 1 GiB)")
+    parser.add_argument("--batch-concurrency", type=int, default=defaults.batch_concurrency, metavar="N",
+                        help="lines of /v1/batches batches running at once beside live requests (default: half of "
+                             "--max-queue; below batching.max_rows, live requests always find a free row)")
     parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
                         help="write stored responses and conversations to DIR (every 10 s while they change, and at "
                              "the stop) and read them back at the start (default: memory only)")
@@ -203,5 +206,5 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         http_port=args.http_port, reasoning_parser=args.reasoning_parser,
         served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
         stored_conversations=args.stored_conversations, store_dir=args.store_dir,
-        stored_file_bytes=args.stored_file_bytes,
+        stored_file_bytes=args.stored_file_bytes, batch_concurrency=args.batch_concurrency,
     )

@@ -13,8 +13,10 @@
 A batch's lines run as the live requests they spell: each is posted to the front end's
 own app in process (`asgi_post`), so routing, the token, validation, admission and the
 reply are a live request's, and its rows join the same continuous batch as live traffic.
-At most `concurrency` lines run at once (half the queue: live requests keep the rest),
-and a line the queue turns away (429) waits and tries again. `launch/run_batch.py` runs
+At most `concurrency` lines run at once (serve.batch_concurrency, by default half the
+queue: live requests keep the rest), and a line the queue turns away (429) waits and
+tries again. Batch lines take rows as live requests do: with as many lines as
+batching.max_rows, a live request waits for a line to end; fewer keep a row free. `launch/run_batch.py` runs
 a file the same way without a port (vLLM's `run-batch`).
 
 Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
@@ -107,7 +109,7 @@ class BatchRoutes:
     def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
         self.files = FileStore(options.stored_file_bytes)
         self.batches: Kept[Batch] = Kept(BATCHES_KEPT)
-        self.concurrency = max(1, options.max_queue // 2)
+        self.concurrency = options.batch_lines
         self.token = options.token
         self.authorize, self.parse = authorize, parse
         self.app: FastAPI | None = None
@@ -137,6 +139,8 @@ class BatchRoutes:
 
     async def upload(self, request: Request) -> JSONResponse:
         self.authorize(request)
+        if self.files.capacity == 0:
+            raise ApiError(400, "this server keeps no files (--stored-file-bytes 0)", code="files_off")
         limit = min(MAX_UPLOAD_BYTES, self.files.capacity)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit + 64 * 1024:  # the form's own fields besides

@@ -54,6 +54,9 @@ class ServeOptions:
     # Bytes of files (OpenAI's Files API: batch inputs, batch outputs) kept in memory, all
     # files together; an upload past it is refused (ssd.serve.files). 0: no files, no batches.
     stored_file_bytes: int = 1024 * 1024 * 1024
+    # Lines of OpenAI batches (/v1/batches) running at once, as rows beside live requests;
+    # None: half of max_queue. Below batching.max_rows, live requests always find a free row.
+    batch_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -78,8 +81,16 @@ class ServeOptions:
         for name in ("stored_responses", "stored_conversations", "stored_file_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"serve.{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_concurrency is not None and not 1 <= self.batch_concurrency <= self.max_queue:
+            raise ConfigError(f"serve.batch_concurrency must be in 1..max_queue ({self.max_queue}), "
+                              f"got {self.batch_concurrency}")
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def batch_lines(self) -> int:
+        """Batch lines that run at once (batch_concurrency, or half the queue)."""
+        return self.batch_concurrency or max(1, self.max_queue // 2)
 
     @property
     def tls(self) -> bool:
