@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(server, options, lines, endpoint: str) -> Batch:
     """The lines through the HTTP front end's own batch runner, with a progress bar."""
     from ssd.serve.http import OpenAIFrontend  # FastAPI loads only when asked for
+    from ssd.serve.http_batches import Running
 
     front = OpenAIFrontend(server.service, options)
     batch = Batch(new_id("batch"), endpoint, "local", None, len(lines))
     started = time.perf_counter()
     try:
         with tqdm(total=len(lines), unit="req", desc="batch") as bar:
-            asyncio.run(front.batches.run(batch, lines, None, on_line=bar.update))
+            asyncio.run(front.batches.run(Running(batch, None), lines, on_line=bar.update))
     finally:
         front.close()
     log.info("ran %d requests in %.1f s", len(lines), time.perf_counter() - started)

@@ -26,9 +26,10 @@ import openai
 import pytest
 
 from ssd.serve import batches
+from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
 from ssd.serve.batches import Batch, BatchLine, read_lines
 from ssd.serve.files import FileFull, FileStore
-from ssd.serve.http_batches import BatchRoutes
+from ssd.serve.http_batches import BatchRoutes, Running
 from tests.test_http import ChatBackend, base_url, oai, serving
 from tests.test_http import backend  # noqa: F401  (a module fixture: this module's own)
 from tests.test_http_random import SETTINGS, _choice, assert_same_output, draw_body, whole
@@ -95,7 +96,7 @@ def test_the_file_store_keeps_its_budget_and_forgets_expired_files():
     assert store.delete(kept.id) and not store.delete(kept.id) and store.used == 0
 
 
-def test_a_line_the_queue_turns_away_waits_and_a_crash_is_its_500(monkeypatch):
+def test_a_line_turned_away_while_busy_or_not_serving_waits_and_a_crash_is_its_500(monkeypatch):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -107,7 +108,7 @@ def test_a_line_the_queue_turns_away_waits_and_a_crash_is_its_500(monkeypatch):
 
     async def busy_then_done() -> JSONResponse:
         calls.append(1)
-        return JSONResponse({"id": "x"}, status_code=429 if len(calls) < 3 else 200)
+        return JSONResponse({"id": "x"}, status_code=(429, 503, 200)[min(len(calls), 3) - 1])
 
     async def crash() -> JSONResponse:
         raise RuntimeError("boom")
@@ -118,10 +119,10 @@ def test_a_line_the_queue_turns_away_waits_and_a_crash_is_its_500(monkeypatch):
     routes.app = app
     lines = [BatchLine(1, "a", {})]
     batch = Batch("batch_1", "/v1/completions", "file-1", None, 1)
-    asyncio.run(routes.run(batch, lines))
+    asyncio.run(routes.run(Running(batch, None), lines))
     assert len(calls) == 3 and batch.public()["request_counts"]["completed"] == 1 and batch.status == "completed"
     batch = Batch("batch_2", "/v1/chat/completions", "file-1", None, 1)
-    asyncio.run(routes.run(batch, lines))
+    asyncio.run(routes.run(Running(batch, None), lines))
     row = json.loads(batch.every_line())
     assert row["response"]["status_code"] == 500 and "boom" in row["response"]["body"]["error"]["message"]
 
@@ -366,6 +367,90 @@ def test_batch_lines_carry_the_server_s_token(backend):  # noqa: F811
         assert batch.request_counts.completed == 1
         with pytest.raises(openai.AuthenticationError):
             oai(running, token="wrong").files.list()
+
+
+# --- over a restart (--store-dir) ----------------------------------------------------------
+
+
+def test_files_on_disk_come_back_and_expired_or_torn_ones_do_not(tmp_path):
+    disk = FileDisk(tmp_path)
+    store = FileStore(100, disk)
+    kept = store.add("a.jsonl", "batch", b"abc", None)
+    gone = store.add("b.jsonl", "batch", b"de", 3600)
+    store.delete(gone.id)
+    store.add("c.jsonl", "batch", b"f", 0)  # expired by the next start
+    (tmp_path / "file-torn.json").write_text("{")
+    again = FileStore(100, disk)
+    again.restore(disk.load())
+    assert [(f.id, f.content) for f in again.listed()] == [(kept.id, b"abc")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{kept.id}.data", f"{kept.id}.json"]
+
+
+def test_a_journal_gives_the_batch_back_as_it_last_stood(tmp_path):
+    batch = Batch("batch_j", "/v1/completions", "file-1", {"k": "v"}, 3)
+    running = Running(batch, 3600, BatchJournal.start(tmp_path, batch, 3600))
+    running.begin()
+    running.row(2, batch.record(BatchLine(2, "b", {}), 200, {"id": "x", "usage": {"prompt_tokens": 4}}))
+    running.row(3, batch.record(BatchLine(3, "c", {}), 400, {"error": {}}))
+    with (tmp_path / "batch_j.jsonl").open("a") as torn:
+        torn.write('{"kind": "row", "li')  # a crash mid-write
+    [(back, lifetime, _)] = load_batches(tmp_path)
+    assert lifetime == 3600 and back.public() == {**batch.public(), "created_at": back.created_at}
+    assert back.has(2) and back.has(3) and not back.has(1) and back.status == "in_progress"
+    assert back.files() == batch.files()
+
+
+def _stored_at(backend, store_dir):  # noqa: F811
+    return serving(lambda: ChatBackend(backend), store_dir=str(store_dir))
+
+
+def test_a_batch_running_at_a_stop_goes_on_after_the_restart(backend, tmp_path):  # noqa: F811
+    path = "/v1/completions"
+    rows = [line(f"s{i}", {"model": "tiny", "prompt": "ab"[: 1 + i % 2], "max_tokens": 300, "ignore_eos": True,
+                           "temperature": 0, "seed": i}, path) for i in range(24)]
+    with _stored_at(backend, tmp_path) as first:
+        client = oai(first)
+        done_before = finished(client, client.batches.create(
+            input_file_id=upload(client, rows[:2]), endpoint=path, completion_window="24h").id)
+        batch = client.batches.create(input_file_id=upload(client, rows), endpoint=path, completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = client.batches.retrieve(batch.id)
+    assert before.status == "in_progress" and 3 <= before.request_counts.completed < 24
+    journal = [json.loads(r) for r in (tmp_path / "batches" / f"{batch.id}.jsonl").read_text().splitlines()]
+    rows_before = {r["row"]["custom_id"]: r["row"] for r in journal if r["kind"] == "row"}
+    assert all(r["response"]["status_code"] == 200 for r in rows_before.values())  # no line failed for the stop
+    with _stored_at(backend, tmp_path) as second:
+        client = oai(second)
+        after = finished(client, batch.id)
+        assert after.status == "completed" and after.request_counts.completed == 24
+        out = results(client, after.output_file_id)
+        assert sorted(out) == sorted(f"s{i}" for i in range(24)) and after.error_file_id is None
+        assert all(out[cid] == row for cid, row in rows_before.items())  # what ran before stays as it was
+        single = whole(httpx.Client(base_url=base_url(second), timeout=60), path, json.loads(rows[5])["body"])
+        assert as_whole(path, out["s5"]["response"]["body"]) == single
+        old = client.batches.retrieve(done_before.id)
+        assert old.status == "completed" and len(results(client, old.output_file_id)) == 2
+
+
+def test_a_batch_whose_input_file_is_gone_at_the_restart_fails(backend, tmp_path):  # noqa: F811
+    path = "/v1/completions"
+    rows = [line(f"s{i}", {"model": "tiny", "prompt": "ab", "max_tokens": 300, "ignore_eos": True}, path)
+            for i in range(24)]
+    with _stored_at(backend, tmp_path) as first:
+        client = oai(first)
+        source = upload(client, rows[:3])
+        batch = client.batches.create(input_file_id=source, endpoint=path, completion_window="24h")
+        client.files.delete(source)  # a running batch has its lines already
+        assert finished(client, batch.id).status == "completed"
+        second_source = upload(client, rows)
+        running = client.batches.create(input_file_id=second_source, endpoint=path, completion_window="24h")
+        client.files.delete(second_source)
+        assert client.batches.retrieve(running.id).status == "in_progress"  # 24 lines of 300 tokens: at the stop too
+    with _stored_at(backend, tmp_path) as second:
+        after = oai(second).batches.retrieve(running.id)
+        assert after.status == "failed" and after.errors.data[0].code == "input_file_gone"
 
 
 # --- launch/run_batch.py -----------------------------------------------------------------

@@ -193,7 +193,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "--max-queue; below batching.max_rows, live requests always find a free row)")
     parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
                         help="write stored responses and conversations to DIR (every 10 s while they change, and at "
-                             "the stop) and read them back at the start (default: memory only)")
+                             "the stop), files and batch journals as they change, and read them back at the start: "
+                             "a batch that was running goes on (default: memory only)")
     parser.add_argument("--no-draft", action="store_true", help="load the target only; serve mode ar")
 
 

@@ -169,22 +169,40 @@ class Batch:
     def ended(self) -> bool:
         return self.status in ("completed", "failed", "cancelled", "expired")
 
-    def fail(self, errors: list[dict[str, Any]]) -> None:
-        self.validation_errors = errors
-        self.move("failed")
-
-    def record(self, line: BatchLine, status_code: int, body: Any) -> None:
-        """A line ran: its reply joins the output file (200) or the error file."""
-        row = output_line(line.custom_id, status_code, body)
+    def begin(self) -> bool:
+        """To in_progress, unless a cancel came first (then False)."""
         with self._lock:
-            (self.outputs if status_code == 200 else self.errors_out)[line.line] = row
-            if status_code == 200:
-                for i, n in enumerate(_usage_of(body)):
+            if self.status == "cancelling":
+                return False
+            self.status = "in_progress"
+            self.times["in_progress_at"] = int(time.time())
+            return True
+
+    def record(self, line: BatchLine, status_code: int, body: Any) -> dict[str, Any]:
+        """A line ran: its reply joins the output file (200) or the error file. Returns its row."""
+        row = output_line(line.custom_id, status_code, body)
+        self.restore_row(line.line, row)
+        return row
+
+    def record_unrun(self, line: BatchLine, code: str, message: str) -> dict[str, Any]:
+        row = unrun_line(line.custom_id, code, message)
+        self.restore_row(line.line, row)
+        return row
+
+    def restore_row(self, line: int, row: dict[str, Any]) -> None:
+        """Input line `line`'s output row (as `record` made it), into the file it belongs to."""
+        response = row["response"]
+        done = response is not None and response["status_code"] == 200
+        with self._lock:
+            (self.outputs if done else self.errors_out)[line] = row
+            if done:
+                for i, n in enumerate(_usage_of(response["body"])):
                     self.tokens[i] += n
 
-    def record_unrun(self, line: BatchLine, code: str, message: str) -> None:
+    def has(self, line: int) -> bool:
+        """Whether input line `line` has its row (it ran, or will not)."""
         with self._lock:
-            self.errors_out[line.line] = unrun_line(line.custom_id, code, message)
+            return line in self.outputs or line in self.errors_out
 
     def files(self) -> tuple[bytes, bytes]:
         """The output file's and the error file's contents, each in input order."""

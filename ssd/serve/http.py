@@ -498,6 +498,7 @@ class OpenAIFrontend:
         return await loop.run_in_executor(self.pool, gen.next, EVENT_POLL_S)
 
     def close(self) -> None:
+        self.batches.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._closing.set()
         if self._writer is not None:

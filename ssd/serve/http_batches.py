@@ -13,14 +13,17 @@
 A batch's lines run as the live requests they spell: each is posted to the front end's
 own app in process (`asgi_post`), so routing, the token, validation, admission and the
 reply are a live request's, and its rows join the same continuous batch as live traffic.
+Batches run on an event loop of their own (a thread), not the HTTP server's.
 At most `concurrency` lines run at once (serve.batch_concurrency, by default half the
-queue: live requests keep the rest), and a line the queue turns away (429) waits and
-tries again. Batch lines take rows as live requests do: with as many lines as
-batching.max_rows, a live request waits for a line to end; fewer keep a row free. `launch/run_batch.py` runs
-a file the same way without a port (vLLM's `run-batch`).
+queue: live requests keep the rest); a line the queue turns away (429), or refused while
+the server is not serving (503), waits and tries again. Batch lines take rows as live
+requests do: with as many lines as batching.max_rows, a live request waits for a line
+to end; fewer keep a row free. `launch/run_batch.py` runs a file the same way without a
+port (vLLM's `run-batch`).
 
 Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
-BATCHES_KEPT batches) and end with the process; a batch still running then is lost.
+BATCHES_KEPT batches). With serve.store_dir they are on disk too (ssd.serve.batch_disk)
+and come back at the next start, where a batch that was running goes on.
 """
 
 from __future__ import annotations
@@ -28,11 +31,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
 from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, new_id, read_lines
 from ssd.serve.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
 from ssd.serve.http_calls import ApiError, invalid
@@ -45,7 +52,8 @@ log = logging.getLogger(__name__)
 
 BATCHES_KEPT = 1024  # batches kept for retrieval, least recently used out first
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
-BUSY_RETRY_S = 0.2  # a line the queue turned away (429) tries again after this
+BUSY_RETRY_S = 0.2  # a line the queue turned away (429), or refused while not serving (503), tries again after this
+FILES_DIR, BATCHES_DIR = "files", "batches"  # under --store-dir
 
 
 class ExpiresAfter(Body):
@@ -107,13 +115,18 @@ class BatchRoutes:
     front end's, and lines run through the app `add_to` was given."""
 
     def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
-        self.files = FileStore(options.stored_file_bytes)
+        store_dir = None if options.store_dir is None else Path(options.store_dir)
+        self.journals = None if store_dir is None else store_dir / BATCHES_DIR
+        self.files = FileStore(options.stored_file_bytes, None if store_dir is None else FileDisk(store_dir / FILES_DIR))
         self.batches: Kept[Batch] = Kept(BATCHES_KEPT)
         self.concurrency = options.batch_lines
         self.token = options.token
         self.authorize, self.parse = authorize, parse
         self.app: FastAPI | None = None
-        self.workers: dict[str, list[asyncio.Task]] = {}  # a running batch's, to cancel it
+        self.running: dict[str, Running] = {}  # by batch id, until it ends
+        self._loop: asyncio.AbstractEventLoop | None = None  # the batches' own (started on first use)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def add_to(self, app: FastAPI) -> None:
         self.app = app
@@ -126,6 +139,8 @@ class BatchRoutes:
         app.add_api_route("/v1/batches", self.list_batches, methods=["GET"])
         app.add_api_route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"])
         app.add_api_route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])
+        if self.journals is not None:
+            self._restore()  # now that the lines have an app to run through
 
     # --- files -------------------------------------------------------------------------
 
@@ -226,66 +241,112 @@ class BatchRoutes:
                            param="input_file_id", code="invalid_value")
         lines, errors = read_lines(source.content, body.endpoint)
         batch = Batch(new_id("batch"), body.endpoint, source.id, metadata, len(lines) + len(errors))
+        journal = None if self.journals is None else BatchJournal.start(self.journals, batch, lifetime)
         self.batches.keep(batch.id, batch)
+        running = Running(batch, lifetime or BATCH_FILE_S, journal)
         if errors:
-            batch.fail(errors)
+            running.move("failed", errors)
         else:
-            asyncio.get_running_loop().create_task(self.run(batch, lines, lifetime or BATCH_FILE_S))
+            self._start(running, lines)
         return JSONResponse(batch.public())
 
-    async def run(self, batch: Batch, lines: list[BatchLine], lifetime_s: int | None = BATCH_FILE_S,
-                  on_line: Callable[[], None] | None = None) -> None:
-        """Run the lines, `concurrency` at a time, then write the output and error files."""
-        if batch.status == "cancelling":  # cancelled before it began
-            self._finish(batch, lines, lifetime_s)
-            return
-        batch.move("in_progress")
-        todo = iter(lines)  # shared by the workers: each line is taken once
+    def _start(self, running: Running, lines: list[BatchLine]) -> None:
+        """Run the batch on the batches' own event loop (a thread of its own: batch lines'
+        handlers never take the HTTP server's loop from live requests)."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="ssd-batches", daemon=True)
+                self._thread.start()
+        self.running[running.batch.id] = running
+        asyncio.run_coroutine_threadsafe(self.run(running, lines), self._loop)
 
-        async def work() -> None:
-            for line in todo:
-                status, data = await self._post_line(batch.endpoint, line.body)
-                batch.record(line, status, _reply(data))
-                if on_line is not None:
-                    on_line()
-
-        workers = [asyncio.create_task(work()) for _ in range(min(self.concurrency, len(lines)))]
-        self.workers[batch.id] = workers
+    async def run(self, running: Running, lines: list[BatchLine], on_line: Callable[[], None] | None = None) -> None:
+        """Run the lines that have no row yet, `concurrency` at a time, then write the
+        output and error files."""
+        batch = running.batch
+        running.loop = asyncio.get_running_loop()
         try:
-            await asyncio.gather(*workers, return_exceptions=True)
+            if running.begin():  # else cancelled before it began: straight to the files
+                todo = iter([line for line in lines if not batch.has(line.line)])  # each line taken once
+
+                async def work() -> None:
+                    for line in todo:
+                        status, data = await self._post_line(batch.endpoint, line.body)
+                        running.row(line.line, batch.record(line, status, _reply(data)))
+                        if on_line is not None:
+                            on_line()
+
+                running.workers = [asyncio.create_task(work()) for _ in range(self.concurrency)]
+                if batch.status == "cancelling":  # a cancel between begin and now found no workers
+                    running.stop_workers()
+                await asyncio.gather(*running.workers, return_exceptions=True)
+            self._finish(running, lines)
         finally:
-            self.workers.pop(batch.id, None)
-        self._finish(batch, lines, lifetime_s)
+            self.running.pop(batch.id, None)
 
     async def _post_line(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """A line's reply; while the queue is full (429) or the server is not serving (503:
+        loading, a target restarting, stopping) it waits and tries again, so a line never
+        fails for that and a stop leaves it to run after the restart."""
         headers = [(b"authorization", f"Bearer {self.token}".encode())] if self.token else []
         data = json.dumps(body).encode()
         while True:
             status, reply = await asgi_post(self.app, endpoint, data, headers)
-            if status != 429:
+            if status not in (429, 503):
                 return status, reply
-            await asyncio.sleep(BUSY_RETRY_S)  # live requests hold the queue: wait for a place
+            await asyncio.sleep(BUSY_RETRY_S)
 
-    def _finish(self, batch: Batch, lines: list[BatchLine], lifetime_s: int | None) -> None:
+    def _finish(self, running: Running, lines: list[BatchLine]) -> None:
         """Lines a cancel stopped are the error file's batch_cancelled; both files are kept."""
+        batch = running.batch
         cancelled = batch.status == "cancelling"
         if cancelled:
             for line in lines:
-                if line.line not in batch.outputs and line.line not in batch.errors_out:
-                    batch.record_unrun(line, "batch_cancelled", "the batch was cancelled before this request ended")
-        batch.move("finalizing")
+                if not batch.has(line.line):
+                    running.row(line.line, batch.record_unrun(line, "batch_cancelled",
+                                                              "the batch was cancelled before this request ended"))
+        running.move("finalizing")
         output, errors = batch.files()
         try:
             if output:
                 batch.output_file_id = self.files.add(f"{batch.id}_output.jsonl", "batch_output", output,
-                                                      lifetime_s).id
+                                                      running.lifetime_s).id
             if errors:
                 batch.error_file_id = self.files.add(f"{batch.id}_error.jsonl", "batch_output", errors,
-                                                     lifetime_s).id
+                                                     running.lifetime_s).id
         except FileFull as exc:
-            batch.fail([{"code": "file_store_full", "line": None, "message": str(exc), "param": None}])
+            running.move("failed", [{"code": "file_store_full", "line": None, "message": str(exc), "param": None}])
             return
-        batch.move("cancelled" if cancelled else "completed")
+        running.move("cancelled" if cancelled else "completed")
+
+    def _restore(self) -> None:
+        """Files and batches from --store-dir; a batch that was running goes on (its lines with
+        no row yet run), one whose input file is gone fails."""
+        self.files.restore(self.files.keeper.load())
+        for batch, lifetime, journal in load_batches(self.journals):
+            self.batches.keep(batch.id, batch)
+            if batch.ended:
+                continue
+            running = Running(batch, lifetime or BATCH_FILE_S, journal)
+            source = self.files.get(batch.input_file_id)
+            if source is None:
+                running.move("failed", [{"code": "input_file_gone", "line": None, "param": "input_file_id",
+                                         "message": f"the input file {batch.input_file_id!r} was not there after "
+                                                    f"a restart"}])
+                continue
+            log.info("batch %s goes on after a restart: %d of %d lines to run", batch.id,
+                     batch.total - len(batch.outputs) - len(batch.errors_out), batch.total)
+            self._start(running, read_lines(source.content, batch.endpoint)[0])
+
+    def close(self) -> None:
+        """Stop the batches' loop: running batches stay in_progress in their journals (with
+        --store-dir they go on at the next start) and their rows end with the worker's."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
 
     async def retrieve(self, request: Request, batch_id: str) -> JSONResponse:
         self.authorize(request)
@@ -302,14 +363,48 @@ class BatchRoutes:
         it ends cancelled with the files of what finished; an ended one answers as it is."""
         self.authorize(request)
         batch = self.find(batch_id)
-        if batch.status in ("validating", "in_progress"):
-            batch.move("cancelling")
-            for worker in self.workers.get(batch.id, []):
-                worker.cancel()
-        elif batch.status != "cancelling" and batch.status != "cancelled":
+        running = self.running.get(batch_id)
+        if running is not None and batch.status in ("validating", "in_progress"):
+            running.move("cancelling")
+            running.stop_workers()
+        elif batch.status not in ("cancelling", "cancelled"):
             raise ApiError(400, f"batch {batch_id!r} is {batch.status}: only a running batch can be cancelled",
                            code="batch_not_cancellable")
         return JSONResponse(batch.public())
+
+
+@dataclass
+class Running:
+    """A batch while it runs: its journal (with --store-dir), its files' lifetime, and the
+    loop and tasks that run its lines (to cancel them from a handler's thread)."""
+
+    batch: Batch
+    lifetime_s: int | None
+    journal: BatchJournal | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    workers: list[asyncio.Task] = field(default_factory=list)
+
+    def move(self, status: str, errors: list[dict[str, Any]] | None = None) -> None:
+        if errors is not None:
+            self.batch.validation_errors = errors
+        self.batch.move(status)
+        if self.journal is not None:
+            self.journal.status(self.batch)
+
+    def begin(self) -> bool:
+        began = self.batch.begin()
+        if began and self.journal is not None:
+            self.journal.status(self.batch)
+        return began
+
+    def row(self, line: int, row: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.row(line, row)
+
+    def stop_workers(self) -> None:
+        if self.loop is not None:
+            for worker in self.workers:
+                self.loop.call_soon_threadsafe(worker.cancel)
 
 
 def _lifetime(anchor: Any, seconds: Any, param: str) -> int | None:

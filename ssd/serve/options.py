@@ -49,7 +49,7 @@ class ServeOptions:
     stored_conversations: int = 1024
     # A directory where the stored responses and conversations are written (every 10 s while
     # they change, and at the stop) and read back at the start, so they outlive a restart;
-    # None: memory only.
+    # files and batch journals too (ssd.serve.batch_disk: a running batch goes on). None: memory only.
     store_dir: str | None = None
     # Bytes of files (OpenAI's Files API: batch inputs, batch outputs) kept in memory, all
     # files together; an upload past it is refused (ssd.serve.files). 0: no files, no batches.
