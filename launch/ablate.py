@@ -5,7 +5,6 @@
 The commands live in ssd/tools/ablation/cli.py.
 """
 
-import sys
 
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 

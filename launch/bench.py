@@ -5,7 +5,6 @@
 The benchmark lives in ssd/tools/bench/cli.py.
 """
 
-import sys
 
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 

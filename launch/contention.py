@@ -5,7 +5,6 @@
 The measurement lives in ssd/tools/ablation/contention.py.
 """
 
-import sys
 
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 

@@ -22,7 +22,6 @@ import gc
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 

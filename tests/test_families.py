@@ -17,7 +17,7 @@ import torch
 
 from ssd.models import fast as fast_module
 from ssd.models.fast import FastForward, lean_refusal, note_lean_path
-from ssd.models.graphs import GraphedForward, causal_mask, padded_mask
+from ssd.models.graphs import GraphedForward, causal_mask
 from ssd.models.kv import KVSequence
 from tests.families import DRAFT_NOISE, FAMILIES, NEW_TOKENS, PROMPTS, build_family, generations, reference
 from tests.test_gpu_paths import script, sequence

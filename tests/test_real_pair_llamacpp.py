@@ -6,7 +6,6 @@ models of tests/test_llamacpp.py take other kernels), so this is the test
 that the probed options hold on the models users run.
 """
 
-import dataclasses
 
 import pytest
 import torch

@@ -16,7 +16,6 @@ tokens 5-7 of 8 from hit rounds: `cache_draws_subset_ships_full_q`) must fail.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest

@@ -29,9 +29,6 @@ from ssd.saguaro.costs import chain_rows_probe, prefilled_rows, round_robin, ver
 from ssd.saguaro.batch_policy import k_by_batch
 from ssd.config import SamplingConfig
 from ssd.engine.metrics import GenerationStats
-from ssd.models.kv import KVSequence, forward_rows
-from ssd.sampling import make_generator
-from ssd.engine.drafting import Chain, draft_chains
 
 log = logging.getLogger(__name__)
 

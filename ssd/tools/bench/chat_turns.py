@@ -28,10 +28,9 @@ from tqdm import tqdm
 
 from ssd import hardware
 from ssd.config import Config, GenerationConfig, SamplingConfig
-from ssd.engine import AREngine
 from ssd.engine.batch import BatchedEngine
 from ssd.engine.request import GenerationRequest
-from ssd.factory import LoadedPair, load_pair, make_engine
+from ssd.factory import load_pair, make_engine
 from ssd.models.backend import precision_of
 from ssd.models.tokenizer import chat_ids
 
