@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.serve import batches
 from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
@@ -181,6 +182,12 @@ def results(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, A
     return {row["custom_id"]: row for row in map(json.loads, text.splitlines())}
 
 
+def gauges(server) -> dict[str, float]:
+    text = httpx.get(base_url(server) + "/metrics").text
+    return {family.name: family.samples[0].value for family in text_string_to_metric_families(text)
+            if family.name.startswith(("ssd:batch", "ssd:files"))}
+
+
 def random_lines(seed: int, count: int, path: str) -> list[tuple[str, dict[str, Any]]]:
     """Random bodies of one endpoint, each in a mode where its seed fixes its output."""
     rng, drawn = random.Random(seed), []
@@ -267,6 +274,8 @@ def test_a_cancelled_batch_accounts_for_every_line_and_leaves_no_row_running(cli
                            "ignore_eos": True}, "/v1/completions") for i in range(40)]
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
                                   completion_window="24h")
+    running = gauges(server)
+    assert running["ssd:batches_running"] == 1 and 0 < running["ssd:batch_lines_pending"] <= 40
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     batch = finished(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
@@ -279,6 +288,9 @@ def test_a_cancelled_batch_accounts_for_every_line_and_leaves_no_row_running(cli
     while server._worker.counts != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server._worker.counts == (0, 0)
+    after = gauges(server)
+    assert after["ssd:batches_running"] == after["ssd:batch_lines_pending"] == 0
+    assert after["ssd:files_stored_bytes"] == server._http.front.batches.files.used > 0
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: as it is
     done = finished(client, client.batches.create(input_file_id=upload(client, rows[:1]), endpoint="/v1/completions",
                                                   completion_window="24h").id)
@@ -394,10 +406,14 @@ def test_a_journal_gives_the_batch_back_as_it_last_stood(tmp_path):
     running.row(3, batch.record(BatchLine(3, "c", {}), 400, {"error": {}}))
     with (tmp_path / "batch_j.jsonl").open("a") as torn:
         torn.write('{"kind": "row", "li')  # a crash mid-write
-    [(back, lifetime, _)] = load_batches(tmp_path)
+    [(back, lifetime, _)] = load_batches(tmp_path, 60)
     assert lifetime == 3600 and back.public() == {**batch.public(), "created_at": back.created_at}
     assert back.has(2) and back.has(3) and not back.has(1) and back.status == "in_progress"
     assert back.files() == batch.files()
+    old = Batch("batch_old", "/v1/completions", "file-1", None, 1, created_at=int(time.time()) - 120)
+    Running(old, None, BatchJournal.start(tmp_path, old, None)).move("completed")
+    assert [b.id for b, _, _ in load_batches(tmp_path, 60)] == ["batch_j"]  # its files expired: its journal too
+    assert not (tmp_path / "batch_old.jsonl").exists()
 
 
 def _stored_at(backend, store_dir):  # noqa: F811

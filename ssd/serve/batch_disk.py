@@ -102,16 +102,20 @@ class BatchJournal:
                 log.error("could not write %s: %s", self.path, exc)
 
 
-def load_batches(root: Path) -> list[tuple[Batch, int | None, BatchJournal]]:
-    """Every journaled batch as it last stood, with its files' lifetime and its journal."""
+def load_batches(root: Path, default_lifetime_s: int) -> list[tuple[Batch, int | None, BatchJournal]]:
+    """Every journaled batch as it last stood, with its files' lifetime and its journal. The
+    journal of a batch that ended and whose files have expired is removed."""
     if not root.is_dir():
         return []
-    loaded = []
+    loaded, now = [], time.time()
     for path in sorted(root.glob("*.jsonl")):
         try:
             batch, lifetime = _replay(path.read_text(encoding="utf-8").splitlines())
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("batch journal %s unreadable (%s); skipped", path, exc)
+            continue
+        if batch.ended and batch.created_at + (lifetime or default_lifetime_s) <= now:
+            path.unlink(missing_ok=True)
             continue
         loaded.append((batch, lifetime, BatchJournal(path)))
     return sorted(loaded, key=lambda entry: entry[0].created_at)

@@ -199,6 +199,11 @@ class Batch:
                 for i, n in enumerate(_usage_of(response["body"])):
                     self.tokens[i] += n
 
+    def rows(self) -> int:
+        """Lines with their row (they ran, or will not)."""
+        with self._lock:
+            return len(self.outputs) + len(self.errors_out)
+
     def has(self, line: int) -> bool:
         """Whether input line `line` has its row (it ran, or will not)."""
         with self._lock:

@@ -65,7 +65,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
-from ssd.serve.metrics import ResponsesCollector
+from ssd.serve.metrics import BatchesCollector, ResponsesCollector
 from ssd.serve.http_batches import BatchRoutes
 from ssd.serve.http_conversations import ConversationRoutes, listed
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
@@ -120,6 +120,7 @@ class OpenAIFrontend:
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
         service.registry.register(ResponsesCollector(
             lambda: (len(self.stored), len(self.running), len(self.conversations.store))))
+        service.registry.register(BatchesCollector(self.batches.counts))
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------

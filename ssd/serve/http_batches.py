@@ -142,6 +142,12 @@ class BatchRoutes:
         if self.journals is not None:
             self._restore()  # now that the lines have an app to run through
 
+    def counts(self) -> tuple[int, int, int]:
+        """Batches running, their lines with no row yet, bytes of files kept (for /metrics)."""
+        running = list(self.running.values())
+        pending = sum(r.batch.total - r.batch.rows() for r in running)
+        return len(running), pending, self.files.used
+
     # --- files -------------------------------------------------------------------------
 
     def find_file(self, file_id: str, param: str | None = None) -> StoredFile:
@@ -168,13 +174,13 @@ class BatchRoutes:
         if purpose not in PURPOSES:
             raise ApiError(400, f"purpose: must be one of {', '.join(PURPOSES)}, got {purpose!r}",
                            param="purpose", code="invalid_value")
-        content = await upload.read()
+        content = await upload.read(limit + 1)  # a chunked upload says no length: read no more than a byte past
         if len(content) > limit:
             raise ApiError(413, f"file: larger than {limit} bytes", param="file", code="file_too_large")
         lifetime = _lifetime(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"), "expires_after")
-        try:
-            stored = self.files.add(upload.filename or "upload", purpose, content,
-                                    lifetime or (BATCH_FILE_S if purpose == "batch" else None))
+        try:  # in a thread: with --store-dir the file is written to disk
+            stored = await asyncio.to_thread(self.files.add, upload.filename or "upload", purpose, content,
+                                             lifetime or (BATCH_FILE_S if purpose == "batch" else None))
         except FileFull as exc:
             raise ApiError(400, f"file: {exc}", param="file", code="file_store_full") from None
         return JSONResponse(stored.public())
@@ -324,7 +330,7 @@ class BatchRoutes:
         """Files and batches from --store-dir; a batch that was running goes on (its lines with
         no row yet run), one whose input file is gone fails."""
         self.files.restore(self.files.keeper.load())
-        for batch, lifetime, journal in load_batches(self.journals):
+        for batch, lifetime, journal in load_batches(self.journals, BATCH_FILE_S):
             self.batches.keep(batch.id, batch)
             if batch.ended:
                 continue
@@ -336,7 +342,7 @@ class BatchRoutes:
                                                     f"a restart"}])
                 continue
             log.info("batch %s goes on after a restart: %d of %d lines to run", batch.id,
-                     batch.total - len(batch.outputs) - len(batch.errors_out), batch.total)
+                     batch.total - batch.rows(), batch.total)
             self._start(running, read_lines(source.content, batch.endpoint)[0])
 
     def close(self) -> None:

@@ -158,6 +158,22 @@ class ResponsesCollector(Collector):
                                 value=conversations)
 
 
+class BatchesCollector(Collector):
+    """The Batch API's state at scrape time: batches running, their lines still to run, and
+    the bytes of files kept (`counts` reads the three)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        running, pending, stored = self.counts()
+        yield GaugeMetricFamily("ssd:batches_running", "Batches (/v1/batches) running.", value=running)
+        yield GaugeMetricFamily("ssd:batch_lines_pending", "Lines of running batches with no reply yet.",
+                                value=pending)
+        yield GaugeMetricFamily("ssd:files_stored_bytes", "Bytes of files kept (--stored-file-bytes).",
+                                value=stored)
+
+
 def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:
     """A registry of this server's own (no process-global state)."""
     registry = CollectorRegistry(auto_describe=False)
