@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.factory import make_engine
@@ -479,6 +480,12 @@ def test_stats_and_prometheus_text(client):
         assert name in text, name
     assert f"ssd:generation_tokens_total {float(after.generation_tokens_total)}\n" in text
     assert f"ssd:time_to_first_token_seconds_count {float(sum(after.finished_by_reason.values()))}\n" in text
+    per_token = {f.name: f for f in text_string_to_metric_families(text)}["ssd:time_per_output_token_seconds"]
+    samples = {s.name: s.value for s in per_token.samples if s.name.endswith(("_sum", "_count"))}
+    assert samples["ssd:time_per_output_token_seconds_count"] >= 1  # this request's 20 tokens at least
+    e2e = {f.name: f for f in text_string_to_metric_families(text)}["ssd:e2e_request_latency_seconds"]
+    e2e_sum = next(s.value for s in e2e.samples if s.name.endswith("_sum"))
+    assert 0 < samples["ssd:time_per_output_token_seconds_sum"] < e2e_sum  # per token, less than whole requests
 
 
 # --- pieces ---------------------------------------------------------------------

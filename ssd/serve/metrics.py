@@ -71,6 +71,7 @@ class Counters:
     ttft: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
+    tpot: Histogram = field(default_factory=Histogram)
     batch: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
 
 
@@ -104,6 +105,8 @@ class ServerMetrics:
             c.queue.observe(queue_s)
             if ttft_s is not None:
                 c.ttft.observe(ttft_s)
+                if stats is not None and stats.new_tokens > 1:  # vLLM's TPOT: the tokens after the first
+                    c.tpot.observe((e2e_s - ttft_s) / (stats.new_tokens - 1))
             if stats is not None:
                 add_into(c.generation, stats)
 
@@ -136,6 +139,8 @@ class ServerCollector(Collector):
         yield _histogram("ssd:batch_size", "Rows per batched engine step.", c.batch)
         yield _histogram("ssd:time_to_first_token_seconds", "Arrival to first token.", c.ttft)
         yield _histogram("ssd:e2e_request_latency_seconds", "Arrival to last token.", c.e2e)
+        yield _histogram("ssd:time_per_output_token_seconds",
+                         "First to last token over the tokens after the first (requests of 2+ tokens).", c.tpot)
         yield _histogram("ssd:request_queue_time_seconds", "Arrival to admission into the engine.", c.queue)
         yield from _spec_decode(c)
         yield from _spec_cache(c)
