@@ -375,8 +375,8 @@ def test_launcher_rejects_unknown_config_keys(tmp_path):
 
 
 def test_sigterm_drains_the_running_request_and_leaves_no_process_behind():
-    """launch/cluster.py serving, a request streaming, SIGTERM: the stream gets
-    its final message, the launcher exits 0, and every process it started is gone."""
+    """launch/cluster.py serving, a request streaming, SIGTERM and then SIGINT: the stream
+    gets its final message, the launcher exits 0, and every process it started is gone."""
     import signal
 
     import grpc
@@ -406,7 +406,9 @@ def test_sigterm_drains_the_running_request_and_leaves_no_process_behind():
             stream = client.stream(text="abcab", max_new_tokens=500, timeout=120)
             first = next(stream)
             launcher.send_signal(signal.SIGTERM)
-            messages = [first, *stream]
+            second = next(stream)
+            launcher.send_signal(signal.SIGINT)  # a second signal (Ctrl-C) must not cut the drain short
+            messages = [first, second, *stream]
         assert messages[-1].HasField("finished") and messages[-1].finished.reason == 2  # LENGTH: drained, not cut
         assert sum(len(m.token_ids) for m in messages) == 500
         assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-3000:]

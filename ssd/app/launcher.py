@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         placement = placement_from_args(args, with_draft=config.speculation.mode == "ssd")
     except DeviceError as exc:
         sys.exit(f"error: {exc}")
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM takes the same clean path as Ctrl-C
+    _take_signals()  # SIGTERM takes the same clean path as Ctrl-C
 
     from ssd.cluster.replicas import start_cluster
 
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: {exc}")
     with cluster:
         # ray.init installs a SIGTERM handler of its own (it exits the driver
-        # at once, aborting it mid-shutdown): take the signal back.
-        signal.signal(signal.SIGTERM, _interrupt)
+        # at once, aborting it mid-shutdown): take the signals back.
+        _take_signals()
         try:
             if args.prompt or args.interactive:
                 prompts = sys.stdin if args.interactive else [args.prompt]
@@ -149,10 +149,25 @@ def serve(cluster, options) -> None:
         server.stop()
 
 
+def _take_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean shutdown; a second TERM must not cut it
-    log.info("SIGTERM: draining (running requests get the grace period), then shutting down")
+    """The first SIGINT or SIGTERM: drain and shut down. Later ones are only logged: a second
+    exception raised into the drain (or into a wait, where it breaks the lock Python's
+    Event.wait holds) would cut it short and leave a traceback."""
+    for later in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(later, _already_stopping)
+    log.info("%s: draining (running requests get the grace period), then shutting down",
+             signal.Signals(signum).name)
     raise KeyboardInterrupt
+
+
+def _already_stopping(signum: int, frame: object) -> None:
+    log.warning("%s: already shutting down (running requests finish within the grace period; "
+                "SIGKILL ends it now)", signal.Signals(signum).name)
 
 
 def run_one(cluster, config, prompt: str, chat: bool) -> None:
