@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fanout", choices=["uniform", "geometric"], help="fan-out kind (ssd)")
     p.add_argument("--saguaro-c", type=float, help="Saguaro sampling constant (ssd)")
     p.add_argument("--backup", choices=["neural", "ngram", "random"], help="backup on a cache miss (ssd)")
+    p.add_argument("--priority", type=int, help="vLLM's priority: among queued requests, lower is admitted sooner")
     p.add_argument("--request-id", default="", help="id to Abort by (default: server-assigned)")
     p.add_argument("--abort-after", type=int, metavar="N", help="send Abort after N tokens arrive")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
@@ -122,7 +123,7 @@ def request_args(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
         fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup, logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs, suffix=args.suffix, prediction=args.prediction,
+        prompt_logprobs=args.prompt_logprobs, suffix=args.suffix, prediction=args.prediction, priority=args.priority,
     )
 
 

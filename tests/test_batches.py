@@ -17,6 +17,7 @@ import io
 import json
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -379,6 +380,58 @@ def test_batch_lines_carry_the_server_s_token(backend):  # noqa: F811
         assert batch.request_counts.completed == 1
         with pytest.raises(openai.AuthenticationError):
             oai(running, token="wrong").files.list()
+
+
+def test_batch_lines_queue_behind_live_requests_which_keep_their_priority():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_serve_batching import FakeBackend
+
+    fake = FakeBackend(max_rows=1, gate=threading.Event())
+    admitted: list[int] = []
+    make = fake.batch_engine
+
+    def logging_seeds(mode):
+        engine = make(mode)
+        admit = engine.admit
+        engine.admit = lambda request: (admitted.append(request.sampling.seed), admit(request))[1]
+        return engine
+
+    fake.batch_engine = logging_seeds
+    with serving(lambda: fake) as server, ThreadPoolExecutor(4) as pool, \
+            httpx.Client(base_url=base_url(server), timeout=60) as live:
+        def send(seed: int, priority: int = 0):
+            body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "seed": seed, "priority": priority}
+            return pool.submit(live.post, "/v1/completions", json=body)
+
+        def waiting(n: int) -> None:
+            deadline = time.monotonic() + 20
+            while server._worker.counts != (1, n) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server._worker.counts == (1, n)
+
+        first = send(100)
+        waiting(0)
+        client = oai(server)
+        rows = [line(f"b{seed}", {"model": "tiny", "prompt": "ab", "max_tokens": 2, "seed": seed, "priority": -5},
+                     "/v1/completions") for seed in (1, 2)]
+        batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                                      completion_window="24h")
+        waiting(2)
+        later = [send(3), send(4, priority=-1)]
+        waiting(4)
+        fake.gate.set()
+        assert all(f.result().status_code == 200 for f in [first, *later])
+        assert finished(client, batch.id).request_counts.completed == 2
+    assert admitted == [100, 4, 3, 1, 2]  # live first (by priority), then the batch's lines
+
+
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, "high", 1.5, None])
+def test_a_priority_that_is_no_32_bit_integer_is_a_400_naming_it(http, value):
+    for path, body in (("/v1/completions", {"prompt": "ab"}), ("/v1/responses", {"input": "ab"})):
+        reply = http.post(path, json={"model": "tiny", "max_tokens" if "comp" in path else "max_output_tokens": 2,
+                                      "priority": value, **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "priority", reply.text
 
 
 # --- over a restart (--store-dir) ----------------------------------------------------------

@@ -93,6 +93,8 @@ def draw_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     if not chat and body["temperature"] > 0 and rng.random() < 0.4:
         body["best_of"] = body["n"] + 1  # the likeliest n of n + 1 samples
     body["speculation"] = {"k": rng.randint(1, 5), "fanout_budget": rng.randint(2, 8)}
+    if rng.random() < 0.3:
+        body["priority"] = rng.randint(-3, 3)  # admission order only: the output stays the same
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
@@ -223,7 +225,7 @@ MUTABLE = ("speculation.k", "speculation.mode", "speculation.fanout_budget", "sp
            "stream_options", "stream_options.include_usage", "response_format", "response_format.type", "tools",
            "tools.0", "tool_choice", "suffix", "top_logprobs", "n", "logprobs", "stop.0", "logit_bias.3",
            "allowed_token_ids.0", "stop_token_ids.0", "min_p", "top_p", "echo", "ignore_eos", "prediction",
-           "prompt_logprobs", "truncate_prompt_tokens", "bad_words")
+           "prompt_logprobs", "truncate_prompt_tokens", "bad_words", "priority")
 
 
 def mutate(rng: random.Random, body: dict[str, Any]) -> str | None:
@@ -292,7 +294,7 @@ def send_bad_fields(http: httpx.Client) -> dict[int, int]:
 
 
 GRPC_FIELDS = ("temperature", "coupling", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "min_tokens", "stop_token_ids", "allowed_token_ids")
+               "repetition_penalty", "min_tokens", "stop_token_ids", "allowed_token_ids", "priority")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # gRPC's reason -> OpenAI's
 
 
@@ -345,7 +347,7 @@ GRPC_BAD = {"max_new_tokens": GRPC_INTS, "top_k": GRPC_INTS, "min_tokens": GRPC_
             "frequency_penalty": GRPC_FLOATS, "repetition_penalty": GRPC_FLOATS, "saguaro_c": GRPC_FLOATS,
             "seed": (0, 2**64 - 1), "mode": (0, 3, 7), "coupling": ("", "philox"), "backup": ("", "oracle"),
             "stop_token_ids": ([-1], [16]), "allowed_token_ids": ([99], []), "logit_bias": ({99: 1.0}, {1: 1e30}),
-            "token_ids": ([], [16], [0] * 5000), "stop": ([""], ["a" * 10000])}
+            "token_ids": ([], [16], [0] * 5000), "stop": ([""], ["a" * 10000]), "priority": GRPC_INTS}
 
 
 def test_a_random_bad_grpc_field_is_invalid_argument_naming_it(server):

@@ -201,6 +201,22 @@ def test_rows_limit_admits_in_arrival_order():
         assert [m.token_ids[0] for m in messages if m.token_ids] == expected(i, 6)
 
 
+def test_priority_orders_the_queue_and_ties_keep_arrival_order():
+    """vLLM's priority: a lower value is admitted sooner; equal ones in arrival order."""
+    fake = FakeBackend(max_rows=1, gate=threading.Event())
+    with running(lambda: fake) as (_, client):
+        calls = []
+        for name, priority in (("r0", 0), ("r1", 5), ("r2", 0), ("r3", -1), ("r4", 0)):
+            calls.append(client.stream(text=PROMPT, mode="ar", seed=len(calls), max_new_tokens=3, request_id=name,
+                                       priority=priority))
+            next(calls[-1])
+        assert wait_until(lambda: counts(client) == (1, 4))
+        fake.gate.set()
+        for seed, call in enumerate(calls):
+            assert [m.token_ids[0] for m in call if m.token_ids] == expected(seed, 3)
+    assert fake.log.admitted == ["r0", "r3", "r2", "r4", "r1"]
+
+
 def test_a_head_that_does_not_fit_holds_back_other_modes():
     """FIFO across modes: sd has room, but the sd request arrived after an ar one
     that waits for an ar row, so it waits too (nothing is overtaken forever)."""

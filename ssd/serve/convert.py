@@ -29,6 +29,7 @@ def from_proto(message: Any) -> Request:
         mode=_mode(message.mode), coupling=message.coupling or None,
         stop_token_ids=list(message.stop_token_ids) or None, allowed_token_ids=list(message.allowed_token_ids) or None,
         include_stop_str_in_output=message.include_stop_str_in_output, bad_words=list(message.bad_words) or None,
+        priority=message.priority,
         **{name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)},
     )
     which = message.WhichOneof("prompt")

@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import BatchesCollector, ResponsesCollector
-from ssd.serve.http_batches import BatchRoutes
+from ssd.serve.http_batches import BatchRoutes, batch_line
 from ssd.serve.http_conversations import ConversationRoutes, listed
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
@@ -207,7 +207,7 @@ class OpenAIFrontend:
             chat, origins = (self._fitted(body, earlier) if body.truncation == "auto"
                              else responses.to_chat(body, earlier))
             schema.refuse_unsupported(chat)
-            choices = self._submit_all(chat)
+            choices = self._submit_all(chat, batch_line(request))
         except InvalidArgument as exc:
             raise invalid(exc, responses.chat_param(exc.field, origins)) from None
         except ApiError as exc:
@@ -380,7 +380,7 @@ class OpenAIFrontend:
         self._authorize(request)
         body = await self._body(request, body_cls)
         self._check_model(body.model)
-        call = Call(self, body, self._submit_all(body), chat)
+        call = Call(self, body, self._submit_all(body, batch_line(request)), chat)
         if body.stream:
             return JobStream(call.events(), on_close=call.cancel)
         try:
@@ -430,10 +430,11 @@ class OpenAIFrontend:
         except NotServing as exc:
             raise unavailable(exc) from None
 
-    def _submit_all(self, body: Any) -> list[Choice]:
+    def _submit_all(self, body: Any, background: bool = False) -> list[Choice]:
         """Every choice as its own request (a row of the batch): each prompt's n samples
         (best_of, when larger), sample i seeded choice_seed(seed, i) (ssd.serve.validation).
-        If one is refused, those already queued are cancelled."""
+        If one is refused, those already queued are cancelled. `background`: a batch line's
+        (queued after live requests)."""
         prompts = schema.prompts(body)
         batch = isinstance(body, schema.CompletionBody) and isinstance(body.prompt, list) \
             and bool(body.prompt) and not isinstance(body.prompt[0], int)  # a list of prompts
@@ -444,6 +445,7 @@ class OpenAIFrontend:
             for p, prompt in enumerate(prompts):
                 for i in range(samples):
                     request = self._request(body, prompt, i, p if batch else None)
+                    request.background = background
                     if ranked and request.logprobs is None:
                         request.logprobs = 0
                     gen = self._submit(request, body, p if batch else None)

@@ -12,7 +12,8 @@
 
 A batch's lines run as the live requests they spell: each is posted to the front end's
 own app in process (`asgi_post`), so routing, the token, validation, admission and the
-reply are a live request's, and its rows join the same continuous batch as live traffic.
+reply are a live request's, and its rows join the same continuous batch as live traffic
+(queued behind live requests: ssd.serve.worker).
 Batches run on an event loop of their own (a thread), not the HTTP server's.
 At most `concurrency` lines run at once (serve.batch_concurrency, by default half the
 queue: live requests keep the rest); a line the queue turns away (429), or refused while
@@ -54,6 +55,7 @@ BATCHES_KEPT = 1024  # batches kept for retrieval, least recently used out first
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
 BUSY_RETRY_S = 0.2  # a line the queue turned away (429), or refused while not serving (503), tries again after this
 FILES_DIR, BATCHES_DIR = "files", "batches"  # under --store-dir
+BATCH_LINE = "ssd.batch_line"  # the ASGI scope key that marks a batch line's request
 
 
 class ExpiresAfter(Body):
@@ -91,7 +93,7 @@ async def asgi_post(app: Any, path: str, body: bytes, headers: list[tuple[bytes,
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+    scope = {BATCH_LINE: True, "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          *headers], "client": ("batch", 0), "server": ("batch", 0)}
@@ -101,6 +103,11 @@ async def asgi_post(app: Any, path: str, body: bytes, headers: list[tuple[bytes,
         log.exception("a batch line failed")
         return 500, json.dumps(ApiError(500, f"internal error: {exc}", type_="server_error").body()).encode()
     return status, b"".join(chunks)
+
+
+def batch_line(request: Request) -> bool:
+    """Whether `request` is a batch line (`asgi_post` marks its scope; no client can)."""
+    return bool(request.scope.get(BATCH_LINE))
 
 
 def _reply(data: bytes) -> Any:

@@ -131,6 +131,7 @@ class _Common(Body):
     bad_words: list[str] | None = None  # vLLM's
     coupling: Name | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
+    priority: int = 0  # vLLM's: among queued requests a lower value is admitted sooner
     speculation: Speculation | None = None
 
 
@@ -469,7 +470,7 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=prompt_logprobs(body),
         prediction=_prediction_text(body.prediction),
-        structured=structured(body),
+        structured=structured(body), priority=body.priority,
     )
     if isinstance(body, ChatBody):
         request.chat = [_message(m, i) for i, m in enumerate(body.messages)]

@@ -112,6 +112,10 @@ class Request:
     tools: list[dict[str, Any]] | None = None  # function definitions for the chat template (OpenAI's `tools`)
     # Which of n choices this request is: its seed is choice_seed(seed, choice) (ssd.serve.validation).
     choice: int = 0
+    # vLLM's priority: among queued requests a lower value is admitted sooner (admission only).
+    priority: int = 0
+    # A batch line (/v1/batches): admitted after every queued request that is not one.
+    background: bool = False
 
     def prompt_field(self) -> str | None:
         """Which prompt field is set ("text", "token_ids", "chat"); None if none or several."""

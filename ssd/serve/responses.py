@@ -25,7 +25,7 @@ caused names the Responses field (`chat_param`). `background` answers at
 once with the stored response queued; it is polled by id and can be
 cancelled. Not offered, and refused by name: reasoning, and tools other than
 functions. vLLM's extra fields ride along as they do on chat: seed, top_k,
-min_p, repetition_penalty, coupling, speculation, structured_outputs.
+min_p, repetition_penalty, coupling, speculation, structured_outputs, priority.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class ResponsesBody(Body):
     coupling: schema.Name | None = None
     speculation: schema.Speculation | None = None
     structured_outputs: schema.StructuredOutputs | None = None
+    priority: int = 0
 
 
 def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, drop: int = 0
@@ -143,7 +144,7 @@ def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, dr
         raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
     extras = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k", "min_p",
                                                      "repetition_penalty", "coupling", "speculation",
-                                                     "structured_outputs")}
+                                                     "structured_outputs", "priority")}
     chat = schema.ChatBody(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens, stream=body.stream,
         logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,

@@ -304,7 +304,8 @@ class GenerationService:
         Raises NotServing, InvalidArgument, QueueFull, DuplicateRequestId or WorkerClosed."""
         backend, worker = self.serving()
         valid = validate(request, backend, self.options)
-        job = Job(valid, request_id=valid.request_id, deadline=deadline)
+        job = Job(valid, request_id=valid.request_id, deadline=deadline,
+                  rank=(request.background, request.priority))
         try:
             ahead = worker.submit(job)
         except QueueFull:

@@ -75,6 +75,8 @@ def validate(request: Request, backend: Backend, options: ServeOptions) -> Gener
         max_new = _context_default(request, len(prompt_ids), info, options)
     _check_context(request, len(prompt_ids), max_new, info)
     min_tokens = _min_tokens(request, max_new, processing)
+    if not -2**31 <= request.priority < 2**31:  # gRPC's int32: both front ends take the same values
+        raise InvalidArgument("priority", f"must be a 32-bit integer, got {request.priority}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(request, name)
         if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -8,9 +8,12 @@ Scheduling policy:
 * Batched modes. A backend may give an `Engine` per mode
   (`backend.batch_engine(mode)`, see `BatchingBackend`); the worker makes one
   per mode on first use and owns it. Between rounds, queued jobs are admitted
-  in arrival order while their mode's engine `can_admit` them. Admission is
-  strictly FIFO: when the head of the queue does not fit, the jobs behind it
-  wait too, so a large request is never overtaken forever.
+  in queue order while their mode's engine `can_admit` them. The queue is in
+  arrival order within a rank: batch lines (/v1/batches) after the rest, then
+  vLLM's `priority`, lower first; a job joins behind every queued job of its
+  rank or a lower one. Admission is strictly in queue order: when the head
+  does not fit, the jobs behind it wait too, so among equals a large request
+  is never overtaken forever.
 * Modes in turn. Each loop steps one engine that has rows, round-robin over
   the modes (one `step` each), so a busy mode cannot starve another.
 * One path. Every mode runs on its batch engine, including those held at one
@@ -98,6 +101,9 @@ class Job:
     request: GenerationRequest  # without callbacks: the job supplies them
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() seconds
+    # Where it queues: after every queued job of a lower or equal rank (batch lines after the
+    # rest; then vLLM's priority, lower first). Ties in arrival order.
+    rank: tuple[bool, int] = (False, 0)
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None  # admitted into an engine
     first_token: float | None = None
@@ -161,11 +167,11 @@ class GenerationWorker:
             job.request_id = job.request_id or uuid.uuid4().hex
             if job.request_id in self._jobs:
                 raise DuplicateRequestId(f"request_id {job.request_id!r} is already queued or running")
-            ahead = len(self._jobs)
+            place = next((i for i, queued in enumerate(self._pending) if queued.rank > job.rank), len(self._pending))
             self._jobs[job.request_id] = job
-            self._pending.append(job)
+            self._pending.insert(place, job)
             self._lock.notify_all()
-            return ahead
+            return len(self._running) + place
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
