@@ -29,7 +29,6 @@ import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 from tqdm import tqdm  # noqa: E402
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
-from ssd.config import ConfigError  # noqa: E402
 from ssd.serve.batches import Batch, new_id, read_lines  # noqa: E402
 from ssd.serve.server import serve_config  # noqa: E402
 
@@ -60,10 +59,7 @@ def endpoint_of(content: bytes) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    try:
-        options = serve_options_from_args(args)
-    except ConfigError as exc:
-        sys.exit(f"error: {exc}")
+    options = serve_options_from_args(args)
     content = args.input.read_bytes()
     endpoint = endpoint_of(content)
     lines, errors = read_lines(content, endpoint)

@@ -24,7 +24,6 @@ import threading
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
-from ssd.config import ConfigError  # noqa: E402
 from ssd.serve.server import GenerationServer, serve_config  # noqa: E402
 
 log = logging.getLogger("ssd.serve")
@@ -40,10 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    try:
-        options = serve_options_from_args(args)
-    except ConfigError as exc:
-        sys.exit(f"error: {exc}")
+    options = serve_options_from_args(args)
     if options.host not in ("127.0.0.1", "localhost", "::1") and not options.token:
         log.warning("listening on %s without a token: anyone who can reach it can generate", options.host)
 

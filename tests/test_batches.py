@@ -33,7 +33,8 @@ from ssd.serve.batches import Batch, BatchLine, read_lines
 from ssd.serve.files import FileFull, FileStore
 from ssd.serve.http_batches import BatchRoutes, Running
 from tests.test_http import ChatBackend, base_url, oai, serving
-from tests.test_http import backend  # noqa: F401  (a module fixture: this module's own)
+from tests.test_http import backend, client  # noqa: F401  (module fixtures: this module's own)
+from tests.test_http_random import http, server  # noqa: F401  (the same)
 from tests.test_http_random import SETTINGS, _choice, assert_same_output, draw_body, whole
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,23 +144,6 @@ def test_batch_concurrency_is_half_the_queue_unless_set_within_it():
 
 
 # --- through the server ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(backend):  # noqa: F811
-    with serving(lambda: ChatBackend(backend)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return oai(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=base_url(server), timeout=60) as live:
-        yield live
 
 
 def upload(client: openai.OpenAI, rows: list[str]) -> str:

@@ -352,6 +352,7 @@ def test_openai_http_api_over_the_cluster(cluster):
         (["--target-gpus", "0", "--draft-gpu", "1"], "need GPUs"),
         (["--cpu", "--replicas", "0"], "cluster.replicas (--replicas) must be an integer >= 1, got 0"),
         (["--cpu", "--draft-node", " "], "cluster.draft_node must name a node"),
+        (["--cpu", "--batch-concurrency", "0"], "serve.batch_concurrency must be in 1..max_queue"),
     ],
 )
 def test_launcher_argument_errors(args, message):

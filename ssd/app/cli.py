@@ -199,13 +199,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from add_serve_args' flags (ServeOptions validates them: ConfigError)."""
-    return ServeOptions(
-        host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
-        max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
-        http_port=args.http_port, reasoning_parser=args.reasoning_parser,
-        served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
-        stored_conversations=args.stored_conversations, store_dir=args.store_dir,
-        stored_file_bytes=args.stored_file_bytes, batch_concurrency=args.batch_concurrency,
-    )
+    """ServeOptions from add_serve_args' flags; a value ServeOptions refuses exits with its
+    message, as config_from_args does."""
+    try:
+        return ServeOptions(
+            host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
+            max_message_bytes=args.max_message_bytes, grace_s=args.grace_s, metrics_port=args.metrics_port,
+            http_port=args.http_port, reasoning_parser=args.reasoning_parser,
+            served_model_names=tuple(args.served_model_name), stored_responses=args.stored_responses,
+            stored_conversations=args.stored_conversations, store_dir=args.store_dir,
+            stored_file_bytes=args.stored_file_bytes, batch_concurrency=args.batch_concurrency,
+        )
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")

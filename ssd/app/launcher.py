@@ -102,6 +102,7 @@ def available_gpus() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)
+    options = serve_options_from_args(args)  # a bad flag stops here, before the cluster starts
     try:
         placement = placement_from_args(args, with_draft=config.speculation.mode == "ssd")
     except DeviceError as exc:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     if prompt.strip():
                         run_one(cluster, config, prompt.rstrip("\n"), args.chat)
             else:
-                serve(cluster, serve_options_from_args(args))
+                serve(cluster, options)
         except KeyboardInterrupt:
             log.info("interrupted; shutting down")
     return 0
