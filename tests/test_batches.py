@@ -19,6 +19,7 @@ import random
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ def test_a_line_turned_away_while_busy_or_not_serving_waits_and_a_crash_is_its_5
 
     app.add_api_route("/v1/completions", busy_then_done, methods=["POST"])
     app.add_api_route("/v1/chat/completions", crash, methods=["POST"])
-    routes = BatchRoutes(ServeOptions(), lambda request: None, None)
+    routes = BatchRoutes(ServeOptions(), lambda request: None, None, rows=lambda: 8)
     routes.app = app
     lines = [BatchLine(1, "a", {})]
     batch = Batch("batch_1", "/v1/completions", "file-1", None, 1)
@@ -130,12 +131,13 @@ def test_a_line_turned_away_while_busy_or_not_serving_waits_and_a_crash_is_its_5
     assert row["response"]["status_code"] == 500 and "boom" in row["response"]["body"]["error"]["message"]
 
 
-def test_batch_concurrency_is_half_the_queue_unless_set_within_it():
+def test_batch_concurrency_is_half_the_queue_and_leaves_a_row_unless_set_within_the_queue():
     from ssd.config import ConfigError
     from ssd.serve.options import ServeOptions
 
-    assert ServeOptions(max_queue=16).batch_lines == 8 and ServeOptions(max_queue=1).batch_lines == 1
-    assert ServeOptions(max_queue=16, batch_concurrency=3).batch_lines == 3
+    assert ServeOptions(max_queue=16).batch_lines(rows=32) == 8 and ServeOptions(max_queue=1).batch_lines(8) == 1
+    assert ServeOptions(max_queue=16).batch_lines(rows=8) == 7 and ServeOptions().batch_lines(rows=1) == 1
+    assert ServeOptions(max_queue=16, batch_concurrency=12).batch_lines(rows=8) == 12
     for bad in (0, 17):
         with pytest.raises(ConfigError, match="batch_concurrency"):
             ServeOptions(max_queue=16, batch_concurrency=bad)
@@ -367,8 +369,6 @@ def test_batch_lines_carry_the_server_s_token(backend):  # noqa: F811
 
 
 def test_batch_lines_queue_behind_live_requests_which_keep_their_priority():
-    from concurrent.futures import ThreadPoolExecutor
-
     from tests.test_serve_batching import FakeBackend
 
     fake = FakeBackend(max_rows=1, gate=threading.Event())
@@ -408,6 +408,36 @@ def test_batch_lines_queue_behind_live_requests_which_keep_their_priority():
         assert all(f.result().status_code == 200 for f in [first, *later])
         assert finished(client, batch.id).request_counts.completed == 2
     assert admitted == [100, 4, 3, 1, 2]  # live first (by priority), then the batch's lines
+
+
+def test_a_batch_leaves_a_live_request_a_row():
+    import dataclasses
+
+    from tests.test_serve_batching import FakeBackend
+
+    fake = FakeBackend(max_rows=3, gate=threading.Event())
+    config = fake.info.defaults
+    fake.info = dataclasses.replace(fake.info, defaults=dataclasses.replace(
+        config, batching=dataclasses.replace(config.batching, max_rows=3)))
+    with serving(lambda: fake) as server, httpx.Client(base_url=base_url(server), timeout=60) as live:
+        client = oai(server)
+        rows = [line(f"b{i}", {"model": "tiny", "prompt": "ab", "max_tokens": 2, "seed": i}, "/v1/completions")
+                for i in range(6)]
+        batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 20
+        while server._worker.counts != (2, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert server._worker.counts == (2, 0)  # two lines of three rows, none queued
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(live.post, "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2})
+            while server._worker.counts != (3, 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server._worker.counts == (3, 0)  # the live request took the free row at once
+            fake.gate.set()
+            assert reply.result().status_code == 200
+        assert finished(client, batch.id).request_counts.completed == 6
 
 
 @pytest.mark.parametrize("value", [2**31, -(2**31) - 1, "high", 1.5, None])

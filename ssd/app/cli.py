@@ -190,7 +190,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "together; an upload past it is refused (default: 1 GiB)")
     parser.add_argument("--batch-concurrency", type=int, default=defaults.batch_concurrency, metavar="N",
                         help="lines of /v1/batches batches running at once beside live requests (default: half of "
-                             "--max-queue; below batching.max_rows, live requests always find a free row)")
+                             "--max-queue, and one fewer than the rows (batching.max_rows x replicas), so a live "
+                             "request finds a row free)")
     parser.add_argument("--store-dir", default=defaults.store_dir, metavar="DIR",
                         help="write stored responses and conversations to DIR (every 10 s while they change, and at "
                              "the stop), files and batch journals as they change, and read them back at the start: "

@@ -108,7 +108,7 @@ class OpenAIFrontend:
         self.pool = ThreadPoolExecutor(max_workers=options.max_queue + 8, thread_name_prefix="ssd-http")
         self.stored = ResponseStore(options.stored_responses)
         self.conversations = ConversationRoutes(options.stored_conversations, self._authorize, self._body)
-        self.batches = BatchRoutes(options, self._authorize, self._body)
+        self.batches = BatchRoutes(options, self._authorize, self._body, self._rows)
         self._read_store()
         self._written = self._stores_version()
         self._closing = threading.Event()
@@ -165,6 +165,14 @@ class OpenAIFrontend:
         self._authorize(request)
         self._check_model(model_id)
         return JSONResponse(self._card(model_id))
+
+    def _rows(self) -> int:
+        """The rows the server's engines run in all (every replica's), from its configuration."""
+        try:
+            defaults = self.service.info().defaults
+        except NotServing:
+            return 1
+        return defaults.batching.max_rows * defaults.cluster.replicas
 
     def _served(self) -> list[str]:
         """The names requests may give as `model`: --served-model-name's, else the target's."""

@@ -12,14 +12,12 @@
 
 A batch's lines run as the live requests they spell: each is posted to the front end's
 own app in process (`asgi_post`), so routing, the token, validation, admission and the
-reply are a live request's, and its rows join the same continuous batch as live traffic
-(queued behind live requests: ssd.serve.worker).
+reply are a live request's, and its rows join the same continuous batch as live traffic.
 Batches run on an event loop of their own (a thread), not the HTTP server's.
-At most `concurrency` lines run at once (serve.batch_concurrency, by default half the
-queue: live requests keep the rest); a line the queue turns away (429), or refused while
-the server is not serving (503), waits and tries again. Batch lines take rows as live
-requests do: with as many lines as batching.max_rows, a live request waits for a line
-to end; fewer keep a row free. `launch/run_batch.py` runs a file the same way without a
+At most serve.batch_lines run at once (--batch-concurrency; by default half the queue,
+and one row fewer than the server has, so a live request finds a row free); a line the
+queue turns away (429), or refused while the server is not serving (503), waits and
+tries again. Queued lines wait behind every queued live request (ssd.serve.worker). `launch/run_batch.py` runs a file the same way without a
 port (vLLM's `run-batch`).
 
 Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
@@ -121,12 +119,13 @@ class BatchRoutes:
     """The routes, over one file store and one batch store; `authorize` and `parse` are the
     front end's, and lines run through the app `add_to` was given."""
 
-    def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
+    def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any],
+                 rows: Callable[[], int] = lambda: 1) -> None:
         store_dir = None if options.store_dir is None else Path(options.store_dir)
         self.journals = None if store_dir is None else store_dir / BATCHES_DIR
         self.files = FileStore(options.stored_file_bytes, None if store_dir is None else FileDisk(store_dir / FILES_DIR))
         self.batches: Kept[Batch] = Kept(BATCHES_KEPT)
-        self.concurrency = options.batch_lines
+        self.options, self.rows = options, rows  # rows: the server's, in all (read when a batch starts)
         self.token = options.token
         self.authorize, self.parse = authorize, parse
         self.app: FastAPI | None = None
@@ -275,7 +274,7 @@ class BatchRoutes:
         asyncio.run_coroutine_threadsafe(self.run(running, lines), self._loop)
 
     async def run(self, running: Running, lines: list[BatchLine], on_line: Callable[[], None] | None = None) -> None:
-        """Run the lines that have no row yet, `concurrency` at a time, then write the
+        """Run the lines that have no row yet, serve.batch_lines at a time, then write the
         output and error files."""
         batch = running.batch
         running.loop = asyncio.get_running_loop()
@@ -290,7 +289,7 @@ class BatchRoutes:
                         if on_line is not None:
                             on_line()
 
-                running.workers = [asyncio.create_task(work()) for _ in range(self.concurrency)]
+                running.workers = [asyncio.create_task(work()) for _ in range(self.options.batch_lines(self.rows()))]
                 if batch.status == "cancelling":  # a cancel between begin and now found no workers
                     running.stop_workers()
                 await asyncio.gather(*running.workers, return_exceptions=True)

@@ -55,7 +55,7 @@ class ServeOptions:
     # files together; an upload past it is refused (ssd.serve.files). 0: no files, no batches.
     stored_file_bytes: int = 1024 * 1024 * 1024
     # Lines of OpenAI batches (/v1/batches) running at once, as rows beside live requests;
-    # None: half of max_queue. Below batching.max_rows, live requests always find a free row.
+    # None: `batch_lines` (half of max_queue, leaving live requests a row).
     batch_concurrency: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,10 +87,11 @@ class ServeOptions:
         if self.grace_s < 0:
             raise ConfigError(f"serve.grace_s must be >= 0, got {self.grace_s}")
 
-    @property
-    def batch_lines(self) -> int:
-        """Batch lines that run at once (batch_concurrency, or half the queue)."""
-        return self.batch_concurrency or max(1, self.max_queue // 2)
+    def batch_lines(self, rows: int) -> int:
+        """Batch lines that run at once beside live requests, on a server of `rows` rows in all:
+        batch_concurrency, else half the queue and at most rows - 1 (a row stays free for a
+        live request, where lines ask for one choice each)."""
+        return self.batch_concurrency or max(1, min(self.max_queue // 2, rows - 1))
 
     @property
     def tls(self) -> bool:
