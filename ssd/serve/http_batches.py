@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -278,6 +279,8 @@ class BatchRoutes:
         output and error files."""
         batch = running.batch
         running.loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        log.info("batch %s: %d lines to %s", batch.id, batch.total - batch.rows(), batch.endpoint)
         try:
             if running.begin():  # else cancelled before it began: straight to the files
                 todo = iter([line for line in lines if not batch.has(line.line)])  # each line taken once
@@ -294,6 +297,9 @@ class BatchRoutes:
                     running.stop_workers()
                 await asyncio.gather(*running.workers, return_exceptions=True)
             self._finish(running, lines)
+            counts = batch.public()["request_counts"]
+            log.info("batch %s %s in %.1f s: %d completed, %d failed", batch.id, batch.status,
+                     time.monotonic() - started, counts["completed"], counts["failed"])
         finally:
             self.running.pop(batch.id, None)
 
