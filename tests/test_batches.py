@@ -303,6 +303,9 @@ def test_files_are_uploaded_listed_read_and_deleted(client):
     assert made.expires_at == made.created_at + 3600
     assert client.files.retrieve(made.id).id == made.id and client.files.content(made.id).content == b"{}\n"
     assert made.id in [f.id for f in client.files.list(purpose="user_data")]
+    more = [client.files.create(file=(f"{i}.jsonl", io.BytesIO(b"{}")), purpose="user_data").id for i in range(21)]
+    assert set(more) <= {f.id for f in client.files.list(purpose="user_data").data}  # OpenAI's: 10000 a page
+    assert [f.id for f in client.files.list(purpose="user_data", limit=2, order="asc").data] == [made.id, more[0]]
     assert client.files.delete(made.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(made.id)
@@ -438,6 +441,31 @@ def test_a_batch_leaves_a_live_request_a_row():
             fake.gate.set()
             assert reply.result().status_code == 200
         assert finished(client, batch.id).request_counts.completed == 6
+
+
+def test_a_running_batch_is_found_and_cancelled_after_the_store_forgot_it(monkeypatch):
+    from ssd.serve import http_batches
+    from tests.test_serve_batching import FakeBackend
+
+    monkeypatch.setattr(http_batches, "BATCHES_KEPT", 1)
+    fake = FakeBackend(gate=threading.Event())
+    with serving(lambda: fake) as server:
+        client = oai(server)
+        rows = [line("a", {"model": "tiny", "prompt": "ab", "max_tokens": 2}, "/v1/completions")]
+        first = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                                      completion_window="24h")
+        client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                              completion_window="24h")  # the store keeps this one only
+        assert client.batches.retrieve(first.id).status == "in_progress"
+        assert client.batches.cancel(first.id).status in ("cancelling", "cancelled")
+        fake.gate.set()
+        routes = server._http.front.batches
+        deadline = time.monotonic() + 20
+        while routes.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not routes.running
+        with pytest.raises(openai.NotFoundError):  # ended: as forgotten as the store keeps it
+            client.batches.retrieve(first.id)
 
 
 @pytest.mark.parametrize("value", [2**31, -(2**31) - 1, "high", 1.5, None])

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 BATCHES_KEPT = 1024  # batches kept for retrieval, least recently used out first
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
+FILES_LISTED = 10_000  # OpenAI's file list: limit 1..10000, 10000 by default
 BUSY_RETRY_S = 0.2  # a line the queue turned away (429), or refused while not serving (503), tries again after this
 FILES_DIR, BATCHES_DIR = "files", "batches"  # under --store-dir
 BATCH_LINE = "ssd.batch_line"  # the ASGI scope key that marks a batch line's request
@@ -206,7 +207,8 @@ class BatchRoutes:
     async def list_files(self, request: Request) -> JSONResponse:
         self.authorize(request)
         purpose = request.query_params.get("purpose")
-        return listed([f.public() for f in self.files.listed(purpose)], request, "the files")
+        return listed([f.public() for f in self.files.listed(purpose)], request, "the files",
+                      most=FILES_LISTED, default=FILES_LISTED)
 
     async def retrieve_file(self, request: Request, file_id: str) -> JSONResponse:
         self.authorize(request)
@@ -225,7 +227,8 @@ class BatchRoutes:
     # --- batches -----------------------------------------------------------------------
 
     def find(self, batch_id: str) -> Batch:
-        found = self.batches.get(batch_id)
+        running = self.running.get(batch_id)  # a running batch stays found, evicted or not
+        found = self.batches.get(batch_id) or (running.batch if running is not None else None)
         if found is None:
             raise ApiError(404, f"no batch {batch_id!r} (never created, or evicted: the server keeps the last "
                            f"{BATCHES_KEPT})", code="batch_not_found")

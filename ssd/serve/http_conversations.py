@@ -46,20 +46,23 @@ class ItemsBody(Body):
     items: list[responses.InputItem] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def _page_query(request: Request) -> tuple[str, int, str | None]:
-    """A list's `order` (default desc), `limit` (1-100, default 20) and cursor `after`."""
+def _page_query(request: Request, most: int, default: int) -> tuple[str, int, str | None]:
+    """A list's `order` (default desc), `limit` (1..most) and cursor `after`."""
     query = request.query_params
-    order, limit = query.get("order", "desc"), query.get("limit", "20")
+    order, limit = query.get("order", "desc"), query.get("limit", str(default))
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise ApiError(400, f"limit: must be an integer in 1..100, got {limit!r}", param="limit", code="invalid_value")
+    if not limit.isdigit() or not 1 <= int(limit) <= most:
+        raise ApiError(400, f"limit: must be an integer in 1..{most}, got {limit!r}", param="limit",
+                       code="invalid_value")
     return order, int(limit), query.get("after")
 
 
-def listed(items: list[dict[str, Any]], request: Request, owner: str) -> JSONResponse:
-    """OpenAI's list object over `items`, as the request's query asks."""
-    order, limit, after = _page_query(request)
+def listed(items: list[dict[str, Any]], request: Request, owner: str, most: int = 100,
+           default: int = 20) -> JSONResponse:
+    """OpenAI's list object over `items`, as the request's query asks (`limit` 1..most, by
+    default `default`: OpenAI's 100 and 20 for most lists)."""
+    order, limit, after = _page_query(request, most, default)
     try:
         return JSONResponse(page(items, order, limit, after))
     except KeyError:
