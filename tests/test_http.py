@@ -24,6 +24,8 @@ import openai
 import pytest
 import torch
 
+import ssd
+
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.factory import make_engine
 from ssd.engine.request import GenerationRequest
@@ -451,6 +453,9 @@ def test_models_health_and_metrics_on_the_http_port(server, client, grpc_client)
     assert health.status_code == 200 and health.json()["status"] == grpc_client.health() == "SERVING"
     metrics = httpx.get(base_url(server) + "/metrics")
     assert metrics.status_code == 200 and "ssd:num_requests_running" in metrics.text
+    for method in ("GET", "POST"):  # vLLM's /ping: /health by another name
+        assert httpx.request(method, base_url(server) + "/ping").json() == health.json()
+    assert httpx.get(base_url(server) + "/version").json() == {"version": ssd.__version__}
 
 
 # --- one batch, disconnects, admission -----------------------------------------
@@ -548,6 +553,7 @@ def test_503_while_loading_then_serving(backend):
     with serving(load, wait=False) as srv, GenerationClient(f"127.0.0.1:{srv.port}") as grpc_client:
         url = base_url(srv)
         assert httpx.get(url + "/health").status_code == 503 and grpc_client.health() == "NOT_SERVING"
+        assert httpx.get(url + "/ping").status_code == 503
         with pytest.raises(openai.InternalServerError) as info:
             oai(srv).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
         assert info.value.status_code == 503 and "loading" in info.value.body["message"]

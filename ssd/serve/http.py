@@ -7,7 +7,7 @@
     /v1/conversations, /v1/conversations/{id}/items                     (ssd.serve.http_conversations)
     /v1/files, /v1/batches      (OpenAI's Batch API: ssd.serve.http_batches)
     GET  /v1/models             GET  /v1/models/{id}
-    GET  /health                GET  /metrics
+    GET  /health (and /ping)    GET  /metrics               GET  /version
 
 This is a thin adapter over the GenerationService (ssd.serve.service) the
 gRPC front end shares: JSON -> the neutral Request (http_schema.to_request),
@@ -63,6 +63,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import ssd
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
 from ssd.serve.metrics import BatchesCollector, ResponsesCollector
@@ -130,6 +131,8 @@ class OpenAIFrontend:
         app.add_exception_handler(ApiError, lambda request, exc: exc.response())
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/ping", self.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
+        app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
@@ -152,6 +155,10 @@ class OpenAIFrontend:
         if not health.serving:
             return JSONResponse({"status": "NOT_SERVING", "reason": health.reason}, status_code=503)
         return JSONResponse({"status": "SERVING"})
+
+    async def version(self) -> JSONResponse:
+        """vLLM's /version: this server's version (open, as /health)."""
+        return JSONResponse({"version": ssd.__version__})
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.service.registry), media_type=CONTENT_TYPE_LATEST)
