@@ -456,6 +456,7 @@ def test_models_health_and_metrics_on_the_http_port(server, client, grpc_client)
     for method in ("GET", "POST"):  # vLLM's /ping: /health by another name
         assert httpx.request(method, base_url(server) + "/ping").json() == health.json()
     assert httpx.get(base_url(server) + "/version").json() == {"version": ssd.__version__}
+    assert httpx.get(base_url(server) + "/load").json() == {"server_load": sum(server._worker.counts)}
 
 
 # --- one batch, disconnects, admission -----------------------------------------

@@ -7,7 +7,7 @@
     /v1/conversations, /v1/conversations/{id}/items                     (ssd.serve.http_conversations)
     /v1/files, /v1/batches      (OpenAI's Batch API: ssd.serve.http_batches)
     GET  /v1/models             GET  /v1/models/{id}
-    GET  /health (and /ping)    GET  /metrics               GET  /version
+    GET  /health (and /ping)    GET  /metrics               GET  /version     GET  /load
 
 This is a thin adapter over the GenerationService (ssd.serve.service) the
 gRPC front end shares: JSON -> the neutral Request (http_schema.to_request),
@@ -133,6 +133,7 @@ class OpenAIFrontend:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/ping", self.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
         app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/load", self.load, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
@@ -159,6 +160,12 @@ class OpenAIFrontend:
     async def version(self) -> JSONResponse:
         """vLLM's /version: this server's version (open, as /health)."""
         return JSONResponse({"version": ssd.__version__})
+
+    async def load(self) -> JSONResponse:
+        """vLLM's /load: the requests running and queued now (open, as /health)."""
+        worker = self.service.worker
+        running, waiting = worker.counts if worker is not None else (0, 0)
+        return JSONResponse({"server_load": running + waiting})
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.service.registry), media_type=CONTENT_TYPE_LATEST)
