@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options.port, options.http_port, options.metrics_port = 0, None, None  # nothing to serve: a loopback port
     options.host = "127.0.0.1"
+    options.store_dir = None  # a server's stores are the server's: this run keeps nothing
     options.batch_concurrency = options.batch_concurrency or options.max_queue  # no live requests to leave room for
     server = serve_config(config, options, with_draft=not args.no_draft)
     try:

@@ -66,9 +66,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ssd
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
-from ssd.serve.metrics import BatchesCollector, ResponsesCollector
 from ssd.serve.http_batches import BatchRoutes, batch_line
 from ssd.serve.http_conversations import ConversationRoutes, listed
+from ssd.serve.metrics import BatchesCollector, ResponsesCollector
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
     Chunk,
