@@ -100,7 +100,10 @@ def run(server, options, lines, endpoint: str) -> Batch:
             asyncio.run(front.batches.run(Running(batch, None), lines, on_line=bar.update))
     finally:
         front.close()
-    log.info("ran %d requests in %.1f s", len(lines), time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    output = batch.public()["usage"]["output_tokens"]
+    log.info("ran %d requests in %.1f s, %d at a time: %.2f output tokens/s", len(lines), seconds,
+             options.batch_concurrency, output / seconds)
     return batch
 
 
