@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -29,7 +30,8 @@ import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 from tqdm import tqdm  # noqa: E402
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
-from ssd.serve.batches import Batch, new_id, read_lines  # noqa: E402
+from ssd.serve.batches import Batch, read_lines  # noqa: E402
+from ssd.serve.responses import new_id  # noqa: E402
 from ssd.serve.server import serve_config  # noqa: E402
 
 log = logging.getLogger("ssd.run_batch")
@@ -67,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         for error in errors:
             print(f"{args.input}:{error['line']}: {error['message']}", file=sys.stderr)
         return 2
-    options.port, options.http_port, options.metrics_port = 0, None, None  # nothing to serve: a loopback port
-    options.host = "127.0.0.1"
-    options.store_dir = None  # a server's stores are the server's: this run keeps nothing
-    options.batch_concurrency = options.batch_concurrency or options.max_queue  # no live requests to leave room for
+    # Nothing to serve (a loopback port), nothing kept (a server's stores are the server's), and
+    # no live requests to leave room for.
+    options = dataclasses.replace(options, host="127.0.0.1", port=0, http_port=None, metrics_port=None,
+                                  store_dir=None, batch_concurrency=options.batch_concurrency or options.max_queue)
     server = serve_config(config, options, with_draft=not args.no_draft)
     try:
         if not server.wait_ready():

@@ -37,6 +37,7 @@ from tests.test_http import ChatBackend, base_url, oai, serving
 from tests.test_http import backend, client  # noqa: F401  (module fixtures: this module's own)
 from tests.test_http_random import http, server  # noqa: F401  (the same)
 from tests.test_http_random import SETTINGS, _choice, assert_same_output, draw_body, whole
+from tests.test_serve import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,13 +154,9 @@ def upload(client: openai.OpenAI, rows: list[str]) -> str:
 
 
 def finished(client: openai.OpenAI, batch_id: str, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "cancelled"):
-            return batch
-        time.sleep(0.05)
-    raise AssertionError(f"batch {batch_id} still {batch.status}")
+    ended = lambda: client.batches.retrieve(batch_id).status in ("completed", "failed", "cancelled")  # noqa: E731
+    assert wait_until(ended, timeout), f"batch {batch_id} still running"
+    return client.batches.retrieve(batch_id)
 
 
 def results(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
@@ -271,10 +268,7 @@ def test_a_cancelled_batch_accounts_for_every_line_and_leaves_no_row_running(cli
     failed = results(client, batch.error_file_id)
     assert all(row["error"]["code"] == "batch_cancelled" for row in failed.values())
     assert len(results(client, batch.output_file_id)) + len(failed) == 40
-    deadline = time.monotonic() + 10
-    while server._worker.counts != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server._worker.counts == (0, 0)
+    assert wait_until(lambda: server._worker.counts == (0, 0), 10)
     after = gauges(server)
     assert after["ssd:batches_running"] == after["ssd:batch_lines_pending"] == 0
     assert after["ssd:files_stored_bytes"] == server._http.front.batches.files.used > 0
@@ -392,10 +386,7 @@ def test_batch_lines_queue_behind_live_requests_which_keep_their_priority():
             return pool.submit(live.post, "/v1/completions", json=body)
 
         def waiting(n: int) -> None:
-            deadline = time.monotonic() + 20
-            while server._worker.counts != (1, n) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert server._worker.counts == (1, n)
+            assert wait_until(lambda: server._worker.counts == (1, n), 20)
 
         first = send(100)
         waiting(0)
@@ -428,16 +419,12 @@ def test_a_batch_leaves_a_live_request_a_row():
                 for i in range(6)]
         batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
                                       completion_window="24h")
-        deadline = time.monotonic() + 20
-        while server._worker.counts != (2, 0) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: server._worker.counts == (2, 0), 20)
         time.sleep(0.05)
         assert server._worker.counts == (2, 0)  # two lines of three rows, none queued
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(live.post, "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2})
-            while server._worker.counts != (3, 0) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert server._worker.counts == (3, 0)  # the live request took the free row at once
+            assert wait_until(lambda: server._worker.counts == (3, 0), 20)  # the live request took the free row
             fake.gate.set()
             assert reply.result().status_code == 200
         assert finished(client, batch.id).request_counts.completed == 6
@@ -460,10 +447,7 @@ def test_a_running_batch_is_found_and_cancelled_after_the_store_forgot_it(monkey
         assert client.batches.cancel(first.id).status in ("cancelling", "cancelled")
         fake.gate.set()
         routes = server._http.front.batches
-        deadline = time.monotonic() + 20
-        while routes.running and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not routes.running
+        assert wait_until(lambda: not routes.running, 20)
         with pytest.raises(openai.NotFoundError):  # ended: as forgotten as the store keeps it
             client.batches.retrieve(first.id)
 
@@ -524,9 +508,7 @@ def test_a_batch_running_at_a_stop_goes_on_after_the_restart(backend, tmp_path):
         done_before = finished(client, client.batches.create(
             input_file_id=upload(client, rows[:2]), endpoint=path, completion_window="24h").id)
         batch = client.batches.create(input_file_id=upload(client, rows), endpoint=path, completion_window="24h")
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).request_counts.completed < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 60)
         before = client.batches.retrieve(batch.id)
     assert before.status == "in_progress" and 3 <= before.request_counts.completed < 24
     journal = [json.loads(r) for r in (tmp_path / "batches" / f"{batch.id}.jsonl").read_text().splitlines()]

@@ -26,8 +26,9 @@ from ssd.serve.files import StoredFile
 log = logging.getLogger(__name__)
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all (written aside, then moved)."""
+def write_whole(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (written aside, then moved): a crash mid-write
+    leaves the file as it was (the stores' file too, ssd.serve.http)."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.partial")
     aside.write_bytes(data)
     os.replace(aside, path)
@@ -42,8 +43,8 @@ class FileDisk:
 
     def write(self, stored: StoredFile) -> None:
         described = {k: v for k, v in stored.__dict__.items() if k != "content"}
-        _write_whole(self.root / f"{stored.id}.data", stored.content)
-        _write_whole(self.root / f"{stored.id}.json", json.dumps(described).encode())
+        write_whole(self.root / f"{stored.id}.data", stored.content)
+        write_whole(self.root / f"{stored.id}.json", json.dumps(described).encode())
 
     def remove(self, file_id: str) -> None:
         for suffix in (".json", ".data"):  # the description first: a file without one is gone

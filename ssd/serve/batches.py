@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from ssd.serve.responses import new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one; a local server finishes as fast as it can
@@ -121,10 +122,6 @@ def jsonl(rows: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def _usage_of(body: Any) -> tuple[int, int, int]:
     """(input, cached, output) tokens of a reply: chat/completions' usage or the Responses API's."""
     usage = body.get("usage") if isinstance(body, dict) else None
@@ -162,8 +159,11 @@ class Batch:
     def move(self, status: str) -> None:
         """To `status`, stamping its time (OpenAI's <status>_at)."""
         with self._lock:
-            self.status = status
-            self.times[f"{status}_at"] = int(time.time())
+            self._stamp(status)
+
+    def _stamp(self, status: str) -> None:
+        self.status = status
+        self.times[f"{status}_at"] = int(time.time())
 
     @property
     def ended(self) -> bool:
@@ -174,8 +174,7 @@ class Batch:
         with self._lock:
             if self.status == "cancelling":
                 return False
-            self.status = "in_progress"
-            self.times["in_progress_at"] = int(time.time())
+            self._stamp("in_progress")
             return True
 
     def record(self, line: BatchLine, status_code: int, body: Any) -> dict[str, Any]:

@@ -69,7 +69,10 @@ class FileStore:
     @property
     def used(self) -> int:
         with self._lock:
-            return sum(len(f.content) for f in self._files.values())
+            return self._bytes()
+
+    def _bytes(self) -> int:
+        return sum(len(f.content) for f in self._files.values())
 
     def add(self, filename: str, purpose: str, content: bytes, lifetime_s: int | None) -> StoredFile:
         """Keep a new file (FileFull when it does not fit)."""
@@ -78,7 +81,7 @@ class FileStore:
                             None if lifetime_s is None else now + lifetime_s)
         with self._lock:
             self._drop_expired(now)
-            used = sum(len(f.content) for f in self._files.values())
+            used = self._bytes()
             if used + len(content) > self.capacity:
                 raise FileFull(f"the file store holds {used} of {self.capacity} bytes (--stored-file-bytes); "
                                f"{len(content)} more do not fit: delete files first")

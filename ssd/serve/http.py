@@ -48,7 +48,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -66,9 +65,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ssd
 from ssd.serve import http_schema as schema
 from ssd.serve import responses
+from ssd.serve.batch_disk import write_whole
 from ssd.serve.http_batches import BatchRoutes, batch_line
 from ssd.serve.http_conversations import ConversationRoutes, listed
-from ssd.serve.metrics import BatchesCollector, ResponsesCollector
+from ssd.serve.metrics import BATCHES_GAUGES, RESPONSES_GAUGES, GaugesCollector
 from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
     Chunk,
@@ -119,9 +119,9 @@ class OpenAIFrontend:
             self._writer.start()
         self.running: dict[str, ResponsesCall] = {}  # background responses by id, until they end
         self.ended_streams: OrderedDict[str, ResponsesCall] = OrderedDict()  # the last few, for late readers
-        service.registry.register(ResponsesCollector(
-            lambda: (len(self.stored), len(self.running), len(self.conversations.store))))
-        service.registry.register(BatchesCollector(self.batches.counts))
+        service.registry.register(GaugesCollector(
+            RESPONSES_GAUGES, lambda: (len(self.stored), len(self.running), len(self.conversations.store))))
+        service.registry.register(GaugesCollector(BATCHES_GAUGES, self.batches.counts))
         self.app = self._build()
 
     # --- the app -----------------------------------------------------------------
@@ -566,10 +566,8 @@ class OpenAIFrontend:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            aside = path.with_suffix(f".{os.getpid()}.partial")
             version = self._stores_version()
-            aside.write_text(json.dumps(dump_stores(self.stored, self.conversations.store)))
-            os.replace(aside, path)
+            write_whole(path, json.dumps(dump_stores(self.stored, self.conversations.store)).encode())
             self._written = version
         except OSError as exc:
             log.error("could not write %s: %s", path, exc)

@@ -40,11 +40,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
-from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, new_id, read_lines
+from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, read_lines
 from ssd.serve.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
 from ssd.serve.http_calls import ApiError, invalid
 from ssd.serve.http_conversations import listed
 from ssd.serve.http_schema import Body, check_metadata
+from ssd.serve.responses import new_id
 from ssd.serve.service import InvalidArgument
 from ssd.serve.stored import Kept
 
@@ -249,7 +250,7 @@ class BatchRoutes:
         except InvalidArgument as exc:
             raise invalid(exc) from None
         expires = body.output_expires_after
-        lifetime = _lifetime(expires.anchor, str(expires.seconds), "output_expires_after") if expires else None
+        lifetime = _lifetime(expires.anchor, expires.seconds, "output_expires_after") if expires else None
         source = self.find_file(body.input_file_id, "input_file_id")
         if source.purpose != "batch":
             raise ApiError(400, f"input_file_id: file {source.id!r} was uploaded with purpose "
@@ -428,15 +429,18 @@ class Running:
                 self.loop.call_soon_threadsafe(worker.cancel)
 
 
-def _lifetime(anchor: Any, seconds: Any, param: str) -> int | None:
-    """OpenAI's expires_after (anchor created_at, 3600..2592000 s) in seconds; None when absent."""
+def _lifetime(anchor: Any, seconds: int | str | None, param: str) -> int | None:
+    """OpenAI's expires_after (anchor created_at, 3600..2592000 s) in seconds; None when absent.
+    `seconds`: the JSON body's integer, or a form field's text."""
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
         raise ApiError(400, f"{param}.anchor: must be created_at, got {anchor!r}", param=f"{param}.anchor",
                        code="invalid_value")
     low, high = EXPIRY_RANGE_S
-    if not isinstance(seconds, str) or not seconds.isdigit() or not low <= int(seconds) <= high:
+    if isinstance(seconds, str) and seconds.isdigit():
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or not low <= seconds <= high:
         raise ApiError(400, f"{param}.seconds: must be an integer in {low}..{high}, got {seconds!r}",
                        param=f"{param}.seconds", code="invalid_value")
-    return int(seconds)
+    return seconds

@@ -146,37 +146,28 @@ class ServerCollector(Collector):
         yield from _spec_cache(c)
 
 
-class ResponsesCollector(Collector):
-    """The HTTP front end's Responses API state at scrape time: responses stored, background
-    responses running and conversations kept (`counts` reads the three)."""
+class GaugesCollector(Collector):
+    """Gauges read at scrape time: `gauges` names each (name, help), `values` reads them all
+    at once (the HTTP front end's stored responses, conversations, batches and files)."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
-        self.counts = counts
-
-    def collect(self) -> Iterator[Metric]:
-        stored, running, conversations = self.counts()
-        yield GaugeMetricFamily("ssd:responses_stored", "Responses API responses stored (--stored-responses).",
-                                value=stored)
-        yield GaugeMetricFamily("ssd:responses_background_running", "Background responses queued or running.",
-                                value=running)
-        yield GaugeMetricFamily("ssd:conversations_stored", "Conversations kept (--stored-conversations).",
-                                value=conversations)
-
-
-class BatchesCollector(Collector):
-    """The Batch API's state at scrape time: batches running, their lines still to run, and
-    the bytes of files kept (`counts` reads the three)."""
-
-    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
-        self.counts = counts
+    def __init__(self, gauges: tuple[tuple[str, str], ...], values: Callable[[], tuple[int, ...]]) -> None:
+        self.gauges, self.values = gauges, values
 
     def collect(self) -> Iterator[Metric]:
-        running, pending, stored = self.counts()
-        yield GaugeMetricFamily("ssd:batches_running", "Batches (/v1/batches) running.", value=running)
-        yield GaugeMetricFamily("ssd:batch_lines_pending", "Lines of running batches with no reply yet.",
-                                value=pending)
-        yield GaugeMetricFamily("ssd:files_stored_bytes", "Bytes of files kept (--stored-file-bytes).",
-                                value=stored)
+        for (name, help_text), value in zip(self.gauges, self.values(), strict=True):
+            yield GaugeMetricFamily(name, help_text, value=value)
+
+
+RESPONSES_GAUGES = (
+    ("ssd:responses_stored", "Responses API responses stored (--stored-responses)."),
+    ("ssd:responses_background_running", "Background responses queued or running."),
+    ("ssd:conversations_stored", "Conversations kept (--stored-conversations)."),
+)
+BATCHES_GAUGES = (
+    ("ssd:batches_running", "Batches (/v1/batches) running."),
+    ("ssd:batch_lines_pending", "Lines of running batches with no reply yet."),
+    ("ssd:files_stored_bytes", "Bytes of files kept (--stored-file-bytes)."),
+)
 
 
 def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:
