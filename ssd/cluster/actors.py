@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 # needs a second thread for ping/ready calls. A target's model calls all run on
 # one thread (ssd.cluster.workers.COMPUTE: one OpenMP team); pings, the draft
 # link and tokenizing take the others, so they answer while a step runs.
-RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2)(DraftWorker)
-RemoteTarget = ray.remote(max_restarts=0, max_concurrency=4, concurrency_groups={COMPUTE: 1})(TargetWorker)
+RemoteDraft = ray.remote(max_restarts=-1, max_concurrency=2, enable_task_events=False)(DraftWorker)
+RemoteTarget = ray.remote(
+    max_restarts=0, max_concurrency=4, concurrency_groups={COMPUTE: 1}, enable_task_events=False
+)(TargetWorker)
 
 
 class Actors:
