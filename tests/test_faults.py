@@ -243,6 +243,55 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     assert cluster.serving and ray.get(cluster.targets[0].ready.remote()) != killed
 
 
+def run_through_a_kill(stack, streams: bool, watcher_first: bool) -> tuple[list[int], int]:
+    """A greedy request through the cluster whose target is SIGKILLed once it has produced 5
+    tokens: (its tokens, how many its on_tokens saw). `watcher_first`: the kill lands between
+    two step calls and the watcher restarts the target before the next one (as when another
+    engine's call, or the watcher's ping, finds it gone first); else the next step call finds
+    it dead. A request that never ends is aborted after RECOVERY_S (an assertion, not a hang)."""
+    import ray
+
+    from ssd.config import GenerationConfig, SamplingConfig
+    from ssd.engine.request import GenerationRequest
+
+    cluster, _, _, pids = stack
+    wait_until(lambda: cluster.serving and cluster.linked(), RECOVERY_S, "the cluster did not settle")
+    pids.update(actor_pids(cluster))
+    pid, restarts, seen, killed = ray.get(cluster.targets[0].ready.remote()), cluster.target_restarts, [], []
+    deadline = time.monotonic() + RECOVERY_S
+
+    def kill_after_five(tokens: list[int]) -> None:
+        seen.extend(tokens)
+        if len(seen) >= 5 and not killed:
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+            if watcher_first:
+                wait_until(lambda: cluster.target_restarts > restarts, RECOVERY_S, "the watcher did not restart it")
+
+    request = GenerationRequest(cluster.encode("ponm"), SamplingConfig(temperature=0.0),
+                                GenerationConfig(max_new_tokens=NEW_TOKENS), on_tokens=kill_after_five,
+                                cancelled=lambda: time.monotonic() > deadline, streams=streams)
+    out = cluster.generate(request)
+    assert out.finish_reason != "aborted", "the request never ended: its rows were lost with the target"
+    return out.token_ids, len(seen)
+
+
+@pytest.mark.parametrize("watcher_first", [False, True], ids=["next-call-finds-it", "watcher-restarts-it-first"])
+def test_a_request_whose_client_waits_for_the_result_runs_again_after_a_mid_run_kill(stack, watcher_first):
+    """OpenAI's stream: false (GenerationRequest.streams False): killed after producing tokens
+    nobody saw, the row runs again from its prompt and returns AR's output. A streamed request
+    under the same kill fails UNAVAILABLE (its client saw a prefix a re-run need not
+    reproduce), so the flag is what saves the first; and neither is left running forever on a
+    target that never held it (watcher-restarts-it-first hung before)."""
+    from ssd.engine.request import GeneratorUnavailable
+
+    out, seen = run_through_a_kill(stack, streams=False, watcher_first=watcher_first)
+    assert out == local_ar(CONFIG, stack[0].encode("ponm"), NEW_TOKENS)
+    assert seen > NEW_TOKENS, "it ran again from its prompt: its tokens came twice"
+    with pytest.raises(GeneratorUnavailable, match="retry the request"):
+        run_through_a_kill(stack, streams=True, watcher_first=watcher_first)
+
+
 def test_a_target_killed_mid_batch_fails_every_row_unavailable_and_comes_back(stack):
     """AR rows batched on the target: the kill fails every row UNAVAILABLE after
     a right prefix; once SERVING again, a new batch gives the right outputs."""

@@ -462,6 +462,23 @@ def test_models_health_and_metrics_on_the_http_port(server, client, grpc_client)
 # --- one batch, disconnects, admission -----------------------------------------
 
 
+def test_only_streamed_requests_reach_the_engines_as_streams(client, grpc_client, monkeypatch):
+    """GenerationRequest.streams: True where the client sees tokens as they come (an HTTP
+    stream, gRPC), False where it sees only the result (stream: false), which a cluster runs
+    again from its prompt after a lost target (tests/test_faults.py)."""
+    from ssd.serve.worker import GenerationWorker
+
+    seen: list[bool] = []
+    submit = GenerationWorker.submit
+    monkeypatch.setattr(GenerationWorker, "submit", lambda worker, job: seen.append(job.request.streams)
+                        or submit(worker, job))
+    for stream in (False, True):
+        complete(client, False, stream, max_tokens=2)
+        complete(client, True, stream, max_tokens=2)
+    grpc_client.generate(text="abcab", max_new_tokens=2)
+    assert seen == [False, False, True, True, True]
+
+
 def test_http_and_grpc_streams_share_one_batch(backend):
     """Two HTTP and two gRPC streams at once run as rows of one batch, each exact."""
     with serving(lambda: ChatBackend(backend)) as srv:

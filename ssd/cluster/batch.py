@@ -11,11 +11,14 @@ and `Engine.generate` runs one request as a batch of one.
 
 Faults. A call that finds the target gone marks the cluster down (its
 watcher restarts the target in the background). A row that had streamed
-nothing runs again from its prompt once the target is back (or, with
-`wait_for_target` False, leaves with TargetLost(streamed=0), and
-ssd.cluster.replicas moves it to another replica); a row that had streamed
-tokens fails with TargetLost, a GeneratorUnavailable (the client retries),
-since a re-run need not reproduce a sampled prefix. A forward that failed on
+nothing to its client runs again from its prompt once the target is back
+(or, with `wait_for_target` False, leaves with TargetLost(streamed=0), and
+ssd.cluster.replicas moves it to another replica); so does a row whose
+client sees only the result (`GenerationRequest.streams` False: OpenAI's
+stream false), however far it got: nobody saw the lost run, and the new one
+is a whole sample of the same law. A row that had streamed tokens fails with
+TargetLost, a GeneratorUnavailable (the client retries), since a re-run need
+not reproduce a sampled prefix. A forward that failed on
 a tensor-parallel rank fails its rows at once with GeneratorUnavailable
 naming that error (a re-run would likely fail the same way).
 """
@@ -99,8 +102,9 @@ class RemoteBatchEngine(Engine):
         self.call_s = call_s
         self._stepped: list[int] = []  # rows of each step the last call ran (for /metrics)
         self._requests: dict[str, GenerationRequest] = {}
-        self._streamed: dict[str, int] = {}  # tokens each row has streamed so far
+        self._streamed: dict[str, int] = {}  # tokens each row has streamed to its client so far
         self._again: list[GenerationRequest] = []  # lost before they streamed anything: to run again
+        self._rows_on = 0  # the target incarnation (cluster.target_restarts) holding the rows
         self._waiting_since: float | None = None  # when rows began waiting to run again
 
     @property
@@ -120,12 +124,14 @@ class RemoteBatchEngine(Engine):
     def admit(self, request: GenerationRequest) -> None:
         key = uuid.uuid4().hex
         try:
-            self._call("batch_admit", self.mode, key, request.portable())
+            call = self._send("batch_admit", self.mode, key, request.portable())
+            self._receive("batch_admit", call)
         except Lost as exc:
             if not (exc.rerun and self.wait_for_target):
                 raise
             self._again.append(request)  # runs once the target is back
             return
+        self._rows_on = call[1]
         self._requests[key] = request
         self._streamed[key] = 0
 
@@ -153,8 +159,10 @@ class RemoteBatchEngine(Engine):
         except GeneratorUnavailable as exc:
             return self.drop_rows(str(exc), rerun=isinstance(exc, Lost) and exc.rerun and self.wait_for_target)
         for key, tokens in emitted.items():
-            self._requests[key].emit(tokens)
-            self._streamed[key] += len(tokens)
+            request = self._requests[key]
+            request.emit(tokens)
+            if request.streams:  # a client that waits for the result has seen nothing yet
+                self._streamed[key] += len(tokens)
         finished = []
         for key, result, error in ended:
             self._streamed.pop(key, None)
@@ -218,6 +226,10 @@ class RemoteBatchEngine(Engine):
         if not self.wait_for_target and not self.cluster.serving:
             raise GeneratorUnavailable(f"{self.cluster.name}: the target is restarting")
         self.cluster.wait_serving()
+        if self._requests and self.cluster.target_restarts != self._rows_on:
+            # The watcher replaced the target between two of our calls (another engine's call, or
+            # its own pings, found it gone): the new one never held these rows.
+            raise Lost(f"the target was lost with {self.rows} batched requests running; retry the request", True)
         return getattr(self.cluster.targets[0], method).remote(*args), self.cluster.target_restarts
 
     def _receive(self, method: str, call: tuple[ray.ObjectRef, int]):

@@ -100,6 +100,10 @@ class GenerationRequest:
     # lookup (ssd.engine.lookup) also searches it for what follows the text's last tokens. Only
     # proposals change, each verified, so the output's law does not.
     prediction: list[int] | None = None
+    # Whether on_tokens reaches a client as the tokens come (a stream). False (OpenAI's
+    # stream: false): the client sees only the result, so a run cut short by a lost target
+    # may start again from the prompt, however far it got (ssd.cluster.batch).
+    streams: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

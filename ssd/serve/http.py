@@ -499,7 +499,7 @@ class OpenAIFrontend:
     def _submit(self, request: Any, body: Any, prompt_index: int | None) -> Generation:
         """The shared validation and admission (the gRPC API's), through the service."""
         try:
-            return self.service.submit(request, stream_text=bool(body.stream))
+            return self.service.submit(request, streams=bool(body.stream))
         except InvalidArgument as exc:
             raise invalid(exc, schema.body_param(exc.field, body, prompt_index)) from None
         except QueueFull as exc:

@@ -17,6 +17,7 @@ and the exceptions below into their status codes:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -206,11 +207,12 @@ class Generation:
     """An admitted request: its rounds, then its end (`next`), and its cancellation."""
 
     def __init__(self, service: "GenerationService", worker: GenerationWorker, backend: Backend, job: Job,
-                 queued_ahead: int, stream_text: bool = True) -> None:
+                 queued_ahead: int) -> None:
         self.service, self.worker, self.backend, self.job = service, worker, backend, job
         self.queued_ahead = queued_ahead
-        # Without stream_text, rounds carry no text and the end carries it all (no decode per round).
-        self.text = TextStream(self.decode, job.request.generation) if stream_text else None
+        # Not streamed: rounds carry no text and the end carries it all (no decode per round; and
+        # a run that starts again after a lost target sends its rounds again, unseen).
+        self.text = TextStream(self.decode, job.request.generation) if job.request.streams else None
 
     @property
     def request_id(self) -> str:
@@ -297,13 +299,14 @@ class GenerationService:
         backend, _ = self.serving()
         return backend.info
 
-    def submit(self, request: Request, deadline: float | None = None, stream_text: bool = True) -> Generation:
+    def submit(self, request: Request, deadline: float | None = None, streams: bool = True) -> Generation:
         """Validate and queue a request (counted as admitted, or rejected when the queue is full).
-        `deadline`: time.monotonic() seconds; `stream_text`: text deltas with each round.
+        `deadline`: time.monotonic() seconds; `streams`: the client sees each round (text deltas
+        with each), else only the end (and a run a lost target cut short may start again).
 
         Raises NotServing, InvalidArgument, QueueFull, DuplicateRequestId or WorkerClosed."""
         backend, worker = self.serving()
-        valid = validate(request, backend, self.options)
+        valid = dataclasses.replace(validate(request, backend, self.options), streams=streams)
         job = Job(valid, request_id=valid.request_id, deadline=deadline,
                   rank=(request.background, request.priority))
         try:
@@ -312,7 +315,7 @@ class GenerationService:
             self.metrics.rejected()
             raise
         self.metrics.admitted()
-        return Generation(self, worker, backend, job, ahead, stream_text)
+        return Generation(self, worker, backend, job, ahead)
 
     def tokenize(self, request: Request) -> list[int]:
         """The request's prompt ids, as a generation would take them (vLLM's /tokenize)."""
