@@ -243,15 +243,15 @@ def test_a_request_that_streamed_nothing_runs_again_once_the_target_is_back(stac
     assert cluster.serving and ray.get(cluster.targets[0].ready.remote()) != killed
 
 
-def run_through_a_kill(stack, streams: bool, watcher_first: bool) -> tuple[list[int], int]:
-    """A greedy request through the cluster whose target is SIGKILLed once it has produced 5
-    tokens: (its tokens, how many its on_tokens saw). `watcher_first`: the kill lands between
+def run_through_a_kill(stack, streams: bool, watcher_first: bool, sampling) -> tuple[list[int], int]:
+    """A request through the cluster whose target is SIGKILLed once it has produced 5 tokens:
+    (its tokens, how many its on_tokens saw). `watcher_first`: the kill lands between
     two step calls and the watcher restarts the target before the next one (as when another
     engine's call, or the watcher's ping, finds it gone first); else the next step call finds
     it dead. A request that never ends is aborted after RECOVERY_S (an assertion, not a hang)."""
     import ray
 
-    from ssd.config import GenerationConfig, SamplingConfig
+    from ssd.config import GenerationConfig
     from ssd.engine.request import GenerationRequest
 
     cluster, _, _, pids = stack
@@ -268,28 +268,37 @@ def run_through_a_kill(stack, streams: bool, watcher_first: bool) -> tuple[list[
             if watcher_first:
                 wait_until(lambda: cluster.target_restarts > restarts, RECOVERY_S, "the watcher did not restart it")
 
-    request = GenerationRequest(cluster.encode("ponm"), SamplingConfig(temperature=0.0),
-                                GenerationConfig(max_new_tokens=NEW_TOKENS), on_tokens=kill_after_five,
+    request = GenerationRequest(cluster.encode("ponm"), sampling, GenerationConfig(max_new_tokens=NEW_TOKENS), on_tokens=kill_after_five,
                                 cancelled=lambda: time.monotonic() > deadline, streams=streams)
     out = cluster.generate(request)
     assert out.finish_reason != "aborted", "the request never ended: its rows were lost with the target"
     return out.token_ids, len(seen)
 
 
-@pytest.mark.parametrize("watcher_first", [False, True], ids=["next-call-finds-it", "watcher-restarts-it-first"])
-def test_a_request_whose_client_waits_for_the_result_runs_again_after_a_mid_run_kill(stack, watcher_first):
+@pytest.mark.parametrize("watcher_first, temperature", [(False, 0.0), (True, 1.0)],
+                         ids=["next-call-finds-it-greedy", "watcher-restarts-it-first-coupled-sampling"])
+def test_a_request_whose_client_waits_for_the_result_runs_again_after_a_mid_run_kill(stack, watcher_first,
+                                                                                     temperature):
     """OpenAI's stream: false (GenerationRequest.streams False): killed after producing tokens
-    nobody saw, the row runs again from its prompt and returns AR's output. A streamed request
-    under the same kill fails UNAVAILABLE (its client saw a prefix a re-run need not
+    nobody saw, the row runs again from its prompt and returns what it returns unkilled: AR's
+    output (greedy), or, sampled under a seed with coupling, the same sample. A streamed
+    request under the same kill fails UNAVAILABLE (its client saw a prefix a re-run need not
     reproduce), so the flag is what saves the first; and neither is left running forever on a
     target that never held it (watcher-restarts-it-first hung before)."""
-    from ssd.engine.request import GeneratorUnavailable
+    from ssd.config import GenerationConfig, SamplingConfig
+    from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
-    out, seen = run_through_a_kill(stack, streams=False, watcher_first=watcher_first)
-    assert out == local_ar(CONFIG, stack[0].encode("ponm"), NEW_TOKENS)
+    cluster = stack[0]
+    sampling = SamplingConfig(temperature=temperature, seed=7, coupling="gumbel")
+    out, seen = run_through_a_kill(stack, streams=False, watcher_first=watcher_first, sampling=sampling)
+    unkilled = cluster.generate(GenerationRequest(cluster.encode("ponm"), sampling,
+                                                  GenerationConfig(max_new_tokens=NEW_TOKENS))).token_ids
+    assert out == unkilled
+    if temperature == 0:
+        assert out == local_ar(CONFIG, cluster.encode("ponm"), NEW_TOKENS)
     assert seen > NEW_TOKENS, "it ran again from its prompt: its tokens came twice"
     with pytest.raises(GeneratorUnavailable, match="retry the request"):
-        run_through_a_kill(stack, streams=True, watcher_first=watcher_first)
+        run_through_a_kill(stack, streams=True, watcher_first=watcher_first, sampling=sampling)
 
 
 def test_a_target_killed_mid_batch_fails_every_row_unavailable_and_comes_back(stack):

@@ -15,8 +15,10 @@ nothing to its client runs again from its prompt once the target is back
 (or, with `wait_for_target` False, leaves with TargetLost(streamed=0), and
 ssd.cluster.replicas moves it to another replica); so does a row whose
 client sees only the result (`GenerationRequest.streams` False: OpenAI's
-stream false), however far it got: nobody saw the lost run, and the new one
-is a whole sample of the same law. A row that had streamed tokens fails with
+stream false), however far it got: nobody saw the lost run. Greedy and
+seeded output (AR, SD, coupled sampling) comes out as it would have; an
+unseeded sampled row draws afresh, and which of its runs is returned then
+depends on how long each ran, as with a client's retry. A row that had streamed tokens fails with
 TargetLost, a GeneratorUnavailable (the client retries), since a re-run need
 not reproduce a sampled prefix. A forward that failed on
 a tensor-parallel rank fails its rows at once with GeneratorUnavailable
