@@ -202,3 +202,26 @@ def test_the_smoke_batched_graph_check_passes_replays_and_catches_stale_ones(on_
     assert result["passed"] is not stale, str(result)
     if stale:
         assert result["repeated_outputs"] > 0
+
+
+def test_the_smoke_branch_check_captures_graphs_under_each_backend(on_cuda, monkeypatch) -> None:
+    """A graph keeps the attention kernel of its capture: the branch check must capture anew
+    under each SDPA backend it compares (a model's pool would replay the first backend's)."""
+    from torch.nn.attention import SDPBackend
+
+    from ssd.tools.bench.branch_check import branch_case, check_branches
+
+    captured_under: list[str] = []
+    faithful = stand_in_capture(stale=False)
+
+    def capture(self, key, *inputs):
+        captured_under.append("math" if torch.backends.cuda.math_sdp_enabled() else "flash")
+        return faithful(self, key, *inputs)
+
+    monkeypatch.setattr(GraphedForward, "_capture", capture)
+    model = build_family("qwen2").float()
+    case = branch_case(model.config.vocab_size, context_len=12, branches=4, steps=3)
+    result = check_branches({"fp32": model}, case, {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION})
+    assert result["passed"] and result["ran"] == ["fp32/math", "fp32/flash"], result
+    assert set(captured_under) == {"math", "flash"}
+    assert all(result["results"][key]["graph_replays"] > 0 for key in result["ran"])

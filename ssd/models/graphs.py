@@ -32,9 +32,9 @@ whole batch (batched over slots), and `BatchedForward` captures it per
 GraphedForward. `GraphPool` holds a model's store, its per-slot
 GraphedForwards and its BatchedForward; all of a model's graphs capture into
 one CUDA memory pool (`GraphPool.mempool` says why that is safe). On a CPU
-both twins run eagerly; the batched one is validated there only (eagerly and
-with stand-in captures: tests/test_graphs_batch.py) until a GPU runs
-launch/gpu_smoke.py. Nothing here may go wrong silently:
+both twins run eagerly (the batched one checked there eagerly and with
+stand-in captures: tests/test_graphs_batch.py); launch/gpu_smoke.py checks
+their replays on a GPU. Nothing here may go wrong silently:
 capture and replay run on the model's device whatever the thread's current
 device; a model whose forward syncs with the host is refused up front
 (`graph_refusal`); a capture is replayed on its inputs and on other token
@@ -505,6 +505,13 @@ class GraphPool:
     @property
     def batched_runner(self) -> BatchedForward | None:
         return self._batched
+
+    @property
+    def replays(self) -> int:
+        """Graph replays so far, over every runner of this model (single-sequence and batched)."""
+        with self._lock:
+            runners = [*self._runners.values(), *([self._batched] if self._batched else [])]
+        return sum(runner.replays for runner in runners)
 
     @property
     def free(self) -> int:

@@ -17,6 +17,7 @@ logits must agree within a tolerance relative to their largest magnitude.
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ssd.models.graphs import pool_for
 from ssd.models.kv import KVSequence
 from ssd.saguaro.branches import TreeBranchDecoder
 
@@ -104,6 +106,7 @@ def tree(model: torch.nn.Module, case: BranchCase, tokens: list[list[int]]) -> t
 
 def compare(tokens: list[list[int]], ref: torch.Tensor, got: torch.Tensor, tolerance: float) -> dict[str, Any]:
     """Token agreement (ties allowed) and the largest relative logit difference."""
+    ref, got = ref.cpu(), got.cpu()  # the tokens are host ints; a GPU run's logits come back to meet them
     scale = float(ref.abs().max())
     diff = float((got - ref).abs().max()) / scale
     top2 = ref.topk(2, dim=-1).values
@@ -120,7 +123,14 @@ def compare(tokens: list[list[int]], ref: torch.Tensor, got: torch.Tensor, toler
 
 
 def run_under(backend: SDPBackend, model: torch.nn.Module, case: BranchCase) -> dict[str, Any]:
-    """The comparison under one backend, or {"ran": False, "reason": ...} where it cannot run our calls."""
+    """The comparison under one backend, or {"ran": False, "reason": ...} where it cannot run our calls.
+
+    On a copy of `model`: a model's CUDA graphs keep the attention kernel
+    they were captured with, and its pool would replay another backend's
+    graphs here. The copy's graphs are captured under `backend`;
+    `graph_replays` says how many of its forwards were replays (0: eager).
+    """
+    model = copy.deepcopy(model)
     try:
         with warnings.catch_warnings(record=True) as caught, sdpa_kernel([backend]):
             warnings.simplefilter("always")
@@ -134,7 +144,7 @@ def run_under(backend: SDPBackend, model: torch.nn.Module, case: BranchCase) -> 
         why = [str(w.message).splitlines()[0] for w in caught][:3]  # CUDA names the failed constraint
         return {"ran": False, "reason": "; ".join(why) or str(exc).splitlines()[0]}
     tol = TOLERANCE.get(next(model.parameters()).dtype, 0.1)
-    return {"ran": True, **compare(tokens, ref, got, tol)}
+    return {"ran": True, **compare(tokens, ref, got, tol), "graph_replays": pool_for(model).replays}
 
 
 def check_branches(
@@ -164,4 +174,5 @@ def _line(result: dict[str, Any]) -> str:
         return f"FAILED: {result['error']}"
     verdict = "ok" if result["passed"] else "FAILED"
     return (f"{verdict}: {result['token_mismatches']} token mismatches ({result['near_tie_mismatches']} near-ties), "
-            f"max rel logit diff {result['max_rel_logit_diff']:.2e} (tolerance {result['tolerance']:.0e})")
+            f"max rel logit diff {result['max_rel_logit_diff']:.2e} (tolerance {result['tolerance']:.0e}), "
+            f"{result['graph_replays']} graph replays")

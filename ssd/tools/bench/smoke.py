@@ -519,7 +519,8 @@ def _timing_lines(t: dict[str, Any]) -> list[str]:
 
 def _check_line(name: str, check: dict[str, Any]) -> str:
     if name == "branches":
-        return f"ran {', '.join(check['ran']) or 'none'}; skipped {', '.join(check['skipped']) or 'none'}"
+        ran = [f"{key} ({check['results'][key].get('graph_replays', 0)} graph replays)" for key in check["ran"]]
+        return f"ran {', '.join(ran) or 'none'}; skipped {', '.join(check['skipped']) or 'none'}"
     if name == "sampling":
         return (f"SD at T = {check['temperature']:g}, {check['samples']} samples in rows of {check['rows']}: "
                 f"p = {check['pvalue']:.2g} against the target's exact law")
