@@ -76,7 +76,8 @@ def test_smoke_in_process(cli_run, tmp_path):
     assert report.passed, summary_text(report)
     for pair in ("real pair", "noisy pair"):
         check = report.checks[f"generation: {pair}"]
-        assert check["equal_to_ar"] == {"sd": True, "ssd": True} and check["ssd_degraded_rounds"] == 0
+        everything = {"sd": True, "ssd": True, "ar rows": True, "sd rows": True, "ssd rows": True}
+        assert check["equal_to_ar"] == everything and check["ssd_degraded_rounds"] == 0
         assert check["draft_same_in_both_processes"]
     noisy = report.checks["generation: noisy pair"]
     assert noisy["accepted"]["sd"] > 0 and noisy["accepted"]["ssd"] > 0 and noisy["ssd_hit_rate"] > 0

@@ -6,7 +6,9 @@ them (`shapes="small"`, for CPU and CI). What it does, in order:
 
 1. generation: fp32 greedy AR, SD and SSD give the same tokens, with SSD's
    draft side (ssd.saguaro.speculator) in a second process over the host
-   link (ssd.tools.bench.draft_process). Twice: on the real pair (unrelated random
+   link (ssd.tools.bench.draft_process); each prompt alone, and all of them
+   as rows of one continuous batch (packed forwards, as serving runs them),
+   each against AR alone. Twice: on the real pair (unrelated random
    weights: drafts are almost always rejected) and on a pair whose draft is
    a noisy copy of its target (drafts are accepted, so acceptance and cache
    hits are exercised too).
@@ -51,11 +53,11 @@ from ssd.tools.ablation import planner
 from ssd.saguaro.costs import DEFAULT_BUDGETS, DEFAULT_KS, Costs, CostSettings, measure_costs, save_costs
 from ssd.tools.bench.branch_check import branch_case, check_branches
 from ssd.tools.bench.graph_check import batch_sizes, check_graphs
-from ssd.tools.bench.sampling_check import SAMPLES, check_sampling
+from ssd.tools.bench.sampling_check import SAMPLES, check_sampling, run_rows
 from ssd.tools.bench.hot_path import time_batches, time_hot_path
 from ssd.tools.bench.draft_process import DraftProcess, exact_fp32
 from ssd.tools.bench.link import summarize_ms
-from ssd.config import MODES, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.config import BatchingConfig, FanoutConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import Engine
 from ssd.factory import LoadedPair, make_engine
 from ssd.engine.metrics import GenerationStats, total
@@ -184,21 +186,29 @@ def prompts_for(s: SmokeSettings, vocab: int) -> list[list[int]]:
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], s: SmokeSettings,
-                 speculation: SpeculationConfig | None) -> Run:
+                 speculation: SpeculationConfig | None, rows: bool = False) -> Run:
+    """Every prompt alone, one after another, or (`rows`) as rows of one continuous batch."""
     generation = GenerationConfig(max_new_tokens=s.max_new_tokens, ignore_eos=True)  # random models: same length always
+    requests = [GenerationRequest(p, SamplingConfig(), generation, speculation) for p in prompts]
     started = time.perf_counter()
-    results = [engine.generate(GenerationRequest(p, SamplingConfig(), generation, speculation)) for p in prompts]
+    results = run_rows(engine, requests) if rows else [engine.generate(r) for r in requests]
     return Run([r.token_ids for r in results], total(r.stats for r in results), time.perf_counter() - started)
 
 
 def run_ssd(target: torch.nn.Module, draft_spec: RandomModelSpec, host: DraftProcess, prompts: list[list[int]],
-            s: SmokeSettings) -> tuple[Run, float]:
+            s: SmokeSettings, rows: bool = False) -> tuple[Run, float]:
     """SSD with the speculator in the second process; the run and the remote draft's fingerprint."""
     spec = SpeculationConfig(mode="ssd", k=s.k, fanout=FanoutConfig(budget=s.budget))
     channel, remote = host.speculate(draft_spec)
-    engine = SSDEngine(target, IdTokenizer(), spec, channel=channel, draft_timeout_s=host.timeout_s)
+    engine = SSDEngine(target, IdTokenizer(), spec, batching_for(prompts, rows), channel=channel,
+                       draft_timeout_s=host.timeout_s)
     with engine:  # close() shuts the remote speculator down
-        return generate_all(engine, prompts, s, spec), remote
+        return generate_all(engine, prompts, s, spec, rows), remote
+
+
+def batching_for(prompts: list[list[int]], rows: bool) -> BatchingConfig | None:
+    """Room for every prompt at once when they run as rows; the engine's default otherwise."""
+    return BatchingConfig(max_rows=len(prompts)) if rows else None
 
 
 def divergence(target: torch.nn.Module, prompt: list[int], ref: list[int], got: list[int]) -> dict[str, Any]:
@@ -216,20 +226,26 @@ def check_generation(target: torch.nn.Module, draft: torch.nn.Module, draft_spec
     """AR == SD == SSD, token for token, on every prompt; with `need_acceptance`, drafts must also be accepted."""
     prompts = prompts_for(s, target.config.vocab_size)
     pair, sd = LoadedPair(target, draft, IdTokenizer()), SpeculationConfig(mode="sd", k=s.k)
-    runs = {"ar": generate_all(make_engine("ar", pair, sd), prompts, s, None)}
-    runs["sd"] = generate_all(make_engine("sd", pair, sd), prompts, s, sd)
-    runs["ssd"], remote = run_ssd(target, draft_spec, host, prompts, s)
-    modes = tuple(m for m in MODES if m != "ar")  # each against AR
+    runs: dict[str, Run] = {}
+    for rows in (False, True):  # each prompt alone, then all of them as rows of one batch (as serving runs them)
+        suffix = " rows" if rows else ""
+        for mode, spec in (("ar", None), ("sd", sd)):
+            engine = make_engine(mode, pair, sd, batching_for(prompts, rows))
+            runs[mode + suffix] = generate_all(engine, prompts, s, spec, rows)
+        runs["ssd" + suffix], remote = run_ssd(target, draft_spec, host, prompts, s, rows)
+    modes = tuple(m for m in runs if m != "ar")  # each against AR alone
+    speculative = tuple(m for m in modes if not m.startswith("ar"))
     equal = {mode: runs[mode].tokens == runs["ar"].tokens for mode in modes}
     spec_stats = runs["ssd"].stats.spec
-    accepted = {mode: runs[mode].stats.accepted for mode in modes}
+    degraded = sum(runs[m].stats.spec.degraded_rounds for m in ("ssd", "ssd rows"))
+    accepted = {mode: runs[mode].stats.accepted for mode in speculative}
     same_draft = remote == fingerprint(draft)
-    passed = (all(equal.values()) and spec_stats.degraded_rounds == 0 and same_draft
+    passed = (all(equal.values()) and degraded == 0 and same_draft
               and (not need_acceptance or min(accepted.values()) > 0))
     return {
-        "passed": passed, "equal_to_ar": equal, "ssd_degraded_rounds": spec_stats.degraded_rounds,
+        "passed": passed, "equal_to_ar": equal, "ssd_degraded_rounds": degraded,
         "draft_same_in_both_processes": same_draft, "accepted": accepted,
-        "acceptance_rate": {mode: runs[mode].stats.acceptance_rate for mode in modes},
+        "acceptance_rate": {mode: runs[mode].stats.acceptance_rate for mode in speculative},
         "ssd_hit_rate": spec_stats.hit_rate, "ssd_lookups": spec_stats.lookups,
         "tokens": s.prompts * s.max_new_tokens,
         "tokens_per_s": {mode: sum(map(len, r.tokens)) / r.seconds for mode, r in runs.items()},
