@@ -88,10 +88,29 @@ def echo_then_close(channel: DistributedChannel) -> None:
     channel.close()
 
 
+SPAWN_S = 50.0  # a spawned peer imports torch (and CUDA, where there is one) before it can link
+
+
+def _signal_then_run(started: Any, target: Callable[..., None], *args: Any) -> None:
+    started.set()
+    target(*args)
+
+
+def start_peer(target: Callable[..., None], *args: Any) -> multiprocessing.Process:
+    """Spawn `target(*args)` and return once its imports are done, so that the
+    link's LINK_TIMEOUT_S bounds the link and not the child's start-up."""
+    started = SPAWN.Event()
+    proc = SPAWN.Process(target=_signal_then_run, args=(started, target, *args), daemon=True)
+    proc.start()
+    if not started.wait(SPAWN_S):
+        proc.kill()
+        raise AssertionError(f"the spawned peer did not start within {SPAWN_S} s")
+    return proc
+
+
 @contextlib.contextmanager
 def peer_process(target: Callable[..., None], *args: Any) -> Iterator[multiprocessing.Process]:
-    proc = SPAWN.Process(target=target, args=args, daemon=True)
-    proc.start()
+    proc = start_peer(target, *args)
     try:
         yield proc
     finally:
@@ -120,8 +139,7 @@ class Peer:
 def peer() -> Iterator[Peer]:
     """One spawned echo peer for the module (spawning costs seconds)."""
     port = free_port()
-    proc = SPAWN.Process(target=serve_many, args=(port,), daemon=True)
-    proc.start()
+    proc = start_peer(serve_many, port)
     yield Peer(port)
     proc.kill()  # it waits for a next link that never comes
     proc.join()
