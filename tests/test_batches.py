@@ -540,7 +540,8 @@ def test_a_batch_whose_input_file_is_gone_at_the_restart_fails(backend, tmp_path
         second_source = upload(client, rows)
         running = client.batches.create(input_file_id=second_source, endpoint=path, completion_window="24h")
         client.files.delete(second_source)
-        assert client.batches.retrieve(running.id).status == "in_progress"  # 24 lines of 300 tokens: at the stop too
+        # validating until the batches' loop begins it; 24 lines of 300 tokens: still in_progress at the stop
+        assert wait_until(lambda: client.batches.retrieve(running.id).status == "in_progress", 30)
     with _stored_at(backend, tmp_path) as second:
         after = oai(second).batches.retrieve(running.id)
         assert after.status == "failed" and after.errors.data[0].code == "input_file_gone"

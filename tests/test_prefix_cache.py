@@ -372,6 +372,20 @@ def test_a_chat_is_routed_to_the_replica_that_holds_it_while_the_load_stays_near
     assert route_order([], {}, {}) == []
 
 
+def test_a_replica_mid_step_is_passed_over_only_for_one_no_busier_than_ROUTE_SLACK_above_it():
+    """Replicas admit between steps: a prompt skips one mid-step for another, but waits a step
+    (an empty order) rather than pile onto one running more than ROUTE_SLACK rows above it."""
+    from ssd.cluster.replicas import ROUTE_MIN_PREFIX, ROUTE_SLACK, route_order
+
+    assert route_order([0, 1], {0: 1, 1: 1}, {}, stepping=[0]) == [1]
+    assert route_order([0, 1], {0: 1, 1: 1 + ROUTE_SLACK}, {}, stepping=[0]) == [1]
+    assert route_order([0, 1], {0: 1, 1: 2 + ROUTE_SLACK}, {}, stepping=[0]) == []  # wait for 0's step
+    assert route_order([0, 1, 2], {0: 0, 1: 1, 2: 5}, {}, stepping=[0]) == [1]
+    assert route_order([0, 1], {0: 0, 1: 0}, {}, stepping=[0, 1]) == []
+    assert route_order([0, 1], {0: 0, 1: 3}, {}, stepping=[1]) == [0]  # a busier one mid-step: no bound
+    assert route_order([0, 1], {0: 0, 1: 1}, {1: ROUTE_MIN_PREFIX}, stepping=[1]) == []  # the holder: its step
+
+
 # --- SSD's draft side ----------------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -333,19 +333,30 @@ ROUTE_SLACK = 1  # how many more rows than the roomiest such a replica may run
 ROUTE_MEMORY = 32  # finished texts remembered per replica
 
 
-def route_order(roomiest: Sequence[int], running: dict[int, int], shared: dict[int, int]) -> list[int]:
-    """The replicas to try for a prompt, in order: `roomiest` (the fewest rows `running` first),
+def route_order(roomiest: Sequence[int], running: dict[int, int], shared: dict[int, int],
+                stepping: Collection[int] = ()) -> list[int]:
+    """The replicas to try for a prompt now, in order: `roomiest` (the fewest rows `running` first),
     except that the one whose recent text shares the most of the prompt (`shared`, at least
     ROUTE_MIN_PREFIX tokens) goes first if it runs at most ROUTE_SLACK rows more than the roomiest:
-    its prefix cache holds that start, and the load stays near even."""
+    its prefix cache holds that start, and the load stays near even.
+
+    A replica mid-step (`stepping`) takes rows only between steps, so it is left out, and with it
+    every replica running more than ROUTE_SLACK rows above it: the prompt waits a step (a round)
+    rather than pile onto a busier replica for the life of its request. If the holder of the
+    prompt's start is mid-step, the order is empty: wait for its step, not a prefill elsewhere."""
     if not roomiest:
         return []
     least = min(running[i] for i in roomiest)
     holders = [i for i in roomiest if shared.get(i, 0) >= ROUTE_MIN_PREFIX and running[i] <= least + ROUTE_SLACK]
-    if not holders:
-        return list(roomiest)
-    best = max(holders, key=lambda i: shared[i])  # the roomiest among equals: max keeps the first
-    return [best, *(i for i in roomiest if i != best)]
+    order = list(roomiest)
+    if holders:
+        best = max(holders, key=lambda i: shared[i])  # the roomiest among equals: max keeps the first
+        if best in stepping:
+            return []
+        order = [best, *(i for i in roomiest if i != best)]
+    busy = [running[i] for i in order if i in stepping]
+    ceiling = min(busy) + ROUTE_SLACK if busy else None
+    return [i for i in order if i not in stepping and (ceiling is None or running[i] <= ceiling)]
 
 
 class ReplicaBatchEngine(Engine):
@@ -463,12 +474,8 @@ class ReplicaBatchEngine(Engine):
         roomiest = self.replicas.by_room()
         shared = {i: max((common_prefix(text, request.prompt_ids) for text in self._recent.get(i, ())), default=0)
                   for i in roomiest}
-        order = route_order(roomiest, {i: self.replicas.running(i) for i in roomiest}, shared)
-        for index in order:
-            if self.replicas.stepping(index):
-                if index == order[0] and shared.get(index, 0) >= ROUTE_MIN_PREFIX:
-                    return None  # the replica holding the prompt's start: wait for its step (a round), not a prefill
-                continue  # its target is mid-step: ask it once the step is back
+        stepping = [i for i in roomiest if self.replicas.stepping(i)]
+        for index in route_order(roomiest, {i: self.replicas.running(i) for i in roomiest}, shared, stepping):
             try:
                 if self.engines[index].can_admit(request):
                     return index
