@@ -443,7 +443,7 @@ def test_a_running_batch_is_found_and_cancelled_after_the_store_forgot_it(monkey
                                       completion_window="24h")
         client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
                               completion_window="24h")  # the store keeps this one only
-        assert client.batches.retrieve(first.id).status == "in_progress"
+        assert wait_until(lambda: client.batches.retrieve(first.id).status == "in_progress", 20)  # its loop began it
         assert client.batches.cancel(first.id).status in ("cancelling", "cancelled")
         fake.gate.set()
         routes = server._http.front.batches
