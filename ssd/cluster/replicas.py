@@ -13,11 +13,13 @@ capacity (the fewest rows running), unless another no more than ROUTE_SLACK
 rows busier recently finished a request whose text the prompt continues
 (ROUTE_MIN_PREFIX tokens or more): each replica has its own prefix cache
 (ssd.engine.prefix), so a chat's next turn goes where its last one ran, as
-SGLang's cache-aware router sends it. Each replica keeps its own continuous
-batch on its target rank 0, and each replica steps on its own schedule: a
-step goes to every replica with rows and no step on its way, and each result
-is taken as it comes back (ray.wait), so a slow replica holds only its own
-rows. A replica whose step passes cluster.step_deadline_s is lost.
+SGLang's cache-aware router sends it. A replica admits rows between its
+steps: a request passes over one mid-step only for one no more than
+ROUTE_SLACK rows busier, else it waits a step (route_order). Each replica
+keeps its own continuous batch on its target rank 0, and steps on its own
+schedule: a step goes to every replica with rows and no step on its way, and
+each result is taken as it comes back (ray.wait), so a slow replica holds
+only its own rows. A replica whose step passes cluster.step_deadline_s is lost.
 
 Faults: each replica heals itself as one Cluster does (a lost draft is
 re-linked, a lost target restarted). Meanwhile the others serve: the rows
