@@ -205,8 +205,14 @@ class RequestDefaults:
     min_p: float | None = None
     seed: int | None = None
     max_new_tokens: int | None = None
+    # None: coupled sampling (gumbel) for a seeded request, so that the same request gives
+    # the same output in every mode whatever the timing (an SSD build cut short or a cache
+    # miss would change standard sampling's draws); sampling.coupling for an unseeded one.
+    coupling: str | None = None
 
     def __post_init__(self) -> None:
+        if self.coupling is not None and self.coupling not in COUPLINGS:
+            raise ConfigError(f"serve_defaults.coupling must be one of {COUPLINGS}, got {self.coupling!r}")
         if self.temperature is not None and not self.temperature >= 0:
             raise ConfigError(f"serve_defaults.temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:

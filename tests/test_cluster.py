@@ -6,12 +6,14 @@ needs the cores this one holds, is in test_cluster_llamacpp.
 """
 
 import dataclasses
+import itertools
 import random
 import subprocess
 import sys
 import threading
 import time
 
+import openai
 import pytest
 import torch
 
@@ -331,6 +333,15 @@ def test_openai_http_api_over_the_cluster(cluster):
         whole = complete(client, False, False, max_tokens=30, temperature=0, logprobs=1)
         streamed = complete(client, False, True, max_tokens=30, temperature=0, logprobs=1,
                             stream_options={"include_usage": True})
+        # A grammar llguidance refuses at its third token (tests/test_openai_api.py's LATE_FAILURE,
+        # spelled in a..p): the target's actor fails that row, and the client gets a 400 naming it.
+        rest = " | ".join('"c' + "".join(word) + '"' for word in itertools.islice(
+            itertools.product("abcdefghijklmnop", repeat=3), 3001))
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                      logit_bias={str(cluster.encode("c")[0]): 100},
+                                      extra_body={"structured_outputs": {"grammar": f"start: /ab+/ rest\nrest: {rest}"}})
+        assert info.value.body["param"] == "structured_outputs.grammar" and "items" in info.value.body["message"]
     want = local_ar(CONFIG, cluster.encode(PROMPT), 30)
     assert whole["text"] == streamed["text"] == load_tokenizer(CONFIG.target).decode(want)
     assert [t for t, _, _ in whole["logprobs"]] == list(whole["text"])

@@ -10,6 +10,7 @@ with the history sent by hand.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import httpx
@@ -204,3 +205,37 @@ def test_the_chats_see_a_server_that_forgets_the_oldest_item(wide, monkeypatch):
         with pytest.raises(AssertionError):
             for seed in seeds:
                 chat_chain(client, seed)
+
+
+def test_truncation_auto_drops_the_oldest_turns_past_the_message_cap(wide):
+    """A conversation grown past --max-chat-messages (256) by the official client, 20 items at a
+    time: truncation "auto" drops its oldest turns until both the cap and the context fit, and
+    the output is the engine's for that chat; without truncation, a 400 naming `conversation`
+    (not the gRPC field `chat`). A server with a cap of 16 keeps the last 16 messages: the cap
+    alone decides where the chat fits the context whole."""
+    srv, backend = wide
+    template = ToolTemplate(backend)
+
+    def grown(client, items: int):
+        conversation = client.conversations.create()
+        for _ in range(items // 20):
+            client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "ab"}] * 20)
+        return conversation.id, [{"role": "user", "content": "ab"}] * items + [{"role": "user", "content": "abc"}]
+
+    for server, items, cap in ((srv, 300, 256), (None, 40, 16)):
+        with (serving(lambda: ToolTemplate(backend), max_chat_messages=cap) if server is None
+              else contextlib.nullcontext(server)) as live:
+            client = oai(live)
+            limit = client.models.retrieve("tiny").model_extra["max_model_len"]
+            conversation, chat = grown(client, items)
+            with pytest.raises(openai.BadRequestError) as info:
+                client.responses.create(model="tiny", input="abc", conversation=conversation, max_output_tokens=8)
+            error = info.value.body
+            assert error["param"] == "conversation" and f"at most {cap} messages" in error["message"], error
+            reply = client.responses.create(model="tiny", input="abc", conversation=conversation, max_output_tokens=8,
+                                            truncation="auto")
+            kept = next(chat[i:] for i in range(len(chat))
+                        if len(chat) - i <= cap and len(template.apply_chat(chat[i:])) + 8 <= limit)
+            assert reply.output_text == expected(backend, kept, max_new=8)
+            assert reply.usage.input_tokens == len(template.apply_chat(kept))
+            assert (len(kept) == cap) == (server is None)  # the small cap binds before the context

@@ -33,6 +33,7 @@ from ssd.serve.backend import LocalBackend, UnsupportedRequest
 from ssd.serve.client import GenerationClient
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import GenerationServer
+from ssd.serve.validation import SEEDED_COUPLING
 from tests.conftest import ROOT, static_ssd
 from tests.test_serve import ControlledBackend
 
@@ -131,13 +132,14 @@ def chat_ids(backend, messages) -> list[int]:
 
 
 def direct(backend, prompt_ids: list[int], mode: str, temperature: float = 0.0, seed: int = 0,
-           max_new: int = 24, stop=()):
-    """The same request through a fresh engine, no server."""
+           max_new: int = 24, stop=(), coupling: str = SEEDED_COUPLING):
+    """The same request through a fresh engine, no server (a seeded request that names no
+    coupling is served coupled: validation.default_coupling)."""
     speculation = dataclasses.replace(backend.config.speculation, mode=mode)
     engine = make_engine(mode, backend.pair, speculation)
     try:
         return engine.generate(GenerationRequest(
-            prompt_ids, SamplingConfig(temperature=temperature, seed=seed),
+            prompt_ids, SamplingConfig(temperature=temperature, seed=seed, coupling=coupling),
             GenerationConfig(max_new_tokens=max_new, stop=list(stop)), speculation,
         ))
     finally:
@@ -635,6 +637,9 @@ def test_token_guards_v1_but_not_health(backend):
             oai(srv, "wrong").models.list()
         assert oai(srv, "s3cret").completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        for path in ("/openapi.json", "/docs", "/redoc"):  # no schema of every route to anyone without the key
+            for headers in ({}, {"authorization": "Bearer s3cret"}):
+                assert httpx.get(url + path, headers=headers).status_code == 404, path
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:

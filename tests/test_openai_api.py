@@ -22,8 +22,11 @@ import dataclasses
 import json
 import math
 import re
+import threading
 from typing import Any
 
+import grpc
+import httpx
 import openai
 import pytest
 
@@ -38,7 +41,7 @@ from ssd.serve.http_calls import ApiError, _result
 from ssd.serve.service import Final
 from ssd.serve.validation import choice_seed
 from tests.conftest import ROOT
-from tests.test_http import PROMPT, ChatBackend, oai, serving
+from tests.test_http import PROMPT, ChatBackend, base_url, oai, serving
 
 ROLE = {"system": "s", "user": "u", "assistant": "a", "tool": "t"}
 
@@ -109,7 +112,7 @@ def test_models_card_and_retrieve_say_which_defaults_apply(plain):
     card = client.models.retrieve("tiny")
     assert card.id == "tiny" and card.object == "model"
     assert card.model_extra["defaults"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
-                                            "max_tokens": None}
+                                            "coupling": "auto", "max_tokens": None}
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4o")
@@ -117,6 +120,7 @@ def test_models_card_and_retrieve_say_which_defaults_apply(plain):
     with GenerationClient(f"127.0.0.1:{srv.port}") as grpc:
         defaults = grpc.model_info().defaults
         assert defaults.temperature == 1.0 and defaults.top_p == 1.0 and defaults.random_seed
+        assert defaults.coupling == "auto"
 
 
 def test_an_omitted_temperature_samples_at_one(plain):
@@ -355,6 +359,81 @@ def test_guided_choice(wide):
         reply = oai(srv).completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=1.0, seed=seed,
                                             extra_body={"guided_choice": ["yes", "no", "maybe"]})
         assert reply.choices[0].text in ("yes", "no", "maybe") and reply.choices[0].finish_reason == "stop"
+
+
+# --- grammars llguidance cannot follow ------------------------------------------------------------
+# Each compiles (llguidance's own check passes it) and meets one of llguidance's limits only as
+# it parses its first token: refused at admission, a 400 naming the field, before it takes a row.
+MANY = 3001  # over llguidance's 2000 items in a parser row
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # 50000 items
+SELF_TOOL = {"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}
+UNFOLLOWABLE = [
+    ("completions", {"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex",
+     "too many expressions"),
+    ("completions", {"guided_regex": "a{1000000}"}, "guided_regex", "too many expressions"),
+    ("completions", {"structured_outputs": {"choice": [f"c{i}" for i in range(MANY)]}}, "structured_outputs.choice",
+     "items"),
+    ("completions", {"guided_choice": [f"c{i}" for i in range(MANY)]}, "guided_choice", "items"),
+    ("completions", {"structured_outputs": {"grammar": "start: " + " | ".join(f'"a{i}"' for i in range(MANY))}},
+     "structured_outputs.grammar", "items"),
+    ("completions", {"guided_json": RECURSIVE}, "guided_json", "Too many items"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": RECURSIVE}}},
+     "response_format.json_schema.schema", "Too many items"),
+    ("chat", {"tools": [SELF_TOOL], "tool_choice": "required"}, "tool_choice", "Too many items"),
+]
+
+
+@pytest.mark.parametrize("route,extra,field,why", UNFOLLOWABLE, ids=[case[2] for case in UNFOLLOWABLE])
+def test_a_grammar_llguidance_cannot_follow_is_refused_naming_its_field(wide, route, extra, field, why):
+    srv, _ = wide
+    body = {"model": "tiny", "max_tokens": 8, **extra}
+    body |= {"prompt": "abcab"} if route == "completions" else {"messages": ASK}
+    for stream in (False, True):
+        reply = httpx.post(f"{base_url(srv)}/v1/{'chat/' if route == 'chat' else ''}completions",
+                           json=body | {"stream": stream}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == field and error["message"].startswith(field) and why in error["message"], error
+        assert error["type"] == "invalid_request_error" and "<state>" not in error["message"]
+    assert httpx.get(base_url(srv) + "/health").status_code == 200
+
+
+def test_a_grammar_llguidance_cannot_follow_is_invalid_argument_over_grpc(wide):
+    srv, _ = wide
+    with GenerationClient(f"127.0.0.1:{srv.port}") as grpc_client:
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_client.generate(text="abc", max_new_tokens=8, structured={"regex": "a{1000000}"})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many expressions" in info.value.details()
+
+
+# After "ab" the lexeme /ab+/ may end, and the +100 bias on "c" ends it: "c" starts `rest`, whose
+# 3001 alternatives llguidance refuses then, at the third token: admission (which takes a first
+# token) passes it, and the row fails mid-run.
+LATE_FAILURE = {"structured_outputs": {"grammar": 'start: /ab+/ rest\nrest: ' + " | ".join(f'"c{i}"' for i in range(MANY))}}
+
+
+def test_a_grammar_that_fails_mid_run_ends_that_request_alone_with_a_400(wide):
+    srv, backend = wide
+    bias = {str(backend.encode("c")[0]): 100}
+    client = oai(srv)
+    for mode in ("ar", "sd", "ssd"):
+        fine = {}
+        reader = threading.Thread(target=lambda: fine.update(text=client.completions.create(
+            model="tiny", prompt="abc", max_tokens=30, temperature=0).choices[0].text))
+        reader.start()  # a row beside the failing one
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 30, "logit_bias": bias,
+                "speculation": {"mode": mode}, **LATE_FAILURE}
+        reply = httpx.post(base_url(srv) + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "structured_outputs.grammar" and "items" in error["message"], error
+        streamed = httpx.post(base_url(srv) + "/v1/completions", json=body | {"stream": True}, timeout=60)
+        events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["param"] == "structured_outputs.grammar", events
+        reader.join(60)
+        assert fine["text"] == direct(backend, backend.encode("abc"), max_new=30).text
+    assert httpx.get(base_url(srv) + "/health").status_code == 200
 
 
 # --- tool calls ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ssd.serve.client import GenerationClient, build_request
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import SERVICE_NAME, GenerationServer
 from ssd.serve.streaming import TextStream
+from ssd.serve.validation import SEEDED_COUPLING
 from tests.conftest import ROOT, static_ssd
 from tests.spies import QPRIME_TOL, record_builds, saguaro_errors
 
@@ -136,13 +137,15 @@ def client(served):
     return served[1]
 
 
-def direct(backend: LocalBackend, mode: str, temperature: float, seed: int, max_new: int, stop=()):
-    """The same request straight through a fresh engine, no server."""
+def direct(backend: LocalBackend, mode: str, temperature: float, seed: int, max_new: int, stop=(),
+           coupling: str = SEEDED_COUPLING):
+    """The same request straight through a fresh engine, no server (a seeded request that names
+    no coupling is served coupled: validation.default_coupling)."""
     speculation = dataclasses.replace(backend.config.speculation, mode=mode)
     engine = make_engine(mode, backend.pair, speculation)
     try:
         return engine.generate(GenerationRequest(
-            backend.encode(PROMPT), SamplingConfig(temperature=temperature, seed=seed),
+            backend.encode(PROMPT), SamplingConfig(temperature=temperature, seed=seed, coupling=coupling),
             GenerationConfig(max_new_tokens=max_new, stop=list(stop)), speculation,
         ))
     finally:
@@ -167,14 +170,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
 # --- exactness through the wire ---------------------------------------------
 
 
-@pytest.mark.parametrize("mode,temperature,stop", [
-    ("ar", 0.0, ()), ("sd", 0.0, ()), ("ssd", 0.0, ()), ("sd", 0.9, ()), ("ar", 0.9, ()),
-    ("sd", 0.0, ("lla",)),
+@pytest.mark.parametrize("mode,temperature,stop,coupling", [
+    ("ar", 0.0, (), ""), ("sd", 0.0, (), ""), ("ssd", 0.0, (), ""), ("sd", 0.9, (), ""), ("ar", 0.9, (), ""),
+    ("sd", 0.9, (), "standard"), ("ar", 0.9, (), "standard"), ("sd", 0.0, ("lla",), ""),
 ])
-def test_stream_equals_final_and_direct_engine(client, backend, mode, temperature, stop):
+def test_stream_equals_final_and_direct_engine(client, backend, mode, temperature, stop, coupling):
     out = client.generate(text=PROMPT, mode=mode, temperature=temperature, seed=11,
-                          max_new_tokens=40, stop=stop)
-    want = direct(backend, mode, temperature, 11, 40, stop)
+                          max_new_tokens=40, stop=stop, coupling=coupling)
+    want = direct(backend, mode, temperature, 11, 40, stop, coupling or SEEDED_COUPLING)
     assert out.token_ids == list(out.finished.output_token_ids) == want.token_ids
     assert out.text == out.finished.output_text == want.text
     assert out.finish_reason == want.finish_reason
@@ -370,7 +373,7 @@ def test_good_speculation_settings_are_honoured(client, backend, monkeypatch):
     assert full and all(b.per_k(3) == [2, 2, 1, 1] for b in full)
 
     builds.clear()  # C acts on sampled rows only
-    client.generate(text=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, **settings)
+    client.generate(text=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, coupling="standard", **settings)
     assert builds and all(b.sampling.temperature == 1.0 for b in builds)
     for build in builds[:3]:
         assert max(saguaro_errors(backend.pair.draft, build, 0.5, [2, 2, 1, 1])) < QPRIME_TOL
@@ -558,3 +561,83 @@ def test_an_asked_for_k_overrides_the_configured_k_policy(backend):
     asked = validate(from_proto(build_request(pb, text=PROMPT, mode="sd", k=2)), stub, ServeOptions()).speculation
     assert chosen.k_policy == {1: 3, 4: 0} and chosen.k_for(4) == 0
     assert asked.k_policy == {} and asked.k_for(4) == 2
+
+
+# --- what a seed promises -------------------------------------------------------
+
+
+def _builds_cut(monkeypatch: pytest.MonkeyPatch, asks: Callable[[int], int | None]) -> None:
+    """Every anytime build stops at its asks(n)-th ask (n: the build's number; None: never), as if
+    the next round's outcome arrived then: the shapes a busy or idle machine gives SSD's builds."""
+    from ssd.saguaro import speculator as speculator_module
+
+    builds = iter(range(10**9))
+
+    class CutAt(speculator_module._Cut):
+        def __init__(self, channel) -> None:
+            super().__init__(channel)
+            self.asked, self.limit = 0, asks(next(builds))
+
+        def __call__(self) -> bool:
+            self.asked += 1
+            self.fired = self.fired or (self.limit is not None and self.asked >= self.limit)
+            return self.fired
+
+    monkeypatch.setattr(speculator_module, "_Cut", CutAt)
+
+
+CUTS = {"never": lambda n: None, "at the first ask": lambda n: 1, "at the second": lambda n: 2,
+        "every other build, at once": lambda n: 1 if n % 2 else None}
+
+
+def test_a_seeded_ssd_request_repeats_whatever_its_builds_cut(monkeypatch):
+    """A request with a seed and no coupling, at T = 0.7, four times to an SSD server whose
+    anytime builds are cut at four different points: one text, AR's for the seed (coupled
+    sampling is the default for seeded requests). The power: with coupling "standard" the same
+    four runs do not all agree."""
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    config.serve_defaults = dataclasses.replace(config.serve_defaults, seed=None)  # seeded by the request alone
+    assert config.speculation.fanout.anytime
+    local = LocalBackend(config)
+    try:
+        with running(lambda: ControlledBackend(local)) as (_, client):
+            def texts(**fields: Any) -> list[str]:
+                out = []
+                for asks in CUTS.values():
+                    _builds_cut(monkeypatch, asks)
+                    out.append(client.generate(text=PROMPT, mode="ssd", temperature=0.7, max_new_tokens=32,
+                                               **fields).text)
+                return out
+
+            seeded = texts(seed=5)
+            assert len(set(seeded)) == 1, seeded
+            assert seeded[0] == client.generate(text=PROMPT, mode="ar", temperature=0.7, seed=5, max_new_tokens=32).text
+            assert len(set(texts(seed=5, coupling="standard"))) > 1
+            assert client.model_info().defaults.coupling == "auto"
+    finally:
+        local.close()
+
+
+def test_a_request_that_names_no_coupling_gets_gumbel_when_seeded(backend):
+    """validation's default: gumbel for a request seeded by itself or by serve_defaults.seed,
+    sampling.coupling without a seed; serve_defaults.coupling, where set, for every request."""
+    from types import SimpleNamespace
+
+    from ssd.serve.convert import from_proto
+    from ssd.serve.validation import validate
+
+    pb, _ = protos.load()
+
+    def coupling(serve_defaults: dict, **fields: Any) -> str:
+        defaults = dataclasses.replace(backend.info.defaults, serve_defaults=dataclasses.replace(
+            backend.info.defaults.serve_defaults, **serve_defaults))
+        stub = SimpleNamespace(info=dataclasses.replace(backend.info, defaults=defaults), encode=backend.encode)
+        request = from_proto(build_request(pb, text=PROMPT, mode="ssd", temperature=0.7, **fields))
+        return validate(request, stub, ServeOptions()).sampling.coupling
+
+    assert coupling({"seed": None}, seed=3) == "gumbel"
+    assert coupling({"seed": None}) == "standard"
+    assert coupling({"seed": 0}) == "gumbel"
+    assert coupling({"seed": None}, seed=3, coupling="standard") == "standard"
+    assert coupling({"seed": None, "coupling": "standard"}, seed=3) == "standard"
+    assert coupling({"seed": None, "coupling": "gumbel"}) == "gumbel"

@@ -115,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("serve_defaults", "seed", args.seed),
         ("serve_defaults", "max_new_tokens", args.max_new_tokens),
         ("sampling", "coupling", args.coupling),
+        ("serve_defaults", "coupling", args.coupling),
         ("runtime", "threads", args.threads),
         ("batching", "prefix_cache", args.prefix_cache),
         ("batching", "prefill_chunk", args.prefill_chunk),

@@ -36,6 +36,7 @@ import ray
 
 from ssd.cluster.healing import RECOVERY_WAIT_S
 from ssd.engine.batch import Engine, Finished
+from ssd.engine.grammar import GrammarFailed
 from ssd.engine.request import GenerationRequest, GeneratorUnavailable
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,13 @@ class Lost(GeneratorUnavailable):
 
 def row_error(text: str) -> Exception:
     """A row's error from its text: a failed tensor-parallel forward is GeneratorUnavailable
-    (the group restarts; the client retries), anything else a RowError."""
+    (the group restarts; the client retries), a grammar's failure GrammarFailed (the request's
+    own), anything else a RowError."""
     if text.startswith("TPForwardError: "):
         why = text.removeprefix("TPForwardError: ")
         return GeneratorUnavailable(f"{why}; the tensor-parallel target restarts, retry the request")
+    if text.startswith("GrammarFailed: "):  # the request's own grammar: the front ends say so (400)
+        return GrammarFailed(text.removeprefix("GrammarFailed: "))
     return RowError(text)
 
 

@@ -26,8 +26,15 @@ import torch
 # model): ", " and ": ", no other whitespace. Flexible whitespace would let a sampled
 # output pad forever, and spend tokens on nothing.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+NO_EXTENSION = "NoExtensionBias"  # llguidance's error where no token of the vocabulary may come next
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+class GrammarFailed(RuntimeError):
+    """llguidance could not go on with a row's grammar mid-generation (one of its limits, met
+    only at some position, or a token it refused): that request alone ends with this error,
+    which the front ends report as the request's fault (HTTP 400, gRPC INVALID_ARGUMENT)."""
 
 
 def _llguidance():
@@ -74,15 +81,33 @@ def matcher(grammar: str, tokenizer: Any, eos_ids: Sequence[int]) -> Any:
     """A fresh matcher for one row; ValueError if llguidance refuses the grammar."""
     found = _llguidance().LLMatcher(ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
     if found.is_error():
-        raise ValueError(f"grammar: {found.get_error()}")
+        raise ValueError(f"grammar: {reason(found)}")
     return found
 
 
 def can_start(grammar: str, tokenizer: Any, eos_ids: Sequence[int], vocab: int) -> bool:
     """Whether some token of the vocabulary may come first (a grammar needing characters the
-    vocabulary lacks cannot), or the grammar is complete as it is."""
+    vocabulary lacks cannot), or the grammar is complete as it is; ValueError where llguidance
+    cannot compute the first token's mask or take a first token (a grammar over one of its
+    limits, which llguidance checks only as it parses), so that such a grammar is refused at
+    admission rather than failing its row."""
     found = matcher(grammar, tokenizer, eos_ids)
-    return found.is_stopped() or bool((mask(found, vocab) == 0).any()) or found.is_accepting()
+    allowed = (mask(found, vocab) == 0).nonzero().flatten()
+    if found.is_error():
+        if reason(found) == NO_EXTENSION:
+            return False
+        raise ValueError(f"grammar: {reason(found)}")
+    if len(allowed):  # llguidance meets most of its limits (items in a row, lexer states) here
+        probe = found.deep_copy()
+        probe.consume_token(int(allowed[0]))
+        if probe.is_error():
+            raise ValueError(f"grammar: {reason(probe)}")
+    return found.is_stopped() or bool(len(allowed)) or found.is_accepting()
+
+
+def reason(found: Any) -> str:
+    """A matcher's error, its first line (llguidance appends its parser state and the grammar)."""
+    return (found.get_error() or "").split("\n", 1)[0]
 
 
 def mask(found: Any, vocab: int) -> torch.Tensor:

@@ -98,11 +98,14 @@ class LogitsProcessor:
         if self.matcher is None or self.frozen or self.matcher.is_stopped():
             return None
         mask = grammars.mask(self.matcher, vocab)
+        if self.matcher.is_error() and grammars.reason(self.matcher) != grammars.NO_EXTENSION:
+            raise self._failed("cannot compute the next tokens")  # a limit of llguidance's, met here
         if bool((mask == 0).any()):
             return mask
         if self.matcher.is_accepting():  # only its EOS could follow, and the model has none
             return None
-        raise ValueError("grammar: no token of the model's vocabulary can continue the output")
+        raise grammars.GrammarFailed(f"grammar: no token of the model's vocabulary can continue the output "
+                                     f"(near output token {self.counts.total()})")
 
     def rows(self, drafted: Sequence[int], vocab: int) -> Bias:
         """Bias rows [len(drafted) + 1, vocab]: row i for the prefix that includes drafted[:i].
@@ -142,7 +145,7 @@ class LogitsProcessor:
     def reset(self) -> None:
         """Drop the tentative tokens (a rejected speculation's): back to the committed state."""
         if self.matcher is not None and self.consumed and not self.matcher.rollback(self.consumed):
-            raise RuntimeError(f"grammar rollback failed: {self.matcher.get_error()}")
+            raise self._failed("rollback failed")
         self.pending.clear()
         self.consumed = 0
         self.frozen = False
@@ -161,11 +164,11 @@ class LogitsProcessor:
             if ended:
                 break
             if not self.matcher.consume_token(token):
-                raise RuntimeError(f"grammar refused emitted token {token}: {self.matcher.get_error()}")
+                raise self._failed(f"refused emitted token {token}")
             kept.append(token)
             ended = self._complete(vocab)
         if kept and not self.matcher.rollback(len(kept)):
-            raise RuntimeError(f"grammar rollback failed: {self.matcher.get_error()}")
+            raise self._failed("rollback failed")
         return kept, ended
 
     def _complete(self, vocab: int) -> bool:
@@ -186,9 +189,14 @@ class LogitsProcessor:
                 if self.matcher.is_stopped():
                     break
                 if not self.matcher.consume_token(token):
-                    raise RuntimeError(f"grammar refused emitted token {token}: {self.matcher.get_error()}")
+                    raise self._failed(f"refused emitted token {token}")
 
     # --- helpers --------------------------------------------------------------------
+
+    def _failed(self, what: str) -> grammars.GrammarFailed:
+        """The grammar cannot go on: llguidance's own reason with it."""
+        return grammars.GrammarFailed(f"grammar {what} near output token {self.counts.total()}: "
+                                      f"{grammars.reason(self.matcher)}")
 
     def _static(self, vocab: int) -> torch.Tensor | None:
         """logit_bias and the allowed ids' mask: the same at every position."""

@@ -127,7 +127,10 @@ class OpenAIFrontend:
     # --- the app -----------------------------------------------------------------
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="ssd OpenAI-compatible API", description=__doc__, docs_url=None, redoc_url=None)
+        # No schema, docs or redoc routes: they would answer without the API key (every route's shapes
+        # to anyone); docs/serving.md lists the routes.
+        app = FastAPI(title="ssd OpenAI-compatible API", description=__doc__, docs_url=None, redoc_url=None,
+                      openapi_url=None)
         app.add_exception_handler(ApiError, lambda request, exc: exc.response())
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -202,6 +205,7 @@ class OpenAIFrontend:
             raise unavailable(exc) from None
         defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
                     "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
+                    "coupling": d.coupling,  # "auto": gumbel for a seeded request, standard without
                     # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
                     "max_tokens": None if up_to_context else d.max_new_tokens}
         return {"id": name, "object": "model", "created": self.created, "owned_by": "ssd", "root": info.target_model,
@@ -228,6 +232,11 @@ class OpenAIFrontend:
         try:
             chat, origins = (self._fitted(body, earlier) if body.truncation == "auto"
                              else responses.to_chat(body, earlier))
+            cap = self.options.max_chat_messages
+            if len(chat.messages) > cap:  # named here: validation would name the chat's `messages`
+                raise InvalidArgument(responses.whole_chat_field(origins), f"at most {cap} messages, got "
+                                      f"{len(chat.messages)}" + ("" if body.truncation == "auto" else
+                                                                 '; truncation "auto" drops the oldest turns to fit'))
             schema.refuse_unsupported(chat)
             choices = self._submit_all(chat, batch_line(request))
         except InvalidArgument as exc:
@@ -272,13 +281,16 @@ class OpenAIFrontend:
 
     def _fitted(self, body: responses.ResponsesBody, earlier: list[dict[str, Any]]) -> tuple[Any, list[str]]:
         """truncation "auto" (OpenAI's): the chat without its oldest user turns, as few dropped as
-        let the prompt and max_output_tokens (at least one token) fit the model's context; with
-        only the last turn left, that one (and validation says what does not fit)."""
+        let it fit --max-chat-messages and the prompt and max_output_tokens (at least one token)
+        fit the model's context; with only the last turn left, that one (and validation says what
+        does not fit)."""
         limit = self._model_info().limits.max_context_tokens
         room = body.max_output_tokens or 1
         drops = [0, *responses.turn_starts(body, earlier)]
         for drop in drops[:-1]:
             chat, origins = responses.to_chat(body, earlier, drop)
+            if len(chat.messages) > self.options.max_chat_messages:
+                continue  # validation would refuse it whatever its length in tokens
             try:
                 prompt = self.service.tokenize(schema.to_request(chat))
             except NotServing as exc:

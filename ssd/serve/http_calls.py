@@ -665,8 +665,10 @@ def _delta(thought: str, content: str) -> dict[str, Any]:
 
 
 def _result(final: Final) -> Any:
-    """A choice's result, or the ApiError its end means: a failure (500; 503 when the backend
-    was lost) or an abort (503: the server is shutting down). OpenAI's finish reasons only."""
+    """A choice's result, or the ApiError its end means: the request's own failure (400: its
+    grammar failed mid-run), an engine failure (500; 503 when the backend was lost) or an abort (503: the server is shutting down). OpenAI's finish reasons only."""
+    if final.refused:
+        raise invalid(final.error)
     if final.error is not None:
         status = 503 if final.unavailable else 500
         raise ApiError(status, f"generation failed: {type(final.error).__name__}: {final.error}",

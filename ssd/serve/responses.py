@@ -254,6 +254,11 @@ _RENAMED = (
 )
 
 
+def whole_chat_field(origins: list[str]) -> str:
+    """The Responses field that holds most of the chat: the conversation or chain it continues, else input."""
+    return next((o for o in ("conversation", "previous_response_id") if o in origins), "input")
+
+
 def chat_param(param: str | None, origins: list[str]) -> str | None:
     """A chat field named in an error, as the Responses body names it."""
     if param is None:

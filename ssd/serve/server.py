@@ -135,6 +135,9 @@ class GenerationServicer:
         if final.unavailable:
             context.set_code(grpc.StatusCode.UNAVAILABLE)
             context.set_details(f"{final.error}")
+        elif final.refused:
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(str(final.error))
         elif final.error is not None:
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details(f"generation failed: {type(final.error).__name__}: {final.error}")

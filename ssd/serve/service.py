@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from ssd.config import BACKUPS, FANOUT_KINDS
+from ssd.config import BACKUPS, FANOUT_KINDS, Config
+from ssd.engine.grammar import GrammarFailed
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable, TokenLogprob
 from ssd.serve.backend import Backend, BackendInfo
@@ -35,8 +36,8 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.request import Request
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import (
-    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, max_new_tokens_limit, prompt_ids, token_ids_in_vocabulary,
-    validate,
+    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, default_coupling, max_new_tokens_limit, prompt_ids,
+    token_ids_in_vocabulary, validate,
 )
 from ssd.serve.worker import (
     Done,
@@ -151,6 +152,15 @@ class Defaults:
     random_seed: bool = False
 
 
+def _reported_coupling(config: Config) -> str:
+    """Defaults.coupling: the coupling every request that names none gets, or "auto" where it
+    follows the seed (gumbel for a seeded request, standard for an unseeded one)."""
+    if config.serve_defaults.seed is not None:  # every request is seeded
+        return default_coupling(config, seeded=True)
+    seeded, unseeded = default_coupling(config, seeded=True), default_coupling(config, seeded=False)
+    return seeded if seeded == unseeded else "auto"
+
+
 @dataclass
 class ModelInfo:
     target_model: str
@@ -199,6 +209,11 @@ class Final:
         """The error is the backend being unavailable (not a fault in this request)."""
         return isinstance(self.error, GeneratorUnavailable)
 
+    @property
+    def refused(self) -> bool:
+        """The error is the request's own (its grammar failed mid-run): a 400, not an engine fault."""
+        return isinstance(self.error, InvalidArgument)
+
 
 # --- one request -----------------------------------------------------------------------
 
@@ -207,9 +222,10 @@ class Generation:
     """An admitted request: its rounds, then its end (`next`), and its cancellation."""
 
     def __init__(self, service: "GenerationService", worker: GenerationWorker, backend: Backend, job: Job,
-                 queued_ahead: int) -> None:
+                 queued_ahead: int, grammar_field: str | None = None) -> None:
         self.service, self.worker, self.backend, self.job = service, worker, backend, job
         self.queued_ahead = queued_ahead
+        self.grammar_field = grammar_field  # the request field its grammar came from, for errors
         # Not streamed: rounds carry no text and the end carries it all (no decode per round; and
         # a run that starts again after a lost target sends its rounds again, unseen).
         self.text = TextStream(self.decode, job.request.generation) if job.request.streams else None
@@ -252,7 +268,10 @@ class Generation:
         stats = self.service.request_stats(self.job, result.stats) if result is not None else None
         job = self.job
         late = done.reason == "aborted" and job.deadline is not None and time.monotonic() >= job.deadline
-        return Final(done.reason, delta, result, done.error, stats, deadline_exceeded=late)
+        error = done.error
+        if isinstance(error, GrammarFailed):  # the request's grammar, not the server, failed
+            error = InvalidArgument(self.grammar_field or "structured_output", str(error))
+        return Final(done.reason, delta, result, error, stats, deadline_exceeded=late)
 
 
 # --- the service -----------------------------------------------------------------------
@@ -315,7 +334,8 @@ class GenerationService:
             self.metrics.rejected()
             raise
         self.metrics.admitted()
-        return Generation(self, worker, backend, job, ahead)
+        return Generation(self, worker, backend, job, ahead,
+                          grammar_field=request.structured.field if request.structured is not None else None)
 
     def tokenize(self, request: Request) -> list[int]:
         """The request's prompt ids, as a generation would take them (vLLM's /tokenize)."""
@@ -357,7 +377,7 @@ class GenerationService:
             max_new_tokens=max_new if r.max_new_tokens is None else min(r.max_new_tokens, max_new),
             temperature=_or(r.temperature, OPENAI_TEMPERATURE), top_k=_or(r.top_k, 0),
             top_p=_or(r.top_p, OPENAI_TOP_P), seed=_or(r.seed, 0), random_seed=r.seed is None,
-            coupling=d.sampling.coupling, min_p=_or(r.min_p, 0.0),
+            coupling=_reported_coupling(d), min_p=_or(r.min_p, 0.0),
             k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,

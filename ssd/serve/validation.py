@@ -27,6 +27,7 @@ from ssd.config import (
     COUPLINGS,
     FANOUT_KINDS,
     MODES,
+    Config,
     ConfigError,
     GenerationConfig,
     SamplingConfig,
@@ -49,6 +50,7 @@ OPENAI_TOP_P = 1.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI: -100..100
 MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in -2..2
 MAX_LOGPROBS = 20  # OpenAI's most alternatives per token
+SEEDED_COUPLING = "gumbel"  # what a seeded request that names no coupling gets (default_coupling)
 
 
 class InvalidArgument(ValueError):
@@ -139,16 +141,25 @@ def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     if not 0 <= min_p <= 1:  # also refuses NaN
         raise InvalidArgument("min_p", f"must be in [0, 1] (0: off), got {min_p}")
     seed = _given(request.seed, default.seed)
+    coupling = request.coupling or default_coupling(info.defaults, seeded=seed is not None)
     if seed is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
         seed = secrets.randbits(RANDOM_SEED_BITS)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
     seed = choice_seed(seed, request.choice)
-    coupling = request.coupling or info.defaults.sampling.coupling
     if coupling not in COUPLINGS:
         raise InvalidArgument("coupling", f"must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                           coupling=coupling)
+
+
+def default_coupling(config: Config, seeded: bool) -> str:
+    """The coupling of a request that names none: serve_defaults.coupling; unset, gumbel for a
+    seeded request (its output is then AR's in every mode, whatever the timing, batch or backup:
+    the promise a seed makes) and sampling.coupling for an unseeded one."""
+    if config.serve_defaults.coupling is not None:
+        return config.serve_defaults.coupling
+    return SEEDED_COUPLING if seeded else config.sampling.coupling
 
 
 def _max_new_tokens(request: Request, info: BackendInfo, options: ServeOptions) -> int | None:
@@ -267,8 +278,8 @@ def _penalty(name: str, value: float | None) -> float:
 
 
 def _grammar(structured: Structured, backend: Backend) -> str:
-    """llguidance's grammar for the request's structured output; its refusal, or a first token
-    the model's vocabulary cannot spell, names the field."""
+    """llguidance's grammar for the request's structured output; its refusal, a limit of its
+    met at the first token, or a first token the model's vocabulary cannot spell names the field."""
     build = {"json_object": lambda v: grammar.json_object(), "json_schema": grammar.json_schema,
              "regex": grammar.regex, "lark": grammar.lark}.get(structured.kind)
     if build is None:
@@ -284,8 +295,9 @@ def _grammar(structured: Structured, backend: Backend) -> str:
     try:
         startable = tokenizer is None or grammar.can_start(compiled, tokenizer, backend.info.eos_token_ids,
                                                            backend.info.vocab_size)
-    except ValueError as exc:
-        raise InvalidArgument(structured.field, f"not a valid {structured.kind}: {exc}") from None
+    except ValueError as exc:  # over one of llguidance's limits (met only as it parses)
+        raise InvalidArgument(structured.field, f"this {structured.kind} cannot be followed: "
+                                                f"{str(exc).removeprefix('grammar: ')}") from None
     if not startable:
         raise InvalidArgument(structured.field, "no token of this model's vocabulary can start it")
     return compiled

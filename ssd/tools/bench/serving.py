@@ -84,7 +84,7 @@ def run_serving_bench(pair: LoadedPair | None, config: Config, plan: ServingPlan
     rows = max(plan.concurrencies)
     with ExitStack() as stack, tqdm(total=len(plan.variants) * len(plan.concurrencies), desc="serving bench",
                                     disable=not plan.progress) as bar:
-        servers = {key: stack.enter_context(_server(pair, config, key, rows, cluster))
+        servers = {key: stack.enter_context(BenchServer(pair, config, key, rows, cluster))
                    for key in dict.fromkeys(v.server for v in plan.variants)}
         for concurrency in plan.concurrencies:
             for variant in plan.variants:
@@ -105,11 +105,12 @@ def _run(address: str, variant: Variant, concurrency: int, plan: ServingPlan) ->
                                         plan.requests_per_client, fields))
 
 
-class _server:
-    """A GenerationServer on a free loopback port, over the shared pair or the cluster."""
+class BenchServer:
+    """A GenerationServer on a free loopback port, over the shared pair or the cluster; `key`
+    is a Variant's server (on the cluster, batched, torch threads)."""
 
-    def __init__(self, pair: LoadedPair | None, config: Config, key: tuple[bool, bool, int | None], rows: int,
-                 cluster=None) -> None:
+    def __init__(self, pair: LoadedPair | None, config: Config, key: tuple[bool, bool, int | None] = (False, True, None),
+                 rows: int = 1, cluster=None) -> None:
         on_cluster, batched, threads = key
         if on_cluster and cluster is None:
             raise ValueError("cluster rows need a Cluster")
