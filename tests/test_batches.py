@@ -1,5 +1,5 @@
 """OpenAI's Files and Batch APIs (ssd.serve.files, ssd.serve.batches, ssd.serve.http_batches)
-and launch/run_batch.py, through the official `openai` client.
+and `ssd run-batch` (launch/run_batch.py), through the official `openai` client.
 
 Exactness is the live path's: each line of a batch runs as the request it spells, so
 its reply equals the same body sent live (text, finish reason, logprobs, usage), for
@@ -12,11 +12,9 @@ lines; a cancelled batch ends with every line accounted for and no row left runn
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import json
 import random
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ssd.app import run_batch
 from ssd.serve import batches
 from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
 from ssd.serve.batches import Batch, BatchLine, read_lines
@@ -547,23 +546,15 @@ def test_a_batch_whose_input_file_is_gone_at_the_restart_fails(backend, tmp_path
         assert after.status == "failed" and after.errors.data[0].code == "input_file_gone"
 
 
-# --- launch/run_batch.py -----------------------------------------------------------------
+# --- `ssd run-batch` (launch/run_batch.py) -----------------------------------------------
 
 
-def _script(monkeypatch):
-    monkeypatch.setattr(sys, "path", [str(ROOT / "launch"), *sys.path])  # as `python launch/run_batch.py` has it
-    spec = importlib.util.spec_from_file_location("_run_batch_script", ROOT / "launch" / "run_batch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_run_batch_writes_each_line_s_reply_in_input_order(tmp_path, client, monkeypatch):
+def test_run_batch_writes_each_line_s_reply_in_input_order(tmp_path, client):
     path = "/v1/completions"
     drawn = random_lines(9, 6, path)
     rows = [line(cid, body, path) for cid, body in drawn] + [line("bad", {"model": "tiny", "prompt": "a", "n": 0}, path)]
     (tmp_path / "in.jsonl").write_text("\n".join(rows))
-    assert _script(monkeypatch).main(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+    assert run_batch.main(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
                            "--config", str(ROOT / "configs" / "tiny.yaml")]) == 0
     out = [json.loads(r) for r in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["custom_id"] for r in out] == [cid for cid, _ in drawn] + ["bad"]
@@ -575,8 +566,8 @@ def test_run_batch_writes_each_line_s_reply_in_input_order(tmp_path, client, mon
     assert out[-1]["response"]["status_code"] == 400 and out[-1]["response"]["body"]["error"]["param"] == "n"
 
 
-def test_run_batch_refuses_a_malformed_file_naming_the_line(tmp_path, capsys, monkeypatch):
+def test_run_batch_refuses_a_malformed_file_naming_the_line(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(line("a", {}, "/v1/completions") + "\nnot json\n")
-    assert _script(monkeypatch).main(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+    assert run_batch.main(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
                            "--config", str(ROOT / "configs" / "tiny.yaml")]) == 2
     assert "in.jsonl:2: not valid JSON" in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()

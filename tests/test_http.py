@@ -313,15 +313,10 @@ def test_grpc_serves_the_logprobs_http_does_and_the_prompts(client, grpc_client,
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("logprobs")
 
 
-def test_the_client_script_reports_logprobs_and_the_prompts_sum(server, grpc_client, caplog, capsys, monkeypatch):
-    """launch/client.py --logprobs / --prompt-logprobs: a line a token, then the sum, as gRPC gives them."""
-    import importlib.util
-    import sys
-
-    monkeypatch.setattr(sys, "path", [str(ROOT / "launch"), *sys.path])  # as `python launch/client.py` has it
-    spec = importlib.util.spec_from_file_location("_client_script", ROOT / "launch" / "client.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+def test_the_client_script_reports_logprobs_and_the_prompts_sum(server, grpc_client, caplog, capsys):
+    """`ssd client` (launch/client.py) --logprobs / --prompt-logprobs: a line a token, then the sum,
+    as gRPC gives them."""
+    from ssd.app import client as script
     want = grpc_client.generate(text=PROMPT, temperature=0, max_new_tokens=4, logprobs=1, prompt_logprobs=0)
     with caplog.at_level("INFO", logger="ssd.client"):
         code = script.main([PROMPT, "--target", f"127.0.0.1:{server.port}", "--temperature", "0",

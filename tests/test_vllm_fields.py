@@ -495,19 +495,13 @@ def test_an_infill_at_the_start_of_a_file_has_an_empty_prompt(real_tokenizer):
         prompt_ids(Request(text=""), qwen, ServeOptions())  # no suffix: an empty prompt is still refused
 
 
-def test_the_client_script_sends_the_new_fields(monkeypatch):
-    """launch/client.py: --chat --prefill / --template-kwargs lay the chat out; --suffix and
-    --prediction travel as GenerateRequest fields; --prefill without --chat is refused."""
-    import importlib.util
-    import sys
-
+def test_the_client_script_sends_the_new_fields():
+    """`ssd client` (launch/client.py): --chat --prefill / --template-kwargs lay the chat out; --suffix
+    and --prediction travel as GenerateRequest fields; --prefill without --chat is refused."""
+    from ssd.app import client as script
     from ssd.serve import protos
     from ssd.serve.client import build_request
 
-    monkeypatch.setattr(sys, "path", [str(ROOT / "launch"), *sys.path])  # as `python launch/client.py` has it
-    spec = importlib.util.spec_from_file_location("_client_script", ROOT / "launch" / "client.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     pb, _ = protos.load()
     chat = build_request(pb, **script.request_args(script.parse_args(
         ["hi", "--chat", "--prefill", "def f(", "--template-kwargs", '{"enable_thinking": false}'])))
