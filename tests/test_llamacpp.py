@@ -530,6 +530,41 @@ def test_the_benchs_plain_llamacpp_peer_decodes_as_our_ar(pair, tmp_path):
     assert got.token_ids == want.token_ids and len(got.token_ids) == want.stats.new_tokens
 
 
+def test_the_gguf_tokenizer_tokenizes_as_llama_cpp_python(pair):
+    """The bench's tokenizer over the GGUF's own vocabulary (ssd.tools.bench.llamacpp, beside the
+    peer) gives llama-cpp-python's ids and text for the same file: no BOS, specials as text."""
+    import llama_cpp
+
+    from ssd.tools.bench.llamacpp import GGUFTokenizer
+
+    _, lm = pair
+    tok, llm = GGUFTokenizer(lm), llama_cpp.Llama(model_path=str(lm.path), vocab_only=True, verbose=False)
+    for text in ("(1 + 2) * 3 = 9?", "#0,1;2<3>4 " * 40, ""):  # the tiny vocabulary: bytes 0 to 63
+        ids = tok.encode(text)
+        assert ids == llm.tokenize(text.encode(), add_bos=False, special=False) and len(ids) == len(text)
+        assert tok.decode(ids) == llm.detokenize(ids).decode(errors="replace") == text
+    assert len(tok) == tok.vocab_size == CFG.vocab_size and tok.eos_token_id is None
+
+
+def test_the_llamacpp_pair_bench_runs_its_parts_on_a_tiny_pair(pair, draft_pair):
+    """launch/bench_llamacpp.py's parts (ssd.tools.bench.llamacpp_pair) on the tiny pair: every
+    invariance variant reports, SD and SSD equal AR, and the speed table names every system."""
+    import argparse
+
+    from ssd.tools.bench import llamacpp_pair as bench
+
+    models = {"target": pair[1], "draft": draft_pair[1]}
+    tok = bench.GGUFTokenizer(models["target"])
+    args = argparse.Namespace(tokens=8, n_ctx=64, sd_k=2, ssd_k=2, budget=2, threads=1, other_layout=False)
+    lines: list[str] = []
+    bench.report_invariance(models, PROMPTS, args, lines.append)
+    bench.report_exactness(models, tok, PROMPTS, args, lines.append)
+    bench.report_speed(models["target"].path, models, tok, PROMPTS, args, lines.append)
+    assert sum(" verify " in line for line in lines) == 2 * len(bench.INVARIANCE_VARIANTS)
+    assert sum(" == ar (8 tokens" in line for line in lines) == 2 * len(PROMPTS) and not any("PARTS" in x for x in lines)
+    assert [line.split(":")[0].strip() for line in lines if line.startswith("  ") and "x plain" in line] == bench.SYSTEMS
+
+
 def test_a_tiny_model_on_llamacpp_loads_from_its_config(tmp_path, monkeypatch):
     """model.backend llamacpp with the tiny model: written to GGUF once in the cache
     (the driver's prefetch), loaded as a LlamaCppModel whose logits are the torch model's."""

@@ -14,6 +14,10 @@ llama.cpp's repacked weight layouts (its "extra buffer types", on by default
 in llama.cpp) load where they run on this host, as in our backend
 (`ssd.models.llamacpp.repack_probe`): on an AVX512/AMX VM they died
 with SIGILL, so users there run plain layouts.
+
+GGUFTokenizer is the engines' tokenizer over the same file's own vocabulary
+(llama.cpp's tokenizer), for the benches that run the GGUF pair without the
+hub's tokenizer (ssd.tools.bench.llamacpp_pair).
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import ctypes
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from ssd.engine.metrics import GenerationStats, Stopwatch
 from ssd.engine.request import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from ssd.models.llamacpp import LlamaCppModel
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +153,7 @@ class LlamaCppEngine:
         return chain
 
     def _detokenize(self, tokens: list[int]) -> str:
-        L = self._L
-        vocab, buf, out = L.llama_model_get_vocab(self.model._model), ctypes.create_string_buffer(256), b""
-        for token in tokens:
-            n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
-            out += buf.raw[:max(n, 0)]
-        return out.decode(errors="replace")
+        return detokenize(self.model, tokens)
 
     def _decode(self, ids: list[int]) -> None:
         L = self._L
@@ -171,3 +174,49 @@ class LlamaCppEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class GGUFTokenizer:
+    """The engines' tokenizer subset over a GGUF model's own vocabulary, as llama.cpp
+    tokenizes: no BOS, special tokens as text. No EOS either: the benches that use it make
+    fixed-length runs."""
+
+    def __init__(self, model: LlamaCppModel) -> None:
+        import llama_cpp
+
+        self._L = llama_cpp
+        self.model = model  # holds the vocabulary: read through it at each call
+        self.vocab_size = model.vocab_size
+        self.eos_token_id = None
+        self.all_special_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        L, data = self._L, text.encode()
+        vocab = L.llama_model_get_vocab(self.model._model)
+        room = len(data) + 1  # a token is at least one byte (a BOS would be the one more)
+        ids = (L.llama_token * room)()
+        n = L.llama_tokenize(vocab, data, len(data), ids, room, False, False)
+        if n < 0:  # -n: the room it needs
+            ids = (L.llama_token * -n)()
+            n = L.llama_tokenize(vocab, data, len(data), ids, -n, False, False)
+        if n < 0:
+            raise RuntimeError(f"llama.cpp could not tokenize {text[:40]!r}...: {n}")
+        return list(ids[:n])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return detokenize(self.model, ids)
+
+
+def detokenize(model: LlamaCppModel, tokens: Sequence[int]) -> str:
+    """The text of `tokens` in the model's vocabulary (special tokens as nothing, bytes
+    that end mid-character as U+FFFD)."""
+    import llama_cpp as L
+
+    vocab, buf, out = L.llama_model_get_vocab(model._model), ctypes.create_string_buffer(256), b""
+    for token in tokens:
+        n = L.llama_token_to_piece(vocab, int(token), buf, len(buf), 0, False)
+        out += buf.raw[:max(n, 0)]
+    return out.decode(errors="replace")
