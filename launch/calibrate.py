@@ -1,78 +1,16 @@
-"""Measure batched SD here and print the K-by-batch-size policy
-(speculation.k_policy) that gives it the most tokens per second.
+"""Measure batched SD here and print the K-by-batch-size policy (speculation.k_policy)
+that gives it the most tokens per second.
 
-    python launch/calibrate.py                           # the real pair, batch sizes 1 2 4 8, K 0 2 4 6
-    python launch/calibrate.py --batch-sizes 1 2 4 8 16 --ks 0 2 4 --yaml k_policy.yaml
-    python launch/calibrate.py --method model --k-max 6  # from the cost model instead
+    python launch/calibrate.py --help
 
---method direct (the default): b rows of code prompts run together through
-the batched SD engine for --tokens tokens at each K (K = 0: plain target
-steps), and each batch size takes its fastest K: nothing is modelled, so
-speculation never costs throughput where the measurement holds.
---method model: verify(b, n) and draft(b, k) are timed on random contexts
-and the policy maximises b * E_SD(a, K) / (verify(b, K + 1) + draft(b, K)),
-with a from a short SD run on the config's prompt (per token, the
-maximum-likelihood a of a geometric acceptance model) or --acceptance. The
-model leaves out per-round costs beyond the forwards, so it speculates more
-than the direct method where the two disagree.
+The calibration lives in ssd/tools/ablation/calibrate.py.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-import _bootstrap  # noqa: F401,E402 - first: the repository root on sys.path
+import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
-import yaml  # noqa: E402
-
-from ssd import hardware  # noqa: E402
-from ssd.tools.ablation.calibrate import calibrate, calibrate_direct  # noqa: E402
-from ssd.tools.prompts import load_prompt_set  # noqa: E402
-from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args  # noqa: E402
-from ssd.factory import load_pair  # noqa: E402
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--method", choices=["direct", "model"], default="direct")
-    parser.add_argument("--ks", nargs="+", type=int, default=[0, 2, 4, 6], help="direct: the K values to run")
-    parser.add_argument("--tokens", type=int, default=32, help="direct: tokens per row and run")
-    parser.add_argument("--prompts", type=int, default=4, help="direct: prompts the rows cycle through")
-    parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml", help="direct: YAML prompt set")
-    parser.add_argument("--k-max", type=int, default=6, help="model: the largest K considered")
-    parser.add_argument("--acceptance", type=float, help="per-token acceptance rate (default: measured)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--yaml", help="write {speculation: {k_policy: ...}} here")
-    parser.add_argument("--no-progress", action="store_true")
-    add_config_args(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> dict[int, int]:
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
-    pair = load_pair(config)
-    if args.method == "direct":
-        prompts = [p.encode(pair.tokenizer) for p in load_prompt_set(args.prompt_file, args.prompts)]
-        table, policy = calibrate_direct(pair, config, prompts, args.batch_sizes, args.ks, args.tokens,
-                                         not args.no_progress)
-        print(hardware.summary())
-        print(table)
-    else:
-        costs, a, policy = calibrate(pair, config, args.batch_sizes, args.k_max, args.acceptance, args.repeats,
-                                     not args.no_progress)
-        print(hardware.summary())
-        print(costs.table())
-        print(f"acceptance a = {a:.3f}")
-    print(f"k_policy = {policy}")
-    if args.yaml:
-        with open(args.yaml, "w") as f:
-            yaml.safe_dump({"speculation": {"k_policy": policy}}, f)
-    return policy
-
+from ssd.tools.ablation.calibrate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(0 if main() is not None else 1)

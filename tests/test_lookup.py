@@ -270,23 +270,17 @@ def test_sd_without_a_draft_model_runs_plain_steps_and_lookups_equal_to_ar(tiny_
 
 
 def test_the_lookup_bench_compares_ar_with_lookups_on_one_target(tmp_path, capsys):
-    """launch/bench_lookup.py end to end on the tiny config: a row per prompt, greedy tokens equal."""
+    """launch/bench_lookup.py's command (ssd.tools.bench.lookup.main) end to end on the tiny config:
+    a row per prompt, greedy tokens equal."""
     import json
-    import runpy
-    import sys
+
+    from ssd.tools.bench.lookup import main
 
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     prompts = tmp_path / "p.yaml"
     prompts.write_text('- "abcabcabcabc"\n- "ponm"\n')
-    argv = ["bench_lookup.py", "--config", str(root / "configs" / "tiny.yaml"), "--prompt-file", str(prompts),
-            "--max-new-tokens", "16", "--rounds", "2", "--threads", "1", "--out", str(tmp_path / "lookup")]
-    saved = sys.argv, list(sys.path)
-    sys.argv = argv
-    sys.path.insert(0, str(root / "launch"))  # as `python launch/bench_lookup.py` has it
-    try:
-        runpy.run_path(str(root / "launch" / "bench_lookup.py"), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = saved
+    main(["--config", str(root / "configs" / "tiny.yaml"), "--prompt-file", str(prompts),
+          "--max-new-tokens", "16", "--rounds", "2", "--threads", "1", "--out", str(tmp_path / "lookup")])
     result = json.loads((tmp_path / "lookup.json").read_text())
     assert [row["prompt"] for row in result["rows"]] == [0, 1]
     assert all(row["greedy_equal"] for row in result["rows"]) and result["lookup_ceiling"] == 8

@@ -1,4 +1,9 @@
-"""Coupled against standard sampling: what shared noise costs and buys SSD (launch/ablate_coupling.py).
+"""Coupled (Gumbel) against standard sampling in SSD: acceptance, cache hit rate, tokens/s;
+what shared noise costs and buys SSD.
+
+    python launch/ablate_coupling.py --no-plan --prompts 4 --max-new-tokens 48 \
+        --temperatures 0.7 1.0 --json docs/results/coupling.json \
+        --txt docs/results/coupling.txt --plot docs/results/plots_t07/coupling_tradeoff.png
 
 For each temperature, over the same prompts and seeds, SSD in process (the
 speculator on a thread of this process) runs three variants:
@@ -19,26 +24,39 @@ acceptance probability 1 - TV(p, q), the coupling's P(argmax(log p + g) =
 argmax(log q + g)) over many noise seeds, and the bound (1 - TV) / (1 + TV)
 that Gumbel sampling never falls below (Daliri, Musco and Suresh,
 arXiv:2408.07978).
+
+Part "ssd" is the runs above (SSD's K, budget and glue from the config and
+flags), part "contexts" the comparison on the same contexts; the tables name
+the machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from tqdm import tqdm
 
 import ssd.saguaro.builder as builder
+from ssd import hardware
+from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args
 from ssd.config import Config, SamplingConfig
 from ssd.engine.metrics import GenerationStats, total
 from ssd.engine.request import GenerationRequest
-from ssd.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.models.backend import new_sequence, release
+from ssd.models.tokenizer import encode_prompt
 from ssd.sampling import GumbelNoise, coupled_ids, probs_from_logits
 
 log = logging.getLogger(__name__)
@@ -219,3 +237,70 @@ def plot(rows: Sequence[Row], path: Path) -> Path:
 def as_json(rows: Sequence[Row], contexts: Sequence[SameContexts], meta: dict[str, Any]) -> dict[str, Any]:
     return {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows],
             "same_contexts": [dataclasses.asdict(c) for c in contexts]}
+
+
+# --- launch/ablate_coupling.py ------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.7, 1.0])
+    parser.add_argument("--parts", nargs="+", choices=["ssd", "contexts"], default=["ssd", "contexts"])
+    parser.add_argument("--noise-draws", type=int, default=16, help="contexts: noise seeds per position")
+    parser.add_argument("--shared", action="store_true", help="say in the header that the machine was shared")
+    parser.add_argument("--json", type=Path, help="write the rows and the machine here")
+    parser.add_argument("--txt", type=Path, help="write the table here")
+    parser.add_argument("--plot", type=Path, help="write hit rate against acceptance here (PNG)")
+    add_config_args(parser)
+    return parser
+
+
+def machine_line(shared: bool) -> str:
+    lscpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
+    cpu = lscpu.partition(":")[2].strip()
+    return (f"{cpu or hardware.cpu_model()}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+            f"{hardware.describe()['cores']} cores" + ("; machine shared with other jobs: tok/s is noisy" if shared else ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    pair = load_pair(config)
+    texts = yaml.safe_load(args.prompt_file.read_text())[: args.prompts]
+    prompts = [encode_prompt(pair.tokenizer, p) for p in texts]
+    rows, contexts = [], []
+    if "ssd" in args.parts:
+        runs = len(args.temperatures) * len(prompts) * (len(VARIANTS) + 2)
+        with tqdm(total=runs, desc="coupling", file=sys.stderr) as bar:
+            rows = run(config, pair, prompts, args.temperatures, bar)
+    if "contexts" in args.parts:
+        contexts = same_contexts(config, pair, prompts, args.temperatures, args.noise_draws)
+    s = config.speculation
+    header = (f"{machine_line(args.shared)}\n{config.target.name} / {config.draft.name}, SSD in process, "
+              f"K={s.k}, budget {s.fanout.budget} {s.fanout.kind}, glue {s.glue}, "
+              f"{len(prompts)} prompts x {config.generation.max_new_tokens} tokens")
+    text = header
+    if rows:
+        text += "\n" + table(rows)
+    if contexts:
+        text += "\n\nacceptance per drafted position on the same contexts (coupled AR's outputs):\n"
+        text += contexts_table(contexts)
+    print(text)
+    _write(args, config, text, header, rows, contexts, len(prompts))
+
+
+def _write(args: argparse.Namespace, config: Config, text: str, header: str, rows: list[Row],
+           contexts: list[SameContexts], prompts: int) -> None:
+    """--txt, --json and --plot, each where asked for."""
+    if args.txt:
+        args.txt.write_text(text + "\n")
+    if args.json:
+        s = config.speculation
+        meta = {"header": header, "machine": hardware.describe(), "shared": args.shared, "k": s.k,
+                "budget": s.fanout.budget, "kind": s.fanout.kind, "glue": s.glue, "prompts": prompts,
+                "max_new_tokens": config.generation.max_new_tokens, "parts": args.parts}
+        args.json.write_text(json.dumps(as_json(rows, contexts, meta), indent=2) + "\n")
+    if args.plot and rows:
+        plot(rows, args.plot)

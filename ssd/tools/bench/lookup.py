@@ -1,25 +1,37 @@
-"""What prompt lookup (ssd.engine.lookup) buys the target alone: plain decoding (AR)
+"""What prompt lookup (ssd.engine.lookup) buys the target alone on this host: plain decoding (AR)
 against the same target whose rounds verify what the text so far predicts (an SD
-engine with no draft model), one request at a time, the two interleaved per prompt
-in each round; greedy tokens compared. Run it with launch/bench_lookup.py."""
+engine with no draft model: speculation.prompt_lookup), one request at a time, the
+two interleaved per prompt in each round.
+
+    python launch/bench_lookup.py --prompt-file PROMPTS.yaml                   # llama.cpp, 2 threads
+    python launch/bench_lookup.py --prompt-file PROMPTS.yaml --backend torch --out docs/results/lookup_torch
+
+Decode tok/s (after the first token) per prompt, the lookups' accepted share, and whether
+greedy tokens agree.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import logging
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from tqdm import tqdm
 
 from ssd import hardware
-from ssd.config import Config, GenerationConfig, SamplingConfig
+from ssd.app.cli import DEFAULT_CONFIG, PROMPT_DIR
+from ssd.config import Config, GenerationConfig, SamplingConfig, load_config
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.request import GenerationRequest
 from ssd.factory import load_pair
 from ssd.models.backend import forward_rows, new_sequence, precision_of, release, sequence_source
-from ssd.tools.prompts import Prompt
+from ssd.tools.bench.report import command_line, print_and_save
+from ssd.tools.prompts import Prompt, load_prompt_set
 
 
 COST_COUNTS = (1, 2, 3, 4, 5, 7)  # token counts whose forward is timed (verification sizes)
@@ -96,3 +108,34 @@ def format_table(result: dict[str, Any]) -> str:
     if result["geomean_ratio"]:
         lines.append(f"\ngeometric mean x AR: {result['geomean_ratio']:.3f}")
     return "\n".join(lines)
+
+
+# --- launch/bench_lookup.py ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--backend", choices=["auto", "llamacpp", "torch"], default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-file", type=Path, default=PROMPT_DIR / "code.yaml")
+    parser.add_argument("--prompts", type=int, help="the first N prompts of the file")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--lookup-tokens", type=int, default=8,
+                        help="speculation.prompt_lookup.max_tokens (the longest lookup a round verifies)")
+    parser.add_argument("--out", type=Path, help="write OUT.txt (the table) and OUT.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    overrides = {"target": {"backend": args.backend}, "runtime": {"threads": args.threads},
+                 "speculation": {"prompt_lookup": {"max_tokens": args.lookup_tokens}}}
+    config = load_config(args.config, overrides)
+    prompts = load_prompt_set(args.prompt_file, args.prompts)
+    result = bench_lookup(config, prompts, args.max_new_tokens, args.rounds, args.temperature)
+    command = command_line("launch/bench_lookup.py", argv)
+    print_and_save(command, format_table(result), result, args.out)

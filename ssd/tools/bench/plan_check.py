@@ -1,6 +1,12 @@
 """Does the start-up plan pick well? SSD through the cluster with no flags
 against SD and AR in process and a (K, budget) grid of SSD, in one run.
 
+    python launch/bench_plan.py                                  # code and chat prompts, T = 0 and 0.7
+    python launch/bench_plan.py --prompts 2 --max-new-tokens 48 --background-load --json plan_check.json
+
+The cluster starts in SSD mode and plans (runtime.plan; the probes are cached
+per host).
+
 Rows, all on the same prompts, interleaved prompt by prompt (a shared host's
 swings touch every row alike):
 - AR and SD at K = 4 in process, on 1 and on 2 torch threads (SD on one
@@ -16,17 +22,29 @@ time). `background`: one nice-19 busy process for the whole run
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
+from ssd.app.cli import PROMPT_DIR, add_config_args, config_from_args
+from ssd.cluster.devices import default_cpu_placement
+from ssd.cluster.runtime import Cluster
 from ssd.config import Config, SamplingConfig, SpeculationConfig
-from ssd.factory import LoadedPair, make_engine
+from ssd.factory import LoadedPair, load_pair, make_engine
 from ssd.engine.request import GenerationRequest, Generator
+from ssd.tools.bench.background import busy_background
+from ssd.tools.bench.report import machine_info
 from ssd.tools.bench.runner import fixed_ssd
+from ssd.tools.prompts import load_prompt_set
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +113,54 @@ def format_table(results: list[dict[str, Any]], title: str) -> str:
     if grid and "ssd plan" in by_label:
         lines.append(f"plan / best grid point: {by_label['ssd plan'] / max(grid):.2f}")
     return "\n".join(lines)
+
+
+# --- launch/bench_plan.py -----------------------------------------------------------------
+
+GRID = [(2, 2), (2, 4), (3, 4), (3, 8), (4, 4), (4, 8)]  # the SSD (K, budget) rows beside the plan's
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-sets", nargs="+", default=["code", "chat"])
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per set")
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
+    parser.add_argument("--background-load", action="store_true", help="one nice-19 busy process throughout")
+    parser.add_argument("--json", type=Path)
+    add_config_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="ssd"))
+    pair = load_pair(config)
+    sets = {name: [p.encode(pair.tokenizer) for p in load_prompt_set(PROMPT_DIR / f"{name}.yaml", args.prompts)]
+            for name in args.prompt_sets}
+    out: dict = {"machine": machine_info(), "background_load": args.background_load, "tables": []}
+    with Cluster(config, default_cpu_placement(os.cpu_count() or 2, with_draft=True)) as cluster:
+        if cluster.plan is not None:
+            print(cluster.plan.summary())
+            out["plan"] = dataclasses.asdict(cluster.plan.best) | {"sd_k": cluster.plan.sd_k,
+                                                                 "sd_tokens_per_s": cluster.plan.sd_tokens_per_s}
+        rows = rows_for(pair, cluster, config, GRID)
+        out["tables"] = _tables(rows, sets, config, args)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+    return out
+
+
+def _tables(rows: list[Row], sets: dict[str, list[list[int]]], config: Config,
+            args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every prompt set at every temperature, each table printed as it is done."""
+    tables = []
+    total = len(rows) * sum(len(p) for p in sets.values()) * len(args.temperatures)
+    with busy_background(args.background_load), tqdm(total=total, desc="plan check", file=sys.stderr) as bar:
+        for name, prompts in sets.items():
+            for t in args.temperatures:
+                results = run(rows, prompts, config.sampling, config, t, bar.update)
+                title = f"{name}, T={t}, {'one busy background process' if args.background_load else 'quiet'}"
+                print(format_table(results, title), flush=True)
+                tables.append({"prompt_set": name, "temperature": t, "rows": results})
+    return tables

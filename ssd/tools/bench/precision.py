@@ -1,5 +1,9 @@
 """What a precision buys in speed and costs in quality, on this host.
 
+    python launch/precision.py                        # fp32, bf16, int8, torch.ao int8: speed and quality
+    python launch/precision.py --precisions bf16 int8 --tokens 0     # speed only
+    python launch/precision.py --precisions fp32 int8 --tokens 2048 --json precision.json
+
 Speed: one target forward of 1 token (a decode step) and of K+1 tokens (a
 verification) after a fixed context, on the lean forward, median of repeats;
 their ratio says whether speculation can pay (SD needs a verification to
@@ -11,14 +15,23 @@ its chunk). Reported per precision: perplexity, and top-1 agreement with the
 reference precisions' argmax at every position (how often greedy decoding
 would pick the same next token). fp32 is the natural reference for the
 offline pair: its weights are the q4_k_m values dequantized exactly.
+
+The text is CPython standard library source this Python ships (calendar.py,
+difflib.py, queue.py by default; none of the prompt sets comes from them).
+One thread unless --threads. "int8-tensor" is torch.ao's dynamic int8 with
+one activation scale per call, shown to compare with our per-row scales.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
 import statistics
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,8 +39,15 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from ssd import hardware
+from ssd.app.cli import add_config_args, config_from_args
+from ssd.config import ModelConfig
+from ssd.models import load_model, load_tokenizer
+
 # CPython standard library modules none of the prompt sets are cut from.
 HELD_OUT_FILES = ("calendar.py", "difflib.py", "queue.py")
+# --precisions: name -> (dtype, quantization); int8-tensor is torch.ao's, applied after loading in fp32
+PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None)}
 
 
 def held_out_text(files: Sequence[str] = HELD_OUT_FILES) -> str:
@@ -138,3 +158,52 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{'-' if r.get(key) is None else fmt.format(r[key]):{align}}" for key, _, align, fmt in columns
         ))
     return "\n".join(lines)
+
+
+# --- launch/precision.py ------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
+                        help="target precisions to score; the first is the perplexity reference")
+    parser.add_argument("--tokens", type=int, default=4096, help="positions to score (0: speed only)")
+    parser.add_argument("--no-speed", action="store_true", help="quality only")
+    parser.add_argument("--chunk", type=int, default=512, help="teacher-forced chunk length")
+    parser.add_argument("--files", nargs="+", default=list(HELD_OUT_FILES), help="stdlib files to score")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    add_config_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    torch.set_num_threads(config.runtime.threads or 1)
+    ids = []
+    if args.tokens:
+        ids = load_tokenizer(config.target).encode(held_out_text(args.files), add_special_tokens=False)
+        ids = ids[: args.tokens + 1]
+    loaders = {name: _loader(config.target, name) for name in args.precisions}
+    rows = compare(loaders, ids, args.chunk, k=None if args.no_speed else config.speculation.k)
+    print(f"machine: {hardware.summary()}; {torch.get_num_threads()} thread(s)")
+    print(f"target {config.target.name}" + (f", {len(ids) - 1} positions of {', '.join(args.files)}" if ids else ""))
+    print(format_rows(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": hardware.describe(), "files": args.files, "rows": rows}, indent=2))
+    return rows
+
+
+def _loader(model_config: ModelConfig, name: str) -> Callable[[], torch.nn.Module]:
+    dtype, quantization = PRECISIONS[name]
+    cfg = dataclasses.replace(model_config, dtype=dtype, quantization=quantization)
+
+    def load() -> torch.nn.Module:
+        model = load_model(cfg)
+        if name == "int8-tensor":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        return model
+
+    return load
