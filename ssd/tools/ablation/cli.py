@@ -38,7 +38,6 @@ from ssd.saguaro import costs as costs_mod
 from ssd.tools.ablation import planner, report
 from ssd.tools.ablation.compare import compare
 from ssd.tools.ablation.neighbour import busy_neighbour, pin
-from ssd.tools.ablation.plots import plot_miss_vs_fanout, write_all
 from ssd.tools.ablation.replay import ReplayData, fit_power_law, miss_vs_fanout
 from ssd.tools.ablation.sweep import SweepGrid, sweep_tables
 from ssd.tools.ablation.trace import RecordSettings, Trace, load_trace, record_trace, save_trace
@@ -255,6 +254,8 @@ def cmd_sweep(args: argparse.Namespace, config: Config) -> None:
     if args.csv:
         report.write_csv([{"table": n, **r} for n, rows in tables.items() for r in rows], args.csv)
     if args.plots:
+        from ssd.tools.ablation.plots import write_all  # matplotlib (the tools extra): only where asked for
+
         paths = write_all(data, spec, args.plots, args.budgets, args.cs, args.max_fanout, args.samples, args.replay_seed)
         print("plots: " + ", ".join(str(p) for p in paths))
 
@@ -274,6 +275,8 @@ def cmd_fit(args: argparse.Namespace, config: Config) -> None:
     if args.json:
         report.write_json({"points": rows, "r": fit and fit.r, "c": fit and fit.c}, args.json)
     if args.plot:
+        from ssd.tools.ablation.plots import plot_miss_vs_fanout  # matplotlib (the tools extra)
+
         print(f"plot: {plot_miss_vs_fanout(points, fit, args.plot)}")
 
 
