@@ -14,7 +14,8 @@ import torch
 
 from ssd.config import BatchingConfig, Config, SpeculationConfig
 from ssd.engine.ar import AREngine
-from ssd.engine.batch import BatchedEngine, Verifier
+from ssd.engine.batch import BatchedEngine
+from ssd.engine.rows import Verifier
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
 from ssd.models.kv import KVSequence

@@ -158,7 +158,7 @@ def test_swapped_generators_are_caught(tiny_models, tiny_tokenizer):
     rows = sampled_rows()
     for r in rows:
         engine.admit(r)
-    first, second = engine._rows[0].state, engine._rows[1].state
+    first, second = engine.scheduler.rows[0].state, engine.scheduler.rows[1].state
     first.gen, second.gen = second.gen, first.gen
     results = {}
     while engine.rows:
@@ -411,7 +411,7 @@ def test_k_policy_sets_the_draft_length_by_batch_size(tiny_models, tiny_tokenize
     rows = [dataclasses.replace(request(p, n), speculation=policy) for p, n in [([1, 2, 3], 30), ([5], 8), ([7, 7], 8)]]
 
     def record(step):
-        drafted_per_step.append([r.chain.k for r in engine._rows if r.chain is not None])
+        drafted_per_step.append([r.chain.k for r in engine.scheduler.rows if r.chain is not None])
 
     outs = [ok(f) for f in run_batch(engine, rows, after_step=record)]
     for r, out in zip(rows, outs):

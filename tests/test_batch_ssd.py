@@ -135,7 +135,7 @@ def one_rounds_message_per_step(engine: SSDEngine, spy: SpyChannel) -> tuple[Cal
         assert sent == (1 if state["decoding"] else 0), f"step {step}: {sent} rounds messages"
         sizes.append(state["decoding"])
         state["rounds"] += sent
-        state["decoding"] = sum(row.decoding for row in engine._rows) if engine.link_up else 0
+        state["decoding"] = sum(row.decoding for row in engine.scheduler.rows) if engine.link_up else 0
 
     return check, sizes
 
@@ -452,7 +452,7 @@ def test_past_the_k_policy_s_batch_size_rows_run_plain_steps_then_speculate_agai
         rounds_while_three = []
         outs = [ok(f) for f in run_batch(
             engine, rows, after_step=lambda step: rounds_while_three.append(
-                (len(engine._rows), spy.sent[protocol_module.ROUNDS])))]
+                (len(engine.scheduler.rows), spy.sent[protocol_module.ROUNDS])))]
     for r, out in zip(rows, outs):
         assert (out.token_ids, out.finish_reason) == ar_ids(target, tiny_tokenizer, r)
         assert out.stats.spec.degraded_rounds == 0  # parked is not degraded: the link was fine

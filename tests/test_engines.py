@@ -223,7 +223,7 @@ def test_sampled_q_rows_are_moved_to_the_targets_device_before_verifying(tiny_mo
         return verify(drafted, q, p, gen, greedy)
 
     monkeypatch.setattr("ssd.engine.sd.draft_chains", far_drafts)
-    monkeypatch.setattr("ssd.engine.batch.to_device", move)
+    monkeypatch.setattr("ssd.engine.rows.to_device", move)
     engine = SDEngine(target, draft, tiny_tokenizer, SpeculationConfig(mode="sd", k=3), verifier=recording_verify)
     out = engine.generate(GenerationRequest([1, 2], SamplingConfig(temperature=1.0, seed=0), GenerationConfig(max_new_tokens=12)))
     assert len(out.token_ids) == 12

@@ -65,8 +65,9 @@ def draw_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
         body["prompt"] = text
     body["temperature"] = rng.choice([0.0, 0.0, 0.7, 1.3])
     body["n"] = rng.choice([1, 1, 2, 3]) if body["temperature"] > 0 else 1
-    if rng.random() < 0.5:
-        body["coupling"] = "gumbel"
+    # Named either way: a seeded body naming none is served coupled (ssd.serve.validation), and
+    # standard sampling, whose SSD output may part from AR's, is to be drawn too.
+    body["coupling"] = "gumbel" if rng.random() < 0.5 else "standard"
     if rng.random() < 0.4:
         body["stop"] = [rng.choice(LETTERS) + rng.choice(LETTERS) for _ in range(rng.randint(1, 3))]
     if rng.random() < 0.2:

@@ -275,8 +275,8 @@ def test_batched_rows_equal_each_alone(pair, draft_pair, mode):
     alone = [engine().generate(_request(p, k=k)).token_ids for p in PROMPTS]
     assert batched == alone
     # The rows shared one llama.cpp context (one llama_decode per step), and left it empty.
-    assert isinstance(eng._target_source, LlamaCppContext)
-    assert len(eng._target_source._free) == eng._target_source.n_seq
+    assert isinstance(eng.kv.target_source, LlamaCppContext)
+    assert len(eng.kv.target_source._free) == eng.kv.target_source.n_seq
     # Slots are handed back: more requests than slots run one after another on one engine.
     assert _run_batch(eng, [_request(PROMPTS[0], k=k)]) == alone[:1]
 

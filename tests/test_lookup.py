@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ssd.engine.batch as batch_module
+import ssd.engine.proposers as proposers_module
 from ssd.config import (
     BatchingConfig, ConfigError, GenerationConfig, PromptLookupConfig, SamplingConfig, SpeculationConfig,
 )
@@ -131,7 +131,7 @@ def ar(target, tokenizer, r: GenerationRequest) -> list[int]:
 @pytest.fixture
 def eager(monkeypatch):
     """Every lookup verified whole (the rule alone would wait for odds a tiny model never earns)."""
-    monkeypatch.setattr(batch_module, "best_length", lambda a, c, longest, rows=1: longest)
+    monkeypatch.setattr(proposers_module, "best_length", lambda a, c, longest, rows=1: longest)
 
 
 def assert_equal_to_ar_with_lookups_accepted_and_rejected(outs, reqs, target, tokenizer):

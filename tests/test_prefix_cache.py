@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-import ssd.engine.batch as batch_module
+from ssd.models.backend import kv_bytes_per_token
 from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
 from ssd.engine import AREngine, SDEngine
 from ssd.engine.prefix import (
@@ -224,14 +224,14 @@ def test_cached_prefixes_give_way_to_a_new_rows_memory(tiny_models, tiny_tokeniz
     """Entries count against batching.kv_memory_mb and the oldest go when a new row needs the
     room: with room for one request and one entry, a third prompt drops the first's entry."""
     target, _ = tiny_models
-    per_token = batch_module.kv_bytes_per_token(target)
+    per_token = kv_bytes_per_token(target)
     need = (len(FIRST) + 10) * per_token  # what a request of FIRST with 10 new tokens reserves
     engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK,
                                                              kv_memory_mb=(need + 8 * per_token) / 2**20))
     first = engine.generate(_request(FIRST))
-    assert len(engine._prefix) == 1 and engine._prefix.nbytes == 16 * per_token
+    assert len(engine.kv.prefix) == 1 and engine.kv.prefix.nbytes == 16 * per_token
     engine.generate(_request(SECOND))  # its row needs the room the first's entry holds: dropped
-    assert len(engine._prefix) == 1
+    assert len(engine.kv.prefix) == 1
     again = engine.generate(_request(FIRST))
     assert again.stats.cached_prompt_tokens == 0 and _outcome(again) == _outcome(first)
 
@@ -281,11 +281,11 @@ def test_idle_work_prefills_the_reply_as_the_next_turn_would(tiny_models, tiny_t
 
 def test_idle_work_stops_at_the_memory_limit_and_never_runs_beside_rows(tiny_models, tiny_tokenizer):
     target, _ = tiny_models
-    per_token = batch_module.kv_bytes_per_token(target)
+    per_token = kv_bytes_per_token(target)
     need = (len(FIRST) + 20) * per_token
     engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK, kv_memory_mb=need / 2**20))
     engine.generate(_request(FIRST, n=20))  # leaves 16 positions and 25 pending
-    assert engine.warm() and engine.warm() and engine._prefix.nbytes == 32 * per_token
+    assert engine.warm() and engine.warm() and engine.kv.prefix.nbytes == 32 * per_token
     assert not engine.warm()  # a third chunk would pass kv_memory_mb (41 tokens' worth)
     engine.admit(_request(SECOND))
     assert not engine.warm()  # rows run: no idle work
@@ -324,7 +324,7 @@ def test_a_reply_cut_short_is_prefilled_as_its_template_will_close_it(tiny_model
     assert end not in reply and len(reply) == 12  # cut by max_tokens
     while engine.warm():
         pass
-    entry = engine._prefix.warmable() or next(iter(engine._prefix._entries.values()))
+    entry = engine.kv.prefix.warmable() or next(iter(engine.kv.prefix._entries.values()))
     assert entry.tokens[-1] == end and len(entry.tokens) == len(prompt) + len(reply) + 1
     for closing, served in (([end], len(prompt) + len(reply) + 1), ([7], whole_chunks(prompt + reply, 36, CHUNK, {end}))):
         turn = prompt + reply + closing + [1, 2, 3]
@@ -352,7 +352,7 @@ def test_chats_under_one_system_prompt_copy_it_and_keep_their_own(tiny_models, t
     engine = _engine(mode, target, draft, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
     first = engine.generate(_request(chats[0], n=6))
     engine.generate(_request(chats[1], n=6))
-    assert len(engine._prefix) == 2  # the first's entry stayed
+    assert len(engine.kv.prefix) == 2  # the first's entry stayed
     again = engine.generate(_request(chats[0] + first.token_ids + [1, 2], n=6))
     assert again.stats.cached_prompt_tokens == 24  # not the 16 the second chat's entry shares
 

@@ -16,7 +16,7 @@ pytest.importorskip("gguf")
 
 from ssd.config import BatchingConfig, SamplingConfig  # noqa: E402
 from ssd.engine import AREngine  # noqa: E402
-from ssd.engine.batch import BatchedEngine  # noqa: E402
+from ssd.engine.kv_manager import KVManager  # noqa: E402
 from ssd.engine.prefix import CachedPrefix, PrefixCache, whole_chunks  # noqa: E402
 from ssd.models.llamacpp import LlamaCppModel  # noqa: E402
 from ssd.models.tokenizer import eos_token_ids  # noqa: E402
@@ -67,14 +67,14 @@ def test_serving_the_positions_decode_steps_computed_fails_the_check(k_quant_pai
     monkeypatch.setattr(LlamaCppModel, "kv_type", property(lambda self: "bf16"))
 
     def keep_all(self, row):
-        if row.error is not None or self._prefix is None:  # the fresh engines keep nothing
+        if row.error is not None or self.prefix is None:  # the fresh engines keep nothing
             return False
-        self._prefix.put(CachedPrefix(tuple(row.target.tokens), row.target, row.draft))
+        self.prefix.put(CachedPrefix(tuple(row.target.tokens), row.target, row.draft))
         return True
 
-    monkeypatch.setattr(BatchedEngine, "_keep", keep_all)
+    monkeypatch.setattr(KVManager, "_keep", keep_all)
     engine = AREngine(target, TOK, BatchingConfig(prefill_chunk=CHUNK))
-    engine._prefix = PrefixCache(1)
+    engine.kv.prefix = PrefixCache(1)
     turns = _chats("ar", target, None, TOK, SamplingConfig(temperature=0.0), CHATS, CHUNK, n=12, engine=engine)
     assert all(cached > len(last) for (last, *_), (_, _, cached, _) in zip(turns, turns[2:]))  # the outputs too
     apart = max(abs(a - b) for _, (_, got), _, (_, want) in turns for a, b in zip(got, want))
@@ -91,7 +91,7 @@ def test_cached_prefixes_give_their_slots_to_new_rows(k_quant_pair):
     engine = AREngine(target, TOK, BatchingConfig(prefill_chunk=CHUNK, max_rows=2))
     third = [(7 * i + 2) % CFG.vocab_size for i in range(35)]
     outputs = [engine.generate(_request(p, n=6)).token_ids for p in (*CHATS, third)]
-    assert len(engine._prefix) == 2
+    assert len(engine.kv.prefix) == 2
     for chat, cached in ((1, 32), (0, 0)):
         prompt = [*CHATS[chat], *outputs[chat], 1, 2, 3]
         result = engine.generate(_request(prompt, n=6))
@@ -159,7 +159,7 @@ def test_long_and_short_chunks_on_their_layouts_equal_fresh_runs(k_quant_files, 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_rows_admitted_together_copy_one_prefill_bit_for_bit(k_quant_pair, mode):
     """Three samples of one prompt and a request under its system prompt, admitted together
-    (ssd.engine.batch `_follow`): the first row prefills, the others copy its slot's 32 shared
+    (ssd.engine.kv_manager `follow`): the first row prefills, the others copy its slot's 32 shared
     positions, and each row's tokens and logprobs equal its request's alone on a fresh
     engine without the cache, bit for bit (seeded T = 1 in AR; SSD's draws follow its
     hits: greedy there)."""

@@ -79,7 +79,7 @@ def _idle(srv, mode: str, timeout_s: float = 30.0) -> None:
     """Wait until the server's `mode` engine has no idle work left (its replies prefilled)."""
     deadline = time.monotonic() + timeout_s
     engine = srv._worker._engines[mode]
-    while engine._prefix.warmable() is not None:
+    while engine.kv.prefix.warmable() is not None:
         assert time.monotonic() < deadline, "the idle work never ran out"
         time.sleep(0.01)
 

@@ -1,4 +1,4 @@
-"""Rows admitted together prefill their shared prompt chunks once (ssd.engine.batch `_leader`,
+"""Rows admitted together prefill their shared prompt chunks once (ssd.engine.kv_manager `leader`,
 `_follow`): `n` samples of one prompt, or requests under one system prompt, wait for the
 first row's chunks and copy them, and each row's output is what it is on its own.
 
@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-import ssd.engine.batch as batch_module
+import ssd.engine.kv_manager as kv_module
 from ssd.config import BatchingConfig, SamplingConfig
 from ssd.models import TinyTokenizer
 from tests.batches import run_together
@@ -94,13 +94,13 @@ def test_a_later_row_copies_a_decoding_rows_chunks_at_once(tiny_models, tiny_tok
     target, _ = tiny_models
     engine = _engine("ar", target, None, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
     engine.admit(_request(FIRST, n=20))
-    while not engine._rows[0].decoding:
+    while not engine.scheduler.rows[0].decoding:
         engine.step()
     fed = FedTokens(monkeypatch, engine)
     second = _request(FIRST, dataclasses.replace(SamplingConfig(temperature=1.0), seed=3), n=6)
     engine.admit(second)
     left = engine.step()
-    assert fed.tokens == len(FIRST) - 16 and engine._rows[1].decoding
+    assert fed.tokens == len(FIRST) - 16 and engine.scheduler.rows[1].decoding
     while engine.rows:
         left += engine.step()
     result = next(f.result for f in left if f.request is second)
@@ -118,7 +118,7 @@ def test_a_leader_that_leaves_leaves_its_followers_to_prefill(tiny_models, tiny_
     engine.admit(leader)
     engine.admit(follower)
     if gone == "failed":
-        engine._rows[0].error = RuntimeError("the leader's forward failed")
+        engine.scheduler.rows[0].error = RuntimeError("the leader's forward failed")
     left = []
     while engine.rows:
         left += engine.step()
@@ -129,8 +129,8 @@ def test_a_leader_that_leaves_leaves_its_followers_to_prefill(tiny_models, tiny_
 
 def test_copying_another_prompts_chunks_fails_the_check(tiny_models, tiny_tokenizer, monkeypatch):
     """Matched by length alone, a row copies the first row's chunks whatever its prompt."""
-    monkeypatch.setattr(batch_module, "shared_chunks", lambda tokens, prompt, chunk, stops=(): 16)
-    monkeypatch.setattr(batch_module, "common_chunks", lambda tokens, prompt, chunk, stops=(), limit=None: 16)
+    monkeypatch.setattr(kv_module, "shared_chunks", lambda tokens, prompt, chunk, stops=(): 16)
+    monkeypatch.setattr(kv_module, "common_chunks", lambda tokens, prompt, chunk, stops=(), limit=None: 16)
     target, draft = tiny_models
     second = [(5 * i + 1) % 16 for i in range(21)]
     rows, _ = _samples("ar", target, draft, tiny_tokenizer, SamplingConfig(temperature=0.0), [FIRST, second],
@@ -156,7 +156,7 @@ def _law_pvalue(batches: int, leader_prompt=LAW_PROMPT, mode: str = "sd") -> flo
             requests = [_request(prompt, dataclasses.replace(LAW_SAMPLING, seed=4 * batch + i), LAW_TOKENS)
                         for i, prompt in enumerate([leader_prompt, LAW_PROMPT, LAW_PROMPT, LAW_PROMPT])]
             results = run_together(engine, requests)
-            engine._prefix = type(engine._prefix)(2, engine._stops, engine._token_bytes)  # each batch from scratch
+            engine.kv.prefix = type(engine.kv.prefix)(2, engine.kv.stops, engine.kv.token_bytes)  # each batch from scratch
             for result in results[1:]:
                 assert result.stats.cached_prompt_tokens == 6
                 draws.append(tuple(result.token_ids[p] for p in LAW_POSITIONS))
@@ -173,8 +173,8 @@ def test_copied_rows_sample_the_target_law(mode):
 
 
 def test_the_law_test_catches_a_copy_of_another_prompts_chunks(monkeypatch):
-    monkeypatch.setattr(batch_module, "shared_chunks", lambda tokens, prompt, chunk, stops=(): 6)
-    monkeypatch.setattr(batch_module, "common_chunks", lambda tokens, prompt, chunk, stops=(), limit=None: 6)
+    monkeypatch.setattr(kv_module, "shared_chunks", lambda tokens, prompt, chunk, stops=(): 6)
+    monkeypatch.setattr(kv_module, "common_chunks", lambda tokens, prompt, chunk, stops=(), limit=None: 6)
     pvalue = _law_pvalue(50, leader_prompt=LAW_WRONG)
     report_pvalue("sd, prefill shared by rows admitted together", f"{LAW_PROMPT} T=1", "the other prompt's keys",
                   150, pvalue)

@@ -462,10 +462,10 @@ def test_served_model_names_are_the_names_requests_give(server):
 
 def test_a_prediction_travels_to_prompt_lookup_and_changes_no_output(monkeypatch):
     """Rows held at K 0 (k_policy) look up in the prediction too: the same text, more tokens accepted."""
-    from ssd.engine import batch as batch_module
+    from ssd.engine import proposers as proposers_module
     from ssd.serve.backend import LocalBackend
 
-    monkeypatch.setattr(batch_module, "best_length", lambda a, c, longest, rows=1: longest)  # verify every lookup
+    monkeypatch.setattr(proposers_module, "best_length", lambda a, c, longest, rows=1: longest)  # verify every lookup
     config = load_config(ROOT / "configs" / "tiny.yaml")
     config.speculation = dataclasses.replace(config.speculation, mode="sd", k_policy={1: 0})
     backend = LocalBackend(config)

@@ -12,7 +12,7 @@ What may be reused, so that the output stays what it would be without the
 cache, bit for bit: a backend's keys and values depend on how a position was
 computed (llama.cpp runs a prompt chunk as whole ubatches, a decode step in
 other kernels: ssd.models.llamacpp). So the engine prefills every prompt in
-the same chunks, whatever else a step runs (ssd.engine.batch), and an entry
+the same chunks, whatever else a step runs (ssd.engine.scheduler), and an entry
 offers only the whole chunks its row prefilled. Where a chunk ends is read
 from the prompt's own tokens, left to right (`chunk_end`): after
 `prefill_chunk` tokens, or earlier after an end-of-turn token (the model's
@@ -24,7 +24,7 @@ forward): every position holds what a fresh prefill computes. The positions a
 row decoded are never served as they are: decode steps ran other kernels.
 
 But a chat's next prompt repeats the reply, so while the engine is idle (the
-user reads it), `BatchedEngine.warm` prefills an entry's `pending` ids (the
+user reads it), `KVManager.warm` (ssd.engine.kv_manager) prefills an entry's `pending` ids (the
 rest of the row's prompt and its output) as the same prompt chunks, one a
 call: exactly what the next turn's prefill computes for them, done before it
 arrives. A reply that ended with its end-of-turn token ends a chunk there, so
@@ -38,7 +38,7 @@ sequences; one that shares only part of it (another chat under the same
 system prompt) gets a copy of that part, and the entry stays for its own
 chat. The cache is pure bookkeeping over opaque sequences: which entry serves
 a prompt, and which goes first when memory or a llama.cpp slot is needed
-(least recently used). The engine owns the sequences' copies and release.
+(least recently used). The KV manager (ssd.engine.kv_manager) owns the sequences' copies and release.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ per row."""
 
 from __future__ import annotations
 
-import torch
-
 from ssd.config import BatchingConfig, SpeculationConfig
-from ssd.engine.batch import BatchedEngine, Row, SequenceState, Verifier
+from ssd.engine.batch import BatchedEngine
+from ssd.engine.proposers import Proposal
+from ssd.engine.rows import Row, SequenceState, Verifier
 from ssd.engine.drafting import Chain, draft_chains
 from ssd.models.backend import Model, forward_rows
 from ssd.models.kv import KVSequence
@@ -33,14 +33,14 @@ class SDEngine(BatchedEngine):
         super().__init__(target, tokenizer, speculation, batching, verifier, draft)
 
     def _round_cost(self, row: Row) -> int:
-        return max(self._draft_length(row), self._lookup_room(row)) + 1
+        return max(self._draft_length(row), self.lookup.room(row)) + 1
 
     def _draft_length(self, row: Row) -> int:
         """K for this row at the current batch size (speculation.k_policy; 0: a plain
         target step), never past max_new_tokens."""
         if self.draft_model is None:
             return 0
-        k = row.state.speculation.k_for(len(self._rows))
+        k = row.state.speculation.k_for(len(self.scheduler.rows))
         return min(k, draft_length(row.state))
 
     def _prefill_draft(self, chunks: list[tuple[Row, list[int]]]) -> None:
@@ -59,14 +59,8 @@ class SDEngine(BatchedEngine):
         for row in rows:
             row.error = row.chain.error
 
-    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
-        if row.lookup or row.chain is None:  # K 0 this round, or no draft: the text's own prediction, or none
-            self._plain_step(row, logits, forward_s)
-            return
-        chain, state = row.chain, row.state
-        # greedy and coupled verification never read q
-        q = torch.stack(chain.q_rows) if chain.q_rows and state.sampling.needs_q else None
-        self._settle_speculation(row, chain.tokens, q, logits, forward_s)
+    def _proposal(self, row: Row) -> Proposal | None:
+        return None if row.chain is None else Proposal(row.chain.tokens, row.chain.q_rows)
 
 
 def draft_length(req: SequenceState) -> int:

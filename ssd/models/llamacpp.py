@@ -355,7 +355,7 @@ class LlamaCppContext:
         its own, as whole ubatches (on the plain twin where prompts run there), whatever it
         wants: its keys and values then depend on its tokens
         and start only, never on what else the step ran, because the engine starts
-        chunks at fixed positions (ssd.engine.batch). That is 4-10x faster per token
+        chunks at fixed positions (ssd.engine.scheduler). That is 4-10x faster per token
         than the invariant ubatches. Every other job is packed, at most `n_ubatch`
         tokens a call, where a token's logits do not depend on the call's size.
 

@@ -7,7 +7,7 @@ in exactly the same order. Rank 0 owns sampling and verification, so it drives:
 tiny int64 command before running it, and `run_tp_follower` replays those
 commands on the other ranks until told to stop. The followers mirror one
 sequence, so the engines hold the batch at one row on a tensor-parallel
-target (ssd.engine.batch reuses the leader's sequence for that row).
+target (ssd.engine.kv_manager hands the leader's sequence to that row).
 
 A forward that raises on any rank (a CUDA OOM on a long prompt, say) breaks
 the group for good: the other ranks wait in the model's all-reduces or for

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from ssd.config import BatchingConfig, SpeculationConfig
-from ssd.engine.batch import BatchedEngine, Finished, Row, SequenceState, Verifier
+from ssd.engine.batch import BatchedEngine, Finished
+from ssd.engine.proposers import Proposal
+from ssd.engine.rows import Row, SequenceState, Verifier
 from ssd.engine.request import GenerationRequest
 from ssd.models.kv import KVSequence
 from ssd.models.backend import precision_of
@@ -174,11 +176,11 @@ class SSDEngine(BatchedEngine):
     def speculating(self) -> bool:
         """Whether the next step gives the draft work: a link, and a row whose
         speculation.k_policy says K > 0 at the current batch size."""
-        return self.link_up and any(self._speculates(row) for row in self._rows)
+        return self.link_up and any(self._speculates(row) for row in self.scheduler.rows)
 
     def _speculates(self, row: Row) -> bool:
         """Whether speculation.k_policy gives the row a K above 0 at the current batch size."""
-        return row.state.speculation.k_for(len(self._rows)) > 0
+        return row.state.speculation.k_for(len(self.scheduler.rows)) > 0
 
     def attach(self, channel: Channel, draft_precision: str | None = None) -> None:
         """Use a (new) draft link from the next step on; safe from any thread.
@@ -240,19 +242,19 @@ class SSDEngine(BatchedEngine):
         that lent its core to the target would take it back for nothing); `_draft` links it
         when its K is above 0."""
         super().admit(request)
-        row = self._rows[-1]
+        row = self.scheduler.rows[-1]
         row.link = RowLink()
         if self._speculates(row):
             self._link_row(row)
 
     def step(self) -> list[Finished]:
         if self._adopt():
-            linked = [row for row in self._rows if self._speculates(row)]
+            linked = [row for row in self.scheduler.rows if self._speculates(row)]
             log.info("draft link adopted with %d running rows; %d speculating, each prefilled on it",
-                     len(self._rows), len(linked))
+                     len(self.scheduler.rows), len(linked))
             for row in linked:
                 self._link_row(row)
-        before = list(self._rows)
+        before = list(self.scheduler.rows)
         left = super().step()
         self._release_left(before)
         return left
@@ -273,7 +275,7 @@ class SSDEngine(BatchedEngine):
 
     def _release_left(self, before: list[Row]) -> None:
         """Rows that left this step (finished, cancelled, failed) free their draft state."""
-        staying = {id(row) for row in self._rows}
+        staying = {id(row) for row in self.scheduler.rows}
         for row in before:
             if id(row) not in staying and row.link.cursor is not None:
                 self._send(protocol.release(row.link.cursor.seq))
@@ -356,8 +358,9 @@ class SSDEngine(BatchedEngine):
             else:
                 row.link.take(reply, row.state.output.remaining, waited)
 
-    def _drafted(self, row: Row) -> tuple[int, ...]:
-        return row.link.drafted
+    def _proposal(self, row: Row) -> Proposal | None:
+        link = row.link
+        return None if link.reply is None else Proposal(link.drafted, link.q)
 
     def _drafts_nothing(self, row: Row) -> bool:
         return row.link.reply is None  # a plain step: parked, or without the draft
@@ -367,30 +370,21 @@ class SSDEngine(BatchedEngine):
         if row.decoding and row.link.cursor is not None:
             row.link.cursor.restart(row.state.sequence[-1])  # the prefill is round 0: t* = the first token
 
-    def _settle(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
+    def _settled(self, row: Row, outcome: Outcome | None, seconds: float) -> None:
         link = row.link
-        if link.parked:  # speculation off at this batch size: a plain step, not a degraded one
+        if outcome is not None:
+            lookup_k = link.cursor.lookup_k
+            link.cursor.advance(outcome)
+            record_speculation(row.state, link.reply, lookup_k, outcome, link.wait_s, seconds)
+            if row.state.speculation.adaptive_k and self.k_control is not None:
+                self.k_control.observe(len(link.drafted), outcome.k, link.wait_s + seconds)
+        elif link.parked:  # speculation off at this batch size: a plain step, not a degraded one
             link.parked = False
-            self._plain_step(row, logits, forward_s)
-            return
-        if link.reply is None:
-            self._degraded_step(row, logits, forward_s)
-            return
-        lookup_k = link.cursor.lookup_k
-        outcome, verify_s = self._settle_speculation(row, link.drafted, link.q, logits, forward_s)
-        link.cursor.advance(outcome)
-        record_speculation(row.state, link.reply, lookup_k, outcome, link.wait_s, verify_s)
-        if row.state.speculation.adaptive_k and self.k_control is not None:
-            self.k_control.observe(len(link.drafted), outcome.k, link.wait_s + verify_s)
-
-    def _degraded_step(self, row: Row, logits: torch.Tensor, forward_s: float) -> None:
-        """A round without the draft (counted degraded); a row the draft failed is prefilled again after it."""
-        self._plain_step(row, logits, forward_s)
-        state = row.state
-        state.stats.spec.degraded_rounds += 1
-        if row.link.restart and not state.output.finished:
-            row.link.restart = False
-            self._link_row(row)
+        else:  # a round without the draft (counted degraded); a row the draft failed is prefilled again after it
+            row.state.stats.spec.degraded_rounds += 1
+            if link.restart and not row.state.output.finished:
+                link.restart = False
+                self._link_row(row)
 
 
 def _close_quietly(channel: Channel | None) -> None:

@@ -1,5 +1,5 @@
 """`n` samples of one long prompt on the real target (OpenAI's `n`, `best_of`): rows admitted
-together prefill the prompt once and copy it (ssd.engine.batch `_follow`), against every row
+together prefill the prompt once and copy it (ssd.engine.kv_manager `follow`), against every row
 prefilling it, beside plain llama.cpp answering the n requests in turn with its server's
 prompt cache (`cache_prompt`: the later ones reuse the first's prompt).
 
