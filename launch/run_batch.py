@@ -1,6 +1,6 @@
 """Run a file of OpenAI batch requests through the configured pair, with no port to
 serve (vLLM's `run-batch`): the same lines, and the same output lines, as a batch
-created over HTTP (POST /v1/files, POST /v1/batches; ssd/serve/http_batches.py).
+created over HTTP (POST /v1/files, POST /v1/batches; ssd/openai/routes/batches.py).
 
     python launch/run_batch.py -i requests.jsonl -o results.jsonl
     python launch/run_batch.py -i requests.jsonl -o results.jsonl --config configs/tiny.yaml --mode ssd
@@ -30,9 +30,9 @@ import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 from tqdm import tqdm  # noqa: E402
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
-from ssd.serve.batches import Batch, read_lines  # noqa: E402
-from ssd.serve.responses import new_id  # noqa: E402
-from ssd.serve.server import serve_config  # noqa: E402
+from ssd.openai.batches import Batch, read_lines  # noqa: E402
+from ssd.openai.responses import new_id  # noqa: E402
+from ssd.openai.server import serve_config  # noqa: E402
 
 log = logging.getLogger("ssd.run_batch")
 
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(server, options, lines, endpoint: str) -> Batch:
     """The lines through the HTTP front end's own batch runner, with a progress bar."""
-    from ssd.serve.http import OpenAIFrontend  # FastAPI loads only when asked for
-    from ssd.serve.http_batches import Running
+    from ssd.openai.http import OpenAIFrontend  # FastAPI loads only when asked for
+    from ssd.openai.routes.batches import Running
 
     front = OpenAIFrontend(server.service, options)
     batch = Batch(new_id("batch"), endpoint, "local", None, len(lines))

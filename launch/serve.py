@@ -1,5 +1,5 @@
 """Serve the configured pair over gRPC (ssd.v1.GenerationService, health, reflection)
-and, with --http-port, the OpenAI-compatible HTTP API (ssd/serve/http.py).
+and, with --http-port, the OpenAI-compatible HTTP API (ssd/openai/http.py).
 
     python launch/serve.py --config configs/tiny.yaml --port 50051
     python launch/serve.py --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem
@@ -24,7 +24,8 @@ import threading
 import _bootstrap  # noqa: F401 - first: the repository root on sys.path
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args  # noqa: E402
-from ssd.serve.server import GenerationServer, serve_config  # noqa: E402
+from ssd.openai.server import serve_config  # noqa: E402
+from ssd.serve.server import GenerationServer  # noqa: E402
 
 log = logging.getLogger("ssd.serve")
 

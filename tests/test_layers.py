@@ -34,6 +34,8 @@ def test_the_source_tree_keeps_every_contract(tmp_path):
 @pytest.mark.parametrize("module, line, broken", [
     ("engine/batch.py", "from ssd.saguaro import target as _up", "each imports only the layers below it"),
     ("saguaro/plan.py", "from ssd.tools.ablation import replay as _up", "each imports only the layers below it"),
+    ("serve/service.py", "from ssd.openai import schema as _up", "each imports only the layers below it"),
+    ("serve/worker.py", "import fastapi as _http", "ssd.serve imports neither ssd.openai nor the HTTP stack"),
     ("tools/ablation/trace.py", "from ssd.tools.bench import runner as _up", "benchmarks above ablations"),
     ("models/qcache.py", "from ssd.models import loading as _circle", "no import circles"),
 ])

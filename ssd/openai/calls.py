@@ -1,6 +1,6 @@
-"""One OpenAI HTTP request's answer (ssd.serve.http routes it here): its choices' events from
+"""One OpenAI HTTP request's answer (ssd.openai.http routes it here): its choices' events from
 the GenerationService turned into OpenAI objects, whole or as an SSE stream, for completions,
-chat and the Responses API (ResponsesCall; stored and background responses: ssd.serve.stored).
+chat and the Responses API (ResponsesCall; stored and background responses: ssd.openai.stored).
 
 Errors are ApiError, OpenAI's shape {"error": {"message", "type", "param", "code"}}; a failure
 after a stream began ends it with OpenAI's error event. No routing and no server here.
@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from ssd.engine.request import TokenLogprob
-from ssd.serve import http_schema as schema
-from ssd.serve import responses
-from ssd.serve.stored import StoredResponse, input_items
-from ssd.serve import tools as tooling
-from ssd.serve.reasoning import ReasoningStream, opened_by, split as split_reasoning
+from ssd.openai import schema
+from ssd.openai import responses
+from ssd.openai.stored import StoredResponse, input_items
+from ssd.openai import tools as tooling
+from ssd.openai.reasoning import ReasoningStream, opened_by, split as split_reasoning
 from ssd.serve.service import (
     Chunk,
     Final,
@@ -95,7 +95,7 @@ class Call:
     terminator = format_sse_event(data_str="[DONE]")  # a stream's last event
 
     def __init__(self, front: Any, body: Any, choices: list[Choice], chat: bool) -> None:
-        """`front`: the OpenAIFrontend (ssd.serve.http): its options, next_event, stored and running."""
+        """`front`: the OpenAIFrontend (ssd.openai.http): its options, next_event, stored and running."""
         self.front, self.body, self.choices, self.chat = front, body, choices, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -395,7 +395,7 @@ class Call:
 
 
 class ResponsesCall(Call):
-    """One /v1/responses request: its one chat choice (ssd.serve.responses), laid out as Responses
+    """One /v1/responses request: its one chat choice (ssd.openai.responses), laid out as Responses
     output items (a reasoning item first where the model thought, the message, the function
     calls); streamed as Responses events, each with its type and sequence_number."""
 

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API, beside the gRPC one, in the same process.
 
     POST /v1/completions        POST /v1/chat/completions   (SSE with "stream": true)
-    POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.serve.responses)
-    GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored: ssd.serve.stored)
+    POST /v1/responses          (OpenAI's Responses API, as a chat: ssd.openai.responses)
+    GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored: ssd.openai.stored)
     POST /v1/responses/{id}/cancel                                      (a background response)
-    /v1/conversations, /v1/conversations/{id}/items                     (ssd.serve.http_conversations)
-    /v1/files, /v1/batches      (OpenAI's Batch API: ssd.serve.http_batches)
+    /v1/conversations, /v1/conversations/{id}/items                     (ssd.openai.routes.conversations)
+    /v1/files, /v1/batches      (OpenAI's Batch API: ssd.openai.routes.batches)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health (and /ping)    GET  /metrics               GET  /version     GET  /load
 
@@ -63,13 +63,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ssd
-from ssd.serve import http_schema as schema
-from ssd.serve import responses
-from ssd.serve.batch_disk import write_whole
-from ssd.serve.http_batches import BatchRoutes, batch_line
-from ssd.serve.http_conversations import ConversationRoutes, listed
+from ssd.openai import schema
+from ssd.openai import responses
+from ssd.openai.batch_disk import write_whole
+from ssd.openai.routes.batches import BatchRoutes, batch_line
+from ssd.openai.routes.conversations import ConversationRoutes, listed
 from ssd.serve.metrics import BATCHES_GAUGES, RESPONSES_GAUGES, GaugesCollector
-from ssd.serve.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
+from ssd.openai.stored import ResponseStore, StoredResponse, dump_stores, load_stores, stores_version
 from ssd.serve.service import (
     Chunk,
     DuplicateRequestId,
@@ -88,7 +88,7 @@ log = logging.getLogger(__name__)
 STORE_FILE = "responses.json"  # in --store-dir
 STORE_WRITE_S = 10.0  # how often the stores are written to --store-dir while they change (and at the stop)
 ENDED_STREAMS = 16  # background responses whose events stay readable after they end (late readers)
-from ssd.serve.http_calls import (
+from ssd.openai.calls import (
     EVENT_POLL_S,
     ApiError,
     Call,
@@ -223,7 +223,7 @@ class OpenAIFrontend:
         return await self._generate(request, schema.ChatBody, chat=True)
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API, as the chat completion it means (ssd.serve.responses)."""
+        """OpenAI's Responses API, as the chat completion it means (ssd.openai.responses)."""
         self._authorize(request)
         body = await self._body(request, responses.ResponsesBody)
         self._check_model(body.model)

@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batch APIs over the HTTP front end (ssd.serve.http).
+"""OpenAI's Files and Batch APIs over the HTTP front end (ssd.openai.http).
 
     POST   /v1/files                 upload (multipart: file, purpose, expires_after)
     GET    /v1/files                 list (purpose, order, limit, after)
@@ -21,7 +21,7 @@ tries again. Queued lines wait behind every queued live request (ssd.serve.worke
 port (vLLM's `run-batch`).
 
 Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
-BATCHES_KEPT batches). With serve.store_dir they are on disk too (ssd.serve.batch_disk)
+BATCHES_KEPT batches). With serve.store_dir they are on disk too (ssd.openai.batch_disk)
 and come back at the next start, where a batch that was running goes on.
 """
 
@@ -39,15 +39,15 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
-from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, read_lines
-from ssd.serve.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
-from ssd.serve.http_calls import ApiError, invalid
-from ssd.serve.http_conversations import listed
-from ssd.serve.http_schema import Body, check_metadata
-from ssd.serve.responses import new_id
+from ssd.openai.batch_disk import BatchJournal, FileDisk, load_batches
+from ssd.openai.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, read_lines
+from ssd.openai.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
+from ssd.openai.calls import ApiError, invalid
+from ssd.openai.routes.conversations import listed
+from ssd.openai.schema import Body, check_metadata
+from ssd.openai.responses import new_id
 from ssd.serve.service import InvalidArgument
-from ssd.serve.stored import Kept
+from ssd.openai.stored import Kept
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API over the HTTP front end (ssd.serve.http).
+"""OpenAI's Conversations API over the HTTP front end (ssd.openai.http).
 
     POST   /v1/conversations                        create (items, metadata)
     GET    /v1/conversations/{id}                   retrieve
@@ -11,7 +11,7 @@
 
 A Responses request that names a conversation (`conversation`: its id, or
 {"id": ...}) starts from its items, and its input and output items join it once
-it finishes (ssd.serve.stored.Conversation). Conversations live in memory,
+it finishes (ssd.openai.stored.Conversation). Conversations live in memory,
 `serve.stored_conversations` of them at most, least recently used out first,
 and over a restart with `serve.store_dir` (--store-dir).
 """
@@ -24,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from ssd.serve import responses
-from ssd.serve.http_calls import ApiError, invalid
-from ssd.serve.http_schema import Body, check_metadata
+from ssd.openai import responses
+from ssd.openai.calls import ApiError, invalid
+from ssd.openai.schema import Body, check_metadata
 from ssd.serve.service import InvalidArgument
-from ssd.serve.stored import Conversation, Kept, input_items, page
+from ssd.openai.stored import Conversation, Kept, input_items, page
 
 MAX_ITEMS = 20  # OpenAI's: items a create or an add may carry
 
