@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(server, options, lines, endpoint: str) -> Batch:
     """The lines through the HTTP front end's own batch runner, with a progress bar."""
-    from ssd.openai.http import OpenAIFrontend  # FastAPI loads only when asked for
+    from ssd.openai.app import OpenAIFrontend  # FastAPI loads only when asked for
     from ssd.openai.routes.batches import Running
 
     front = OpenAIFrontend(server.service, options)

@@ -1,5 +1,5 @@
 """Serve the configured pair over gRPC (ssd.v1.GenerationService, health, reflection)
-and, with --http-port, the OpenAI-compatible HTTP API (ssd/openai/http.py).
+and, with --http-port, the OpenAI-compatible HTTP API (ssd/openai/).
 
     python launch/serve.py --config configs/tiny.yaml --port 50051
     python launch/serve.py --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem

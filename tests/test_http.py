@@ -812,10 +812,10 @@ def test_http_port_flag():
 
 
 def test_the_http_front_end_imports_no_protobuf_and_no_grpc_front_end():
-    """http.py and http_schema.py sit on the neutral GenerationService, not on the gRPC servicer."""
+    """ssd.openai sits on the neutral GenerationService, not on the gRPC servicer."""
     import sys
 
-    code = ("import sys; import ssd.openai.http, ssd.openai.schema; "
+    code = ("import sys; import ssd.openai.http, ssd.openai.app, ssd.openai.schema; "
             "loaded = [m for m in ('google.protobuf', 'grpc', 'ssd.serve.server', 'ssd.serve._proto', "
             "'ssd.serve.convert') if m in sys.modules]; print(loaded); sys.exit(1 if loaded else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

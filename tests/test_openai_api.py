@@ -35,9 +35,10 @@ from ssd.engine import grammar
 from ssd.engine.request import GenerationRequest, Processing
 from ssd.factory import make_engine
 from ssd.openai import tools as tooling
+from ssd.openai.calls import _result
+from ssd.openai.common import ApiError
 from ssd.serve.backend import LocalBackend
 from ssd.serve.client import GenerationClient
-from ssd.openai.calls import ApiError, _result
 from ssd.serve.service import Final
 from ssd.serve.validation import choice_seed
 from tests.conftest import ROOT

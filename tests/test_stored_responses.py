@@ -269,7 +269,7 @@ def _gauges(srv) -> dict[str, float]:
 
 def srv_running(srv) -> bool:
     """Whether a background response still runs on the server's HTTP front end."""
-    return bool(srv.http.front.running)
+    return bool(srv.http.front.responses.running)
 
 
 def test_a_failed_background_response_is_stored_with_its_error(wide):
@@ -395,7 +395,7 @@ def test_stored_responses_and_conversations_outlive_a_restart_with_store_dir(wid
 def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tmp_path, caplog):
     _, backend = wide
     (tmp_path / "responses.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="ssd.openai.http"):
+    with caplog.at_level(logging.WARNING, logger="ssd.openai.store_file"):
         with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
             with pytest.raises(openai.NotFoundError):
                 oai(srv).responses.retrieve("resp_none")
@@ -404,9 +404,9 @@ def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tm
 
 
 def test_the_stores_are_written_while_they_change_so_a_crash_keeps_them(wide, tmp_path, monkeypatch):
-    from ssd.openai import http as http_module
+    from ssd.openai import store_file
 
-    monkeypatch.setattr(http_module, "STORE_WRITE_S", 0.05)
+    monkeypatch.setattr(store_file, "STORE_WRITE_S", 0.05)
     _, backend = wide
     with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
         client = oai(srv)

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def write_whole(path: Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all (written aside, then moved): a crash mid-write
-    leaves the file as it was (the stores' file too, ssd.openai.http)."""
+    leaves the file as it was (the stores' file too, ssd.openai.store_file)."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.partial")
     aside.write_bytes(data)
     os.replace(aside, path)

@@ -1,11 +1,12 @@
 """The gRPC server with the OpenAI-compatible HTTP API beside it, in one process.
 
 OpenAIServer is ssd.serve.server.GenerationServer plus, when options.http_port is
-set, the HTTP API (ssd.openai.http) over the same GenerationService: one
-admission path, one validation, one worker, so HTTP and gRPC requests run in
-the same batch. This composition lives here, above ssd.serve, so that the
-serving core never imports the OpenAI surface (.importlinter). Without
-http_port it is the gRPC server alone, and FastAPI is never imported.
+set, the HTTP API (ssd.openai.app, served by ssd.openai.http) over the same
+GenerationService: one admission path, one validation, one worker, so HTTP and
+gRPC requests run in the same batch. This composition lives here, above
+ssd.serve, so that the serving core never imports the OpenAI surface
+(.importlinter). Without http_port it is the gRPC server alone, and FastAPI is
+never imported.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class OpenAIServer(GenerationServer):
     def _start_front_ends(self) -> None:
         if self.options.http_port is None:
             return
-        from ssd.openai.http import HttpServer, OpenAIFrontend  # FastAPI loads only when asked for
+        from ssd.openai.app import OpenAIFrontend  # FastAPI loads only when asked for
+        from ssd.openai.http import HttpServer
 
         self.http = HttpServer(OpenAIFrontend(self.service, self.options), self.options)
         self.http_port = self.http.start()

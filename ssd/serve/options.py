@@ -31,7 +31,7 @@ class ServeOptions:
     # never prompts or outputs); TLS when the gRPC port has it. 0: any free
     # port (the server reports the one it got); None: no endpoint.
     metrics_port: int | None = None
-    # The OpenAI-compatible HTTP API (ssd.openai.http) on `host`, same process,
+    # The OpenAI-compatible HTTP API (ssd.openai.server) on `host`, same process,
     # same batch; TLS and the token as for gRPC. 0: any free port; None: off.
     http_port: int | None = None
     # Reasoning models' <think>...</think> as `reasoning_content` (chat) or a reasoning item

@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API over the HTTP front end (ssd.openai.http).
+"""OpenAI's Conversations API.
 
     POST   /v1/conversations                        create (items, metadata)
     GET    /v1/conversations/{id}                   retrieve
@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from ssd.openai import responses
-from ssd.openai.calls import ApiError, invalid
+from ssd.openai.common import ApiError, invalid, listed
 from ssd.openai.schema import Body, check_metadata
-from ssd.serve.service import InvalidArgument
 from ssd.openai.stored import Conversation, Kept, input_items, page
+from ssd.serve.service import InvalidArgument
 
 MAX_ITEMS = 20  # OpenAI's: items a create or an add may carry
 
@@ -46,31 +46,8 @@ class ItemsBody(Body):
     items: list[responses.InputItem] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def _page_query(request: Request, most: int, default: int) -> tuple[str, int, str | None]:
-    """A list's `order` (default desc), `limit` (1..most) and cursor `after`."""
-    query = request.query_params
-    order, limit = query.get("order", "desc"), query.get("limit", str(default))
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
-    if not limit.isdigit() or not 1 <= int(limit) <= most:
-        raise ApiError(400, f"limit: must be an integer in 1..{most}, got {limit!r}", param="limit",
-                       code="invalid_value")
-    return order, int(limit), query.get("after")
-
-
-def listed(items: list[dict[str, Any]], request: Request, owner: str, most: int = 100,
-           default: int = 20) -> JSONResponse:
-    """OpenAI's list object over `items`, as the request's query asks (`limit` 1..most, by
-    default `default`: OpenAI's 100 and 20 for most lists)."""
-    order, limit, after = _page_query(request, most, default)
-    try:
-        return JSONResponse(page(items, order, limit, after))
-    except KeyError:
-        raise ApiError(400, f"after: no item {after!r} in {owner}", param="after", code="invalid_value") from None
-
-
 class ConversationRoutes:
-    """The routes, over one store; `authorize` and `parse` are the front end's."""
+    """The routes, over one store; `authorize` and `parse` are the gate's (ssd.openai.common.Api)."""
 
     def __init__(self, capacity: int, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
         self.store: Kept[Conversation] = Kept(capacity)
