@@ -808,6 +808,19 @@ def test_http_port_flag():
     assert serve_options_from_args(parser.parse_args([])).http_port is None
 
 
+def test_a_taken_http_port_fails_the_start_and_leaves_nothing_running(tmp_path):
+    """The gRPC port is let go, and the front end's store writer ends with it."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        server = OpenAIServer(ServeOptions(port=0, http_port=port, store_dir=str(tmp_path)), lambda: None)
+        with pytest.raises(OSError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+            server.start()
+    assert not [t for t in threading.enumerate() if t.name == "ssd-store" and t.is_alive()]
+    assert server.http is None
+
+
 # --- one service under both front ends -----------------------------------------------
 
 

@@ -35,7 +35,12 @@ class OpenAIServer(GenerationServer):
         from ssd.openai.http import HttpServer
 
         self.http = HttpServer(OpenAIFrontend(self.service, self.options), self.options)
-        self.http_port = self.http.start()
+        try:
+            self.http_port = self.http.start()
+        except OSError:  # the port is taken: the front end's threads end with it
+            self.http.front.close()
+            self.http = None
+            raise
 
     def _stop_front_ends(self) -> None:
         if self.http is not None:
