@@ -11,11 +11,17 @@ never imported.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable
 
+from ssd.config import ConfigError
 from ssd.serve.backend import Backend
 from ssd.serve.options import ServeOptions
 from ssd.serve.server import GenerationServer
+
+# What the HTTP API imports that gRPC does not (pyproject.toml's `openai` extra; pydantic
+# and starlette come with fastapi), by import name.
+HTTP_STACK = ("fastapi", "uvicorn", "python_multipart")
 
 
 class OpenAIServer(GenerationServer):
@@ -24,6 +30,8 @@ class OpenAIServer(GenerationServer):
     serves_http = True
 
     def __init__(self, options: ServeOptions, load_backend: Callable[[], Backend]) -> None:
+        if options.http_port is not None:
+            _require_http_stack()
         super().__init__(options, load_backend)
         self.http: Any = None  # ssd.openai.http.HttpServer, while it serves
         self.http_port: int | None = None  # the HTTP API's port, once started
@@ -45,6 +53,15 @@ class OpenAIServer(GenerationServer):
     def _stop_front_ends(self) -> None:
         if self.http is not None:
             self.http.stop()
+
+
+def _require_http_stack() -> None:
+    """Refuse http_port before any port is bound, naming the extra, where it is not installed
+    (rather than fail on the first import once gRPC already listens)."""
+    missing = [name for name in HTTP_STACK if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"serve.http_port needs the `openai` extra ({', '.join(missing)} not installed): "
+                          f"pip install 'ssd[openai]'")
 
 
 def serve_config(config: Any, options: ServeOptions, with_draft: bool = True) -> OpenAIServer:
