@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batch APIs (ssd.serve.files, ssd.serve.batches, ssd.serve.http_batches)
+"""OpenAI's Files and Batch APIs (ssd.openai.files, ssd.openai.batches, ssd.openai.routes.batches)
 and `ssd run-batch` (launch/run_batch.py), through the official `openai` client.
 
 Exactness is the live path's: each line of a batch runs as the request it spells, so
@@ -27,11 +27,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.app import run_batch
-from ssd.serve import batches
-from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
-from ssd.serve.batches import Batch, BatchLine, read_lines
-from ssd.serve.files import FileFull, FileStore
-from ssd.serve.http_batches import BatchRoutes, Running
+from ssd.openai import batches
+from ssd.openai.batch_disk import BatchJournal, FileDisk, load_batches
+from ssd.openai.batches import Batch, BatchLine, read_lines
+from ssd.openai.files import FileFull, FileStore
+from ssd.openai.routes.batches import BatchRoutes, Running
 from tests.test_http import ChatBackend, base_url, oai, serving
 from tests.test_http import backend, client  # noqa: F401  (module fixtures: this module's own)
 from tests.test_http_random import http, server  # noqa: F401  (the same)
@@ -104,7 +104,7 @@ def test_a_line_turned_away_while_busy_or_not_serving_waits_and_a_crash_is_its_5
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from ssd.serve import http_batches
+    from ssd.openai.routes import batches as http_batches
     from ssd.serve.options import ServeOptions
 
     monkeypatch.setattr(http_batches, "BUSY_RETRY_S", 0.001)
@@ -214,7 +214,7 @@ def test_each_line_s_reply_is_the_same_body_sent_live(client, http, path):
 
 
 def test_the_comparison_sees_a_line_run_without_one_of_its_fields(client, http, server, monkeypatch):
-    routes: BatchRoutes = server._http.front.batches
+    routes: BatchRoutes = server.http.front.batches
     post = routes._post_line
 
     async def without_max_tokens(endpoint, body):
@@ -270,7 +270,7 @@ def test_a_cancelled_batch_accounts_for_every_line_and_leaves_no_row_running(cli
     assert wait_until(lambda: server._worker.counts == (0, 0), 10)
     after = gauges(server)
     assert after["ssd:batches_running"] == after["ssd:batch_lines_pending"] == 0
-    assert after["ssd:files_stored_bytes"] == server._http.front.batches.files.used > 0
+    assert after["ssd:files_stored_bytes"] == server.http.front.batches.files.used > 0
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: as it is
     done = finished(client, client.batches.create(input_file_id=upload(client, rows[:1]), endpoint="/v1/completions",
                                                   completion_window="24h").id)
@@ -342,7 +342,7 @@ def test_a_batch_needs_a_batch_file_and_the_store_keeps_its_budget(client, http,
     reply = http.post("/v1/batches", json={"input_file_id": other, "endpoint": "/v1/completions",
                                            "completion_window": "24h"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_file_id"
-    files = server._http.front.batches.files
+    files = server.http.front.batches.files
     monkeypatch.setattr(files, "capacity", 4)  # no upload may be larger than the whole store
     reply = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"12345")})
     assert reply.status_code == 413 and reply.json()["error"]["param"] == "file"
@@ -430,7 +430,7 @@ def test_a_batch_leaves_a_live_request_a_row():
 
 
 def test_a_running_batch_is_found_and_cancelled_after_the_store_forgot_it(monkeypatch):
-    from ssd.serve import http_batches
+    from ssd.openai.routes import batches as http_batches
     from tests.test_serve_batching import FakeBackend
 
     monkeypatch.setattr(http_batches, "BATCHES_KEPT", 1)
@@ -445,7 +445,7 @@ def test_a_running_batch_is_found_and_cancelled_after_the_store_forgot_it(monkey
         assert wait_until(lambda: client.batches.retrieve(first.id).status == "in_progress", 20)  # its loop began it
         assert client.batches.cancel(first.id).status in ("cancelling", "cancelled")
         fake.gate.set()
-        routes = server._http.front.batches
+        routes = server.http.front.batches
         assert wait_until(lambda: not routes.running, 20)
         with pytest.raises(openai.NotFoundError):  # ended: as forgotten as the store keeps it
             client.batches.retrieve(first.id)

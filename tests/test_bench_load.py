@@ -7,7 +7,7 @@ import pytest
 from ssd.tools.bench.load import LoadResult, Timeline, format_load_table, run_load
 from ssd.config import load_config
 from ssd.serve.options import ServeOptions
-from ssd.serve.server import serve_config
+from ssd.openai.server import serve_config
 from tests.conftest import ROOT
 
 

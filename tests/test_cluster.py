@@ -323,7 +323,7 @@ def test_ar_requests_batch_on_the_target_through_the_grpc_frontend(cluster):
 
 
 def test_openai_http_api_over_the_cluster(cluster):
-    """launch/cluster.py --http-port: the OpenAI API over the actors (ssd.serve.http). SSD greedy
+    """launch/cluster.py --http-port: the OpenAI API over the actors (ssd.openai). SSD greedy
     == AR; logprobs come back with the result (in the stream's last chunk) and match the whole response's."""
     from ssd.serve.cluster_backend import ClusterBackend
     from tests.test_http import PROMPT, complete, oai, serving

@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API (ssd.serve.http_conversations) through the official `openai`
+"""OpenAI's Conversations API (ssd.openai.routes.conversations) through the official `openai`
 client: create, retrieve, update, delete, and items listed, added, retrieved and deleted;
 a response that names a conversation starts from its items and adds its input and output.
 
@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from ssd.serve.stored import Conversation, Kept
+from ssd.openai.stored import Conversation, Kept
 from tests.test_http import base_url, oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
 from tests.test_responses_api import FUNCTIONS, expected
@@ -194,7 +194,7 @@ def test_random_chats_continued_by_the_server_equal_their_history_sent_by_hand(w
 def test_the_chats_see_a_server_that_forgets_the_oldest_item(wide, monkeypatch):
     """Power: continuing from all but the first item (of a stored response's or a
     conversation's) parts the turns from the history sent by hand."""
-    from ssd.serve import stored
+    from ssd.openai import stored
 
     monkeypatch.setattr(stored.StoredResponse, "conversation",
                         property(lambda self: (self.earlier + self.input_items + self.response["output"])[1:]))

@@ -29,10 +29,10 @@ import ssd
 from ssd.config import GenerationConfig, SamplingConfig, load_config
 from ssd.factory import make_engine
 from ssd.engine.request import GenerationRequest
+from ssd.openai.server import OpenAIServer
 from ssd.serve.backend import LocalBackend, UnsupportedRequest
 from ssd.serve.client import GenerationClient
 from ssd.serve.options import ServeOptions
-from ssd.serve.server import GenerationServer
 from ssd.serve.validation import SEEDED_COUPLING
 from tests.conftest import ROOT, static_ssd
 from tests.test_serve import ControlledBackend
@@ -84,8 +84,8 @@ class SlowEngine:
 
 
 @contextmanager
-def serving(load: Callable[[], Any], wait: bool = True, **options: Any) -> Iterator[GenerationServer]:
-    server = GenerationServer(ServeOptions(port=0, http_port=0, grace_s=2.0, **options), load)
+def serving(load: Callable[[], Any], wait: bool = True, **options: Any) -> Iterator[OpenAIServer]:
+    server = OpenAIServer(ServeOptions(port=0, http_port=0, grace_s=2.0, **options), load)
     server.start()
     try:
         if wait:
@@ -95,11 +95,11 @@ def serving(load: Callable[[], Any], wait: bool = True, **options: Any) -> Itera
         server.stop(grace_s=0.5)
 
 
-def base_url(server: GenerationServer) -> str:
+def base_url(server: OpenAIServer) -> str:
     return f"http://127.0.0.1:{server.http_port}"
 
 
-def oai(server: GenerationServer, token: str = "unused") -> openai.OpenAI:
+def oai(server: OpenAIServer, token: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url(server) + "/v1", api_key=token, max_retries=0, timeout=60)
 
 
@@ -517,7 +517,7 @@ def slow(request, backend):
         yield srv
 
 
-def _next_request_starts_at_once(srv: GenerationServer, limit_s: float = 2.0) -> None:
+def _next_request_starts_at_once(srv: OpenAIServer, limit_s: float = 2.0) -> None:
     """The freed slot takes the next request: the abort lands when the server next writes to the
     closed connection and the row leaves at the worker's next step, both within limit_s."""
     assert _wait(lambda: srv._counts() == (0, 0), timeout=limit_s), srv._counts()
@@ -527,7 +527,7 @@ def _next_request_starts_at_once(srv: GenerationServer, limit_s: float = 2.0) ->
     assert time.monotonic() - started < limit_s
 
 
-def _aborted(srv: GenerationServer) -> int:
+def _aborted(srv: OpenAIServer) -> int:
     return srv.metrics.snapshot().finished["aborted"]
 
 
@@ -803,14 +803,27 @@ def test_http_port_flag():
     assert serve_options_from_args(parser.parse_args([])).http_port is None
 
 
+def test_a_taken_http_port_fails_the_start_and_leaves_nothing_running(tmp_path):
+    """The gRPC port is let go, and the front end's store writer ends with it."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        server = OpenAIServer(ServeOptions(port=0, http_port=port, store_dir=str(tmp_path)), lambda: None)
+        with pytest.raises(OSError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+            server.start()
+    assert not [t for t in threading.enumerate() if t.name == "ssd-store" and t.is_alive()]
+    assert server.http is None
+
+
 # --- one service under both front ends -----------------------------------------------
 
 
 def test_the_http_front_end_imports_no_protobuf_and_no_grpc_front_end():
-    """http.py and http_schema.py sit on the neutral GenerationService, not on the gRPC servicer."""
+    """ssd.openai sits on the neutral GenerationService, not on the gRPC servicer."""
     import sys
 
-    code = ("import sys; import ssd.serve.http, ssd.serve.http_schema; "
+    code = ("import sys; import ssd.openai.http, ssd.openai.app, ssd.openai.schema; "
             "loaded = [m for m in ('google.protobuf', 'grpc', 'ssd.serve.server', 'ssd.serve._proto', "
             "'ssd.serve.convert') if m in sys.modules]; print(loaded); sys.exit(1 if loaded else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -818,7 +831,7 @@ def test_the_http_front_end_imports_no_protobuf_and_no_grpc_front_end():
 
 
 def test_both_front_ends_make_the_same_neutral_request():
-    from ssd.serve import http_schema as schema
+    from ssd.openai import schema
     from ssd.serve import protos
     from ssd.serve.client import build_request
     from ssd.serve.convert import from_proto
@@ -843,6 +856,6 @@ def test_connections_send_small_writes_at_once(server):
 
     with httpx.Client(base_url=base_url(server)) as client:
         assert client.get("/health").status_code == 200  # the connection stays open
-        connections = server._http._server.server_state.connections
+        connections = server.http._server.server_state.connections
         sockets = [c.transport.get_extra_info("socket") for c in list(connections)]
         assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)

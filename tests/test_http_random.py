@@ -30,7 +30,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ssd.engine import processing
-from ssd.serve import convert, http_calls, streaming, validation
+from ssd.openai import calls as http_calls
+from ssd.serve import convert, streaming, validation
 from ssd.serve.client import GenerationClient
 from ssd.serve.validation import choice_seed
 from tests.test_http import ChatBackend, base_url, serving

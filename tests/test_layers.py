@@ -34,6 +34,8 @@ def test_the_source_tree_keeps_every_contract(tmp_path):
 @pytest.mark.parametrize("module, line, broken", [
     ("engine/batch.py", "from ssd.saguaro import target as _up", "each imports only the layers below it"),
     ("saguaro/plan.py", "from ssd.tools.ablation import replay as _up", "each imports only the layers below it"),
+    ("serve/service.py", "from ssd.openai import schema as _up", "each imports only the layers below it"),
+    ("serve/worker.py", "import fastapi as _http", "ssd.serve imports neither ssd.openai nor the HTTP stack"),
     ("tools/ablation/trace.py", "from ssd.tools.bench import runner as _up", "benchmarks above ablations"),
     ("models/qcache.py", "from ssd.models import loading as _circle", "no import circles"),
 ])
@@ -115,3 +117,25 @@ def test_no_module_imports_a_package_that_imports_it_back(tmp_path):
     loading.write_text(loading.read_text() + "\nfrom ssd.models import offline as _circle  # injected by the test\n")
     (circle,) = import_cycles(copy)  # the package, loading, and tokenizer (the package imports it, it imports loading)
     assert {"ssd.models", "ssd.models.loading"} <= set(circle) and "ssd.models.offline" not in circle
+
+
+# The `openai` extra (pyproject.toml): the HTTP stack, which only ssd.openai imports.
+HTTP_STACK = ("fastapi", "starlette", "uvicorn", "pydantic", "multipart", "python_multipart")
+
+
+def test_the_serving_core_imports_without_the_openai_extra():
+    """Every module of ssd.serve, ssd.openai.server (gRPC alone without http_port) and the
+    launchers import with the HTTP stack unimportable; asked for http_port, the server names
+    the extra before it binds a port."""
+    code = ("import sys, pkgutil, importlib\n"
+            + "".join(f"sys.modules[{name!r}] = None\n" for name in HTTP_STACK)
+            + "import ssd.serve\n"
+              "for module in pkgutil.iter_modules(ssd.serve.__path__, 'ssd.serve.'):\n"
+              "    importlib.import_module(module.name)\n"
+              "import ssd.openai.server, ssd.app.launcher, ssd.app.cli\n"
+              "from ssd.serve.options import ServeOptions\n"
+              "ssd.openai.server.OpenAIServer(ServeOptions(port=0), None)\n"
+              "ssd.openai.server.OpenAIServer(ServeOptions(port=0, http_port=0), None)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "ConfigError: serve.http_port needs the `openai` extra" in done.stderr, done.stderr
+    assert "pip install 'ssd[openai]'" in done.stderr

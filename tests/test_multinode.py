@@ -412,7 +412,7 @@ def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(sta
     from ssd.serve.client import GenerationClient
     from ssd.serve.cluster_backend import ClusterBackend
     from ssd.serve.options import ServeOptions
-    from ssd.serve.server import GenerationServer
+    from ssd.openai.server import OpenAIServer
 
     ray_cluster, _ = nodes
     big = add_node(ray_cluster, num_cpus=4)
@@ -431,7 +431,7 @@ def test_two_replicas_on_one_four_cpu_node_get_disjoint_cores_and_serve_http(sta
                 if max(w["cores"]) < os.cpu_count():
                     assert w["affinity"] == w["cores"], w
         assert sorted(told) == [[[0], [1]], [[2], [3]]], told  # (which replica takes which slot: whichever is first)
-        server = GenerationServer(ServeOptions(port=0, http_port=0, grace_s=2.0), lambda: ClusterBackend(replicas))
+        server = OpenAIServer(ServeOptions(port=0, http_port=0, grace_s=2.0), lambda: ClusterBackend(replicas))
         server.start()
         client = GenerationClient(f"127.0.0.1:{server.port}")
         try:

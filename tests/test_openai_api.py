@@ -34,10 +34,11 @@ from ssd.config import GenerationConfig, RequestDefaults, SamplingConfig, load_c
 from ssd.engine import grammar
 from ssd.engine.request import GenerationRequest, Processing
 from ssd.factory import make_engine
-from ssd.serve import tools as tooling
+from ssd.openai import tools as tooling
+from ssd.openai.calls import _result
+from ssd.openai.common import ApiError
 from ssd.serve.backend import LocalBackend
 from ssd.serve.client import GenerationClient
-from ssd.serve.http_calls import ApiError, _result
 from ssd.serve.service import Final
 from ssd.serve.validation import choice_seed
 from tests.conftest import ROOT

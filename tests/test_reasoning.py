@@ -1,4 +1,4 @@
-"""Reasoning models' <think>...</think>, split from the answer (ssd.serve.reasoning) as vLLM's
+"""Reasoning models' <think>...</think>, split from the answer (ssd.openai.reasoning) as vLLM's
 reasoning parsers split it: chat's `reasoning_content`, the Responses API's reasoning item.
 
 Only the text is split, so exactness is the chat path's: over the wire the parts are
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ssd.serve.reasoning import ReasoningStream, opened_by, split
+from ssd.openai.reasoning import ReasoningStream, opened_by, split
 from tests.test_http import oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
 
@@ -142,8 +142,8 @@ def test_the_parser_option_is_checked_and_auto_follows_the_vocabulary(real_token
 def test_thinking_sent_back_reaches_the_template_as_reasoning_content(thinking):
     """Interleaved thinking: an assistant's earlier `reasoning` (or `reasoning_content`), or a Responses
     reasoning item before its message, goes to the template as the message's reasoning_content."""
-    from ssd.serve import http_schema as schema
-    from ssd.serve.responses import ResponsesBody, to_chat
+    from ssd.openai import schema
+    from ssd.openai.responses import ResponsesBody, to_chat
     from ssd.serve.validation import InvalidArgument
 
     turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "r"},

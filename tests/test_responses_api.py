@@ -1,6 +1,6 @@
 """OpenAI's Responses API (POST /v1/responses) through the official `openai` client.
 
-A Responses request is the chat completion it means (ssd.serve.responses), so
+A Responses request is the chat completion it means (ssd.openai.responses), so
 exactness is the chat path's: each test checks that the prompt is the chat
 prompt the input describes (instructions, messages, function calls and their
 outputs) and that the output is the engine's for those ids, laid out as

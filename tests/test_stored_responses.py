@@ -5,7 +5,7 @@ A response that names an earlier one as previous_response_id is that response's
 conversation (its earlier items, its input, its output) followed by its own
 input, so exactness is the chat path's: each turn's text equals the engine's
 greedy text for the whole chat, the same as sending the history by hand. The
-store itself (ssd.serve.stored) is tested pure first.
+store itself (ssd.openai.stored) is tested pure first.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from ssd.serve.stored import ResponseStore, StoredResponse, input_items, page
+from ssd.openai.stored import ResponseStore, StoredResponse, input_items, page
 from tests.test_http import base_url, oai, serving
 from tests.test_openai_api import ToolTemplate, wide  # noqa: F401 - the fixture
 from tests.test_responses_api import ASK, FUNCTIONS, answered_chat, expected
@@ -269,7 +269,7 @@ def _gauges(srv) -> dict[str, float]:
 
 def srv_running(srv) -> bool:
     """Whether a background response still runs on the server's HTTP front end."""
-    return bool(srv._http.front.running)
+    return bool(srv.http.front.responses.running)
 
 
 def test_a_failed_background_response_is_stored_with_its_error(wide):
@@ -350,7 +350,7 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(wide
 
 
 def test_dumped_stores_load_back_in_order_with_shared_items_shared():
-    from ssd.serve.stored import Conversation, Kept, dump_stores, load_stores
+    from ssd.openai.stored import Conversation, Kept, dump_stores, load_stores
 
     responses, conversations = ResponseStore(8), Kept(8)
     first = _stored("a", "one")
@@ -395,7 +395,7 @@ def test_stored_responses_and_conversations_outlive_a_restart_with_store_dir(wid
 def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tmp_path, caplog):
     _, backend = wide
     (tmp_path / "responses.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="ssd.serve.http"):
+    with caplog.at_level(logging.WARNING, logger="ssd.openai.store_file"):
         with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
             with pytest.raises(openai.NotFoundError):
                 oai(srv).responses.retrieve("resp_none")
@@ -404,9 +404,9 @@ def test_an_unreadable_store_file_is_logged_and_the_server_starts_empty(wide, tm
 
 
 def test_the_stores_are_written_while_they_change_so_a_crash_keeps_them(wide, tmp_path, monkeypatch):
-    from ssd.serve import http as http_module
+    from ssd.openai import store_file
 
-    monkeypatch.setattr(http_module, "STORE_WRITE_S", 0.05)
+    monkeypatch.setattr(store_file, "STORE_WRITE_S", 0.05)
     _, backend = wide
     with serving(lambda: ToolTemplate(backend), store_dir=str(tmp_path)) as srv:
         client = oai(srv)

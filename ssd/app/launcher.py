@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 def serve(cluster, options) -> None:
     """The gRPC frontend over the cluster, until interrupted."""
     from ssd.serve.cluster_backend import ClusterBackend
-    from ssd.serve.server import GenerationServer
+    from ssd.openai.server import OpenAIServer
 
-    server = GenerationServer(options, lambda: ClusterBackend(cluster))
+    server = OpenAIServer(options, lambda: ClusterBackend(cluster))
     server.start()
     log.info("serving ssd.v1.GenerationService on %s:%d", options.host, server.port)
     if server.http_port is not None:

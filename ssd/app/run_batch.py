@@ -1,6 +1,6 @@
 """Run a file of OpenAI batch requests through the configured pair, with no port to
 serve (vLLM's `run-batch`): the same lines, and the same output lines, as a batch
-created over HTTP (POST /v1/files, POST /v1/batches; ssd/serve/http_batches.py).
+created over HTTP (POST /v1/files, POST /v1/batches; ssd/openai/routes/batches.py).
 
     ssd run-batch -i requests.jsonl -o results.jsonl
     ssd run-batch -i requests.jsonl -o results.jsonl --config configs/tiny.yaml --mode ssd
@@ -30,10 +30,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args
-from ssd.serve.batches import Batch, BatchLine, read_lines
+from ssd.openai.batches import Batch, BatchLine, read_lines
 from ssd.serve.options import ServeOptions
-from ssd.serve.responses import new_id
-from ssd.serve.server import GenerationServer, serve_config
+from ssd.openai.responses import new_id
+from ssd.openai.server import serve_config
+from ssd.serve.server import GenerationServer
 
 log = logging.getLogger("ssd.run_batch")
 
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(server: GenerationServer, options: ServeOptions, lines: list[BatchLine], endpoint: str) -> Batch:
     """The lines through the HTTP front end's own batch runner, with a progress bar."""
-    from ssd.serve.http import OpenAIFrontend  # FastAPI loads only when asked for
-    from ssd.serve.http_batches import Running
+    from ssd.openai.app import OpenAIFrontend  # FastAPI loads only when asked for
+    from ssd.openai.routes.batches import Running
 
     front = OpenAIFrontend(server.service, options)
     batch = Batch(new_id("batch"), endpoint, "local", None, len(lines))

@@ -1,5 +1,5 @@
 """Serve the configured pair over gRPC (ssd.v1.GenerationService, health, reflection)
-and, with --http-port, the OpenAI-compatible HTTP API (ssd/serve/http.py).
+and, with --http-port, the OpenAI-compatible HTTP API (ssd/openai/).
 
     ssd serve --config configs/tiny.yaml --port 50051
     ssd serve --host 0.0.0.0 --token "$TOKEN" --tls-cert cert.pem --tls-key key.pem
@@ -24,7 +24,8 @@ import sys
 import threading
 
 from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args
-from ssd.serve.server import GenerationServer, serve_config
+from ssd.openai.server import serve_config
+from ssd.serve.server import GenerationServer
 
 log = logging.getLogger("ssd.serve")
 

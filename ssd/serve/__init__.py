@@ -1,4 +1,6 @@
-"""The front ends: gRPC (protos/ssd/v1/generation.proto) and the OpenAI-compatible HTTP API.
+"""The serving core: the GenerationService both front ends adapt, and the gRPC front end
+(protos/ssd/v1/generation.proto). The OpenAI-compatible HTTP API sits above it in ssd.openai,
+which this package never imports.
 
 protos.py     compiles the .proto into _proto/ on first use (generated, not committed)
 options.py    ServeOptions: bind address, token, TLS, request limits
@@ -14,7 +16,4 @@ auth.py       bearer-token interceptor (health and reflection stay open)
 convert.py    ssd.v1 GenerateRequest -> Request; the service's answers -> ssd.v1 messages
 server.py     GenerationServicer (the gRPC adapter) and GenerationServer (health, reflection, TLS, lifecycle)
 client.py     GenerationClient, used by launch/client.py and the tests
-http.py       the OpenAI-compatible HTTP API (FastAPI + uvicorn) over the same service (no protobuf)
-http_schema.py OpenAI request bodies (pydantic) -> Request, validated by validation.py
-tools.py      OpenAI tool calls in the model's own format: tools/tool_choice, the call grammar, parsing
 """

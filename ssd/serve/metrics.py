@@ -148,7 +148,7 @@ class ServerCollector(Collector):
 
 class GaugesCollector(Collector):
     """Gauges read at scrape time: `gauges` names each (name, help), `values` reads them all
-    at once (the HTTP front end's stored responses, conversations, batches and files)."""
+    at once (ssd.openai's stored responses, conversations, batches and files register them)."""
 
     def __init__(self, gauges: tuple[tuple[str, str], ...], values: Callable[[], tuple[int, ...]]) -> None:
         self.gauges, self.values = gauges, values
@@ -156,18 +156,6 @@ class GaugesCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for (name, help_text), value in zip(self.gauges, self.values(), strict=True):
             yield GaugeMetricFamily(name, help_text, value=value)
-
-
-RESPONSES_GAUGES = (
-    ("ssd:responses_stored", "Responses API responses stored (--stored-responses)."),
-    ("ssd:responses_background_running", "Background responses queued or running."),
-    ("ssd:conversations_stored", "Conversations kept (--stored-conversations)."),
-)
-BATCHES_GAUGES = (
-    ("ssd:batches_running", "Batches (/v1/batches) running."),
-    ("ssd:batch_lines_pending", "Lines of running batches with no reply yet."),
-    ("ssd:files_stored_bytes", "Bytes of files kept (--stored-file-bytes)."),
-)
 
 
 def server_registry(metrics: ServerMetrics, counts: Counts) -> CollectorRegistry:

@@ -31,7 +31,7 @@ class ServeOptions:
     # never prompts or outputs); TLS when the gRPC port has it. 0: any free
     # port (the server reports the one it got); None: no endpoint.
     metrics_port: int | None = None
-    # The OpenAI-compatible HTTP API (ssd.serve.http) on `host`, same process,
+    # The OpenAI-compatible HTTP API (ssd.openai.server) on `host`, same process,
     # same batch; TLS and the token as for gRPC. 0: any free port; None: off.
     http_port: int | None = None
     # Reasoning models' <think>...</think> as `reasoning_content` (chat) or a reasoning item
@@ -42,17 +42,17 @@ class ServeOptions:
     # `model` must be one of them, /v1/models lists each. Empty: the target's own name.
     served_model_names: tuple[str, ...] = ()
     # Finished Responses API responses kept in memory for previous_response_id and GET
-    # /v1/responses/{id} (ssd.serve.stored), least recently used out first; 0: none.
+    # /v1/responses/{id} (ssd.openai.stored), least recently used out first; 0: none.
     stored_responses: int = 1024
-    # Conversations (OpenAI's Conversations API, ssd.serve.http_conversations) kept in
+    # Conversations (OpenAI's Conversations API, ssd.openai.routes.conversations) kept in
     # memory, least recently used out first; 0: none.
     stored_conversations: int = 1024
     # A directory where the stored responses and conversations are written (every 10 s while
     # they change, and at the stop) and read back at the start, so they outlive a restart;
-    # files and batch journals too (ssd.serve.batch_disk: a running batch goes on). None: memory only.
+    # files and batch journals too (ssd.openai.batch_disk: a running batch goes on). None: memory only.
     store_dir: str | None = None
     # Bytes of files (OpenAI's Files API: batch inputs, batch outputs) kept in memory, all
-    # files together; an upload past it is refused (ssd.serve.files). 0: no files, no batches.
+    # files together; an upload past it is refused (ssd.openai.files). 0: no files, no batches.
     stored_file_bytes: int = 1024 * 1024 * 1024
     # Lines of OpenAI batches (/v1/batches) running at once, as rows beside live requests;
     # None: `batch_lines` (half of max_queue, leaving live requests a row).

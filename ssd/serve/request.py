@@ -1,7 +1,7 @@
 """The front-end-neutral request: what a client asked for, as plain Python.
 
 Both front ends build one (gRPC: ssd.serve.convert.from_proto; HTTP:
-ssd.serve.http_schema.to_request) and ssd.serve.validation checks it, so the
+ssd.openai.schema.to_request) and ssd.serve.validation checks it, so the
 two share one set of rules. Field names follow the gRPC API's
 (protos/ssd/v1/generation.proto); validation errors name them, and the HTTP
 front end maps them back to the body's names. None means "not given: the

@@ -6,6 +6,11 @@ turns health NOT_SERVING, refuses new requests, lets running ones finish for
 the grace period, aborts the rest and closes the port. With
 `metrics_port` set, Prometheus scrapes http://host:port/metrics from the
 server's own registry, which also writes the Stats RPC's text.
+
+The OpenAI-compatible HTTP API is not started here: ssd.openai.server.OpenAIServer
+is this server with it beside gRPC (ssd.serve never imports ssd.openai; the
+layers point down). A subclass adds front ends through `_start_front_ends` and
+`_stop_front_ends`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from ssd.config import ConfigError
 from ssd.serve import convert, decoding, protos
 from ssd.serve.auth import BearerTokenInterceptor
 from ssd.serve.backend import Backend
@@ -49,7 +55,7 @@ NO_DEADLINE_S = 1e9
 
 class GenerationServicer:
     """The four ssd.v1 RPCs: a thin adapter over the GenerationService the HTTP
-    front end (ssd.serve.http) shares. Protobuf in -> the neutral request
+    front end (ssd.openai) shares. Protobuf in -> the neutral request
     (ssd.serve.convert), the service's answers -> protobuf, its errors -> status
     codes: INVALID_ARGUMENT naming the field, UNAVAILABLE, RESOURCE_EXHAUSTED,
     ALREADY_EXISTS."""
@@ -174,7 +180,13 @@ def _parsing(rpc: Callable[..., Any], request_cls: Any, streaming: bool) -> Call
 class GenerationServer:
     """A running gRPC server; `load_backend` runs in a thread after the port is bound."""
 
+    serves_http = False  # whether options.http_port is served (ssd.openai.server.OpenAIServer's is)
+
     def __init__(self, options: ServeOptions, load_backend: Callable[[], Backend]) -> None:
+        if options.http_port is not None and not self.serves_http:
+            # Refused, not ignored: a caller that asked for the HTTP API must not get a server without it.
+            raise ConfigError("serve.http_port is set, but GenerationServer serves gRPC only; "
+                              "ssd.openai.server.OpenAIServer serves the OpenAI-compatible API beside it")
         self.options = options
         self.load_backend = load_backend
         self.pb, self.pb_grpc = protos.load()
@@ -186,8 +198,6 @@ class GenerationServer:
         self.port: int | None = None
         self.metrics_port: int | None = None  # the /metrics HTTP port, once started
         self._metrics_http: WSGIServer | None = None
-        self.http_port: int | None = None  # the OpenAI-compatible API's port, once started
-        self._http: Any = None  # ssd.serve.http.HttpServer
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -206,8 +216,12 @@ class GenerationServer:
         log.info("listening on %s:%d (%s)", self.options.host, self.port, "TLS" if self.options.tls else "plaintext")
         if self.options.metrics_port is not None:
             self._start_metrics_http()
-        if self.options.http_port is not None:
-            self._start_openai_http()
+        try:
+            self._start_front_ends()
+        except OSError:  # e.g. a busy HTTP port: nothing stays bound
+            self._server.stop(0)
+            self._stop_metrics_http()
+            raise
         threading.Thread(target=self._load, name="ssd-serve-loader", daemon=True).start()
         return self.port
 
@@ -230,8 +244,7 @@ class GenerationServer:
         if self._server is not None:
             self._server.stop(grace=min(grace, 1.0)).wait()
         self._stop_metrics_http()
-        if self._http is not None:
-            self._http.stop()
+        self._stop_front_ends()
         self._close_backend()
         self._stopped.set()
         log.info("stopped")
@@ -257,17 +270,12 @@ class GenerationServer:
         host = f"[{opts.host}]" if ":" in opts.host else opts.host
         log.info("metrics at %s://%s:%d/metrics", "https" if opts.tls else "http", host, self.metrics_port)
 
-    def _start_openai_http(self) -> None:
-        """The OpenAI-compatible API over this server's service: one worker, one batch."""
-        from ssd.serve.http import HttpServer, OpenAIFrontend  # FastAPI loads only when asked for
+    def _start_front_ends(self) -> None:
+        """Front ends beside gRPC over self.service, started once the gRPC port is bound (an
+        OSError stops what started): none here; ssd.openai.server.OpenAIServer adds HTTP."""
 
-        self._http = HttpServer(OpenAIFrontend(self.service, self.options), self.options)
-        try:
-            self.http_port = self._http.start()
-        except OSError:
-            self._server.stop(0)
-            self._stop_metrics_http()
-            raise
+    def _stop_front_ends(self) -> None:
+        """Stop them, after the worker drained and gRPC closed, before the backend closes."""
 
     def _stop_metrics_http(self) -> None:
         if self._metrics_http is not None:
@@ -375,12 +383,3 @@ def _tls_credentials(options: ServeOptions) -> grpc.ServerCredentials:
     key = options.tls_key.read_bytes()
     cert = options.tls_cert.read_bytes()
     return grpc.ssl_server_credentials([(key, cert)])
-
-
-def serve_config(config: Any, options: ServeOptions, with_draft: bool = True) -> GenerationServer:
-    """A started server for a Config, loading a LocalBackend in the background."""
-    from ssd.serve.backend import LocalBackend
-
-    server = GenerationServer(options, lambda: LocalBackend(config, with_draft=with_draft))
-    server.start()
-    return server

@@ -1,4 +1,4 @@
-"""The generation service both front ends sit on (gRPC: ssd.serve.server, HTTP: ssd.serve.http).
+"""The generation service both front ends sit on (gRPC: ssd.serve.server, HTTP: ssd.openai).
 
 It holds the backend and the worker and says whether it is serving (and why
 not). A request enters as a neutral `Request` (ssd.serve.request), is

@@ -18,21 +18,21 @@ import httpx
 
 from ssd import hardware
 from ssd.config import Config
-from ssd.serve import http as http_module
+from ssd.openai import http as http_module
 from ssd.serve.backend import LocalBackend
 from ssd.serve.options import ServeOptions
-from ssd.serve.server import GenerationServer
+from ssd.openai.server import OpenAIServer
 
 VARIANTS = ("nodelay", "create_server")
 
 
-def _server(backend: LocalBackend, variant: str) -> GenerationServer:
+def _server(backend: LocalBackend, variant: str) -> OpenAIServer:
     """A server over `backend`; "create_server" binds its HTTP socket as the server did before."""
     ours = http_module.listening_socket
     if variant == "create_server":
         http_module.listening_socket = lambda host, port: socket.create_server((host, port))
     try:
-        server = GenerationServer(ServeOptions(port=0, http_port=0), lambda: backend)
+        server = OpenAIServer(ServeOptions(port=0, http_port=0), lambda: backend)
         server.start()
     finally:
         http_module.listening_socket = ours

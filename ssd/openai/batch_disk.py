@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ssd.serve.batches import Batch
-from ssd.serve.files import StoredFile
+from ssd.openai.batches import Batch
+from ssd.openai.files import StoredFile
 
 log = logging.getLogger(__name__)
 
 
 def write_whole(path: Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all (written aside, then moved): a crash mid-write
-    leaves the file as it was (the stores' file too, ssd.serve.http)."""
+    leaves the file as it was (the stores' file too, ssd.openai.store_file)."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.partial")
     aside.write_bytes(data)
     os.replace(aside, path)

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (POST /v1/responses) as a chat completion underneath.
 
-A Responses body becomes the ChatBody it means (ssd.serve.http_schema), so it
+A Responses body becomes the ChatBody it means (ssd.openai.schema), so it
 takes the one validation, admission and batch every other request takes, and
 its output is the chat output laid out as Responses items:
 
@@ -17,8 +17,8 @@ its output is the chat output laid out as Responses items:
 
 A response is stored unless `store` is false (OpenAI's default), and one
 that names it as `previous_response_id` continues its conversation
-(ssd.serve.stored); one that names a `conversation` (the Conversations API,
-ssd.serve.http_conversations) starts from its items and adds its own input
+(ssd.openai.stored); one that names a `conversation` (the Conversations API,
+ssd.openai.routes.conversations) starts from its items and adds its own input
 and output to it once it finishes. Items that came from either are named
 `previous_response_id` or `conversation` in errors. An error a chat field
 caused names the Responses field (`chat_param`). `background` answers at
@@ -35,8 +35,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from ssd.serve import http_schema as schema
-from ssd.serve.http_schema import Body
+from ssd.openai import schema
+from ssd.openai.schema import Body
 from ssd.serve.validation import InvalidArgument
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -116,7 +116,7 @@ class ResponsesBody(Body):
     truncation: Literal["disabled", "auto"] | None = None  # auto: drop the oldest turns to fit (`turn_starts`)
     metadata: dict[str, str] | None = None
     user: str | None = None
-    safety_identifier: str | None = None  # OpenAI's hints, as on chat (ssd.serve.http_schema)
+    safety_identifier: str | None = None  # OpenAI's hints, as on chat (ssd.openai.schema)
     prompt_cache_key: str | None = None
     # vLLM's extra fields, as on chat.
     seed: int | None = None
@@ -132,7 +132,7 @@ class ResponsesBody(Body):
 def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, drop: int = 0
             ) -> tuple[schema.ChatBody, list[str]]:
     """The ChatBody the request means, and for each of its messages the Responses field it came from.
-    `earlier`: the conversation of the response it continues (ssd.serve.stored), as items; `drop`:
+    `earlier`: the conversation of the response it continues (ssd.openai.stored), as items; `drop`:
     how many of the conversation's first items (earlier, then input) to leave out."""
     schema.check_metadata(body.metadata)
     for name in body.include or []:
@@ -297,7 +297,7 @@ def message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None,
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """A reasoning model's thinking (ssd.serve.reasoning) as a reasoning item."""
+    """A reasoning model's thinking (ssd.openai.reasoning) as a reasoning item."""
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 

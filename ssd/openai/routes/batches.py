@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batch APIs over the HTTP front end (ssd.serve.http).
+"""OpenAI's Files and Batch APIs.
 
     POST   /v1/files                 upload (multipart: file, purpose, expires_after)
     GET    /v1/files                 list (purpose, order, limit, after)
@@ -21,7 +21,7 @@ tries again. Queued lines wait behind every queued live request (ssd.serve.worke
 port (vLLM's `run-batch`).
 
 Files and batches live in memory (serve.stored_file_bytes bytes of files; the last
-BATCHES_KEPT batches). With serve.store_dir they are on disk too (ssd.serve.batch_disk)
+BATCHES_KEPT batches). With serve.store_dir they are on disk too (ssd.openai.batch_disk)
 and come back at the next start, where a batch that was running goes on.
 """
 
@@ -39,15 +39,14 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ssd.serve.batch_disk import BatchJournal, FileDisk, load_batches
-from ssd.serve.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, read_lines
-from ssd.serve.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
-from ssd.serve.http_calls import ApiError, invalid
-from ssd.serve.http_conversations import listed
-from ssd.serve.http_schema import Body, check_metadata
-from ssd.serve.responses import new_id
+from ssd.openai.batch_disk import BatchJournal, FileDisk, load_batches
+from ssd.openai.batches import COMPLETION_WINDOWS, ENDPOINTS, Batch, BatchLine, read_lines
+from ssd.openai.files import BATCH_FILE_S, EXPIRY_RANGE_S, PURPOSES, FileFull, FileStore, StoredFile
+from ssd.openai.common import BATCH_LINE, ApiError, invalid, listed
+from ssd.openai.responses import new_id
+from ssd.openai.schema import Body, check_metadata
+from ssd.openai.stored import Kept
 from ssd.serve.service import InvalidArgument
-from ssd.serve.stored import Kept
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,11 @@ MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
 FILES_LISTED = 10_000  # OpenAI's file list: limit 1..10000, 10000 by default
 BUSY_RETRY_S = 0.2  # a line the queue turned away (429), or refused while not serving (503), tries again after this
 FILES_DIR, BATCHES_DIR = "files", "batches"  # under --store-dir
-BATCH_LINE = "ssd.batch_line"  # the ASGI scope key that marks a batch line's request
+GAUGES = (
+    ("ssd:batches_running", "Batches (/v1/batches) running."),
+    ("ssd:batch_lines_pending", "Lines of running batches with no reply yet."),
+    ("ssd:files_stored_bytes", "Bytes of files kept (--stored-file-bytes)."),
+)
 
 
 class ExpiresAfter(Body):
@@ -106,11 +109,6 @@ async def asgi_post(app: Any, path: str, body: bytes, headers: list[tuple[bytes,
     return status, b"".join(chunks)
 
 
-def batch_line(request: Request) -> bool:
-    """Whether `request` is a batch line (`asgi_post` marks its scope; no client can)."""
-    return bool(request.scope.get(BATCH_LINE))
-
-
 def _reply(data: bytes) -> Any:
     try:
         return json.loads(data)
@@ -120,7 +118,7 @@ def _reply(data: bytes) -> Any:
 
 class BatchRoutes:
     """The routes, over one file store and one batch store; `authorize` and `parse` are the
-    front end's, and lines run through the app `add_to` was given."""
+    gate's (ssd.openai.common.Api), and lines run through the app `add_to` was given."""
 
     def __init__(self, options: Any, authorize: Callable[[Request], None], parse: Callable[..., Any],
                  rows: Callable[[], int] = lambda: 1) -> None:
@@ -152,7 +150,7 @@ class BatchRoutes:
             self._restore()  # now that the lines have an app to run through
 
     def counts(self) -> tuple[int, int, int]:
-        """Batches running, their lines with no row yet, bytes of files kept (for /metrics)."""
+        """GAUGES' values: batches running, their lines with no row yet, bytes of files kept."""
         running = list(self.running.values())
         pending = sum(r.batch.total - r.batch.rows() for r in running)
         return len(running), pending, self.files.used

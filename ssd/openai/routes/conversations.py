@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API over the HTTP front end (ssd.serve.http).
+"""OpenAI's Conversations API.
 
     POST   /v1/conversations                        create (items, metadata)
     GET    /v1/conversations/{id}                   retrieve
@@ -11,7 +11,7 @@
 
 A Responses request that names a conversation (`conversation`: its id, or
 {"id": ...}) starts from its items, and its input and output items join it once
-it finishes (ssd.serve.stored.Conversation). Conversations live in memory,
+it finishes (ssd.openai.stored.Conversation). Conversations live in memory,
 `serve.stored_conversations` of them at most, least recently used out first,
 and over a restart with `serve.store_dir` (--store-dir).
 """
@@ -24,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from ssd.serve import responses
-from ssd.serve.http_calls import ApiError, invalid
-from ssd.serve.http_schema import Body, check_metadata
+from ssd.openai import responses
+from ssd.openai.common import ApiError, invalid, listed
+from ssd.openai.schema import Body, check_metadata
+from ssd.openai.stored import Conversation, Kept, input_items, page
 from ssd.serve.service import InvalidArgument
-from ssd.serve.stored import Conversation, Kept, input_items, page
 
 MAX_ITEMS = 20  # OpenAI's: items a create or an add may carry
 
@@ -46,31 +46,8 @@ class ItemsBody(Body):
     items: list[responses.InputItem] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def _page_query(request: Request, most: int, default: int) -> tuple[str, int, str | None]:
-    """A list's `order` (default desc), `limit` (1..most) and cursor `after`."""
-    query = request.query_params
-    order, limit = query.get("order", "desc"), query.get("limit", str(default))
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order: must be asc or desc, got {order!r}", param="order", code="invalid_value")
-    if not limit.isdigit() or not 1 <= int(limit) <= most:
-        raise ApiError(400, f"limit: must be an integer in 1..{most}, got {limit!r}", param="limit",
-                       code="invalid_value")
-    return order, int(limit), query.get("after")
-
-
-def listed(items: list[dict[str, Any]], request: Request, owner: str, most: int = 100,
-           default: int = 20) -> JSONResponse:
-    """OpenAI's list object over `items`, as the request's query asks (`limit` 1..most, by
-    default `default`: OpenAI's 100 and 20 for most lists)."""
-    order, limit, after = _page_query(request, most, default)
-    try:
-        return JSONResponse(page(items, order, limit, after))
-    except KeyError:
-        raise ApiError(400, f"after: no item {after!r} in {owner}", param="after", code="invalid_value") from None
-
-
 class ConversationRoutes:
-    """The routes, over one store; `authorize` and `parse` are the front end's."""
+    """The routes, over one store; `authorize` and `parse` are the gate's (ssd.openai.common.Api)."""
 
     def __init__(self, capacity: int, authorize: Callable[[Request], None], parse: Callable[..., Any]) -> None:
         self.store: Kept[Conversation] = Kept(capacity)

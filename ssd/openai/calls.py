@@ -1,9 +1,10 @@
-"""One OpenAI HTTP request's answer (ssd.serve.http routes it here): its choices' events from
-the GenerationService turned into OpenAI objects, whole or as an SSE stream, for completions,
-chat and the Responses API (ResponsesCall; stored and background responses: ssd.serve.stored).
+"""One OpenAI HTTP request's answer (the routers in ssd.openai.routes hand it here): its
+choices' events from the GenerationService turned into OpenAI objects, whole or as an SSE
+stream, for completions, chat and the Responses API (ResponsesCall; stored and background
+responses: ssd.openai.stored, kept by ssd.openai.routes.responses).
 
-Errors are ApiError, OpenAI's shape {"error": {"message", "type", "param", "code"}}; a failure
-after a stream began ends it with OpenAI's error event. No routing and no server here.
+Errors are ApiError (ssd.openai.common), OpenAI's shape; a failure after a stream began ends
+it with OpenAI's error event. No routing and no server here.
 """
 
 from __future__ import annotations
@@ -16,59 +17,31 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from ssd.engine.request import TokenLogprob
-from ssd.serve import http_schema as schema
-from ssd.serve import responses
-from ssd.serve.stored import StoredResponse, input_items
-from ssd.serve import tools as tooling
-from ssd.serve.reasoning import ReasoningStream, opened_by, split as split_reasoning
+from ssd.openai import responses, schema
+from ssd.openai import tools as tooling
+from ssd.openai.common import EVENT_POLL_S, Api, ApiError, invalid
+from ssd.openai.reasoning import ReasoningStream, opened_by, split as split_reasoning
+from ssd.openai.stored import Conversation, ResponseStore, StoredResponse, input_items
 from ssd.serve.service import (
     Chunk,
     Final,
     Generation,
-    InvalidArgument,
     RequestStats,
 )
 
 log = logging.getLogger(__name__)
 REASONING_TAIL = 16  # prompt tokens read to tell whether the output starts inside <think>
-EVENT_POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports masked tokens the same way
 # The engine's ends -> OpenAI's finish_reason (with tool_calls, set where calls are parsed); an
 # aborted or failed request is an error (status, or a stream's error event), never a finish reason.
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def invalid(exc: InvalidArgument, param: str | None = None) -> ApiError:
-    param = param or exc.field
-    message = str(exc).split(": ", 1)[-1]
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
-
-
-def unavailable(exc: Exception) -> ApiError:
-    """503: the model is loading or the server is stopping (NotServing, WorkerClosed, ...)."""
-    return ApiError(503, str(exc), type_="server_error", code="unavailable")
 
 
 @dataclass
@@ -94,9 +67,9 @@ class Call:
 
     terminator = format_sse_event(data_str="[DONE]")  # a stream's last event
 
-    def __init__(self, front: Any, body: Any, choices: list[Choice], chat: bool) -> None:
-        """`front`: the OpenAIFrontend (ssd.serve.http): its options, next_event, stored and running."""
-        self.front, self.body, self.choices, self.chat = front, body, choices, chat
+    def __init__(self, api: Api, body: Any, choices: list[Choice], chat: bool) -> None:
+        """`api`: the routers' gate (ssd.openai.common): its options and next_event."""
+        self.api, self.body, self.choices, self.chat = api, body, choices, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.shown_logprobs = schema.top_logprobs(body) is not None  # best_of asks for them to rank by
@@ -112,7 +85,7 @@ class Call:
                 choice.reasoning = ReasoningStream(choice.thinks_first)
 
     def _parses_reasoning(self, choice: Choice) -> bool:
-        mode = self.front.options.reasoning_parser
+        mode = self.api.options.reasoning_parser
         return mode == "think" or (mode == "auto" and choice.gen.backend.info.think_tokens)
 
     def cancel(self) -> None:
@@ -125,7 +98,7 @@ class Call:
         checked = time.monotonic()
         for choice in self.choices:
             while choice.final is None:
-                event = await self.front.next_event(choice.gen)
+                event = await self.api.next_event(choice.gen)
                 if isinstance(event, Final):
                     choice.final = event
                 elif time.monotonic() - checked >= EVENT_POLL_S:
@@ -180,7 +153,7 @@ class Call:
         on a fault, or the stream would wait for this choice forever."""
         try:
             while True:
-                event = await self.front.next_event(choice.gen)
+                event = await self.api.next_event(choice.gen)
                 if isinstance(event, Chunk):
                     for chunk in self._round_chunks(choice, event):
                         events.put_nowait(("chunk", chunk))
@@ -394,19 +367,32 @@ class Call:
         return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
 
 
+class Keeper(Protocol):
+    """Where a ResponsesCall keeps what it makes (ssd.openai.routes.responses)."""
+
+    stored: ResponseStore
+
+    def conversation(self, conversation_id: str) -> Conversation | None:
+        """The conversation of that id, if it is kept."""
+
+    def background_ended(self, call: ResponsesCall) -> None:
+        """A background response's run ended."""
+
+
 class ResponsesCall(Call):
-    """One /v1/responses request: its one chat choice (ssd.serve.responses), laid out as Responses
+    """One /v1/responses request: its one chat choice (ssd.openai.responses), laid out as Responses
     output items (a reasoning item first where the model thought, the message, the function
     calls); streamed as Responses events, each with its type and sequence_number."""
 
     terminator = b""  # the Responses stream ends with response.completed, no [DONE]
 
-    def __init__(self, front: Any, chat: Any, choices: list[Choice], body: Any,
+    def __init__(self, api: Api, keeper: Keeper, chat: Any, choices: list[Choice], body: Any,
                  earlier: list[dict[str, Any]]) -> None:
-        super().__init__(front, chat, choices, chat=True)
+        super().__init__(api, chat, choices, chat=True)
+        self.keeper = keeper
         self.request_body = body
         self.earlier = earlier  # the stored conversation it continues
-        self.store = body.store is not False and front.stored.capacity > 0
+        self.store = body.store is not False and keeper.stored.capacity > 0
         given = body.input
         self.input_items = input_items(given if isinstance(given, str) else
                                        [item.model_dump(exclude_none=True) for item in given])
@@ -459,7 +445,7 @@ class ResponsesCall(Call):
     def save(self, response: dict[str, Any]) -> None:
         if self.deleted:
             return
-        self.front.stored.put(StoredResponse(response, self.input_items, self.earlier))
+        self.keeper.stored.put(StoredResponse(response, self.input_items, self.earlier))
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored (OpenAI's default) with the items it continued; its
@@ -468,7 +454,7 @@ class ResponsesCall(Call):
         if self.store:
             self.save(response)
         named = responses.conversation_id(self.request_body)
-        conversation = None if named is None else self.front.conversations.store.get(named)
+        conversation = None if named is None else self.keeper.conversation(named)
         if conversation is not None:
             conversation.add(self.input_items + response["output"])
         return response
@@ -495,7 +481,7 @@ class ResponsesCall(Call):
         finally:  # at once, with no await after the last save: a cancel now finds it ended
             self.log_done = True
             self._wake()
-            self.front.background_ended(self)
+            self.keeper.background_ended(self)
 
     def _append(self, data: bytes) -> None:
         self.log.append(data)

@@ -36,7 +36,7 @@ class StoredFile:
 
 
 class Keeper(Protocol):
-    """Where files also go, to outlive the process (ssd.serve.batch_disk.FileDisk)."""
+    """Where files also go, to outlive the process (ssd.openai.batch_disk.FileDisk)."""
 
     def write(self, stored: StoredFile) -> None: ...
 

@@ -20,7 +20,7 @@ choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older
 
 Tools (chat): `tools` are rendered by the model's chat template; the model's
 own tool-call format (Qwen2.5: `<tool_call>{"name", "arguments"}</tool_call>`,
-ssd.serve.tools) is parsed back into `message.tool_calls`. "required" and a
+ssd.openai.tools) is parsed back into `message.tool_calls`. "required" and a
 named function constrain the output with a grammar, so the call is always
 well-formed.
 """
@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ssd.serve import tools as tooling
+from ssd.openai import tools as tooling
 from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation as SpeculationFields, Structured
 from ssd.serve.validation import MAX_LOGPROBS, InvalidArgument
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ssd.serve.responses import new_id
+from ssd.openai.responses import new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one; a local server finishes as fast as it can

@@ -1,0 +1,1 @@
+"""The OpenAI API's routers, one per API, each with its store (ssd.openai.app puts them together)."""
