@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from ssd.fields import COUPLINGS, SAMPLING, SERVER_DEFAULTS, FieldError, RequestField  # noqa: F401 - COUPLINGS: ssd.config names it too
+
 AUTO = "auto"  # resolved per host by ssd.models.loading.resolve_precision
 DTYPES = ("fp32", "bf16", "fp64", AUTO)
 QUANTIZATIONS = (None, "int8", AUTO)
@@ -37,7 +39,6 @@ PLANNED = ("k", "budget", "glue", "k_policy", "batch_budget")  # what the start-
 # generator and verifies by rejection sampling (Leviathan et al. 2023);
 # "gumbel" takes argmax(log p + g) with Gumbel noise g keyed by (seed,
 # position, token), so the output equals AR's for the seed in every mode.
-COUPLINGS = ("standard", "gumbel")
 
 
 class ConfigError(ValueError):
@@ -135,16 +136,7 @@ class SamplingConfig:
     coupling: str = "standard"  # standard | gumbel: see COUPLINGS and docs/exactness.md
 
     def __post_init__(self) -> None:
-        if self.coupling not in COUPLINGS:
-            raise ConfigError(f"sampling.coupling must be one of {COUPLINGS}, got {self.coupling!r}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        check_fields(self, SAMPLING, "sampling")
 
     @property
     def greedy(self) -> bool:
@@ -211,20 +203,16 @@ class RequestDefaults:
     coupling: str | None = None
 
     def __post_init__(self) -> None:
-        if self.coupling is not None and self.coupling not in COUPLINGS:
-            raise ConfigError(f"serve_defaults.coupling must be one of {COUPLINGS}, got {self.coupling!r}")
-        if self.temperature is not None and not self.temperature >= 0:
-            raise ConfigError(f"serve_defaults.temperature must be >= 0, got {self.temperature}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"serve_defaults.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ConfigError(f"serve_defaults.top_k must be >= 0, got {self.top_k}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ConfigError(f"serve_defaults.min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed <= 2**64 - 1:
-            raise ConfigError(f"serve_defaults.seed must be in 0..2**64-1, got {self.seed}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ConfigError(f"serve_defaults.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_fields(self, SERVER_DEFAULTS, "serve_defaults")
+
+
+def check_fields(record: Any, fields: tuple[RequestField, ...], section: str) -> None:
+    """Each of the request fields `record` holds, by the one table's rules (ssd.fields)."""
+    for spec in fields:
+        try:
+            spec.check(getattr(record, spec.name))
+        except FieldError as error:
+            raise ConfigError(f"{section}.{error}") from None
 
 
 @dataclass

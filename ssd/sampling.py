@@ -49,22 +49,22 @@ class Bias:
     min_tokens), one additive term.
     `repeated` (bool, add's shape): the tokens the repetition penalty scales
     (Keskar et al. 2019, "CTRL"; HF's and vLLM's definition): a positive logit
-    is divided by `repetition_penalty`, a negative one multiplied, before the
+    is divided by `repetition` (the request's penalty), a negative one multiplied, before the
     additive term, as HF orders its processors.
     """
 
     add: torch.Tensor
     repeated: torch.Tensor | None = None
-    repetition_penalty: float = 1.0
+    repetition: float = 1.0
 
     def __getitem__(self, index: int | slice) -> "Bias":
         repeated = None if self.repeated is None else self.repeated[index]
-        return Bias(self.add[index], repeated, self.repetition_penalty)
+        return Bias(self.add[index], repeated, self.repetition)
 
     @staticmethod
     def stack(rows: Sequence["Bias"]) -> "Bias":
         repeated = None if rows[0].repeated is None else torch.stack([r.repeated for r in rows])
-        return Bias(torch.stack([r.add for r in rows]), repeated, rows[0].repetition_penalty)
+        return Bias(torch.stack([r.add for r in rows]), repeated, rows[0].repetition)
 
     def forbids(self, token: int) -> bool:
         """The token cannot be drawn here (its additive term is -inf, or it is out of range)."""
@@ -73,7 +73,7 @@ class Bias:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed logits (float64, logits' device)."""
         if self.repeated is not None:
-            penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits = torch.where(self.repeated.to(logits.device), penalised, logits)
         return logits + self.add.to(logits.device, torch.float64)
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssd.config import BACKENDS, BACKUPS, COUPLINGS, GLUES, MODES, Config, ConfigError, load_config
+from ssd.config import BACKENDS, BACKUPS, GLUES, MODES, Config, ConfigError, load_config
+from ssd.fields import FLAGS
 from ssd.serve.options import REASONING_PARSERS, ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -56,15 +57,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="SSD: keep the configured K, budget and glue instead of timing this host at start")
     parser.add_argument("--saguaro-c", type=float, help="override speculation.saguaro_c")
     parser.add_argument("--backup", choices=BACKUPS, help="override speculation.backup")
-    parser.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens; a server's default too")
-    parser.add_argument("--temperature", type=float,
-                        help="override sampling.temperature (0: greedy); a server's default too")
-    parser.add_argument("--top-k", type=int, help="override sampling.top_k; a server's default too")
-    parser.add_argument("--top-p", type=float, help="override sampling.top_p; a server's default too")
-    parser.add_argument("--min-p", type=float, help="override sampling.min_p (0: off); a server's default too")
-    parser.add_argument("--seed", type=int, help="override sampling.seed; a server's default too")
-    parser.add_argument("--coupling", choices=COUPLINGS,
-                        help="override sampling.coupling (gumbel: a seed gives AR's output in every mode)")
+    for spec in FLAGS:  # the request fields' (ssd.fields): each sets the command's value and a server's default
+        parser.add_argument(spec.flag, type=spec.kind, choices=spec.choices or None, help=spec.help)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, help="override runtime.threads")
     parser.add_argument("--prefix-cache", "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -99,23 +93,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("speculation", "mode", args.mode),
         ("speculation", "k", args.k),
         ("speculation", "glue", args.glue),
-        ("generation", "max_new_tokens", args.max_new_tokens),
         ("generation", "stop", args.stop),
-        ("sampling", "temperature", args.temperature),
-        ("sampling", "top_k", args.top_k),
-        ("sampling", "top_p", args.top_p),
-        ("sampling", "min_p", args.min_p),
-        ("sampling", "seed", args.seed),
-        # A flag given to a server is its explicit default for requests that omit the field
-        # (ssd.config.RequestDefaults); without one, OpenAI's defaults apply.
-        ("serve_defaults", "temperature", args.temperature),
-        ("serve_defaults", "top_k", args.top_k),
-        ("serve_defaults", "top_p", args.top_p),
-        ("serve_defaults", "min_p", args.min_p),
-        ("serve_defaults", "seed", args.seed),
-        ("serve_defaults", "max_new_tokens", args.max_new_tokens),
-        ("sampling", "coupling", args.coupling),
-        ("serve_defaults", "coupling", args.coupling),
+        # A request field's flag sets the command's value and is a server's explicit default for
+        # requests that omit the field (ssd.config.RequestDefaults); without one, OpenAI's apply.
+        *((spec.section, spec.name, getattr(args, spec.name)) for spec in FLAGS),
+        *(("serve_defaults", spec.name, getattr(args, spec.name)) for spec in FLAGS if spec.server_default),
         ("runtime", "threads", args.threads),
         ("batching", "prefix_cache", args.prefix_cache),
         ("batching", "prefill_chunk", args.prefill_chunk),

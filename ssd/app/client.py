@@ -25,7 +25,8 @@ from typing import Any, Callable
 import grpc
 from google.protobuf import json_format
 
-from ssd.config import COUPLINGS, MODES
+from ssd.config import MODES
+from ssd.fields import FIELDS
 from ssd.serve.client import Completion, GenerationClient
 
 log = logging.getLogger("ssd.client")
@@ -71,13 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template-kwargs", type=json.loads, metavar="JSON",
                    help='with --chat: more chat template variables, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--mode", choices=MODES)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float, help="drop tokens below min-p x the likeliest's probability (0: off)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--coupling", choices=list(COUPLINGS), help="standard | gumbel: the seed's output in every mode")
+    for spec in FIELDS:  # the request fields (ssd.fields); unset: the server's default
+        p.add_argument(spec.flag, type=spec.kind, choices=spec.choices or None, help=f"{spec.rule}; unset: the server's")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logprobs", type=int, help="report each output token's log-probability, with N alternatives")
     p.add_argument("--prompt-logprobs", type=int,
@@ -121,8 +117,7 @@ def request_args(args: argparse.Namespace) -> dict:
         prompt.setdefault("chat_options", {})["template_kwargs"] = args.template_kwargs
     return dict(
         prompt, request_id=args.request_id, mode=args.mode, stop=args.stop,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, seed=args.seed, coupling=args.coupling, k=args.k, fanout_budget=args.budget,
+        **{spec.name: getattr(args, spec.name) for spec in FIELDS}, k=args.k, fanout_budget=args.budget,
         fanout_kind=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, suffix=args.suffix, prediction=args.prediction, priority=args.priority,
     )

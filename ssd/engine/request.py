@@ -11,11 +11,11 @@ falls back to a generator's default.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ssd.config import GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.fields import PENALTIES
 from ssd.engine.metrics import GenerationStats
 
 # Called with the tokens each round admits, as soon as they are known.
@@ -65,8 +65,8 @@ class Processing:
     bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for spec in PENALTIES:  # the request fields' one rule (ssd.fields): FieldError is a ValueError
+            spec.check(getattr(self, spec.name))
         if any(not word for word in self.bad_words):
             raise ValueError("bad_words must be non-empty token id sequences")
 

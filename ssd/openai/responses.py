@@ -24,8 +24,8 @@ and output to it once it finishes. Items that came from either are named
 caused names the Responses field (`chat_param`). `background` answers at
 once with the stored response queued; it is polled by id and can be
 cancelled. Not offered, and refused by name: reasoning, and tools other than
-functions. vLLM's extra fields ride along as they do on chat: seed, top_k,
-min_p, repetition_penalty, coupling, speculation, structured_outputs, priority.
+functions. The request fields of ssd.fields and vLLM's extra fields ride along
+as they do on chat: speculation, structured_outputs, priority.
 """
 
 from __future__ import annotations
@@ -95,13 +95,11 @@ class TextOptions(Body):
     format: TextFormat | None = None
 
 
-class ResponsesBody(Body):
+class ResponsesBody(schema.RequestFields):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
     stream: bool | None = False
@@ -118,12 +116,7 @@ class ResponsesBody(Body):
     user: str | None = None
     safety_identifier: str | None = None  # OpenAI's hints, as on chat (ssd.openai.schema)
     prompt_cache_key: str | None = None
-    # vLLM's extra fields, as on chat.
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    coupling: schema.Name | None = None
+    # vLLM's extra fields, as on chat (the request fields come with schema.RequestFields).
     speculation: schema.Speculation | None = None
     structured_outputs: schema.StructuredOutputs | None = None
     priority: int = 0
@@ -142,8 +135,7 @@ def to_chat(body: ResponsesBody, earlier: list[dict[str, Any]] | None = None, dr
     logprobs = LOGPROBS_INCLUDE in (body.include or [])
     if body.top_logprobs is not None and not logprobs:
         raise InvalidArgument("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}]")
-    extras = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k", "min_p",
-                                                     "repetition_penalty", "coupling", "speculation",
+    extras = {name: getattr(body, name) for name in (*(spec.name for spec in schema.BODY_FIELDS), "speculation",
                                                      "structured_outputs", "priority")}
     chat = schema.ChatBody(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens, stream=body.stream,

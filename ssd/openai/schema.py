@@ -7,12 +7,11 @@ a ssd.serve.request.Request, and checked by ssd.serve.validation.validate
 through. Its field names (the gRPC API's) are mapped back to the body's (`max_new_tokens` -> `max_tokens`, `chat` ->
 `messages`, `text` -> `prompt`), so an error always names what the client sent.
 
-Non-OpenAI settings travel as extra body fields, as vLLM's do: `top_k`,
-`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+Non-OpenAI settings travel as extra body fields, as vLLM's do: the request
+fields of ssd.fields OpenAI lacks (RequestFields), `min_tokens`, `stop_token_ids`,
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
 `skip_special_tokens`, `truncate_prompt_tokens`, chat's `add_generation_prompt`,
-`continue_final_message`, `chat_template_kwargs` and `echo`,
-`coupling` (standard | gumbel: sampling.coupling), `speculation`
+`continue_final_message`, `chat_template_kwargs` and `echo`, `speculation`
 {mode, k, fanout_budget, fanout_kind, saguaro_c, backup}, and structured output
 beside OpenAI's `response_format`: `structured_outputs` {json, regex, grammar,
 choice} (vLLM's; `grammar` in llguidance's Lark dialect) or vLLM's older
@@ -31,8 +30,9 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from ssd.fields import FIELDS
 from ssd.openai import tools as tooling
 from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation as SpeculationFields, Structured
 from ssd.serve.validation import MAX_LOGPROBS, InvalidArgument
@@ -50,6 +50,14 @@ Name = Annotated[str, Field(min_length=1)]
 class Body(BaseModel):
     # strict: "0.5" is not a temperature and true is not a token count.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# The request fields of ssd.fields as the bodies spell them (max_tokens has names of its own).
+BODY_FIELDS = tuple(spec for spec in FIELDS if spec.name != "max_new_tokens")
+RequestFields = create_model(
+    "RequestFields", __base__=Body,
+    **{spec.name: ((Name if spec.kind is str else spec.kind) | None, None) for spec in BODY_FIELDS},
+)
 
 
 class Speculation(Body):
@@ -89,12 +97,9 @@ class StructuredOutputs(Body):
     choice: list[str] | None = None
 
 
-class _Common(Body):
+class _Common(RequestFields):
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
@@ -106,8 +111,6 @@ class _Common(Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # Logits processing (ssd.engine.processing): part of the target's law, exact in every mode.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
@@ -117,9 +120,6 @@ class _Common(Body):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
-    top_k: int | None = None
-    min_p: float | None = None  # vLLM's
-    repetition_penalty: float | None = None  # vLLM's
     min_tokens: int | None = None  # vLLM's
     stop_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
@@ -129,7 +129,6 @@ class _Common(Body):
     truncate_prompt_tokens: int | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
-    coupling: Name | None = None  # standard | gumbel, checked by ssd.serve.validation
     ignore_eos: bool = False
     priority: int = 0  # vLLM's: among queued requests a lower value is admitted sooner
     speculation: Speculation | None = None
@@ -459,13 +458,9 @@ def to_request(body: _Common, prompt: str | list[int] | None = None, choice: int
         raise InvalidArgument("max_tokens", "give max_tokens or max_completion_tokens, not both")
     request = Request(
         max_new_tokens=getattr(body, max_tokens_field(body)),
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        seed=body.seed,
-        coupling=body.coupling, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        **{spec.name: getattr(body, spec.name) for spec in BODY_FIELDS}, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         ignore_eos=body.ignore_eos, logprobs=top_logprobs(body), choice=choice,
-        logit_bias=logit_bias(body), presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
+        logit_bias=logit_bias(body), min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=prompt_logprobs(body),

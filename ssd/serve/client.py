@@ -85,8 +85,7 @@ def build_request(
 ) -> Any:
     """A GenerateRequest; None leaves a field unset (the server's default).
 
-    numbers: max_new_tokens, temperature, top_k, top_p, min_p, seed, coupling, presence_penalty,
-    frequency_penalty, repetition_penalty, min_tokens, logprobs, prompt_logprobs, and the speculation settings k,
+    numbers: the request fields of ssd.fields by name, min_tokens, logprobs, prompt_logprobs, and the speculation settings k,
     fanout_budget, fanout_kind, saguaro_c, backup. structured: one StructuredOutput field, e.g. {"regex": "[ab]+"}.
     chat_options (with messages): add_generation_prompt, continue_final_message, template_kwargs (a dict).
     """

@@ -10,13 +10,14 @@ import dataclasses
 import json
 from typing import Any
 
+from ssd.fields import FIELDS
 from ssd.serve.protos import enum_names, enum_values
 from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation, Structured
 from ssd.serve.service import ModelInfo, RequestStats, ServiceStats
 from ssd.serve.validation import InvalidArgument
 
-_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs",
+# The proto's optional fields: the request fields of ssd.fields (coupling, a plain string, apart) and these.
+_OPTIONAL = (*(f.name for f in FIELDS if f.name != "coupling"), "min_tokens", "logprobs", "prompt_logprobs",
              "skip_special_tokens", "truncate_prompt_tokens", "suffix", "prediction")
 _OPTIONAL_SPEC = ("k", "fanout_budget", "saguaro_c")
 
@@ -105,7 +106,8 @@ def model_info(pb: Any, info: ModelInfo) -> Any:
     fields["draft_model"] = info.draft_model or ""
     fields["modes"] = [enum_values("Mode")[m] for m in info.modes]
     fields["limits"] = pb.Limits(**fields["limits"])
-    fields["defaults"] = pb.Defaults(**(fields["defaults"] | {"mode": enum_values("Mode")[info.defaults.mode]}))
+    defaults = fields["defaults"] | fields["defaults"].pop("sampling") | {"mode": enum_values("Mode")[info.defaults.mode]}
+    fields["defaults"] = pb.Defaults(**defaults)
     return pb.ModelInfoResponse(**fields)
 
 

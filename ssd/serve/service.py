@@ -21,12 +21,14 @@ import dataclasses
 import logging
 import queue
 import time
+from typing import Any
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from ssd.config import BACKUPS, FANOUT_KINDS, Config
+from ssd.fields import SAMPLING
 from ssd.engine.grammar import GrammarFailed
 from ssd.engine.metrics import GenerationStats
 from ssd.engine.request import GenerationRequest, GenerationResult, GeneratorUnavailable, TokenLogprob
@@ -36,7 +38,7 @@ from ssd.serve.options import ServeOptions
 from ssd.serve.request import Request
 from ssd.serve.streaming import TextStream
 from ssd.serve.validation import (
-    OPENAI_TEMPERATURE, OPENAI_TOP_P, InvalidArgument, default_coupling, max_new_tokens_limit, prompt_ids,
+    InvalidArgument, default_coupling, max_new_tokens_limit, prompt_ids,
     token_ids_in_vocabulary, validate,
 )
 from ssd.serve.worker import (
@@ -138,12 +140,7 @@ class Defaults:
 
     mode: str
     max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    coupling: str
-    min_p: float
+    sampling: dict[str, Any]  # each of ssd.fields.SAMPLING's by name (the proto's Defaults has them flat)
     k: int
     fanout_budget: int
     fanout_kind: str
@@ -375,9 +372,8 @@ class GenerationService:
         defaults = Defaults(
             mode=d.speculation.mode,
             max_new_tokens=max_new if r.max_new_tokens is None else min(r.max_new_tokens, max_new),
-            temperature=_or(r.temperature, OPENAI_TEMPERATURE), top_k=_or(r.top_k, 0),
-            top_p=_or(r.top_p, OPENAI_TOP_P), seed=_or(r.seed, 0), random_seed=r.seed is None,
-            coupling=_reported_coupling(d), min_p=_or(r.min_p, 0.0),
+            sampling={f.name: f.resolve(None, getattr(r, f.name)) for f in SAMPLING}
+            | {"seed": _or(r.seed, 0), "coupling": _reported_coupling(d)}, random_seed=r.seed is None,
             k=d.speculation.k, fanout_budget=d.speculation.fanout.budget,
             fanout_kind=d.speculation.fanout.kind, saguaro_c=d.speculation.saguaro_c,
             backup=d.speculation.backup,

@@ -9,10 +9,10 @@ name the gRPC API's fields (`max_new_tokens`, `chat.messages[0].role`); the
 HTTP front end maps them to the body's.
 
 A field a request omits takes the server's configured default
-(`serve_defaults`, ssd.config.RequestDefaults) or else OpenAI's: temperature
-1, top_p 1, no top-k, a fresh random seed per request, and max_new_tokens up
-to the context (the model's length minus the prompt, within
---max-new-tokens). The same for gRPC and HTTP: one set of rules.
+(`serve_defaults`, ssd.config.RequestDefaults) or else OpenAI's (ssd.fields:
+each field's rule and default, declared once), a fresh random seed per
+request, and max_new_tokens up to the context (the model's length minus the
+prompt, within --max-new-tokens). The same for gRPC and HTTP: one set of rules.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Any
 
 from ssd.config import (
     BACKUPS,
-    COUPLINGS,
     FANOUT_KINDS,
     MODES,
     Config,
@@ -34,6 +33,7 @@ from ssd.config import (
     SpeculationConfig,
 )
 from ssd.engine import grammar
+from ssd.fields import PENALTIES, SAMPLING, FieldError
 from ssd.engine.request import GenerationRequest, Processing
 from ssd.serve.backend import Backend, BackendInfo, UnsupportedRequest
 from ssd.serve.options import ServeOptions
@@ -41,24 +41,13 @@ from ssd.serve.request import ChatMessage, ChatOptions, Request, Speculation, St
 
 MAX_REQUEST_ID_CHARS = 128
 SSD_ONLY = ("fanout_budget", "fanout_kind", "saguaro_c", "backup")
-MAX_INT32 = 2**31 - 1
-MAX_SEED = 2**64 - 1
 RANDOM_SEED_BITS = 63  # a fresh seed per request that omits one: any stream of the generator
-# OpenAI's defaults for what a request omits, unless serve_defaults sets the server's own.
-OPENAI_TEMPERATURE = 1.0
-OPENAI_TOP_P = 1.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI: -100..100
-MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in -2..2
 MAX_LOGPROBS = 20  # OpenAI's most alternatives per token
 SEEDED_COUPLING = "gumbel"  # what a seeded request that names no coupling gets (default_coupling)
 
 
-class InvalidArgument(ValueError):
-    """A request field is invalid; str() starts with the field's name."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+InvalidArgument = FieldError  # a request field is invalid; str() starts with the field's name
 
 
 def validate(request: Request, backend: Backend, options: ServeOptions) -> GenerationRequest:
@@ -127,30 +116,17 @@ def _mode(request: Request, info: BackendInfo) -> str:
 
 
 def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
-    default = info.defaults.serve_defaults
-    temperature = _given(request.temperature, _given(default.temperature, OPENAI_TEMPERATURE))
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
-    top_k = _given(request.top_k, _given(default.top_k, 0))
-    if not 0 <= top_k <= MAX_INT32:
-        raise InvalidArgument("top_k", f"must be in 0..{MAX_INT32} (0: off), got {top_k}")
-    top_p = _given(request.top_p, _given(default.top_p, OPENAI_TOP_P))
-    if not 0 < top_p <= 1:  # also refuses NaN
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
-    min_p = _given(request.min_p, _given(default.min_p, 0.0))
-    if not 0 <= min_p <= 1:  # also refuses NaN
-        raise InvalidArgument("min_p", f"must be in [0, 1] (0: off), got {min_p}")
-    seed = _given(request.seed, default.seed)
-    coupling = request.coupling or default_coupling(info.defaults, seeded=seed is not None)
-    if seed is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
-        seed = secrets.randbits(RANDOM_SEED_BITS)
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidArgument("seed", f"must be in 0..2**64-1, got {seed}")
-    seed = choice_seed(seed, request.choice)
-    if coupling not in COUPLINGS:
-        raise InvalidArgument("coupling", f"must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
-    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                          coupling=coupling)
+    """The request's sampling fields, else the server's defaults, else OpenAI's (ssd.fields)."""
+    server = info.defaults.serve_defaults
+    given = {f.name: getattr(request, f.name) for f in SAMPLING}
+    given["coupling"] = given["coupling"] or None  # gRPC's empty string: unset
+    values = {f.name: f.resolve(given[f.name], getattr(server, f.name)) for f in SAMPLING}
+    if values["coupling"] is None:
+        values["coupling"] = default_coupling(info.defaults, seeded=values["seed"] is not None)
+    if values["seed"] is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
+        values["seed"] = secrets.randbits(RANDOM_SEED_BITS)
+    values["seed"] = choice_seed(values["seed"], request.choice)
+    return SamplingConfig(**values)
 
 
 def default_coupling(config: Config, seeded: bool) -> str:
@@ -219,11 +195,7 @@ def _processing(request: Request, backend: Backend, options: ServeOptions) -> Pr
     """logit_bias, penalties and structured output, checked; None when the request asks for none."""
     info = backend.info
     bias = tuple(sorted(_logit_bias(request.logit_bias or {}, info.vocab_size).items()))
-    presence = _penalty("presence_penalty", request.presence_penalty)
-    frequency = _penalty("frequency_penalty", request.frequency_penalty)
-    repetition = _given(request.repetition_penalty, 1.0)
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise InvalidArgument("repetition_penalty", f"must be a finite number > 0 (1: off), got {repetition}")
+    presence, frequency, repetition = (float(spec.resolve(getattr(request, spec.name))) for spec in PENALTIES)
     compiled = _grammar(request.structured, backend) if request.structured is not None else None
     if compiled is not None and request.ignore_eos:
         raise InvalidArgument("ignore_eos", "cannot be combined with structured output (the grammar ends the text)")
@@ -235,7 +207,7 @@ def _processing(request: Request, backend: Backend, options: ServeOptions) -> Pr
     bad_words = _bad_words(request.bad_words or [], backend, options)
     if bad_words and compiled is not None:
         raise InvalidArgument("bad_words", "cannot be combined with structured output")
-    spec = Processing(bias, presence, frequency, compiled, float(repetition), allowed, bad_words)
+    spec = Processing(bias, presence, frequency, compiled, repetition, allowed, bad_words)
     return spec if spec.active else None
 
 
@@ -267,14 +239,6 @@ def _logit_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise InvalidArgument("logit_bias", f"bias of token {token} must be in -100..100, got {value}")
     return {token: float(value) for token, value in bias.items() if value != 0}
-
-
-def _penalty(name: str, value: float | None) -> float:
-    if value is None:
-        return 0.0
-    if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-        raise InvalidArgument(name, f"must be in -2..2, got {value}")
-    return float(value)
 
 
 def _grammar(structured: Structured, backend: Backend) -> str:

@@ -51,11 +51,11 @@ class ModelsRoutes:
             up_to_context = self.api.service.info().defaults.serve_defaults.max_new_tokens is None
         except NotServing as exc:
             raise unavailable(exc) from None
-        defaults = {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
-                    "seed": None if d.random_seed else d.seed,  # None: a fresh random seed per request
-                    "coupling": d.coupling,  # "auto": gumbel for a seeded request, standard without
-                    # None: up to the context (max_model_len minus the prompt), within max_tokens_limit
-                    "max_tokens": None if up_to_context else d.max_new_tokens}
+        # seed None: a fresh random seed per request; coupling "auto": gumbel for a seeded request,
+        # standard without; max_tokens None: up to the context (max_model_len minus the prompt),
+        # within max_tokens_limit.
+        defaults = d.sampling | {"seed": None if d.random_seed else d.sampling["seed"],
+                                 "max_tokens": None if up_to_context else d.max_new_tokens}
         return {"id": name, "object": "model", "created": self.created, "owned_by": "ssd", "root": info.target_model,
                 "draft_model": info.draft_model, "modes": list(info.modes),
                 "max_model_len": info.limits.max_context_tokens, "max_tokens_limit": info.limits.max_new_tokens,
