@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 
-from ssd.app.cli import add_config_args, add_serve_args, config_from_args, serve_options_from_args
+from ssd.app.cli import DEFAULT_CONFIG, add_config_args, add_serve_args, config_from_args, serve_options_from_args
 from ssd.cluster.devices import (
     DeviceError,
     Placement,
@@ -90,6 +90,19 @@ def placement_from_args(args: argparse.Namespace, with_draft: bool, gpus: int | 
     return plan_placement(args.target_gpus or "0", draft, gpus, "cuda", colocate=args.colocate)
 
 
+def refuse_cpu_pair_on_gpus(args: argparse.Namespace, placement: Placement) -> None:
+    """GPUs with no --config: the default is the CPU pair (a GGUF for llama.cpp, a 2-KV-head
+    target no tensor-parallel split of 4 takes), which no GPU layout is meant for; refused
+    before Ray starts, naming the GPU pairs."""
+    if placement.kind != "cuda" or args.config != DEFAULT_CONFIG:
+        return
+    pairs = ", ".join(f"configs/{p.name}" for p in sorted(DEFAULT_CONFIG.parent.glob("*-gpu.yaml")))
+    raise DeviceError(
+        f"--config: GPUs need a GPU pair ({pairs}); the default, configs/{DEFAULT_CONFIG.name}, is the "
+        f"CPU pair. E.g. --target-gpus 0-3 --draft-gpu 4 --config configs/qwen3-32b-gpu.yaml"
+    )
+
+
 def available_gpus() -> int:
     """GPUs torch sees here, or those a running Ray instance declares (logical GPUs in tests)."""
     import ray
@@ -105,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     options = serve_options_from_args(args)  # a bad flag stops here, before the cluster starts
     try:
         placement = placement_from_args(args, with_draft=config.speculation.mode == "ssd")
+        refuse_cpu_pair_on_gpus(args, placement)
     except DeviceError as exc:
         sys.exit(f"error: {exc}")
     _take_signals()  # SIGTERM takes the same clean path as Ctrl-C

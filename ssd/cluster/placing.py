@@ -10,7 +10,7 @@ import os
 import ray
 
 from ssd.cluster.devices import Placement
-from ssd.config import Config, ConfigError
+from ssd.config import Config, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,49 @@ def refuse_unworkable(config: Config, placement: Placement) -> None:
                 f"{role}.quantization int8 runs on CPU only (fbgemm kernels) but the {role} is placed on a GPU; "
                 f"set {role}.quantization to null or auto (auto picks none on GPUs)"
             )
+
+
+# What a tensor-parallel split divides over the target ranks: attention heads (queries and
+# KV heads), the MLP's columns and the vocabulary (the LM head and the embedding).
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def refuse_unsplittable(config: Config, placement: Placement, device: str) -> None:
+    """A target its tensor-parallel size cannot split, refused naming --target-gpus (or
+    --target-cores) before any actor starts: the ranks would load and then fail inside
+    attention at the first forward. Reads the checkpoint's config (prefetched)."""
+    world = placement.tp_size
+    if world == 1:
+        return
+    flag = "--target-gpus" if placement.kind == "cuda" else "--target-cores"
+    from ssd.models.loading import LLAMACPP, resolve_backend
+
+    if resolve_backend(config.target, device) == LLAMACPP:
+        raise ConfigError(f"{flag}: {world} target ranks need a torch target; target.backend llamacpp "
+                          "(a GGUF model) runs on one device")
+    shape = target_shape(config.target)
+    undivided = [f"{name} = {shape[name]}" for name in TP_DIVIDED if shape[name] % world]
+    if undivided:
+        raise ConfigError(
+            f"{flag}: {world} target ranks cannot split target {config.target.name} ({', '.join(undivided)} "
+            f"not divisible by {world}); name a number of target devices that divides them, or another target"
+        )
+
+
+def target_shape(model: ModelConfig) -> dict[str, int]:
+    """The dimensions a tensor-parallel split divides, from the model's config (no weights)."""
+    from ssd.models.loading import TINY, resolve_source
+
+    if model.name == TINY:
+        return {name: getattr(model.tiny, name) for name in TP_DIVIDED}
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(resolve_source(model.name))
+    hf = getattr(hf, "text_config", hf)  # a multimodal config's language model
+    shape = {name: getattr(hf, name, None) for name in TP_DIVIDED}
+    if shape["num_key_value_heads"] is None:  # older configs: as many KV heads as query heads
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    return shape
 
 
 def start_ray(address: str | None) -> None:

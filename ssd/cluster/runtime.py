@@ -49,7 +49,14 @@ from ssd.cluster.batch import RemoteBatchEngine
 from ssd.cluster.devices import Placement
 from ssd.cluster.healing import Healing, HealthListener
 from ssd.cluster.link import DraftLink
-from ssd.cluster.placing import compute_device, prefetch_models, refuse_unworkable, resolve_node, start_ray
+from ssd.cluster.placing import (
+    compute_device,
+    prefetch_models,
+    refuse_unsplittable,
+    refuse_unworkable,
+    resolve_node,
+    start_ray,
+)
 from ssd.cluster.planning import StartupPlan
 from ssd.cluster.standby import Standby, refuse_standby
 from ssd.config import Config
@@ -88,6 +95,7 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
         wanted = config.cluster.draft_node if placement.draft else None
         self.draft_node = resolve_node(wanted) if wanted else None
         self._start_timeouts = prefetch_models(config, bool(placement.draft), self.device)
+        refuse_unsplittable(config, placement, self.device)
         self._place, self._placed_on = place, None
         self._standby, self._standby_lock = None, threading.Lock()  # cluster.warm_standby's target
         self._standby_loading: threading.Thread | None = None
