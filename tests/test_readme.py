@@ -1,7 +1,8 @@
 """The commands README.md and docs/*.md show use flags their scripts still have.
 
 Every line of a ```bash block (and every inline `code` span) that runs
-`python launch/NAME.py ...` is split as the shell would split it; each `-x` /
+`python launch/NAME.py ...`, or the `ssd NAME ...` command that runs the same
+script's main (ssd/main.py), is split as the shell would split it; each `-x` /
 `--flag` in it must be an option of that script's argument parser, or of its
 subcommand's (`launch/ablate.py plan --trace ...`). The parsers come from each
 script's `build_parser()` (defined in the script, or in the module whose
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from ssd.main import COMMANDS as SSD_COMMANDS  # `ssd NAME` -> launch/<script>; imports nothing heavy
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
@@ -30,6 +33,7 @@ CONTROL = {"&&", "||", ";", "|", "&", "(", ")"}
 ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 FLAG = re.compile(r"^--?[A-Za-z][\w-]*")  # not "-" and not a negative number
 SCRIPT = re.compile(r"^launch/(\w+)\.py$")
+MENTION = re.compile(r"launch/|(^|[\s;&|(])ssd\s")  # a line or span that may run a script
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def shell_words(line: str) -> list[str]:
 
 
 def launch_commands(line: str, where: str) -> list[Command]:
-    """Each `python launch/NAME.py ...` in one shell line (also after `&&`, `;`, `|`)."""
+    """Each `python launch/NAME.py ...` or `ssd NAME ...` in one shell line (also after `&&`, `;`, `|`)."""
     segments: list[list[str]] = [[]]
     for word in shell_words(line):
         if word in CONTROL:
@@ -60,6 +64,8 @@ def launch_commands(line: str, where: str) -> list[Command]:
             words = words[1:]
         if len(words) >= 2 and re.fullmatch(r"python3?", words[0]) and (m := SCRIPT.match(words[1])):
             commands.append(Command(where, m.group(1), tuple(words[2:])))
+        elif len(words) >= 2 and words[0] == "ssd" and words[1] in SSD_COMMANDS:
+            commands.append(Command(where, SSD_COMMANDS[words[1]].script.removesuffix(".py"), tuple(words[2:])))
     return commands
 
 
@@ -77,7 +83,7 @@ def documented_commands(text: str, name: str) -> list[Command]:
                 joined += line.rstrip()[:-1] + " "
                 continue
             joined += line
-            if "launch/" in joined:
+            if MENTION.search(joined):
                 try:
                     commands += launch_commands(joined, f"{name}:{first}")
                 except ValueError:  # a quote open until a later line
@@ -87,7 +93,7 @@ def documented_commands(text: str, name: str) -> list[Command]:
         assert not joined, f"{name}:{first}: a quote never closed"
     prose = FENCE.sub(lambda block: "\n" * block.group(0).count("\n"), text)  # same line numbers
     for span in re.finditer(r"`([^`]+)`", prose):
-        if "launch/" in span.group(1):
+        if MENTION.search(span.group(1)):
             line = prose.count("\n", 0, span.start()) + 1
             commands += launch_commands(" ".join(span.group(1).split()), f"{name}:{line}")
     return commands
@@ -157,7 +163,7 @@ python launch/generate.py --mode sd --no-such-flag 3   # a flag no parser has
 ATEN_CPU_CAPABILITY=avx2 python launch/ablate.py plan --trace t.safetensors \\
     --no-such-flag
 ```
-And inline: `python launch/client.py "abc" --no-such-flag`.
+And inline: `python launch/client.py "abc" --no-such-flag`, `ssd run-batch -i x --no-such-flag`.
 """
 
 
@@ -186,11 +192,12 @@ def test_every_documented_flag_is_one_the_script_takes(documented: list[Command]
 def test_a_made_up_flag_is_reported(parsers: dict[str, dict]) -> None:
     commands = documented_commands(MADE_UP, "made-up.md")
     assert [(c.script, c.args[:1]) for c in commands] == [("generate", ("--mode",)), ("ablate", ("plan",)),
-                                                          ("client", ("abc",))]
+                                                          ("client", ("abc",)), ("run_batch", ("-i",))]
     assert unknown_flags(commands, parsers) == [
         "made-up.md:3: launch/generate.py has no option --no-such-flag",
         "made-up.md:4: launch/ablate.py plan has no option --no-such-flag",
         "made-up.md:7: launch/client.py has no option --no-such-flag",
+        "made-up.md:7: launch/run_batch.py has no option --no-such-flag",
     ]
     # --trace is plan's, not the top-level parser's: flags are checked against the subcommand's
     assert unknown_flags([Command("x", "ablate", ("--trace", "t"))], parsers) == [
