@@ -16,6 +16,7 @@ from typing import Any
 
 from ssd.config import BACKENDS, BACKUPS, GLUES, MODES, Config, ConfigError, load_config
 from ssd.fields import FLAGS
+from ssd.versions import warn_if_untested
 from ssd.serve.options import REASONING_PARSERS, ServeOptions
 
 # The repository root: configs/ and its prompt sets sit beside the package.
@@ -80,6 +81,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config file with the flags' overrides; a bad file or value exits naming it."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    warn_if_untested()  # a GPU image's own torch or transformers, outside the tested range
     overrides: dict[str, Any] = {}
     fanout = {k: v for k, v in (("kind", args.fanout), ("budget", args.budget), ("anytime", args.anytime))
               if v is not None}
