@@ -59,6 +59,8 @@ import torch
 
 import llama_cpp as L
 
+from ssd.models.branching import check_start
+
 log = logging.getLogger(__name__)
 
 # The KV cache's element types, as ggml_type: (keys, values); "K/V" names a pair of two types.
@@ -885,15 +887,7 @@ class LlamaCppBranches:
 
     def start(self, kv: LlamaCppSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> torch.Tensor:
         """Feed each branch's first token after its prefix of `kv`'s cache; logits [B, V]."""
-        if self._kv is not None:
-            raise RuntimeError("branches already active: call finish() first")
-        if not prefix_lens or len(prefix_lens) != len(first_tokens):
-            raise ValueError(
-                f"need one first token per branch and at least one branch "
-                f"(got {len(prefix_lens)} prefix lengths, {len(first_tokens)} tokens)"
-            )
-        if not all(0 <= p <= kv.length for p in prefix_lens):
-            raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
+        check_start(self._kv is not None, kv.length, prefix_lens, first_tokens)
         context = kv.context
         if len(context._free) < len(prefix_lens):
             raise LlamaCppError(

@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from ssd.models import backend
+from ssd.models.branching import check_prefixes, check_start
 from ssd.models.kv import Feed, KVSequence, cache_kwargs, feed_rows, hf_attention_mask, token_tensor
 
 logger = logging.getLogger(__name__)
@@ -52,14 +53,8 @@ class BranchDecoder(Protocol):
         ...
 
 
-def _check_start(kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> None:
-    if not prefix_lens or len(prefix_lens) != len(first_tokens):
-        raise ValueError(
-            f"need one first token per branch and at least one branch "
-            f"(got {len(prefix_lens)} prefix lengths, {len(first_tokens)} tokens)"
-        )
-    if not all(0 <= p <= kv.length for p in prefix_lens):
-        raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
+def _check_start(active: bool, kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> None:
+    check_start(active, kv.length, prefix_lens, first_tokens)  # what llama.cpp's branches check too
     if kv.cached != kv.length:
         raise ValueError(f"KV cache holds {kv.cached} entries for {kv.length} tokens")
     if kv.sliding:
@@ -95,9 +90,7 @@ class _Base:
 
     @torch.inference_mode()
     def start(self, kv: KVSequence, prefix_lens: Sequence[int], first_tokens: Sequence[int]) -> torch.Tensor:
-        if self._kv is not None:
-            raise RuntimeError("branches already active: call finish() first")
-        _check_start(kv, prefix_lens, first_tokens)
+        _check_start(self._kv is not None, kv, prefix_lens, first_tokens)
         self._kv = kv
         self._prefix = torch.tensor(list(prefix_lens), dtype=torch.long)
         self._steps = 0
@@ -181,9 +174,7 @@ class TreeBranchDecoder:
     ) -> Feed:
         """`start`'s forward, prepared and not run: run it (`run`), or with other
         sequences' feeds (ssd.models.kv.feed_rows) and then call `fed`."""
-        if self._kv is not None:
-            raise RuntimeError("branches already active: call finish() first")
-        _check_start(kv, prefix_lens, first_tokens)
+        _check_start(self._kv is not None, kv, prefix_lens, first_tokens)
         self._kv, self._prefix, self._fed = kv, [], []
         self._joining = (list(prefix_lens), [])
         return self._feed(list(first_tokens), [] if lead is None else [lead])
@@ -193,8 +184,7 @@ class TreeBranchDecoder:
         kv = self._require()
         if len(prefix_lens) != len(first_tokens):
             raise ValueError(f"need one first token per branch (got {len(prefix_lens)} and {len(first_tokens)})")
-        if not all(0 <= p <= kv.length for p in prefix_lens):
-            raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, {kv.length}]")
+        check_prefixes(prefix_lens, kv.length)
         self._joining = (self._joining[0] + list(prefix_lens), self._joining[1] + list(first_tokens))
 
     @torch.inference_mode()

@@ -126,7 +126,7 @@ def target_probe(target: Model, ks: Sequence[int] = VERIFY_KS, repeats: int = RE
             made.extend(primed)
             for n in ROWS_TOKENS:
                 probes[("rows", rows, n)] = verify_rows_probe(primed, contexts, n, vocab, gen)
-        timed = round_robin(probes, repeats, lambda: None, "SSD plan, target probes", _warm_up(target), min)
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, target probes", backend.ops_of(target).warm_up, min)
         one_row = [[1, n, timed[n - 1]] for n in ROWS_TOKENS]
         return {"verify_s": {k: timed[k] for k in ks}, "ar_step_s": timed[0],
                 "rows_verify_s": one_row + [[b, n, timed[("rows", b, n)]] for b in PROBE_ROWS for n in ROWS_TOKENS]}
@@ -178,7 +178,7 @@ def draft_probe(draft: Model, ks: Sequence[int] = BACKUP_KS, budgets: Sequence[i
             for k in BUILD_KS:
                 for b in budgets:
                     probes[(glue, k, b)] = build_probe(kv, decoder, prefix, k, b, vocab, glued, gen)
-        timed = round_robin(probes, repeats, lambda: None, "SSD plan, draft probes", _warm_up(draft), min)
+        timed = round_robin(probes, repeats, lambda: None, "SSD plan, draft probes", backend.ops_of(draft).warm_up, min)
         builds: dict[str, list[list]] = {glue: [] for glue in timed_glues}
         for key, seconds in timed.items():
             if key[0] in builds:
@@ -366,7 +366,7 @@ def plan_for_pair(config: Config, pair) -> Config:
     this process (ssd.factory.LoadedPair: the local engines and servers)."""
     if pair.draft is None or not wanted(config):
         return config
-    devices = [_device_name(pair.target), _device_name(pair.draft), "in-process"]
+    devices = [backend.device_name(pair.target), backend.device_name(pair.draft), "in-process"]
     key, meta = config_key(config, devices)
     return planned(config, plan_in_process(pair.target, pair.draft, pair.tokenizer, key, meta))
 
@@ -410,18 +410,6 @@ def report(plan: Plan) -> None:
             "--mode sd is the faster choice here", plan.best.tokens_per_s, plan.sd_tokens_per_s,
             plan.best.build_s * 1e3, plan.best.verify_s * 1e3,
         )
-
-
-def _device_name(model: Model) -> str:
-    """Where a model runs, for the plan's key (llama.cpp: "cpu")."""
-    return str(backend.device_of(model)) if backend.is_llamacpp(model) else str(getattr(model, "device", "?"))
-
-
-def _warm_up(model: Model) -> bool:
-    """Whether the probes' timed pass needs a warm-up pass first: torch's first forwards of a
-    shape pay for kernel choices and allocations; llama.cpp's (the weights already read by
-    the prefill) time as its later ones."""
-    return not backend.is_llamacpp(model)
 
 
 def _primed(model: Model, room: int = 0, branches: int = 0) -> tuple[torch.Generator, list[int], AnySequence]:
