@@ -67,7 +67,7 @@ def test_each_actor_gets_its_gpu_and_greedy_ssd_equals_ar(logical_gpus, config_p
         assert all(w["CUDA_VISIBLE_DEVICES"] == "" for w in seen)  # ... so no GPU is visible
         ranks = seen[:-1]
         assert [w["rank"] for w in ranks] == list(range(len(ranks)))
-        if len(ranks) > 1:  # each rank sees one GPU: its local rank is 0
+        if len(ranks) > 1:  # computing on the CPU: no GPU to pick, local rank 0 (tp.init_tp_world)
             assert all(w["LOCAL_RANK"] == "0" for w in ranks)
         out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
         assert out.token_ids == local_ar(cluster.config, PROMPT, 24)
@@ -136,7 +136,30 @@ def test_compute_device_and_backends_follow_the_placement_not_the_host(config_pa
 def test_actors_computing_on_the_cpu_see_no_gpu():
     """--cpu on a GPU host (or compute_device: cpu): an empty CUDA_VISIBLE_DEVICES,
     else transformers puts every tensor-parallel rank's shard on cuda:0."""
-    assert actor_env("cpu", 1, "cpu")["CUDA_VISIBLE_DEVICES"] == ""
-    placed_on_cpu = actor_env("cuda", 3, "cpu")
+    assert actor_env("cpu", (1,), 0, "cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    placed_on_cpu = actor_env("cuda", (2, 3), 1, "cpu")
     assert placed_on_cpu["CUDA_VISIBLE_DEVICES"] == "" and placed_on_cpu["SSD_PLACED_GPU"] == "3"
-    assert actor_env("cuda", 3, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "LOCAL_RANK" not in placed_on_cpu  # tp.init_tp_world: 0
+
+
+@pytest.mark.parametrize("target, draft, colocate", [("0-3", "4", False), ("0,1", "2", False), ("0", "0", True)])
+def test_every_target_rank_sees_the_target_s_gpus_and_picks_its_own(target, draft, colocate):
+    """The card's layouts: each target rank sees the target's GPU list with LOCAL_RANK its index,
+    the draft sees its own GPU alone (vLLM's and Ray Train's way; NVIDIA/nccl#129)."""
+    placement = launcher.plan_placement(target, draft, 5, "cuda", colocate=colocate)
+    gpus = ",".join(map(str, placement.target))
+    for rank, device in enumerate(placement.target):
+        env = actor_env("cuda", placement.target, rank, "cuda")
+        assert env["CUDA_VISIBLE_DEVICES"] == gpus and env["LOCAL_RANK"] == str(rank)
+        assert env["SSD_PLACED_GPU"] == str(device) and env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    env = actor_env("cuda", placement.draft, 0, "cuda")
+    assert env["CUDA_VISIBLE_DEVICES"] == draft and env["LOCAL_RANK"] == "0" and env["SSD_PLACED_GPU"] == draft
+
+
+def test_a_tensor_parallel_rank_takes_its_local_rank_s_gpu(monkeypatch):
+    from ssd.models import tp
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert tp.local_gpu() == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert tp.local_gpu() == 0

@@ -73,9 +73,10 @@ class Actors:
             ) from None
         return pg
 
-    def _options(self, bundle: int | None, device: int) -> dict[str, Any]:
-        """An actor's placement: bundle `bundle` of the group, or (None) the draft's own node."""
-        resources = self._bundle(device)
+    def _options(self, bundle: int | None, group: tuple[int, ...], index: int) -> dict[str, Any]:
+        """The placement of the actor at `index` of its role's devices `group`: bundle `bundle`
+        of the placement group, or (None) the draft's own node."""
+        resources = self._bundle(group[index])
         if bundle is None:
             where = NodeAffinitySchedulingStrategy(self.draft_node, soft=False)
         else:
@@ -83,7 +84,7 @@ class Actors:
         options: dict[str, Any] = {"scheduling_strategy": where, "num_cpus": resources["CPU"]}
         if self.placement.kind == "cuda":
             options["num_gpus"] = resources["GPU"]
-        options["runtime_env"] = {"env_vars": actor_env(self.placement.kind, device, self.device)}
+        options["runtime_env"] = {"env_vars": actor_env(self.placement.kind, group, index, self.device)}
         return options
 
     def _check_priority(self) -> list[int]:
@@ -126,7 +127,7 @@ class Actors:
         config = dataclasses.asdict(self.config)
         world, tp_port = self.placement.tp_size, free_port()
         targets = [
-            RemoteTarget.options(**self._options(rank, device)).remote(
+            RemoteTarget.options(**self._options(rank, self.placement.target, rank)).remote(
                 config, rank, world, self._cores(device), tp_port, self.device, self._spare_cores(rank)
             )
             for rank, device in enumerate(self.placement.target)
@@ -160,7 +161,7 @@ class Actors:
         """The speculator's actor, started (not waited for)."""
         device = self.placement.draft[0]
         bundle = len(self.placement.target) if self.draft_node is None else None
-        return RemoteDraft.options(**self._options(bundle, device)).remote(
+        return RemoteDraft.options(**self._options(bundle, self.placement.draft, 0)).remote(
             dataclasses.asdict(self.config), self._cores(device), self.device
         )
 

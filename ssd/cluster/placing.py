@@ -46,19 +46,22 @@ def compute_device(config: Config, placement: Placement) -> str:
     return "cuda" if placement.kind == "cuda" and config.cluster.compute_device != "cpu" else "cpu"
 
 
-def actor_env(kind: str, device: int, compute: str) -> dict[str, str]:
-    """The environment of an actor placed on `device` of `kind` that computes on `compute`.
+def actor_env(kind: str, group: tuple[int, ...], index: int, compute: str) -> dict[str, str]:
+    """The environment of the actor at `index` of `group` (the devices its role holds: the
+    target's GPUs for every target rank, its own for the draft) that computes on `compute`.
 
-    On a GPU, the GPU the user named (not the one Ray would pick for the
-    bundle). Computing on the CPU, no GPU at all: transformers places a
-    model (and a tensor-parallel shard) from the accelerator it finds and
-    LOCAL_RANK, not from the device we pass, so a visible GPU would take
-    every rank's weights to cuda:0. SSD_PLACED_GPU keeps the placement on
-    record (logs, tests).
+    On GPUs, every rank of a group sees the group's GPUs, the ones the user named (not the
+    ones Ray would pick for the bundles), and LOCAL_RANK picks its own, as vLLM and Ray
+    Train do: a process that saw only its own GPU would block CUDA IPC between the ranks'
+    GPUs for NCCL (NVIDIA/nccl#129). Computing on the CPU, no GPU at all: transformers
+    places a model (and a tensor-parallel shard) from the accelerator it finds and
+    LOCAL_RANK, not from the device we pass. SSD_PLACED_GPU keeps the placement on record.
     """
-    env = {"CUDA_VISIBLE_DEVICES": str(device) if compute == "cuda" else ""}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, group)) if compute == "cuda" else ""}
+    if compute == "cuda":
+        env["LOCAL_RANK"] = str(index)
     if kind == "cuda":
-        env |= {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "SSD_PLACED_GPU": str(device)}
+        env |= {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "SSD_PLACED_GPU": str(group[index])}
     return env
 
 

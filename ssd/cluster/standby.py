@@ -67,7 +67,7 @@ class Standby:
         options = {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(group_node(self._pg), soft=False),
             "num_cpus": 0, "num_gpus": 0,
-            "runtime_env": {"env_vars": actor_env(self.placement.kind, device, self.device)},
+            "runtime_env": {"env_vars": actor_env(self.placement.kind, (device,), 0, self.device)},  # one rank
         }
         standby = RemoteTarget.options(**options).remote(
             dataclasses.asdict(self.config), 0, 1, self._cores(device), free_port(), self.device,

@@ -83,10 +83,10 @@ def init_tp_world(
     `timeout` bounds every collective, including a follower's wait between
     commands, i.e. the longest the leader may stay idle (see IDLE_TIMEOUT).
     """
-    # transformers reads these when it sets up its device mesh: LOCAL_RANK
-    # picks the accelerator. Each rank is a process of its own that sees
-    # exactly one device (CUDA_VISIBLE_DEVICES), so its local rank is 0.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    # transformers reads these when it sets up its device mesh: LOCAL_RANK picks the
+    # accelerator. On GPUs every rank sees the group's GPUs and the cluster set its
+    # LOCAL_RANK (ssd.cluster.placing.actor_env); on a CPU there is none to pick: 0.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
     dist.init_process_group(
         backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, timeout=timeout
     )
@@ -101,12 +101,17 @@ def pin_threads(rank: int, threads: int) -> None:
         os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
 
 
+def local_gpu() -> int:
+    """This rank's GPU among those it sees (the group's): LOCAL_RANK, 0 where unset."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def load_tp_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     """The target, sharded over the default world when it has more than one rank.
 
     Every rank of the world must call this (loading is collective). On
-    "cuda", the rank's one visible GPU (transformers places the shard on
-    cuda:LOCAL_RANK, which init_tp_world sets to 0).
+    "cuda", the rank's own GPU among the group's (transformers places the shard on
+    cuda:LOCAL_RANK).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
@@ -114,7 +119,7 @@ def load_tp_model(cfg: ModelConfig, device: str = "cpu") -> torch.nn.Module:
     if cfg.backend == "llamacpp":
         raise ConfigError("tensor parallelism runs on torch: model.backend llamacpp takes one target device")
     if device == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(local_gpu())
     if cfg.quantization == AUTO:  # int8 layers cannot be sharded: auto means unquantized here
         cfg = dataclasses.replace(cfg, quantization=None)
     cfg = resolve_precision(cfg, device)
