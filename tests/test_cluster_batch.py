@@ -56,7 +56,7 @@ class RestartingCluster:
 def waiting(monkeypatch):
     """An engine holding one request that streamed nothing when the target was lost."""
 
-    def lost(ref):
+    def lost(ref, timeout=None):
         raise ray.exceptions.RayActorError()
 
     monkeypatch.setattr(batch_module.ray, "get", lost)

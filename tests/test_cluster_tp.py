@@ -23,9 +23,12 @@ pytestmark = pytest.mark.cluster
 
 # fp64: TP=2 sums the ranks' partial products in another order than one
 # rank does; in fp32 that moves logits by ~1e-5 and could flip a near-tie.
+# step_deadline_s: a hung rank is seen within it (a tiny step takes milliseconds).
+DEADLINE_S = 10.0
 TP_CONFIG = dataclasses.replace(
     CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"),
     target=dataclasses.replace(CONFIG.target, dtype="fp64"),
+    cluster=dataclasses.replace(CONFIG.cluster, step_deadline_s=DEADLINE_S),
 )
 HANG_S = 90.0  # a failed forward must end its request well before this; before the fix it never did
 
@@ -80,3 +83,37 @@ def test_a_failed_forward_fails_the_request_and_restarts_the_group(tp2, rank):
         time.sleep(0.2)
     assert tp2.target_restarts == restarts + 1  # the whole group, as for a lost rank
     assert generate(tp2, PROMPTS[2]).token_ids == local_ar(TP_CONFIG, PROMPTS[2], 32)
+
+
+def sleep_forward_at(worker, n: int, seconds: float) -> None:
+    """Run inside a target actor: its n-th KVSequence forward from now sleeps `seconds` first (a hung
+    rank: the other rank then waits in the forward's all-reduce, over gloo)."""
+    from ssd.models import kv
+
+    original, calls = kv.KVSequence.forward, itertools.count(1)
+
+    def forward(self, ids, last_only=False):
+        if next(calls) == n:
+            time.sleep(seconds)
+        return original(self, ids, last_only)
+
+    kv.KVSequence.forward = forward
+
+
+def test_a_rank_that_hangs_in_a_forward_ends_its_request_and_health_within_the_step_deadline(tp2):
+    """Before the deadline the request waited forever, SERVING: nothing times a single cluster's step."""
+    tp2.wait_serving()
+    restarts = tp2.target_restarts
+    health: list[tuple[bool, float]] = []
+    tp2.add_health_listener(lambda serving, why: health.append((serving, time.monotonic())))
+    ray.get(tp2.targets[1].__ray_call__.remote(sleep_forward_at, 3, 3600.0))  # prefill, a decode, then hang
+    started = time.monotonic()
+    with pytest.raises(GeneratorUnavailable, match=r"past cluster.step_deadline_s \(10 s\)"):
+        generate(tp2, PROMPTS[1])
+    assert time.monotonic() - started < DEADLINE_S + 10
+    assert health and health[0][0] is False and health[0][1] - started < DEADLINE_S + 10  # NOT_SERVING
+    deadline = time.monotonic() + HANG_S
+    while tp2.target_restarts == restarts and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tp2.target_restarts == restarts + 1
+    assert generate(tp2, PROMPTS[1]).token_ids == local_ar(TP_CONFIG, PROMPTS[1], 32)

@@ -98,14 +98,20 @@ def row_error(text: str) -> Exception:
 
 
 class RemoteBatchEngine(Engine):
-    def __init__(self, cluster: TargetHost, mode: str, wait_for_target: bool = True, call_s: float = 0.0) -> None:
+    def __init__(
+        self, cluster: TargetHost, mode: str, wait_for_target: bool = True, call_s: float = 0.0,
+        deadline_s: float | None = None,
+    ) -> None:
         """wait_for_target False: a call while the target restarts fails at once
         (GeneratorUnavailable) rather than waiting, for a caller with somewhere else to go.
-        call_s: how long one step call may keep stepping (cluster.step_call_s)."""
+        call_s: how long one step call may keep stepping (cluster.step_call_s); deadline_s:
+        how long any call may take before the target counts as hung (cluster.step_deadline_s;
+        None: no limit)."""
         self.cluster = cluster
         self.mode = mode
         self.wait_for_target = wait_for_target
         self.call_s = call_s
+        self.deadline_s = deadline_s
         self._stepped: list[int] = []  # rows of each step the last call ran (for /metrics)
         self._requests: dict[str, GenerationRequest] = {}
         self._streamed: dict[str, int] = {}  # tokens each row has streamed to its client so far
@@ -241,7 +247,14 @@ class RemoteBatchEngine(Engine):
     def _receive(self, method: str, call: tuple[ray.ObjectRef, int]):
         ref, incarnation = call
         try:
-            result = ray.get(ref)
+            result = ray.get(ref, timeout=self.deadline_s)
+        except ray.exceptions.GetTimeoutError:
+            # A hung rank (a collective that never completes, a stuck host): health goes
+            # NOT_SERVING now and the watcher restarts the group, as for a lost rank. Its rows
+            # end UNAVAILABLE rather than run again: a request may be what hangs it.
+            why = f"{self.cluster.name}: a {method} call ran past cluster.step_deadline_s ({self.deadline_s:g} s)"
+            self.cluster.target_lost(why)
+            raise Lost(f"{why} with {self.rows} batched requests running; retry the request", False) from None
         except ray.exceptions.RayActorError as exc:
             self.cluster.target_lost(f"{type(exc).__name__} during a batched step")
             # A follower's failed forward: rank 0 waited until the watcher restarted the group.

@@ -374,8 +374,9 @@ class ReplicaBatchEngine(Engine):
         self.replicas = replicas
         self.mode = mode
         call_s = replicas.config.cluster.step_call_s
-        self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False, call_s=call_s) for c in replicas.clusters]
         self.deadline_s = replicas.config.cluster.step_deadline_s
+        self.engines = [RemoteBatchEngine(c, mode, wait_for_target=False, call_s=call_s, deadline_s=self.deadline_s)
+                        for c in replicas.clusters]
         self._stepped: list[int] = []  # rows of each replica step that came back in the last `step` (for /metrics)
         self._moving: list[tuple[GenerationRequest, float]] = []  # (request, since): lost unstreamed, to admit again
         self._fit: tuple[GenerationRequest, int] | None = None  # the replica can_admit found for a request

@@ -145,7 +145,8 @@ class Cluster(Actors, DraftLink, StartupPlan, Healing, Standby):
 
     def batch_engine(self, mode: str) -> RemoteBatchEngine:
         """A continuous batch of `mode` on target rank 0 (the serving worker drives it)."""
-        return RemoteBatchEngine(self, mode, call_s=self.config.cluster.step_call_s)
+        cluster = self.config.cluster
+        return RemoteBatchEngine(self, mode, call_s=cluster.step_call_s, deadline_s=cluster.step_deadline_s)
 
     # --------------------------------------------------------------- shutdown
 
