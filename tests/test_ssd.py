@@ -329,9 +329,34 @@ def test_guessed_outcomes_take_one_topk_for_all_rows_with_the_same_result(seed):
     assert guessed_outcomes(logits, drafted, fanout) == per_row_guesses(logits, drafted, fanout)
 
 
+# Seconds the speculator's end holds each of the five pongs back: the median (0.05) stands
+# apart from the mean (0.206), the fastest and the slowest, so a round trip that is a
+# constant or another statistic, or that skips the pongs, misses the window below.
+PONG_DELAYS = (0.35, 0.01, 0.05, 0.6, 0.02)
+
+
+class DelayedPongs:
+    """A Channel end that sleeps PONG_DELAYS[i] before sending its i-th pong and counts them."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.pongs = inner, 0
+
+    def send(self, message) -> None:
+        from ssd.saguaro import protocol
+
+        if message.op == protocol.PONG:
+            time.sleep(PONG_DELAYS[self.pongs])
+            self.pongs += 1
+        self.inner.send(message)
+
+    def __getattr__(self, name):  # recv, pending, close: the wrapped end's
+        return getattr(self.inner, name)
+
+
 def test_the_link_s_round_trip_is_timed_by_ping_pong_and_the_link_still_serves(tiny_models, tiny_tokenizer, references):
     """The cluster times its link at every (re)link before SSD uses it (the plan adds it to
-    every round): the speculator answers pings, and a request after them runs as usual."""
+    every round): the median of `times` ping-pongs, each timed, and a request after them
+    runs as usual, to its last token."""
     import threading
 
     from ssd.saguaro import protocol
@@ -340,9 +365,11 @@ def test_the_link_s_round_trip_is_timed_by_ping_pong_and_the_link_still_serves(t
 
     target, draft = tiny_models
     target_end, draft_end = inprocess_pair()
+    draft_end = DelayedPongs(draft_end)
     threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True).start()
     seconds = protocol.round_trip_s(target_end, times=5)
-    assert 0 < seconds < 1
+    assert draft_end.pongs == 5
+    assert sorted(PONG_DELAYS)[2] <= seconds < 0.15  # the median's delay, plus less than 0.1 s of overhead
     with SSDEngine(target, tiny_tokenizer, ssd_spec(), channel=target_end) as ssd:
         out = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20)))
-    assert out.token_ids == references[tuple(PROMPTS[0])][: len(out.token_ids)] and out.stats.spec.hits > 0
+    assert out.token_ids == references[tuple(PROMPTS[0])][:20] and out.stats.spec.hits > 0
