@@ -287,6 +287,29 @@ def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkey
         startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
 
 
+def test_a_first_plan_logs_every_stage_and_a_heartbeat_between(pair, tmp_path, monkeypatch, caplog):
+    """The first start logs a line as each stage of the probes ends (the target's continuations
+    and timed passes, the draft's passes and agreement, the total) and a heartbeat while any
+    runs long: on a busy host a stage takes minutes, and the start must not look hung. The
+    heartbeat ends with the probes."""
+    from ssd import hardware
+
+    target, draft = pair
+    monkeypatch.setattr(hardware, "HEARTBEAT_S", 0.05)
+    slow = startup.target_probe
+    monkeypatch.setattr(startup, "target_probe", lambda model: (time.sleep(0.5), slow(model))[1])
+    with caplog.at_level(logging.INFO):
+        startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    stages = ["SSD plan: timing verification", "sample prompts continued", "SSD plan, target probes: pass",
+              "SSD plan, draft probes: pass", "ranked among the draft's", "SSD plan: probes done in"]
+    for stage in stages:
+        assert any(stage in line for line in lines), stage
+    beats = [line for line in lines if line.startswith("SSD plan: probes running: ")]
+    assert len(beats) >= 2  # half a second of the target's probe at a beat every 0.05 s
+    assert not any(t.name == "ssd-heartbeat" for t in threading.enumerate())
+
+
 def test_each_role_is_timed_while_the_other_computes(pair, monkeypatch):
     """plan_in_process runs the draft's probe on a thread beside the target's; the role done
     first keeps computing (keep_busy) until the other's timing is over."""

@@ -50,6 +50,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -58,6 +59,8 @@ import numpy as np
 import torch
 
 import llama_cpp as L
+
+from ssd.hardware import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -680,14 +683,22 @@ def _first_invariant(model: LlamaCppModel) -> dict:
     """The first candidate options under which forwards of 2 or more tokens are bit-identical
     to decoding one token at a time, with `n_ubatch`: the most tokens one ubatch may hold
     while that stays true (ggml switches matmul kernels at some batch size: on the real
-    q4_k_m pair at 8 tokens), so llama.cpp splits longer forwards into ubatches of that size."""
-    for options in INVARIANCE_CANDIDATES:
-        n_ubatch = invariant_tokens(model, **options)
+    q4_k_m pair at 8 tokens), so llama.cpp splits longer forwards into ubatches of that size.
+    Each candidate logs a line when it ends, and a heartbeat while it runs: seconds a candidate."""
+    name, count = model.path.name, len(INVARIANCE_CANDIDATES)
+    log.info("%s: finding the fastest context options whose logits are batch-invariant (once per file, "
+             "weight layout, llama.cpp build and host; %d candidates, fastest first)", name, count)
+    for i, options in enumerate(INVARIANCE_CANDIDATES, 1):
+        what = f"{name}: invariance candidate {i} of {count} {options}"
+        started = time.perf_counter()
+        with heartbeat(log, what):
+            n_ubatch = invariant_tokens(model, **options)
+        log.info("%s: invariant up to %d tokens a ubatch (%.1f s)", what, n_ubatch, time.perf_counter() - started)
         if n_ubatch >= 2:
-            log.info("%s: batch-invariant with %s up to %d tokens a ubatch", model.path.name, options, n_ubatch)
+            log.info("%s: batch-invariant with %s up to %d tokens a ubatch", name, options, n_ubatch)
             return {**options, "n_ubatch": n_ubatch}
     log.warning("%s: no option set tried keeps logits batch-invariant; greedy speculative output may "
-                "part from AR at near-ties", model.path.name)
+                "part from AR at near-ties", name)
     return dict(INVARIANCE_CANDIDATES[-1])
 
 
@@ -767,10 +778,13 @@ def repack_probe(gguf: Path) -> dict:
     threads torch has here, cached per file, llama.cpp build and host."""
     def probe() -> dict:
         failed = {"runs": False, "plain_prefill_s": None, "repacked_prefill_s": None}
+        what = f"{gguf.name}: llama.cpp's repacked weight layouts, tried in a child process"
+        log.info("%s, and a prompt timed in both layouts (once per file, build and host)", what)
         try:
-            done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf), str(torch.get_num_threads())],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  timeout=REPACK_PROBE_TIMEOUT_S)
+            with heartbeat(log, what):
+                done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf), str(torch.get_num_threads())],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                      timeout=REPACK_PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("%s: the repacked-layout probe ran past %d s; loading plain layouts",
                         gguf.name, REPACK_PROBE_TIMEOUT_S)
@@ -780,6 +794,8 @@ def repack_probe(gguf: Path) -> dict:
                         "layouts", gguf.name, done.returncode)
             return failed
         plain_s, repacked_s = (float(x) for x in done.stdout.split()[-2:])
+        log.info("%s: they run; a 64-token prompt took %.0f ms plain, %.0f ms repacked", what, plain_s * 1e3,
+                 repacked_s * 1e3)
         return {"runs": True, "plain_prefill_s": plain_s, "repacked_prefill_s": repacked_s}
 
     child = hashlib.sha256(_REPACK_CHILD.encode()).hexdigest()[:12]  # a mended probe asks again

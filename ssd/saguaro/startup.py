@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ssd import hardware
+from ssd.hardware import heartbeat
 from ssd.saguaro.costs import (
     CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, probe_sequence,
     round_robin, verify_rows_probe,
@@ -255,9 +256,12 @@ def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence
                     for seq, start, out in zip(sequences, starts, outs)
                     for row, token in zip(out[start - 1 - cut :].float(), seq[start:])]
 
+    started = time.perf_counter()
     bonus = _probing(ranks)
     rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
     positions = len(bonus)
+    log.info("SSD plan, draft probes: the target's tokens ranked among the draft's at %d positions (%.0f s)",
+             positions, time.perf_counter() - started)
     return Agreement(min((positions - len(rejected)) / max(positions, 1), 0.99), rejected, bonus, positions)
 
 
@@ -294,7 +298,10 @@ def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
     log.info("SSD plan: timing verification and cache builds on this host, each role beside the other "
              "(once, about 20 s on a 2-core CPU; cached at %s)", path)
-    target_part, draft_part = measure()
+    started = time.perf_counter()
+    with heartbeat(log, "SSD plan: probes running"):  # the roles' own lines come from other threads or actors
+        target_part, draft_part = measure()
+    log.info("SSD plan: probes done in %.0f s", time.perf_counter() - started)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"format": FORMAT, "meta": meta, "target": target_part, "draft": draft_part}))
