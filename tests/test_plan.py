@@ -124,6 +124,32 @@ def test_always_speculate_keeps_ssd_on_where_the_plan_would_turn_it_off():
         assert applied.k_policy == policy, flags
 
 
+def test_the_result_line_names_ar_and_the_plan_s_reason_where_the_plan_turned_speculation_off():
+    """launch/cluster.py's one-shot line: where the plan lent the draft's core to AR and no round
+    drafted, it leads with what ran and why; otherwise it is the stats' own line."""
+    from ssd.app.launcher import result_line
+    from ssd.cluster.devices import plan_placement
+    from ssd.engine.metrics import GenerationStats
+
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    plan.ar_wide_tokens_per_s = 2 * plan.rows[0].ssd_tokens_per_s
+    parked = GenerationStats(mode="ssd", k=2, new_tokens=6, total_s=1.0)
+    for _ in range(5):
+        parked.record_round(drafted=0, accepted=0)
+    cores = plan_placement("0", "1", 2, "cpu")
+    line = result_line(parked, plan, cores)
+    assert line.startswith("AR on both cores: the start-up plan turned speculation off because AR on the target's "
+                           f"cores and the draft's is predicted faster than SSD on one core each "
+                           f"({plan.ar_wide_tokens_per_s:.2f} vs {plan.rows[0].ssd_tokens_per_s:.2f} tok/s at one row)")
+    assert line.endswith(parked.summary()) and "acceptance" not in line and "hit rate" not in line
+    assert result_line(parked, plan, plan_placement("0", "1-2", 3, "cpu")).startswith("AR on 3 cores: ")
+    spoke = GenerationStats(mode="ssd", k=2)
+    spoke.record_round(drafted=2, accepted=1)  # a request with a K of its own speculates anyway
+    assert result_line(spoke, plan, cores) == spoke.summary()
+    plan.ar_wide_tokens_per_s = None  # no core lent: the plan names no reason, the stats speak
+    assert plan.off_reason() is None and result_line(parked, plan, cores) == parked.summary()
+
+
 def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification():
     """Every row's branches go into one forward a step: with dear branches, a batch shares
     a cap that leaves one row its planned budget and each of many rows fewer."""

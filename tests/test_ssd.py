@@ -174,6 +174,22 @@ def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):
     assert out.stats.spec.hit_rate == 1.0 and out.stats.spec.rounds_after_miss == 1
 
 
+def test_a_run_the_k_policy_kept_off_the_draft_is_named_ar(tiny_models, tiny_tokenizer, references):
+    """K 0 at every batch size (as the start-up plan sets where AR is faster): SSD asked, AR ran,
+    and the line says so, with none of SSD's figures (no acceptance or hit rate of 0/0)."""
+    target, draft = tiny_models
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k_policy={1: 0})) as ssd:
+        out = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20)))
+    assert out.token_ids == references[tuple(PROMPTS[0])][:20]
+    s = out.stats
+    assert (s.mode, s.ran, s.drafted) == ("ssd", "ar", 0) and s.rounds > 0
+    line = s.summary()
+    assert line.startswith("ar (ssd asked, nothing drafted) [") and "acceptance" not in line and "hit rate" not in line
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec()) as ssd:
+        spoken = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20))).stats
+    assert spoken.ran == "ssd" and spoken.summary().startswith("ssd [") and "hit rate" in spoken.summary()
+
+
 def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:

@@ -403,10 +403,9 @@ def report(plan: Plan) -> None:
     if plan.rows:
         log.info("%s", plan.rows_summary())
     if plan.lends_draft_core:
-        log.warning("SSD plan: AR on the target's cores and the draft's (lent while speculation is off) is predicted "
-                    "faster than SSD at one row (%.2f vs %.2f tok/s): speculation off at every batch size; "
-                    "speculation.k_policy: {} in the config, or a K in the request, keeps it on",
-                    plan.ar_wide_tokens_per_s, plan.one_row_ssd_tokens_per_s)
+        log.warning("SSD plan: %s, the draft's core lent while speculation is off: speculation off at every batch "
+                    "size; speculation.k_policy: {} in the config (--always-speculate), or a K in the request, "
+                    "keeps it on", plan.off_reason())
     elif plan.rows and not plan.rows[0].speculates:
         log.warning("SSD plan: AR is predicted faster than SSD even at one row on this host (%.2f vs %.2f tok/s)",
                     plan.rows[0].ar_tokens_per_s, plan.rows[0].ssd_tokens_per_s)
