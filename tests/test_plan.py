@@ -317,7 +317,7 @@ def test_a_first_plan_logs_every_stage_and_a_heartbeat_between(pair, tmp_path, m
     """The first start logs a line as each stage of the probes ends (the target's continuations
     and timed passes, the draft's passes and agreement, the total) and a heartbeat while any
     runs long: on a busy host a stage takes minutes, and the start must not look hung. The
-    heartbeat ends with the probes."""
+    timing line quotes the measured first-run figure; the heartbeat ends with the probes."""
     from ssd import hardware
 
     target, draft = pair
@@ -331,6 +331,7 @@ def test_a_first_plan_logs_every_stage_and_a_heartbeat_between(pair, tmp_path, m
               "SSD plan, draft probes: pass", "ranked among the draft's", "SSD plan: probes done in"]
     for stage in stages:
         assert any(stage in line for line in lines), stage
+    assert startup.FIRST_PLAN in next(line for line in lines if stages[0] in line)
     beats = [line for line in lines if line.startswith("SSD plan: probes running: ")]
     assert len(beats) >= 2  # half a second of the target's probe at a beat every 0.05 s
     assert not any(t.name == "ssd-heartbeat" for t in threading.enumerate())

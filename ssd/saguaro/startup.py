@@ -14,8 +14,9 @@ as SSD runs them: each role times its own forwards while the other computes
   chain at a few batch sizes (the rest is fitted: ssd.saguaro.costs.Costs,
   ssd.saguaro.plan.RowCosts); then, after both, `agreement`: where the
   target's tokens rank among the draft's (ssd.saguaro.plan.Agreement).
-Both time with one intra-op thread per role, in about 20 s on a 2-core CPU
-host (docs/configuration.md). The plan only seeds SSD: the anytime build
+Both time with one intra-op thread per role; on the first run the plan takes
+FIRST_PLAN (measured; docs/configuration.md), a line at least every
+ssd.hardware.HEARTBEAT_S seconds meanwhile. The plan only seeds SSD: the anytime build
 and K follow the measured rounds from there. The models are of either
 backend (ssd.models.backend: torch or llama.cpp, whose sequences the probes
 hand back when done). `plan_from_probes` turns them into
@@ -54,6 +55,10 @@ from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCo
 
 log = logging.getLogger(__name__)
 
+# What the first run's plan took (probes, llama.cpp's invariance probe inside them, the plan), measured
+# with the real q4_k_m pair on llama.cpp through launch/cluster.py --cpu at load averages 0.8-6.4
+# (docs/configuration.md); the log line quotes it.
+FIRST_PLAN = "18-30 s on a 2-core AMD EPYC (AVX512) host"
 FORMAT = "ssd-startup-plan/5"  # 5: llama.cpp loads repacked layouts where they run (its costs changed); 4: AR on the cores a lone target borrows from an idle draft (ar_wide_step_s)
 PLAN_GLUES = ("fold", "reuse")
 # Measured; the others fitted (linear in K, bilinear in K and budget, linear in rows and tokens).
@@ -297,7 +302,7 @@ def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
     log.info("SSD plan: timing verification and cache builds on this host, each role beside the other "
-             "(once, about 20 s on a 2-core CPU; cached at %s)", path)
+             "(once, cached at %s; the real pair's first plan took %s)", path, FIRST_PLAN)
     started = time.perf_counter()
     with heartbeat(log, "SSD plan: probes running"):  # the roles' own lines come from other threads or actors
         target_part, draft_part = measure()
