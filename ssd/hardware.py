@@ -1,7 +1,8 @@
 """What machine a figure came from: CPU model, torch's CPU capability, native bf16.
 And the few device helpers the hot path needs: timing a device's work
 (`sync`) and moving small tensors between host and device (`to_host`,
-`to_device`).
+`to_device`). And `heartbeat`: a line every few seconds from a start-up step
+that takes long on a slow or busy host (probes, the plan), so it never looks hung.
 
 Machines of one kind differ in CPU, and the fastest precision differs with
 them (bf16 matmuls are native on AMX / AVX512-BF16 cores and emulated, about
@@ -11,13 +12,19 @@ result records `describe()`, and the "auto" precision reads `native_bf16()`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import platform
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+
+HEARTBEAT_S = 5.0  # the longest a start-up step stays silent (the first run's bar: a line every 10 s)
 
 # cpuinfo flags (x86) and Features (arm64) that mean bf16 matmuls run natively.
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
@@ -70,6 +77,28 @@ def describe() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
+
+
+@contextlib.contextmanager
+def heartbeat(logger: logging.Logger, what: str, every_s: float | None = None) -> Iterator[None]:
+    """Log "<what>: <N> s so far" every `every_s` seconds (default HEARTBEAT_S) while the block
+    runs. Start-up probes take seconds on a quiet host and minutes on a busy one; a line that
+    says what is running and for how long tells a newcomer it is not hung."""
+    every_s = HEARTBEAT_S if every_s is None else every_s
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            logger.info("%s: %.0f s so far", what, time.perf_counter() - started)
+
+    thread = threading.Thread(target=beat, name="ssd-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def summary() -> str:

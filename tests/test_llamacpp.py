@@ -449,6 +449,34 @@ def test_quantized_weights_get_probed_options_that_keep_sd_equal_to_ar(pair, tmp
     assert sd.token_ids == ar and 0 < sd.stats.accepted < sd.stats.drafted
 
 
+def test_the_invariance_probe_logs_each_candidate_and_runs_apart_on_too_few_cores(pair, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """Each candidate tried logs a line as it ends (seconds a candidate on the real pair). A
+    caller with fewer cores than the probe's threads (a cluster actor pinned to its core, where
+    llama.cpp's OpenMP threads spin a time slice a barrier) probes in a child process started
+    on its cores, whose answer is the one found here; one with enough cores probes here."""
+    import logging
+
+    import ssd.models.llamacpp as lc
+
+    _, lm = pair
+    model = _quantized(lm.path, tmp_path / "q8.gguf", repacked=False)
+    with caplog.at_level(logging.INFO, logger=lc.__name__):
+        here = lc._first_invariant(model)
+    lines = [r.getMessage() for r in caplog.records if "invariance candidate" in r.getMessage()]
+    tried = [line for line in lines if "invariant up to" in line]  # the others: heartbeats of a slow candidate
+    chosen = lc.INVARIANCE_CANDIDATES.index({key: here[key] for key in ("flash_attn", "pad_single", "kv")})
+    assert [line.split(" {")[0].split(": ")[-1] for line in tried] == [
+        f"invariance candidate {i} of {len(lc.INVARIANCE_CANDIDATES)}" for i in range(1, chosen + 2)]
+    assert lc._first_invariant_apart(model) == here
+    children = []
+    monkeypatch.setattr(lc, "_first_invariant_apart", lambda m: children.append(m) or dict(here))
+    monkeypatch.setattr(lc.os, "sched_getaffinity", lambda pid: {0})
+    assert lc._invariance(model) == here and children == [model]
+    monkeypatch.setattr(lc.os, "sched_getaffinity", lambda pid: set(range(lc._probe_threads())))
+    assert lc._invariance(model) == here and children == [model]  # probed here
+
+
 def test_repacked_layouts_are_probed_in_a_child_that_may_die(pair, tmp_path, monkeypatch):
     """Where llama.cpp's repacked kernels kill the process (SIGILL on an AVX512/AMX Xeon), the
     probe's child dies, not us: plain layouts load. Each answer is cached per file and host."""

@@ -124,6 +124,32 @@ def test_always_speculate_keeps_ssd_on_where_the_plan_would_turn_it_off():
         assert applied.k_policy == policy, flags
 
 
+def test_the_result_line_names_ar_and_the_plan_s_reason_where_the_plan_turned_speculation_off():
+    """launch/cluster.py's one-shot line: where the plan lent the draft's core to AR and no round
+    drafted, it leads with what ran and why; otherwise it is the stats' own line."""
+    from ssd.app.launcher import result_line
+    from ssd.cluster.devices import plan_placement
+    from ssd.engine.metrics import GenerationStats
+
+    plan = choose({"reuse": costs(0.02)}, GOOD_DRAFT, rows_costs=rows_costs(0.01))
+    plan.ar_wide_tokens_per_s = 2 * plan.rows[0].ssd_tokens_per_s
+    parked = GenerationStats(mode="ssd", k=2, new_tokens=6, total_s=1.0)
+    for _ in range(5):
+        parked.record_round(drafted=0, accepted=0)
+    cores = plan_placement("0", "1", 2, "cpu")
+    line = result_line(parked, plan, cores)
+    assert line.startswith("AR on both cores: the start-up plan turned speculation off because AR on the target's "
+                           f"cores and the draft's is predicted faster than SSD on one core each "
+                           f"({plan.ar_wide_tokens_per_s:.2f} vs {plan.rows[0].ssd_tokens_per_s:.2f} tok/s at one row)")
+    assert line.endswith(parked.summary()) and "acceptance" not in line and "hit rate" not in line
+    assert result_line(parked, plan, plan_placement("0", "1-2", 3, "cpu")).startswith("AR on 3 cores: ")
+    spoke = GenerationStats(mode="ssd", k=2)
+    spoke.record_round(drafted=2, accepted=1)  # a request with a K of its own speculates anyway
+    assert result_line(spoke, plan, cores) == spoke.summary()
+    plan.ar_wide_tokens_per_s = None  # no core lent: the plan names no reason, the stats speak
+    assert plan.off_reason() is None and result_line(parked, plan, cores) == parked.summary()
+
+
 def test_rows_share_a_branch_cap_where_the_lockstep_build_outgrows_verification():
     """Every row's branches go into one forward a step: with dear branches, a batch shares
     a cap that leaves one row its planned budget and each of many rows fewer."""
@@ -285,6 +311,30 @@ def test_probes_measure_every_cost_and_the_plan_is_cached(pair, tmp_path, monkey
     (tmp_path / "k1.json").write_text(json.dumps(data))
     with pytest.raises(pytest.fail.Exception, match="measured again"):
         startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
+
+
+def test_a_first_plan_logs_every_stage_and_a_heartbeat_between(pair, tmp_path, monkeypatch, caplog):
+    """The first start logs a line as each stage of the probes ends (the target's continuations
+    and timed passes, the draft's passes and agreement, the total) and a heartbeat while any
+    runs long: on a busy host a stage takes minutes, and the start must not look hung. The
+    timing line quotes the measured first-run figure; the heartbeat ends with the probes."""
+    from ssd import hardware
+
+    target, draft = pair
+    monkeypatch.setattr(hardware, "HEARTBEAT_S", 0.05)
+    slow = startup.target_probe
+    monkeypatch.setattr(startup, "target_probe", lambda model: (time.sleep(0.5), slow(model))[1])
+    with caplog.at_level(logging.INFO):
+        startup.plan_in_process(target, draft, CharTokenizer(), "k1", {"m": 1}, directory=tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    stages = ["SSD plan: timing verification", "sample prompts continued", "SSD plan, target probes: pass",
+              "SSD plan, draft probes: pass", "ranked among the draft's", "SSD plan: probes done in"]
+    for stage in stages:
+        assert any(stage in line for line in lines), stage
+    assert startup.FIRST_PLAN in next(line for line in lines if stages[0] in line)
+    beats = [line for line in lines if line.startswith("SSD plan: probes running: ")]
+    assert len(beats) >= 2  # half a second of the target's probe at a beat every 0.05 s
+    assert not any(t.name == "ssd-heartbeat" for t in threading.enumerate())
 
 
 def test_each_role_is_timed_while_the_other_computes(pair, monkeypatch):

@@ -174,6 +174,22 @@ def test_full_fanout_never_misses(tiny_models, tiny_tokenizer):
     assert out.stats.spec.hit_rate == 1.0 and out.stats.spec.rounds_after_miss == 1
 
 
+def test_a_run_the_k_policy_kept_off_the_draft_is_named_ar(tiny_models, tiny_tokenizer, references):
+    """K 0 at every batch size (as the start-up plan sets where AR is faster): SSD asked, AR ran,
+    and the line says so, with none of SSD's figures (no acceptance or hit rate of 0/0)."""
+    target, draft = tiny_models
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(k_policy={1: 0})) as ssd:
+        out = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20)))
+    assert out.token_ids == references[tuple(PROMPTS[0])][:20]
+    s = out.stats
+    assert (s.mode, s.ran, s.drafted) == ("ssd", "ar", 0) and s.rounds > 0
+    line = s.summary()
+    assert line.startswith("ar (ssd asked, nothing drafted) [") and "acceptance" not in line and "hit rate" not in line
+    with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec()) as ssd:
+        spoken = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20))).stats
+    assert spoken.ran == "ssd" and spoken.summary().startswith("ssd [") and "hit rate" in spoken.summary()
+
+
 def test_metrics_by_k_and_timings(tiny_models, tiny_tokenizer):
     target, draft = tiny_models
     with SSDEngine.in_process(target, draft, tiny_tokenizer, ssd_spec(4, 8)) as ssd:
@@ -329,9 +345,34 @@ def test_guessed_outcomes_take_one_topk_for_all_rows_with_the_same_result(seed):
     assert guessed_outcomes(logits, drafted, fanout) == per_row_guesses(logits, drafted, fanout)
 
 
+# Seconds the speculator's end holds each of the five pongs back: the median (0.05) stands
+# apart from the mean (0.206), the fastest and the slowest, so a round trip that is a
+# constant or another statistic, or that skips the pongs, misses the window below.
+PONG_DELAYS = (0.35, 0.01, 0.05, 0.6, 0.02)
+
+
+class DelayedPongs:
+    """A Channel end that sleeps PONG_DELAYS[i] before sending its i-th pong and counts them."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.pongs = inner, 0
+
+    def send(self, message) -> None:
+        from ssd.saguaro import protocol
+
+        if message.op == protocol.PONG:
+            time.sleep(PONG_DELAYS[self.pongs])
+            self.pongs += 1
+        self.inner.send(message)
+
+    def __getattr__(self, name):  # recv, pending, close: the wrapped end's
+        return getattr(self.inner, name)
+
+
 def test_the_link_s_round_trip_is_timed_by_ping_pong_and_the_link_still_serves(tiny_models, tiny_tokenizer, references):
     """The cluster times its link at every (re)link before SSD uses it (the plan adds it to
-    every round): the speculator answers pings, and a request after them runs as usual."""
+    every round): the median of `times` ping-pongs, each timed, and a request after them
+    runs as usual, to its last token."""
     import threading
 
     from ssd.saguaro import protocol
@@ -340,9 +381,11 @@ def test_the_link_s_round_trip_is_timed_by_ping_pong_and_the_link_still_serves(t
 
     target, draft = tiny_models
     target_end, draft_end = inprocess_pair()
+    draft_end = DelayedPongs(draft_end)
     threading.Thread(target=Speculator(draft, draft_end).serve, daemon=True).start()
     seconds = protocol.round_trip_s(target_end, times=5)
-    assert 0 < seconds < 1
+    assert draft_end.pongs == 5
+    assert sorted(PONG_DELAYS)[2] <= seconds < 0.15  # the median's delay, plus less than 0.1 s of overhead
     with SSDEngine(target, tiny_tokenizer, ssd_spec(), channel=target_end) as ssd:
         out = ssd.generate(GenerationRequest(PROMPTS[0], GREEDY, GenerationConfig(max_new_tokens=20)))
-    assert out.token_ids == references[tuple(PROMPTS[0])][: len(out.token_ids)] and out.stats.spec.hits > 0
+    assert out.token_ids == references[tuple(PROMPTS[0])][:20] and out.stats.spec.hits > 0

@@ -190,5 +190,18 @@ def run_one(cluster, config, prompt: str, chat: bool) -> None:
     # The cluster's speculation defaults: the start-up plan's, where one ran.
     result = cluster.generate(GenerationRequest(ids, config.sampling, config.generation, cluster.config.speculation))
     print(result.text, flush=True)
-    print(f"--- finish: {result.finish_reason}; {result.stats.summary()}", file=sys.stderr, flush=True)
+    line = result_line(result.stats, getattr(cluster, "plan", None), getattr(cluster, "placement", None))
+    print(f"--- finish: {result.finish_reason}; {line}", file=sys.stderr, flush=True)
+
+
+def result_line(stats, plan, placement: Placement | None) -> str:
+    """The stats line (ssd.engine.metrics.GenerationStats), led by what ran and why where the
+    start-up plan turned speculation off: the mode asked for is then not the one that ran."""
+    reason = plan.off_reason() if plan is not None else None
+    if reason is None or stats.ran == stats.mode:
+        return stats.summary()
+    cores = len(placement.target) + len(placement.draft) if placement is not None else 0
+    where = {0: "the target's cores and the draft's", 2: "both cores"}.get(cores, f"{cores} cores")
+    return (f"AR on {where}: the start-up plan turned speculation off because {reason} "
+            f"(--always-speculate keeps {stats.mode.upper()} on); {stats.summary()}")
 

@@ -19,6 +19,7 @@ from ssd.cluster.devices import Placement
 from ssd.cluster.placing import actor_env, group_node
 from ssd.cluster.workers import COMPUTE, DraftWorker, TargetWorker
 from ssd.config import Config
+from ssd.hardware import heartbeat
 from ssd.transport.distributed import free_port
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,11 @@ class Actors:
         self._place_on_node()
         draft = self._launch_draft() if self.placement.draft else None
         try:
-            self.targets = self._start_targets()
-            if draft is not None:
-                ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
+            # The actors' own lines start once their processes have imported (seconds on a busy host).
+            with heartbeat(log, f"{self.name}: starting the actors (processes, imports, model loads)"):
+                self.targets = self._start_targets()
+                if draft is not None:
+                    ray.get(draft.ready.remote(), timeout=self._start_timeouts["draft"])
         except BaseException:
             if draft is not None:
                 ray.kill(draft, no_restart=True)

@@ -197,12 +197,24 @@ class GenerationStats(RoundRatios):
             out[name] = getattr(self, name)
         return out
 
+    @property
+    def ran(self) -> str:
+        """The mode that ran: `mode`, or "ar" where a speculating mode drafted nothing in any
+        round (speculation.k_policy said K 0 at every step: the start-up plan turns it off
+        where AR is faster), so a line never shows SD's or SSD's zeros for an AR run."""
+        return "ar" if self.mode != "ar" and self.rounds and not self.drafted else self.mode
+
     def summary(self) -> str:
+        ran = self.ran  # AR's figures only where nothing was drafted: no acceptance or hit rate of 0/0
+        label = ran if ran == self.mode else f"ar ({self.mode} asked, nothing drafted)"
         line = (
-            f"{self.mode}{f' [{self.precision}]' if self.precision else ''}: {self.new_tokens} tokens in {self.total_s:.2f}s "
+            f"{label}{f' [{self.precision}]' if self.precision else ''}: {self.new_tokens} tokens in {self.total_s:.2f}s "
             f"({self.tokens_per_s:.2f} tok/s, decode {self.decode_tokens_per_s:.2f} tok/s), "
             f"TTFT {self.time_to_first_token_s * 1000:.0f} ms"
         )
+        if ran == "ar":
+            lost = self.spec.degraded_rounds
+            return line + (f", degraded rounds {lost} (the draft lost)" if lost else "") + self._lookup_summary()
         if self.k:
             by_pos = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
             line += (
@@ -211,10 +223,12 @@ class GenerationStats(RoundRatios):
             )
         if self.mode == "ssd":
             line += f"; {self.spec.summary()}"
-        if self.lookup_rounds:
-            line += (f"; prompt lookup: {self.lookup_accepted}/{self.looked_up} tokens accepted "
-                     f"in {self.lookup_rounds} rounds")
-        return line
+        return line + self._lookup_summary()
+
+    def _lookup_summary(self) -> str:
+        if not self.lookup_rounds:
+            return ""
+        return f"; prompt lookup: {self.lookup_accepted}/{self.looked_up} tokens accepted in {self.lookup_rounds} rounds"
 
 
 # Fields that name what was measured; a total keeps the first generation's.

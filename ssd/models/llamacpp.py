@@ -50,6 +50,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -59,6 +60,7 @@ import torch
 
 import llama_cpp as L
 
+from ssd.hardware import heartbeat
 from ssd.models.branching import check_start
 
 log = logging.getLogger(__name__)
@@ -682,23 +684,81 @@ def _first_invariant(model: LlamaCppModel) -> dict:
     """The first candidate options under which forwards of 2 or more tokens are bit-identical
     to decoding one token at a time, with `n_ubatch`: the most tokens one ubatch may hold
     while that stays true (ggml switches matmul kernels at some batch size: on the real
-    q4_k_m pair at 8 tokens), so llama.cpp splits longer forwards into ubatches of that size."""
-    for options in INVARIANCE_CANDIDATES:
-        n_ubatch = invariant_tokens(model, **options)
+    q4_k_m pair at 8 tokens), so llama.cpp splits longer forwards into ubatches of that size.
+    Each candidate logs a line when it ends, and a heartbeat while it runs: seconds a candidate."""
+    name, count = model.path.name, len(INVARIANCE_CANDIDATES)
+    log.info("%s: finding the fastest context options whose logits are batch-invariant (once per file, "
+             "weight layout, llama.cpp build and host; %d candidates, fastest first)", name, count)
+    for i, options in enumerate(INVARIANCE_CANDIDATES, 1):
+        what = f"{name}: invariance candidate {i} of {count} {options}"
+        started = time.perf_counter()
+        with heartbeat(log, what):
+            n_ubatch = invariant_tokens(model, **options)
+        log.info("%s: invariant up to %d tokens a ubatch (%.1f s)", what, n_ubatch, time.perf_counter() - started)
         if n_ubatch >= 2:
-            log.info("%s: batch-invariant with %s up to %d tokens a ubatch", model.path.name, options, n_ubatch)
+            log.info("%s: batch-invariant with %s up to %d tokens a ubatch", name, options, n_ubatch)
             return {**options, "n_ubatch": n_ubatch}
     log.warning("%s: no option set tried keeps logits batch-invariant; greedy speculative output may "
-                "part from AR at near-ties", model.path.name)
+                "part from AR at near-ties", name)
     return dict(INVARIANCE_CANDIDATES[-1])
 
 
 def _cached_probe(model: LlamaCppModel) -> dict:
     """`_first_invariant`, kept on disk per GGUF file, weight layout, llama.cpp build and
-    host (the probe takes seconds a load: ~10 s for the 1.5B target on one core)."""
+    host (the probe takes seconds a load: ~4-6 s for the 1.5B target on one core)."""
     return _cached("invariance", model.path, ("repacked", model.repacked, "lead", PROBE_LEAD,
                                               "candidates", INVARIANCE_CANDIDATES),
-                   lambda: _first_invariant(model))
+                   lambda: _invariance(model))
+
+
+def _probe_threads() -> int:
+    """The invariance probe's threads: two at least, since with one ggml's split-KV path has one
+    chunk and agrees with the rest (a lone decode parts from a batch only on two or more)."""
+    return max(2, torch.get_num_threads())
+
+
+def _invariance(model: LlamaCppModel) -> dict:
+    """`_first_invariant` in this process, or in a child where this thread has fewer cores than
+    the probe's threads (a cluster actor pinned to its one core). llama.cpp's OpenMP threads
+    spin at each barrier as long as the cores the process started on allow, so two threads
+    pinned onto one core after the start wait a time slice a barrier: the 0.5B draft's probe
+    took 45.6 s so against 3.9 s (AMD EPYC, 2 cores). A child starts on this thread's cores,
+    so its OpenMP sees one core and sleeps at barriers instead."""
+    cores = len(os.sched_getaffinity(0))
+    if cores >= _probe_threads():
+        return _first_invariant(model)
+    log.info("%s: the invariance probe runs in a child process (%d core here for its %d threads)",
+             model.path.name, cores, _probe_threads())
+    try:
+        with heartbeat(log, f"{model.path.name}: the invariance probe's child"):  # its start and load are silent
+            return _first_invariant_apart(model)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        log.warning("%s: the invariance probe's child failed (%s); probing here", model.path.name, exc)
+        return _first_invariant(model)
+
+
+# `_first_invariant` on a GGUF file loaded as the parent loaded it; the answer as JSON on the last
+# line of stdout, the progress lines on the parent's stderr.
+_INVARIANCE_CHILD = """
+import json, logging, sys
+from ssd.models.llamacpp import LlamaCppModel, _first_invariant
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+path, repacked, twin, n_ctx = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
+print(json.dumps(_first_invariant(LlamaCppModel(path, use_extra_bufts=repacked, n_ctx=n_ctx, plain_prefill=twin))))
+"""
+INVARIANCE_CHILD_TIMEOUT_S = 900  # the probe takes seconds; minutes only on a host far busier than ours
+
+
+def _first_invariant_apart(model: LlamaCppModel) -> dict:
+    """`_first_invariant` in a child process on this thread's cores (`_invariance`)."""
+    args = [sys.executable, "-c", _INVARIANCE_CHILD, str(model.path), str(int(model.repacked)),
+            str(int(model.plain_twin is not None)), str(model.n_ctx)]
+    # This process's ssd; OpenMP threads that sleep at a barrier rather than spin: the probe's
+    # answer does not depend on its speed, and a busy host then cannot stall it a time slice a barrier.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_WAIT_POLICY="PASSIVE")
+    done = subprocess.run(args, stdout=subprocess.PIPE, text=True, env=env, check=True,
+                          timeout=INVARIANCE_CHILD_TIMEOUT_S)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def _cached(kind: str, gguf: Path, extra: tuple, compute: Callable[[], Any]) -> Any:
@@ -769,10 +829,13 @@ def repack_probe(gguf: Path) -> dict:
     threads torch has here, cached per file, llama.cpp build and host."""
     def probe() -> dict:
         failed = {"runs": False, "plain_prefill_s": None, "repacked_prefill_s": None}
+        what = f"{gguf.name}: llama.cpp's repacked weight layouts, tried in a child process"
+        log.info("%s, and a prompt timed in both layouts (once per file, build and host)", what)
         try:
-            done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf), str(torch.get_num_threads())],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  timeout=REPACK_PROBE_TIMEOUT_S)
+            with heartbeat(log, what):
+                done = subprocess.run([sys.executable, "-c", _REPACK_CHILD, str(gguf), str(torch.get_num_threads())],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                      timeout=REPACK_PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("%s: the repacked-layout probe ran past %d s; loading plain layouts",
                         gguf.name, REPACK_PROBE_TIMEOUT_S)
@@ -782,6 +845,8 @@ def repack_probe(gguf: Path) -> dict:
                         "layouts", gguf.name, done.returncode)
             return failed
         plain_s, repacked_s = (float(x) for x in done.stdout.split()[-2:])
+        log.info("%s: they run; a 64-token prompt took %.0f ms plain, %.0f ms repacked", what, plain_s * 1e3,
+                 repacked_s * 1e3)
         return {"runs": True, "plain_prefill_s": plain_s, "repacked_prefill_s": repacked_s}
 
     child = hashlib.sha256(_REPACK_CHILD.encode()).hexdigest()[:12]  # a mended probe asks again
@@ -797,9 +862,8 @@ def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, k
     kv = kv or ("f16" if model.quantized else "f32")
     lead = lead if model.n_ctx >= 512 else 0
     ids = [(7 * i + 3) % model.vocab_size for i in range(n)]
-    # two threads at least: with one, ggml's split-KV path has one chunk and agrees with the rest
     context = LlamaCppContext(model, n_seq=3, n_ctx_seq=lead + 2 * n, flash_attn=flash_attn, pad_single=pad_single,
-                              kv_type=kv, n_ubatch=n, n_threads=max(2, torch.get_num_threads()))
+                              kv_type=kv, n_ubatch=n, n_threads=_probe_threads())
     alone, row, other = (LlamaCppSequence(context) for _ in range(3))
     if lead:
         alone.forward([(5 * i + 1) % model.vocab_size for i in range(lead)], last_only=True)
@@ -808,18 +872,26 @@ def invariant_tokens(model: LlamaCppModel, flash_attn: bool, pad_single: bool, k
             sequence.tokens = list(alone.tokens)
 
     def fed(*forwards: torch.Tensor) -> list[torch.Tensor]:  # the rows go back to the lead
-        for sequence in (alone, row, other):
+        for sequence in (row, other):
             sequence.rollback(lead)
         return list(forwards)
 
-    one_by_one, = fed(torch.cat([alone.forward([t]) for t in ids]))
-    if not pad_single and not torch.equal(one_by_one[:1], fed(row.forward(ids[:2]))[0][:1]):
+    decoded: list[torch.Tensor] = []  # `alone`'s logits, a token a forward (its own KV stream)
+
+    def one_by_one(m: int) -> torch.Tensor:
+        # Decoded only as far as a comparison reaches: a candidate that fails does so within
+        # a few tokens (on the real pair: at 1 and 4 of 16), and each decode reads all weights.
+        while len(decoded) < m:
+            decoded.append(alone.forward([ids[len(decoded)]]))
+        return torch.cat(decoded[:m])
+
+    if not pad_single and not torch.equal(one_by_one(1), fed(row.forward(ids[:2]))[0][:1]):
         return 0  # a one-row forward parts from a two-row one
     for m in range(2, n + 1):
         together, = fed(row.forward(ids[:m]))
         half = m // 2
         _, packed = fed(*forward_rows([row, other], [ids[:half], ids[: m - half]]))
-        if not (torch.equal(together, one_by_one[:m]) and torch.equal(packed, one_by_one[: m - half])):
+        if not (torch.equal(together, one_by_one(m)) and torch.equal(packed, one_by_one(m - half))):
             return m - 1
     return n
 

@@ -165,6 +165,14 @@ class Plan:
         row: the draft's core is then worth more to the target than the draft's speculation."""
         return bool(self.ar_wide_tokens_per_s) and self.ar_wide_tokens_per_s > self.one_row_ssd_tokens_per_s
 
+    def off_reason(self) -> str | None:
+        """Why the plan turns speculation off for a lone request (`lends_draft_core`), in
+        words a result line can quote; None where one row speculates."""
+        if not self.lends_draft_core:
+            return None
+        return (f"AR on the target's cores and the draft's is predicted faster than SSD on one core each "
+                f"({self.ar_wide_tokens_per_s:.2f} vs {self.one_row_ssd_tokens_per_s:.2f} tok/s at one row)")
+
     @property
     def k_policy(self) -> dict[int, int]:
         """speculation.k_policy: speculation off (K 0) from the first batch size where AR is

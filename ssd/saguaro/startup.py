@@ -14,8 +14,9 @@ as SSD runs them: each role times its own forwards while the other computes
   chain at a few batch sizes (the rest is fitted: ssd.saguaro.costs.Costs,
   ssd.saguaro.plan.RowCosts); then, after both, `agreement`: where the
   target's tokens rank among the draft's (ssd.saguaro.plan.Agreement).
-Both time with one intra-op thread per role, in about 20 s on a 2-core CPU
-host (docs/configuration.md). The plan only seeds SSD: the anytime build
+Both time with one intra-op thread per role; on the first run the plan takes
+FIRST_PLAN (measured; docs/configuration.md), a line at least every
+ssd.hardware.HEARTBEAT_S seconds meanwhile. The plan only seeds SSD: the anytime build
 and K follow the measured rounds from there. The models are of either
 backend (ssd.models.backend: torch or llama.cpp, whose sequences the probes
 hand back when done). `plan_from_probes` turns them into
@@ -39,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ssd import hardware
+from ssd.hardware import heartbeat
 from ssd.saguaro.costs import (
     CostSettings, Costs, backup_probe, build_probe, chain_rows_probe, forward_probe, prefilled_rows, probe_sequence,
     round_robin, verify_rows_probe,
@@ -53,6 +55,10 @@ from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCo
 
 log = logging.getLogger(__name__)
 
+# What the first run's plan took (probes, llama.cpp's invariance probe inside them, the plan), measured
+# with the real q4_k_m pair on llama.cpp through launch/cluster.py --cpu at load averages 0.8-6.4
+# (docs/configuration.md); the log line quotes it.
+FIRST_PLAN = "18-30 s on a 2-core AMD EPYC (AVX512) host"
 FORMAT = "ssd-startup-plan/5"  # 5: llama.cpp loads repacked layouts where they run (its costs changed); 4: AR on the cores a lone target borrows from an idle draft (ar_wide_step_s)
 PLAN_GLUES = ("fold", "reuse")
 # Measured; the others fitted (linear in K, bilinear in K and budget, linear in rows and tokens).
@@ -255,9 +261,12 @@ def agreement(draft: Model, sequences: Sequence[Sequence[int]], starts: Sequence
                     for seq, start, out in zip(sequences, starts, outs)
                     for row, token in zip(out[start - 1 - cut :].float(), seq[start:])]
 
+    started = time.perf_counter()
     bonus = _probing(ranks)
     rejected = [rank - 1 for rank in bonus if rank]  # among the draft's tokens other than its rejected top choice
     positions = len(bonus)
+    log.info("SSD plan, draft probes: the target's tokens ranked among the draft's at %d positions (%.0f s)",
+             positions, time.perf_counter() - started)
     return Agreement(min((positions - len(rejected)) / max(positions, 1), 0.99), rejected, bonus, positions)
 
 
@@ -293,8 +302,11 @@ def cached_probes(key: str, measure: Callable[[], tuple[dict, dict]], meta: dict
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("SSD plan: ignoring unreadable cache %s (%s)", path, exc)
     log.info("SSD plan: timing verification and cache builds on this host, each role beside the other "
-             "(once, about 20 s on a 2-core CPU; cached at %s)", path)
-    target_part, draft_part = measure()
+             "(once, cached at %s; the real pair's first plan took %s)", path, FIRST_PLAN)
+    started = time.perf_counter()
+    with heartbeat(log, "SSD plan: probes running"):  # the roles' own lines come from other threads or actors
+        target_part, draft_part = measure()
+    log.info("SSD plan: probes done in %.0f s", time.perf_counter() - started)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"format": FORMAT, "meta": meta, "target": target_part, "draft": draft_part}))
@@ -396,10 +408,9 @@ def report(plan: Plan) -> None:
     if plan.rows:
         log.info("%s", plan.rows_summary())
     if plan.lends_draft_core:
-        log.warning("SSD plan: AR on the target's cores and the draft's (lent while speculation is off) is predicted "
-                    "faster than SSD at one row (%.2f vs %.2f tok/s): speculation off at every batch size; "
-                    "speculation.k_policy: {} in the config, or a K in the request, keeps it on",
-                    plan.ar_wide_tokens_per_s, plan.one_row_ssd_tokens_per_s)
+        log.warning("SSD plan: %s, the draft's core lent while speculation is off: speculation off at every batch "
+                    "size; speculation.k_policy: {} in the config (--always-speculate), or a K in the request, "
+                    "keeps it on", plan.off_reason())
     elif plan.rows and not plan.rows[0].speculates:
         log.warning("SSD plan: AR is predicted faster than SSD even at one row on this host (%.2f vs %.2f tok/s)",
                     plan.rows[0].ar_tokens_per_s, plan.rows[0].ssd_tokens_per_s)
