@@ -48,6 +48,16 @@ def generate(cluster: Cluster, prompt: list[int], n: int = 32):
         pool.shutdown(wait=False)  # never join a hung call
 
 
+def test_a_started_group_has_run_a_forward_on_every_rank_before_it_serves(tp2):
+    """SERVING means computed, not merely loaded: at start rank 0 runs one forward, which its
+    follower mirrors (then a reset), so a pair that loads but cannot compute fails its start.
+    First in this module: no request has run on this group yet."""
+    from ssd.models import tp
+
+    assert tp2.serving and tp2.target_restarts == 0
+    assert ray.get(tp2.targets[1].__ray_call__.remote(lambda worker: tp.commands_mirrored())) == 2
+
+
 def test_tensor_parallel_target_equals_single_rank(tp2):
     for prompt in PROMPTS:
         assert generate(tp2, prompt).token_ids == local_ar(TP_CONFIG, prompt, 32)
@@ -117,3 +127,4 @@ def test_a_rank_that_hangs_in_a_forward_ends_its_request_and_health_within_the_s
         time.sleep(0.2)
     assert tp2.target_restarts == restarts + 1
     assert generate(tp2, PROMPTS[1]).token_ids == local_ar(TP_CONFIG, PROMPTS[1], 32)
+

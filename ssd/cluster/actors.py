@@ -136,11 +136,13 @@ class Actors:
         try:
             # loading is collective under TP
             self._await([t.ready.remote() for t in targets], self._start_timeouts["target"])
+            self._followers = [t.run_follower.remote() for t in targets[1:]]
+            # SERVING only once every rank has computed: the followers mirror rank 0's forward
+            self._await([targets[0].first_forward.remote()], self._start_timeouts["target"])
         except Exception:
             for target in targets:  # none may linger holding a bundle
                 ray.kill(target, no_restart=True)
             raise
-        self._followers = [t.run_follower.remote() for t in targets[1:]]
         return targets
 
     def _start_actors(self) -> None:

@@ -74,7 +74,7 @@ class Standby:
             self._spare_cores(0),
         )
         try:
-            self._await([standby.ready.remote()], self._start_timeouts["target"])
+            self._await([standby.first_forward.remote()], self._start_timeouts["target"])  # loaded and computing
         except Exception:
             ray.kill(standby, no_restart=True)
             raise

@@ -142,6 +142,24 @@ class TargetWorker:
     def ready(self) -> int:
         return os.getpid()
 
+    @compute
+    def first_forward(self) -> None:
+        """Rank 0: one token's forward on every rank (the followers mirror it), then forgotten:
+        the cluster reports SERVING only once the target has computed, not merely loaded (a pair
+        that loads but fails inside attention fails its start instead of every request)."""
+        from ssd.models.backend import forward_rows, new_sequence, release
+
+        self._pin(self.cores)
+        if self.leader is not None:
+            self.leader.forward([0], last_only=True)
+            self.leader.reset()
+            return
+        sequence = new_sequence(self.model)
+        try:
+            forward_rows([sequence], [[0]], last_only=True)
+        finally:
+            release(sequence)
+
     def whereabouts(self) -> dict[str, Any]:
         # torch's thread count is per calling thread: the compute thread's is the one that counts
         return whereabouts(self.device) | {"rank": self.rank, "world": self.world, "cores": self.cores,

@@ -267,6 +267,14 @@ class TPLeaderSequence(KVSequence):
         _send_command(op, arg, ids, self.group)
 
 
+_mirrored = [0]  # commands this process's follower has run, all its groups together (diagnostics)
+
+
+def commands_mirrored() -> int:
+    """How many of the leader's commands this process has mirrored (logs, tests)."""
+    return _mirrored[0]
+
+
 def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
     """Mirror the leader's commands on this rank's shard until OP_STOP.
 
@@ -295,6 +303,7 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None) -> int:
         else:
             raise RuntimeError(f"unknown TP command {op}")
         done += 1
+        _mirrored[0] += 1
 
 
 def _follower_forward(seq: KVSequence, ids: list[int], last_only: bool, rank: int, command: int) -> None:
