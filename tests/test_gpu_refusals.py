@@ -22,7 +22,7 @@ CARD = ["--target-gpus", "0-3", "--draft-gpu", "4"]
 
 
 class Started(Exception):
-    """start_cluster was reached: nothing refused the command."""
+    """start_cluster was reached: nothing refused the command (args: its arguments)."""
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def five_gpus(monkeypatch):
     monkeypatch.setattr(launcher, "available_gpus", lambda: 5)
 
     def start(*args, **kwargs):
-        raise Started
+        raise Started(*args)
 
     monkeypatch.setattr("ssd.cluster.replicas.start_cluster", start)
 
@@ -49,6 +49,19 @@ def test_with_a_gpu_config_or_on_cpu_the_command_goes_on(five_gpus):
         launcher.main([*CARD, "--config", str(ROOT / "configs" / "qwen3-32b-gpu.yaml")])
     with pytest.raises(Started):
         launcher.main(["--cpu"])
+
+
+def test_the_launcher_starts_a_ray_of_its_own_unless_told_to_join_one(five_gpus, monkeypatch):
+    """No address: "local", never a Ray another run left on the host (ray.init's default may join it)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for argv, address in ((["--cpu"], "local"), (["--cpu", "--address", "auto"], "auto")):
+        with pytest.raises(Started) as started:
+            launcher.main(argv)
+        assert started.value.args[2] == address
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    with pytest.raises(Started) as started:
+        launcher.main(["--cpu"])
+    assert started.value.args[2] == "10.0.0.7:6379"
 
 
 def _qwen_dir(tmp_path, **shape) -> str:

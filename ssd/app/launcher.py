@@ -103,6 +103,12 @@ def refuse_cpu_pair_on_gpus(args: argparse.Namespace, placement: Placement) -> N
     )
 
 
+def ray_address(args: argparse.Namespace) -> str:
+    """--address, else $RAY_ADDRESS, else "local": a Ray of this run's own. Left to ray.init, no
+    address may join a Ray that another run left on this host, whose actors run that run's code."""
+    return args.address or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def available_gpus() -> int:
     """GPUs torch sees here, or those a running Ray instance declares (logical GPUs in tests)."""
     import ray
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("placement: %s (x%d replicas)", placement, config.cluster.replicas)
     try:
-        cluster = start_cluster(config, placement, args.address)
+        cluster = start_cluster(config, placement, ray_address(args))
     except ConfigError as exc:  # e.g. more replicas than the Ray cluster holds, a --draft-node that is not there
         sys.exit(f"error: {exc}")
     with cluster:
