@@ -14,8 +14,9 @@ import yaml
 
 from ssd.app import launcher
 from ssd.cluster.devices import Placement
-from ssd.cluster.placing import TP_DIVIDED, refuse_unsplittable, target_shape
+from ssd.cluster.placing import refuse_unsplittable, target_shape
 from ssd.config import Config, ConfigError, ModelConfig, TinyModelConfig
+from ssd.models.tp import TP_DIVIDED
 from tests.conftest import ROOT
 
 CARD = ["--target-gpus", "0-3", "--draft-gpu", "4"]
@@ -113,12 +114,20 @@ def test_tiny_targets_and_llamacpp_targets(tmp_path):
         refuse_unsplittable(gguf, dataclasses.replace(_placed(2), kind="cpu"), "cpu")
 
 
-def test_the_gpu_configs_split_over_the_card_s_four_ranks():
-    """The shipped GPU pairs' targets (their architecture fields, as released) pass at 4 ranks."""
+def test_the_gpu_configs_split_over_the_card_s_four_ranks_and_not_three(tmp_path):
+    """The shipped GPU pairs' targets at their released shapes (config.json fields) go through the
+    check: 4 ranks split them, 3 do not (64 heads)."""
     released = {"Qwen/Qwen3-32B": {"num_attention_heads": 64, "num_key_value_heads": 8,
                                    "intermediate_size": 25600, "vocab_size": 151936},
                 "meta-llama/Llama-3.1-70B-Instruct": {"num_attention_heads": 64, "num_key_value_heads": 8,
                                                       "intermediate_size": 28672, "vocab_size": 128256}}
-    for path in sorted((ROOT / "configs").glob("*-gpu.yaml")):
+    paths = sorted((ROOT / "configs").glob("*-gpu.yaml"))
+    assert len(paths) == len(released)
+    for i, path in enumerate(paths):
         name = yaml.safe_load(path.read_text())["target"]["name"]
-        assert all(released[name][d] % 4 == 0 for d in TP_DIVIDED), (path.name, name)
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        config = _config(_qwen_dir(folder, **released[name]), backend="torch")
+        refuse_unsplittable(config, _placed(4), "cuda")
+        with pytest.raises(ConfigError, match="num_attention_heads = 64"):
+            refuse_unsplittable(config, _placed(3), "cuda")

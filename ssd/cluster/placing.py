@@ -78,11 +78,6 @@ def refuse_unworkable(config: Config, placement: Placement) -> None:
             )
 
 
-# What a tensor-parallel split divides over the target ranks: attention heads (queries and
-# KV heads), the MLP's columns and the vocabulary (the LM head and the embedding).
-TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-
-
 def refuse_unsplittable(config: Config, placement: Placement, device: str) -> None:
     """A target its tensor-parallel size cannot split, refused naming --target-gpus (or
     --target-cores) before any actor starts: the ranks would load and then fail inside
@@ -96,11 +91,11 @@ def refuse_unsplittable(config: Config, placement: Placement, device: str) -> No
     if resolve_backend(config.target, device) == LLAMACPP:
         raise ConfigError(f"{flag}: {world} target ranks need a torch target; target.backend llamacpp "
                           "(a GGUF model) runs on one device")
-    shape = target_shape(config.target)
-    undivided = [f"{name} = {shape[name]}" for name in TP_DIVIDED if shape[name] % world]
-    if undivided:
+    from ssd.models.tp import undivided
+
+    if wrong := undivided(target_shape(config.target), world):
         raise ConfigError(
-            f"{flag}: {world} target ranks cannot split target {config.target.name} ({', '.join(undivided)} "
+            f"{flag}: {world} target ranks cannot split target {config.target.name} ({', '.join(wrong)} "
             f"not divisible by {world}); name a number of target devices that divides them, or another target"
         )
 
@@ -108,6 +103,7 @@ def refuse_unsplittable(config: Config, placement: Placement, device: str) -> No
 def target_shape(model: ModelConfig) -> dict[str, int]:
     """The dimensions a tensor-parallel split divides, from the model's config (no weights)."""
     from ssd.models.loading import TINY, resolve_source
+    from ssd.models.tp import TP_DIVIDED
 
     if model.name == TINY:
         return {name: getattr(model.tiny, name) for name in TP_DIVIDED}

@@ -56,6 +56,16 @@ _HEADER = 3
 IDLE_TIMEOUT = timedelta(days=30)
 
 
+# What a tensor-parallel split divides over the ranks: attention heads (queries and KV heads),
+# the MLP's columns and the vocabulary (the LM head and the embedding).
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def undivided(shape: dict[str, int], world: int) -> list[str]:
+    """The dimensions of `shape` (TP_DIVIDED's) that `world` ranks cannot split, as "name = value"."""
+    return [f"{name} = {shape[name]}" for name in TP_DIVIDED if shape[name] % world]
+
+
 class TPForwardError(RuntimeError):
     """A forward failed on a tensor-parallel rank: the group must be started again."""
 
@@ -156,11 +166,8 @@ def _from_pretrained_tp(source: str, dtype: torch.dtype, world: int) -> torch.nn
 def _load_tiny_sharded(cfg: ModelConfig, world: int) -> torch.nn.Module:
     """Tiny models have no checkpoint: TP runs on exactly the weights `load_model(cfg)` builds."""
     tcfg = cfg.tiny
-    if tcfg.num_attention_heads % world or tcfg.num_key_value_heads % world:
-        raise ConfigError(
-            f"tiny model heads ({tcfg.num_attention_heads} q / {tcfg.num_key_value_heads} kv) "
-            f"must divide by the tensor-parallel size {world}"
-        )
+    if wrong := undivided({name: getattr(tcfg, name) for name in TP_DIVIDED}, world):
+        raise ConfigError(f"the tiny model's {', '.join(wrong)} must divide by the tensor-parallel size {world}")
     return load_built_sharded(lambda: build_tiny_model(tcfg, TORCH_DTYPES[cfg.dtype]), TORCH_DTYPES[cfg.dtype], world)
 
 

@@ -118,9 +118,7 @@ def _mode(request: Request, info: BackendInfo) -> str:
 def _sampling(request: Request, info: BackendInfo) -> SamplingConfig:
     """The request's sampling fields, else the server's defaults, else OpenAI's (ssd.fields)."""
     server = info.defaults.serve_defaults
-    given = {f.name: getattr(request, f.name) for f in SAMPLING}
-    given["coupling"] = given["coupling"] or None  # gRPC's empty string: unset
-    values = {f.name: f.resolve(given[f.name], getattr(server, f.name)) for f in SAMPLING}
+    values = {f.name: f.resolve(getattr(request, f.name), getattr(server, f.name)) for f in SAMPLING}
     if values["coupling"] is None:
         values["coupling"] = default_coupling(info.defaults, seeded=values["seed"] is not None)
     if values["seed"] is None:  # OpenAI's: unseeded requests (and their choices) are independent samples
