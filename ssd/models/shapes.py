@@ -54,17 +54,23 @@ class RandomModelSpec:
         return dataclasses.replace(self, dtype=dtype)
 
 
-def build_random_model(spec: RandomModelSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
+def build_random_model(spec: RandomModelSpec, device: str | torch.device = "cpu", direct: bool = False) -> torch.nn.Module:
     """A Qwen2ForCausalLM with seeded random weights, built directly on `device`, in eval mode.
 
     Built on the device (not copied there): a 1.5B model initialises in
     milliseconds on a GPU and in tens of seconds on a CPU. Weights are drawn
     in fp32 and then cast, so specs that differ only in dtype agree up to
     rounding. The caller's RNG state is left as it was.
+
+    `direct`: draw in the spec's dtype, module by module (`draw_direct`):
+    no fp32 copy, so a 32B target peaks at its bf16 size (~65 GB) instead of
+    twice its fp32 size; its weights are not those of the fp32 draw.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     device = torch.device(device)
+    if direct:
+        return draw_direct(spec, device)
     config = Qwen2Config(**spec.config, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=_rng_devices(device)), torch.device(device):
         torch.manual_seed(spec.seed)
@@ -74,6 +80,58 @@ def build_random_model(spec: RandomModelSpec, device: str | torch.device = "cpu"
     model = model.to(DTYPES[spec.dtype]).eval()
     model.requires_grad_(False)
     return model
+
+
+@torch.no_grad()
+def draw_direct(spec: RandomModelSpec, device: str | torch.device) -> torch.nn.Module:
+    """`build_random_model(direct=True)`: the model made on the meta device (no memory), then
+    each top-level piece (embedding, every decoder layer, final norm, LM head) placed on
+    `device` in the spec's dtype and drawn there as transformers initialises Qwen2
+    (linear and embedding weights N(0, initializer_range^2), biases 0, norms 1), one
+    seeded generator per parameter so the draw does not depend on the order of pieces.
+    Peak memory is the model in its dtype plus nothing; noise is added afterwards as in
+    `build_random_model`.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    device = torch.device(device)
+    config = Qwen2Config(**spec.config, attn_implementation="sdpa")
+    dtype = DTYPES[spec.dtype]
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    std = float(config.initializer_range)
+    gen = torch.Generator(device=device)
+    pieces = [model.model.embed_tokens, *model.model.layers, model.model.norm]
+    if not config.tie_word_embeddings:
+        pieces.append(model.lm_head)
+    index = 0
+    for piece in pieces:
+        piece.to_empty(device=device)
+        for name, param in piece.named_parameters():
+            gen.manual_seed(spec.seed * 1_000_003 + index)
+            index += 1
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:  # RMSNorm scales
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Non-persistent buffers (the rotary frequencies) stayed on meta: make them anew on the device.
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    if spec.noise:
+        perturb_(model, spec.noise, spec.noise_seed)
+    model = model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameters (a tied LM head counted once): what one decode step reads."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
 
 
 def _rng_devices(device: torch.device) -> list[int]:
