@@ -123,14 +123,19 @@ def uptime() -> str:
 
 
 def sync(where: torch.Tensor | torch.device | str | None) -> None:
-    """Wait until `where`'s device (a tensor's, or a device) has run its queued work.
+    """Wait until the calling thread's current stream on `where`'s device (a tensor's, or a
+    device) has run its queued work.
 
-    A host timer read after this covers the device's work, not only its
-    launch. A no-op off CUDA (the CPU runs eagerly).
+    A host timer read after this covers the caller's device work, not only its
+    launch. The current stream, not the whole device: SSD in one process runs
+    the draft on a stream of its own beside the target (ssd.saguaro.host), and
+    a device-wide wait in either role would wait for the other's work too and
+    undo the overlap. Where every role uses the default stream the two are the
+    same. A no-op off CUDA (the CPU runs eagerly).
     """
     device = where.device if isinstance(where, torch.Tensor) else torch.device(where or "cpu")
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -50,13 +50,28 @@ def serve_link(
 
 
 class DraftThread:
-    """`serve` on a daemon thread of this process; `channel` is the target's end."""
+    """`serve` on a daemon thread of this process; `channel` is the target's end.
 
-    def __init__(self, draft: torch.nn.Module) -> None:
+    `stream`: a CUDA stream the draft computes on (the thread makes it current),
+    so that its forwards can overlap the target's verification on the same GPU;
+    the handoff is ordered by events (ssd.transport.inprocess) and every wait is
+    stream-level (ssd.hardware.sync). None: the thread's default stream, which
+    on CUDA serialises the two roles.
+    """
+
+    def __init__(self, draft: torch.nn.Module, stream: torch.cuda.Stream | None = None) -> None:
         self.channel, draft_end = inprocess_pair()
         self.speculator = Speculator(draft, draft_end)
-        self.thread = threading.Thread(target=self.speculator.serve, name="ssd-speculator", daemon=True)
+        self.stream = stream
+        self.thread = threading.Thread(target=self._serve, name="ssd-speculator", daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        if self.stream is None:
+            self.speculator.serve()
+            return
+        with torch.cuda.stream(self.stream):
+            self.speculator.serve()
 
     def stop(self) -> None:
         """Shut the speculator down (through our own end: the engine may have dropped its link)."""

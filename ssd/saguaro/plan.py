@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ssd.saguaro.costs import Costs
-from ssd.saguaro.speed import ssd_speed_from
+from ssd.saguaro.speed import ssd_rows_speed, ssd_speed_from
 from ssd.saguaro.fanout import acceptance_lengths_pmf, geometric_fanout
 
 DEFAULT_KS = tuple(range(1, 7))
@@ -248,8 +248,9 @@ def predict_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, k: in
     """Modelled SSD tokens/s of `rows` rows at (K, per-row budget, glue): the module's SSD(b)."""
     p, e = _hits_and_tokens(agreement, k, budget, glue, r)
     build = costs.build(k, rows * budget)  # a lockstep step packs every row's branches into one forward
-    round_s = max(rows_costs.verify_s(rows, k + 1), build) + (1 - p**rows) * rows_costs.chain_s(rows, k) + link_s
-    return rows * e / round_s
+    speed = ssd_rows_speed(p, e, rows, rows_costs.verify_s(rows, k + 1), build, rows_costs.chain_s(rows, k),
+                           rows_costs.verify_s(rows, 1))
+    return rows * e / (speed.round_s + link_s)
 
 
 def plan_rows(costs: Costs, rows_costs: RowCosts, agreement: Agreement, best: Prediction,

@@ -54,3 +54,17 @@ def ssd_speed_from(
     round_s = p * hit_s + (1 - p) * miss_s
     tps = (p * e_hit + (1 - p) * e_miss) / round_s
     return Speed(tps, tps * ar_step_s, round_s)
+
+
+def ssd_rows_speed(
+    p: float, e: float, rows: int, verify_s: float, build_s: float, backup_s: float, ar_step_s: float,
+) -> Speed:
+    """SSD over `rows` rows in lockstep (ssd.saguaro.plan's SSD(b)): one packed verification and one
+    packed build per round, and a backup chain (all rows' at once) whenever any row missed:
+      tokens/s = rows E / [max(T_verify(b), T_build(K, b F)) + (1 - p^b) T_backup(b)]
+    with every time the batched one; `ar_step_s` is AR's step at the same rows."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"hit rate p must be in [0, 1], got {p}")
+    round_s = max(verify_s, build_s) + (1 - p**rows) * backup_s
+    tps = rows * e / round_s
+    return Speed(tps, tps * ar_step_s / rows, round_s)

@@ -160,10 +160,12 @@ class SSDEngine(BatchedEngine):
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
+        draft_stream: torch.cuda.Stream | None = None,
     ) -> "SSDEngine":
         """SSD in one process: the speculator serves `draft` from a thread of this
-        process (ssd.saguaro.host.DraftThread), which close() stops."""
-        host = DraftThread(draft)
+        process (ssd.saguaro.host.DraftThread), which close() stops; `draft_stream`:
+        the CUDA stream it computes on (None: the thread's default)."""
+        host = DraftThread(draft, draft_stream)
         return cls(target, tokenizer, speculation, batching, verifier,
                    channel=host.channel, draft_precision=precision_of(draft), host=host)
 

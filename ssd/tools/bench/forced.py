@@ -1,0 +1,77 @@
+"""Forced acceptance for benchmarks (vLLM's synthetic acceptance rate, in our verifier slot).
+
+A draft with random weights almost never agrees with a random target, so
+its acceptance says nothing; a benchmark of speculation's *costs* at a given
+acceptance forces it instead. `ForcedAcceptance` is a verifier
+(ssd.engine.rows.Verifier) the bench hands to an engine in place of
+ssd.verify.verify: it first runs the real routine on the round (so the
+round's device work and host reads are the production ones), then replaces
+its outcome: position i of the draft is accepted with probability
+`rate` (independently, until the first rejection, as vLLM's
+synthetic_acceptance_rate does), and t* is the target's own choice at the
+stopping position (greedy: its argmax; sampled: a draw from its p row).
+
+It lives only here: the production verifier has no flag for it, so nothing
+on the serving path can turn it on, and its cost there is nil. Outputs under
+forcing are not the target's law (drafted tokens are kept whatever p says);
+a forced run is timed, never checked for exactness.
+
+The forced law has its own seeded generator, so a forced run's acceptance is
+reproducible and independent of the requests' sampling streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import torch
+
+from ssd.sampling import Draws
+from ssd.verify import Outcome, verify
+
+log = logging.getLogger(__name__)
+
+
+class ForcedAcceptance:
+    """A verifier whose acceptance is Bernoulli(`rate`) per drafted position."""
+
+    def __init__(self, rate: float, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"forced acceptance rate must be in [0, 1], got {rate}")
+        self.rate = rate
+        self.gen = torch.Generator().manual_seed(seed)
+        self.drafted = 0  # positions offered for the law (up to and including the first rejection)
+        self.accepted = 0
+
+    def __call__(self, drafted: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, gen: Draws,
+                 greedy: bool = False) -> Outcome:
+        real = verify(drafted, q, p, gen, greedy=greedy)  # the production work stays on the round
+        k = self.forced_k(len(drafted))
+        if k == real.k:
+            return real
+        return Outcome(k, target_choice(p[k], greedy))
+
+    def forced_k(self, n: int) -> int:
+        """Accepted positions of `n` drafted: the first failure of Bernoulli(rate) trials."""
+        if n == 0:
+            return 0
+        passed = torch.rand(n, generator=self.gen) < self.rate
+        k = n if bool(passed.all()) else int(passed.to(torch.int8).argmin())
+        self.drafted += min(k + 1, n)
+        self.accepted += k
+        return k
+
+    @property
+    def measured_rate(self) -> float:
+        """accepted / positions tried: an estimate of `rate` (a rejection's position counts as tried)."""
+        return self.accepted / self.drafted if self.drafted else math.nan
+
+
+def target_choice(p_row: torch.Tensor, greedy: bool) -> int:
+    """The target's token from its distribution row: its argmax, or one draw (host RNG, seeded by torch's)."""
+    if greedy:
+        return int(p_row.argmax())
+    weights = p_row.detach().to("cpu", torch.float64).clamp_(min=0.0)
+    return int(torch.multinomial(weights, 1))

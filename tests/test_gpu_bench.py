@@ -1,0 +1,158 @@
+"""launch/gpu_bench.py on a CPU at tiny shapes: the whole flow, the forced acceptance, the modelled
+rows, the deadline, and the pieces it is built from (direct draws, the layer view)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from ssd.config import BatchingConfig, GenerationConfig, SamplingConfig, SpeculationConfig
+from ssd.engine.request import GenerationRequest
+from ssd.engine.sd import SDEngine
+from ssd.engine.metrics import total
+from ssd.models.kv import KVSequence
+from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, shape_config, weight_bytes
+from ssd.saguaro.speed import ssd_rows_speed, ssd_speed_from
+from ssd.tools.bench import regime
+from ssd.tools.bench.forced import ForcedAcceptance
+from ssd.tools.bench.gpu_bench import build_parser, settings_from_args
+from ssd.tools.bench.layer_view import DeepScale, layer_view
+from ssd.tools.bench.sampling_check import run_rows
+from ssd.tools.bench.smoke import IdTokenizer
+
+FAST = dict(device="cpu", shapes="tiny", acceptances=(0.8,), batches=(1, 2), temperatures=(0.0, 1.0), ks=(1, 2, 3),
+            budgets=(4, 8), max_new_tokens=8, prompt_len=8, repeats=2, prefix=16, sampling_samples=120,
+            exact_tokens=8, calibration_tokens=8, calibration_steps=3, deadline_s=600.0)
+
+
+def tiny(role: str, **extra) -> dict:
+    name = "qwen2.5-32b" if role == "target" else "qwen2.5-0.5b"
+    return {**shape_config(name), **regime.TINY[role], **extra}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    report = regime.run_bench(regime.BenchSettings(**FAST, out=out))
+    return report, out
+
+
+def test_tiny_run_end_to_end(run):
+    report, out = run
+    assert report.passed, report.errors or report.exactness
+    data = json.loads((out / "bench.json").read_text())
+    assert data["format"] == regime.FORMAT and (out / "table.txt").read_text().startswith("gpu bench")
+    kinds = {(r["mode"], r["kind"], r["draft"]) for r in report.rows}
+    assert {("ar", "measured", None), ("sd", "measured", "view"), ("ssd", "measured", "view"),
+            ("ssd", "modelled", "view"), ("sd", "measured", "qwen2.5-0.5b")} <= kinds
+    assert {(r["batch"], r["temperature"]) for r in report.rows} == {(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)}
+    # exactness: both drafts, alone and as rows, and SD's law at T = 1
+    assert set(report.exactness) == {"greedy: view draft", "greedy: separate draft", "sampling: SD at T = 1"}
+    # the view draft is not forced: its greedy rows are the target's own tokens
+    greedy_view = [r for r in report.rows if r["draft"] == "view" and r["temperature"] == 0 and r["kind"] == "measured"]
+    assert greedy_view and all(r["equal_to_ar"] for r in greedy_view)
+    # a modelled row never claims a measured figure, nor a measured row a modelled one
+    assert all(r["where"].startswith("two devices") for r in report.rows if r["kind"] == "modelled")
+    assert all("fraction_of_floor" in r for r in report.rows if r["mode"] == "ar")
+    # the forced draft has no rank law here: its modelled SSD rows are listed as cut, with why
+    assert any("no rank law" in c for c in report.cut)
+    assert abs(report.calibration["0.8"]["acceptance"] - 0.8) < 0.2
+
+
+def test_modelled_rows_are_the_speed_model(run):
+    report, _ = run
+    costs = report.costs["view"]
+    verify, backup = costs["verify_s"], costs["backup_s"]
+    build = {(e["k"], e["budget"]): e["seconds"] for e in costs["build_s"]}
+    rows = regime.RowCosts.from_json(costs["rows"])
+    modelled = [r for r in report.rows if r["kind"] == "modelled"]
+    assert modelled
+    for r in modelled:
+        k, b, p, e = r["k"], r["budget"], r["hit_rate"], r["tokens_per_round"]
+        if r["batch"] == 1:
+            want = ssd_speed_from(p, e, e, verify[str(k)], backup[str(k)], build[(k, b)], costs["ar_step_s"])
+        else:
+            n = r["batch"]
+            want = ssd_rows_speed(p, e, n, rows.verify_s(n, k + 1), build[(k, n * b)] if (k, n * b) in build else
+                                  regime.Costs.from_json(costs).build(k, n * b), rows.chain_s(n, k), rows.verify_s(n, 1))
+        assert r["tokens_per_s"] == pytest.approx(want.tokens_per_s)
+
+
+def forced_run(forcing: ForcedAcceptance, k: int = 4, rows: int = 4, tokens: int = 60):
+    target = build_random_model(RandomModelSpec(tiny("target"), seed=1), "cpu", direct=True)
+    draft = build_random_model(RandomModelSpec(tiny("draft", vocab_size=512), seed=2), "cpu", direct=True)
+    engine = SDEngine(target, draft, IdTokenizer(), SpeculationConfig(mode="sd", k=k), BatchingConfig(max_rows=rows),
+                      verifier=forcing)
+    gen = torch.Generator().manual_seed(0)
+    requests = [GenerationRequest(torch.randint(512, (6,), generator=gen).tolist(), SamplingConfig(),
+                                  GenerationConfig(max_new_tokens=tokens, ignore_eos=True)) for _ in range(rows)]
+    return total(r.stats for r in run_rows(engine, requests))
+
+
+def honoured(measured: float, rate: float, positions: int) -> bool:
+    """Within 4 binomial standard errors of the forced rate."""
+    return abs(measured - rate) <= 4 * math.sqrt(rate * (1 - rate) / positions)
+
+
+def test_forced_acceptance_is_honoured_and_a_wrong_forcing_is_caught():
+    # unrelated random models: unforced, drafts are all but never accepted
+    stats = forced_run(ForcedAcceptance(0.7, seed=3))
+    measured = regime.per_position_acceptance(stats)
+    tried = stats.accepted + (stats.rounds - stats.accepted_at[-1])
+    assert tried > 100 and honoured(measured, 0.7, tried)
+    wrong = regime.per_position_acceptance(forced_run(ForcedAcceptance(0.4, seed=3)))
+    assert not honoured(wrong, 0.7, tried)
+
+
+def test_forced_k_law():
+    forcing = ForcedAcceptance(0.5, seed=0)
+    ks = [forcing.forced_k(3) for _ in range(4000)]
+    for k, p in enumerate([0.5, 0.25, 0.125, 0.125]):
+        assert ks.count(k) / len(ks) == pytest.approx(p, abs=0.03)
+    assert forcing.measured_rate == pytest.approx(0.5, abs=0.03)
+    with pytest.raises(ValueError):
+        ForcedAcceptance(1.5)
+
+
+def test_deadline_cuts_rows_and_still_writes(tmp_path):
+    settings = regime.BenchSettings(**{**FAST, "deadline_s": 0.0, "reserve_s": 0.0}, out=tmp_path)
+    report = regime.run_bench(settings, started=time.monotonic())
+    assert report.rows == [] and report.cut and not report.errors
+    assert json.loads((tmp_path / "bench.json").read_text())["cut"] == report.cut
+
+
+def test_direct_draw_is_seeded_in_its_dtype_and_ties_the_head():
+    spec = RandomModelSpec(tiny("draft"), seed=5, dtype="bf16")
+    a, b = build_random_model(spec, "cpu", direct=True), build_random_model(spec, "cpu", direct=True)
+    assert fingerprint(a) == fingerprint(b)
+    assert {p.dtype for p in a.parameters()} == {torch.bfloat16}
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    assert weight_bytes(a) == sum(p.numel() * 2 for p in a.parameters())  # tied: counted once
+    assert fingerprint(build_random_model(RandomModelSpec(tiny("draft"), seed=6, dtype="bf16"), "cpu", direct=True)) \
+        != fingerprint(a)
+    assert KVSequence(a).forward([1, 2, 3], last_only=True).isfinite().all()
+
+
+def test_layer_view_shares_the_target_and_the_dial_sets_agreement():
+    target = build_random_model(RandomModelSpec(tiny("target"), seed=1), "cpu", direct=True)
+    view = layer_view(target, 1)
+    ptrs = {p.data_ptr() for p in target.parameters()}
+    assert {p.data_ptr() for p in view.parameters()} <= ptrs and view.config.num_hidden_layers == 1
+    dial, ids = DeepScale(target, 1), [3, 1, 4, 1, 5]
+    dial.set(0.0)  # the deep layers all but silent: the target is its view
+    torch.testing.assert_close(KVSequence(target).forward(ids), KVSequence(view).forward(ids), rtol=1e-3, atol=1e-3)
+    dial.set(1.0)
+    assert not torch.allclose(KVSequence(target).forward(ids), KVSequence(view).forward(ids), atol=1e-3)
+    with pytest.raises(ValueError):
+        layer_view(target, target.config.num_hidden_layers)
+
+
+def test_cli_defaults_per_shapes():
+    args = build_parser().parse_args(["--device", "cpu"])
+    s = settings_from_args(args)
+    assert s.shapes == "tiny" and s.dtype == "fp32" and s.max_new_tokens == 12
+    assert settings_from_args(build_parser().parse_args(["--device", "cpu", "--shapes", "real"])).max_new_tokens == 48
