@@ -48,6 +48,9 @@ def layer_view(target: torch.nn.Module, layers: int) -> torch.nn.Module:
     view.model.norm = target.model.norm
     view.model.rotary_emb = target.model.rotary_emb
     view.lm_head = target.lm_head
+    left = [name for name, t in [*view.named_parameters(), *view.named_buffers()] if t.is_meta]
+    if left:  # a transformers version with a piece this does not share: refuse rather than run on nothing
+        raise RuntimeError(f"the layer view kept pieces of its own (on the meta device): {left}")
     view.eval()
     view.requires_grad_(False)
     return view

@@ -530,7 +530,7 @@ class Bench:
             self.add(row("ssd", "measured", d.name, rows, t, **common, where="one device, draft on its own stream",
                          tokens_per_s=run.tokens_per_s, speedup_vs_ar=self.vs_ar(run.tokens_per_s, rows, t),
                          acceptance=per_position_acceptance(run.stats), hit_rate=p, tokens_per_round=e,
-                         equal_to_ar=equal(run.tokens, ref)))
+                         equal_to_ar=equal(run.tokens, ref), round_ms=where_time_goes(run)))
         if d.forced and d.agreement.ranks_bonus:  # the rank law's hit rate at the plan's schedule
             p = hit_rate(d.agreement, geometric_fanout(d.agreement.a, 1.0, k, budget))
             e = tokens_per_round(d.agreement.a, k)
@@ -546,6 +546,16 @@ class Bench:
     def vs_ar(self, tps: float, rows: int, t: float) -> float | None:
         ar = self.ar_tps.get((rows, t))
         return tps / ar if ar else None
+
+
+def where_time_goes(run: Run) -> dict[str, float]:
+    """A measured SSD round's milliseconds (per row-round, summed over rows): the whole round, the
+    target waiting for the draft's reply, its verification, and the draft's backup and build, which
+    overlap the verification only as far as the two streams really run at once."""
+    n = max(run.stats.rounds, 1)
+    spec = run.stats.spec
+    return {"round": 1e3 * run.seconds * len(run.tokens) / n, "wait": 1e3 * spec.wait_s / n,
+            "verify": 1e3 * spec.verify_s / n, "backup": 1e3 * spec.backup_s / n, "build": 1e3 * spec.build_s / n}
 
 
 def equal(tokens: list[list[int]], ref: list[list[int]] | None) -> bool | None:
@@ -684,11 +694,44 @@ def table(report: Report) -> str:
     lines = [f"gpu bench ({report.settings['shapes']} shapes, {report.settings['dtype']}) on {where}, "
              f"{report.elapsed_s:.0f} s; kind: measured = timed here, modelled = speed model on two devices",
              fmt(HEADS), *map(fmt, body)]
+    lines += bar_lines(report)
     for name, c in report.exactness.items():
         lines.append(f"exactness {name}: {'ok' if c.get('passed') else 'FAILED'}"
                      + (f" (p = {c['pvalue']:.2g})" if "pvalue" in c else f" {c.get('equal_to_ar')}"))
     lines += [f"cut: {c}" for c in report.cut] + [f"error: {n}: {e.splitlines()[0]}" for n, e in report.errors.items()]
     return "\n".join(lines)
+
+
+def find(report: Report, **want: Any) -> dict[str, Any] | None:
+    return next((r for r in report.rows if all(r.get(k) == v for k, v in want.items())), None)
+
+
+def bar_lines(report: Report, level: float = 0.8) -> list[str]:
+    """Issue 55's bar at batch 1, T = 0, acceptance `level`, from whichever rows ran (the view draft's SD
+    and SSD, the forced draft's where the view's are missing); each figure says measured or modelled."""
+    ar = find(report, mode="ar", batch=1, temperature=0.0)
+    if ar is None:
+        return []
+    out = [f"bar: AR {ar['tokens_per_s']:.1f} tok/s (measured) = {ar['fraction_of_floor']:.2f} of its bandwidth "
+           f"floor {ar['bandwidth_floor_tokens_per_s']:.1f} (want >= 0.85)"]
+    for draft in (VIEW, report.settings.get("draft")):
+        sd = find(report, mode="sd", draft=draft, level=level, batch=1, temperature=0.0)
+        if sd is None:
+            continue
+        out.append(f"bar: SD {draft}@{level:g} K={sd['k']} {sd['tokens_per_s']:.1f} tok/s (measured) = "
+                   f"{sd['tokens_per_s'] / ar['tokens_per_s']:.2f}x AR (want >= 2.0)")
+        for kind in KINDS:
+            ssd = find(report, mode="ssd", kind=kind, draft=draft, level=level, batch=1, temperature=0.0)
+            if ssd is not None:
+                out.append(f"bar: SSD {draft}@{level:g} {ssd['tokens_per_s']:.1f} tok/s ({kind}, {ssd['where']}) = "
+                           f"{ssd['tokens_per_s'] / sd['tokens_per_s']:.2f}x SD"
+                           + (" (want >= 1.5)" if kind == "modelled" else "")
+                           + (f"; round ms {fmt_ms(ssd['round_ms'])}" if "round_ms" in ssd else ""))
+    return out
+
+
+def fmt_ms(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
 
 
 def write(report: Report, out: Path | None) -> None:
