@@ -16,6 +16,8 @@ from ssd.engine.sd import SDEngine
 from ssd.engine.metrics import total
 from ssd.models.kv import KVSequence
 from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, shape_config, weight_bytes
+from ssd.saguaro.fanout import geometric_fanout
+from ssd.saguaro.plan import hit_rate
 from ssd.saguaro.speed import ssd_rows_speed, ssd_speed_from
 from ssd.tools.bench import regime
 from ssd.tools.bench.forced import ForcedAcceptance
@@ -34,10 +36,15 @@ def tiny(role: str, **extra) -> dict:
     return {**shape_config(name), **regime.TINY[role], **extra}
 
 
+# A made-up rank law: t* is the draft's rank 0 after 60% of rejections, its rank 3 after the rest.
+LAW = {"a": 0.5, "ranks_rejected": [0] * 6 + [3] * 4, "ranks_bonus": [0] * 9 + [5], "positions": 20}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    report = regime.run_bench(regime.BenchSettings(**FAST, out=out))
+    (out / "law.json").write_text(json.dumps({"agreement": LAW}))
+    report = regime.run_bench(regime.BenchSettings(**FAST, out=out, rank_law=out / "law.json"))
     return report, out
 
 
@@ -58,20 +65,26 @@ def test_tiny_run_end_to_end(run):
     # a modelled row never claims a measured figure, nor a measured row a modelled one
     assert all(r["where"].startswith("two devices") for r in report.rows if r["kind"] == "modelled")
     assert all("fraction_of_floor" in r for r in report.rows if r["mode"] == "ar")
-    # the forced draft has no rank law here: its modelled SSD rows are listed as cut, with why
-    assert any("no rank law" in c for c in report.cut)
+    # the forced draft's SSD is modelled only, its hit rate the rank law's at the plan's schedule
+    forced = [r for r in report.rows if r["draft"] == "qwen2.5-0.5b" and r["mode"] == "ssd"]
+    assert forced and all(r["kind"] == "modelled" for r in forced)
+    for r in forced:
+        law = regime.Agreement(0.8, LAW["ranks_rejected"], LAW["ranks_bonus"])
+        want = hit_rate(law, geometric_fanout(0.8, 1.0, r["k"], r["budget"]))
+        assert r["hit_rate"] == pytest.approx(want) and 0 < want < 1
+    assert not report.cut
     assert abs(report.calibration["0.8"]["acceptance"] - 0.8) < 0.2
 
 
 def test_modelled_rows_are_the_speed_model(run):
     report, _ = run
-    costs = report.costs["view"]
-    verify, backup = costs["verify_s"], costs["backup_s"]
-    build = {(e["k"], e["budget"]): e["seconds"] for e in costs["build_s"]}
-    rows = regime.RowCosts.from_json(costs["rows"])
     modelled = [r for r in report.rows if r["kind"] == "modelled"]
-    assert modelled
+    assert {r["draft"] for r in modelled} == {"view", "qwen2.5-0.5b"}
     for r in modelled:
+        costs = report.costs["view" if r["draft"] == "view" else "separate"]
+        verify, backup = costs["verify_s"], costs["backup_s"]
+        build = {(e["k"], e["budget"]): e["seconds"] for e in costs["build_s"]}
+        rows = regime.RowCosts.from_json(costs["rows"])
         k, b, p, e = r["k"], r["budget"], r["hit_rate"], r["tokens_per_round"]
         if r["batch"] == 1:
             want = ssd_speed_from(p, e, e, verify[str(k)], backup[str(k)], build[(k, b)], costs["ar_step_s"])
@@ -156,3 +169,19 @@ def test_cli_defaults_per_shapes():
     s = settings_from_args(args)
     assert s.shapes == "tiny" and s.dtype == "fp32" and s.max_new_tokens == 12
     assert settings_from_args(build_parser().parse_args(["--device", "cpu", "--shapes", "real"])).max_new_tokens == 48
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inprocess_handoff_orders_the_receivers_stream_after_the_senders():
+    from ssd.transport import inprocess_pair
+    from ssd.transport.channel import Message
+
+    sender, receiver = inprocess_pair()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.full((1 << 22,), 3.0, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the side stream stays busy: an unordered read sees the copy unfinished
+        x.add_(1.0)
+        sender.send(Message("t", {}, [x]))
+    got = receiver.recv(timeout=30).tensors[0]  # on the default stream
+    assert float(got.sum()) == 4.0 * (1 << 22)

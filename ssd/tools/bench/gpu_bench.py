@@ -27,6 +27,8 @@ DEFAULTS = {
     "real": {"max_new_tokens": 48, "prompt_len": 32, "repeats": 3, "prefix": 128, "sampling_samples": 800},
     "tiny": {"max_new_tokens": 12, "prompt_len": 8, "repeats": 3, "prefix": 16, "sampling_samples": 200},
 }
+# The real pair's law (the shipped CPU pair, recorded on the CPU; docs/gpus.md says how).
+RANK_LAW = Path(__file__).resolve().parents[3] / "configs" / "bench" / "rank_law_qwen2.5-coder.json"
 # Seconds past --deadline-s after which a wedged run dumps every thread's traceback and exits.
 HANG_GRACE_S = 60.0
 
@@ -46,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16], help="SSD branch budgets timed and planned")
     for name in ("max-new-tokens", "prompt-len", "repeats", "prefix", "sampling-samples"):
         p.add_argument(f"--{name}", type=int, help="default: per --shapes")
-    p.add_argument("--rank-law", type=Path, help="ranks of t* among the draft's (an Agreement JSON; "
-                   "configs/bench/rank_law_*.json): the forced draft's modelled SSD hit rate")
+    p.add_argument("--rank-law", type=Path, default=RANK_LAW,
+                   help="ranks of t* among the draft's (an Agreement JSON, made by python -m "
+                   "ssd.tools.bench.rank_law): the forced draft's modelled SSD hit rate (default: %(default)s)")
     p.add_argument("--deadline-s", type=float, default=170.0, help="from the process's start; later rows are cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """`started`: time.monotonic() at the process's start (the launch script's), so the deadline covers imports."""
     started = time.monotonic() if started is None else started
     args = build_parser().parse_args(argv)
+    if args.rank_law is not None and not args.rank_law.is_file():
+        sys.exit(f"error: --rank-law: file not found: {args.rank_law}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device: CUDA is not available here; use --device cpu")
     try:

@@ -586,11 +586,12 @@ def run_bench(s: BenchSettings, started: float | None = None) -> Report:
     clock = Clock(time.monotonic() if started is None else started, s.deadline_s, s.reserve_s)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
     report = Report(settings, environment(s.device))
-    with torch.inference_mode():
-        checks = phase(report, "exactness (fp32, a cut of the shapes)", lambda: check_exactness(s), s.out)
-        report.exactness = checks or {}
-        free(s.device)
-        phase(report, "timed models and rows", lambda: timed_phase(s, report, clock), s.out)
+    # No inference_mode around it all: the forwards enter it themselves, and models or caches made
+    # under it would be inference tensors that the speculator's thread (outside it) may not update.
+    checks = phase(report, "exactness (fp32, a cut of the shapes)", lambda: check_exactness(s), s.out)
+    report.exactness = checks or {}
+    free(s.device)
+    phase(report, "timed models and rows", lambda: timed_phase(s, report, clock), s.out)
     report.elapsed_s = clock.elapsed()
     write(report, s.out)
     return report
