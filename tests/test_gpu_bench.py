@@ -169,6 +169,8 @@ def test_cli_defaults_per_shapes():
     s = settings_from_args(args)
     assert s.shapes == "tiny" and s.dtype == "fp32" and s.max_new_tokens == 12
     assert settings_from_args(build_parser().parse_args(["--device", "cpu", "--shapes", "real"])).max_new_tokens == 48
+    with pytest.raises(ValueError, match="two values"):
+        settings_from_args(build_parser().parse_args(["--device", "cpu", "--budgets", "4"]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -185,3 +187,28 @@ def test_inprocess_handoff_orders_the_receivers_stream_after_the_senders():
         sender.send(Message("t", {}, [x]))
     got = receiver.recv(timeout=30).tensors[0]  # on the default stream
     assert float(got.sum()) == 4.0 * (1 << 22)
+
+
+def test_a_deadline_mid_run_keeps_the_rows_before_it(tmp_path, monkeypatch):
+    """The clock runs out after the AR rows: every later row is listed as cut, none half-run, and the
+    files still hold what ran."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(regime.Clock, "left", lambda self: 1.0 if next(ticks) < 4 else -1.0)
+    settings = regime.BenchSettings(**FAST, out=tmp_path)
+    report = regime.run_bench(settings)
+    assert [r["mode"] for r in report.rows] == ["ar"] * 4 and not report.errors
+    assert any(c.startswith("view@0.8") for c in report.cut) and any(c.startswith("SD qwen") for c in report.cut)
+    assert len(json.loads((tmp_path / "bench.json").read_text())["rows"]) == 4
+    assert "cut: " in (tmp_path / "table.txt").read_text()
+
+
+def test_launch_main_writes_the_three_files(tmp_path, capsys):
+    from ssd.tools.bench.gpu_bench import main
+
+    out = tmp_path / "b"
+    code = main(["--device", "cpu", "--shapes", "tiny", "--out", str(out), "--acceptances", "0.8", "--batches", "1",
+                 "--temperatures", "0", "--ks", "1", "2", "--budgets", "4", "8", "--max-new-tokens", "6",
+                 "--sampling-samples", "60", "--repeats", "1"])
+    assert code == 0
+    assert {p.name for p in out.iterdir()} == {"bench.json", "table.txt", "log.txt"}
+    assert "row: " in (out / "log.txt").read_text() and "bar: AR" in capsys.readouterr().out

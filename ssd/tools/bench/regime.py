@@ -122,6 +122,9 @@ class BenchSettings:
             self.reserve_s = 10.0 if self.on_gpu else 0.5
         if self.shapes == "tiny":
             self.view_layers = min(self.view_layers, TINY["target"]["num_hidden_layers"] - 1)
+        if len(set(self.ks)) < 2 or len(set(self.budgets)) < 2 or min(self.ks + self.budgets) < 1:
+            # the plan prices points it did not time from a fit over K and B (ssd.saguaro.costs.Costs.build)
+            raise ValueError(f"ks and budgets need two values >= 1 each at least, got {self.ks} and {self.budgets}")
         for a in self.acceptances:
             if not 0.0 < a < 1.0:
                 raise ValueError(f"acceptances must be in (0, 1), got {a}")
