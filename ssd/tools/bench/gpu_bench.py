@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     setup_logging(args.log_level, args.out)
     logging.getLogger(__name__).info("started %.1f s ago (imports); deadline %.0f s", time.monotonic() - started,
                                      args.deadline_s)
+    # To the process's own stderr: a captured one (pytest's) has no file descriptor for the dump.
     faulthandler.dump_traceback_later(max(args.deadline_s - (time.monotonic() - started), 1.0) + HANG_GRACE_S,
-                                      exit=True, file=sys.__stderr__)  # the process's own stderr (captured ones lack a fileno)
+                                      exit=True, file=sys.__stderr__)
     report = run_bench(settings, started)
     faulthandler.cancel_dump_traceback_later()
     print(table(report))

@@ -323,11 +323,12 @@ def target_costs(target: torch.nn.Module, s: BenchSettings) -> dict[str, Any]:
     probes[("ar", 1)] = forward_probe(kv, prefix, 1, gen)
     timed = round_robin(probes, s.repeats, lambda: None)
     backend.release(kv)
-    rows_verify = {(1, n): timed[("ar", 1)] if n == 1 else timed[("verify", n - 1)] for n in [1, *(k + 1 for k in s.ks)]}
+    tokens = [1, *(k + 1 for k in s.ks)]  # a row's tokens in a verification (1: the decode step)
+    rows_verify = {(1, n): timed[("ar", 1)] if n == 1 else timed[("verify", n - 1)] for n in tokens}
     for b in sorted(set(s.batches) - {1}):
         contexts = [prefix] * b
         seqs = prefilled_rows(target, contexts, room=max(s.ks) + 2)
-        packed = {n: verify_rows_probe(seqs, contexts, n, vocab, gen) for n in [1, *(k + 1 for k in s.ks)]}
+        packed = {n: verify_rows_probe(seqs, contexts, n, vocab, gen) for n in tokens}
         rows_verify |= {(b, n): t for n, t in round_robin(packed, s.repeats, lambda: None).items()}
         for seq in seqs:
             backend.release(seq)
@@ -515,7 +516,8 @@ class Bench:
         run = self.timed(("sd", d.name, rows, k), make, rows, t, spec)
         self.add(row("sd", "measured", d.name, rows, t, level=d.level, forced=d.forced, k=k,
                      tokens_per_s=run.tokens_per_s, speedup_vs_ar=self.vs_ar(run.tokens_per_s, rows, t),
-                     acceptance=per_position_acceptance(run.stats), acceptance_accepted_over_drafted=run.stats.acceptance_rate,
+                     acceptance=per_position_acceptance(run.stats),
+                     acceptance_accepted_over_drafted=run.stats.acceptance_rate,
                      tokens_per_round=tokens_a_round(run.stats), equal_to_ar=equal(run.tokens, ref),
                      **ratios(d.costs, k, None)))
 
@@ -685,7 +687,8 @@ def cell(value: Any) -> str:
 
 def line(r: dict[str, Any]) -> str:
     level = f"@{r['level']:g}" if "level" in r else ""
-    return " ".join(f"{h}={cell(r.get(c))}" for h, c in zip(HEADS, COLUMNS) if c != "draft") + f" draft={r['draft']}{level}"
+    cells = " ".join(f"{h}={cell(r.get(c))}" for h, c in zip(HEADS, COLUMNS) if c != "draft")
+    return f"{cells} draft={r['draft']}{level}"
 
 
 def table(report: Report) -> str:
