@@ -4,7 +4,6 @@ rows, the deadline, and the pieces it is built from (direct draws, the layer vie
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from ssd.saguaro.fanout import geometric_fanout
 from ssd.saguaro.plan import hit_rate
 from ssd.saguaro.speed import ssd_rows_speed, ssd_speed_from
 from ssd.tools.bench import regime
-from ssd.tools.bench.forced import ForcedAcceptance
+from ssd.tools.bench.forced import ForcedAcceptance, honoured
 from ssd.tools.bench.gpu_bench import build_parser, settings_from_args
 from ssd.tools.bench.layer_view import DeepScale, layer_view
 from ssd.tools.bench.sampling_check import run_rows
@@ -73,6 +72,8 @@ def test_tiny_run_end_to_end(run):
         want = hit_rate(law, geometric_fanout(0.8, 1.0, r["k"], r["budget"]))
         assert r["hit_rate"] == pytest.approx(want) and 0 < want < 1
     assert not report.cut
+    # the forced rate holds in the run's own forced SD rows
+    assert all(r["forcing_honoured"] for r in report.rows if r["mode"] == "sd" and r["forced"])
     assert abs(report.calibration["0.8"]["acceptance"] - 0.8) < 0.2
 
 
@@ -107,16 +108,10 @@ def forced_run(forcing: ForcedAcceptance, k: int = 4, rows: int = 4, tokens: int
     return total(r.stats for r in run_rows(engine, requests))
 
 
-def honoured(measured: float, rate: float, positions: int) -> bool:
-    """Within 4 binomial standard errors of the forced rate."""
-    return abs(measured - rate) <= 4 * math.sqrt(rate * (1 - rate) / positions)
-
-
 def test_forced_acceptance_is_honoured_and_a_wrong_forcing_is_caught():
     # unrelated random models: unforced, drafts are all but never accepted
     stats = forced_run(ForcedAcceptance(0.7, seed=3))
-    measured = regime.per_position_acceptance(stats)
-    tried = stats.accepted + (stats.rounds - stats.accepted_at[-1])
+    measured, tried = regime.per_position_acceptance(stats), regime.positions_tried(stats)
     assert tried > 100 and honoured(measured, 0.7, tried)
     wrong = regime.per_position_acceptance(forced_run(ForcedAcceptance(0.4, seed=3)))
     assert not honoured(wrong, 0.7, tried)

@@ -12,7 +12,10 @@ synthetic_acceptance_rate does), and t* is the target's own choice at the
 stopping position (greedy: its argmax; sampled: a draw from its p row).
 
 It lives only here: the production verifier has no flag for it, so nothing
-on the serving path can turn it on, and its cost there is nil. Outputs under
+on the serving path can turn it on, and its cost there is nil. A forced
+round costs the production round plus, where the forced outcome differs
+from the real one, one argmax or draw on the stopping row and one read of
+its id. Outputs under
 forcing are not the target's law (drafted tokens are kept whatever p says);
 a forced run is timed, never checked for exactness.
 
@@ -70,8 +73,17 @@ class ForcedAcceptance:
 
 
 def target_choice(p_row: torch.Tensor, greedy: bool) -> int:
-    """The target's token from its distribution row: its argmax, or one draw (host RNG, seeded by torch's)."""
+    """The target's token from its distribution row: its argmax, or one draw from it, made where the
+    row is (a GPU row is not copied to the host: at a 152k vocabulary that copy would cost a
+    forced round more than the production one), then one read of the id."""
     if greedy:
         return int(p_row.argmax())
-    weights = p_row.detach().to("cpu", torch.float64).clamp_(min=0.0)
-    return int(torch.multinomial(weights, 1))
+    return int(torch.multinomial(p_row.float().clamp(min=0.0), 1))
+
+
+def honoured(measured: float, rate: float, positions: int, sigmas: float = 4.0) -> bool:
+    """Whether a measured per-position acceptance is the forced `rate` within `sigmas` binomial
+    standard errors over `positions` tried (a forcing that does not hold fails this)."""
+    if positions <= 0 or math.isnan(measured):
+        return False
+    return abs(measured - rate) <= sigmas * math.sqrt(rate * (1 - rate) / positions)

@@ -60,7 +60,7 @@ from ssd.saguaro.startup import agreement as measure_agreement
 from ssd.saguaro.target import SSDEngine
 from ssd.models import backend
 from ssd.saguaro.branches import TreeBranchDecoder
-from ssd.tools.bench.forced import ForcedAcceptance
+from ssd.tools.bench.forced import ForcedAcceptance, honoured
 from ssd.tools.bench.layer_view import Calibration, DeepScale, calibrate, layer_view
 from ssd.tools.bench.sampling_check import check_sampling, run_rows
 from ssd.tools.bench.smoke import IdTokenizer, environment
@@ -242,10 +242,16 @@ def engine_maker(mode: str, target: torch.nn.Module, draft: torch.nn.Module | No
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def positions_tried(stats: GenerationStats) -> int:
+    """Drafted positions that verification reached: every round's first, and position i wherever
+    position i - 1 was accepted and drafted past."""
+    return sum(stats.drafted_at[:1]) + sum(min(a, d) for a, d in zip(stats.accepted_at, stats.drafted_at[1:]))
+
+
 def per_position_acceptance(stats: GenerationStats) -> float:
     """Acceptance per drafted position tried (accepted / (accepted + rejections)): the a of the
     capped geometric law, which accepted / drafted understates (drafts past a rejection count there)."""
-    tried = sum(stats.drafted_at[:1]) + sum(min(a, d) for a, d in zip(stats.accepted_at, stats.drafted_at[1:]))
+    tried = positions_tried(stats)
     return sum(stats.accepted_at) / tried if tried else math.nan
 
 
@@ -514,10 +520,11 @@ class Bench:
         spec = SpeculationConfig(mode="sd", k=k)
         make = engine_maker("sd", target, d.model, spec, rows, d.verifier_for(), self.s.device)
         run = self.timed(("sd", d.name, rows, k), make, rows, t, spec)
-        self.add(row("sd", "measured", d.name, rows, t, level=d.level, forced=d.forced, k=k,
+        measured = per_position_acceptance(run.stats)
+        forcing = {"forcing_honoured": honoured(measured, d.level, positions_tried(run.stats))} if d.forced else {}
+        self.add(row("sd", "measured", d.name, rows, t, level=d.level, forced=d.forced, k=k, **forcing,
                      tokens_per_s=run.tokens_per_s, speedup_vs_ar=self.vs_ar(run.tokens_per_s, rows, t),
-                     acceptance=per_position_acceptance(run.stats),
-                     acceptance_accepted_over_drafted=run.stats.acceptance_rate,
+                     acceptance=measured, acceptance_accepted_over_drafted=run.stats.acceptance_rate,
                      tokens_per_round=tokens_a_round(run.stats), equal_to_ar=equal(run.tokens, ref),
                      **ratios(d.costs, k, None)))
 
