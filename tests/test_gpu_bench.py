@@ -61,6 +61,9 @@ def test_tiny_run_end_to_end(run):
     # the view draft is not forced: its greedy rows are the target's own tokens
     greedy_view = [r for r in report.rows if r["draft"] == "view" and r["temperature"] == 0 and r["kind"] == "measured"]
     assert greedy_view and all(r["equal_to_ar"] for r in greedy_view)
+    assert all(r["degraded_rounds"] == 0 for r in report.rows if r["mode"] == "ssd" and r["kind"] == "measured")
+    # the view's exactness check accepts some drafts and rejects others: both outcomes are checked
+    assert 0 < report.exactness["greedy: view draft"]["accepted"]["sd"]
     # a modelled row never claims a measured figure, nor a measured row a modelled one
     assert all(r["where"].startswith("two devices") for r in report.rows if r["kind"] == "modelled")
     assert all("fraction_of_floor" in r for r in report.rows if r["mode"] == "ar")
