@@ -211,3 +211,28 @@ def test_launch_main_writes_the_three_files(tmp_path, capsys):
     assert code == 0
     assert {p.name for p in out.iterdir()} == {"bench.json", "table.txt", "log.txt"}
     assert "row: " in (out / "log.txt").read_text() and "bar: AR" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ssd_in_one_process_on_its_own_stream_is_exact_and_never_syncs_the_device(monkeypatch):
+    """The measured SSD path: the view draft on a CUDA stream of its own, greedy rows equal to AR's,
+    and no device-wide synchronize once the graphs are captured (capturing one synchronises)."""
+    from ssd.config import FanoutConfig
+
+    target = build_random_model(RandomModelSpec(tiny("target"), seed=1), "cuda:0", direct=True)
+    view = layer_view(target, 1)
+    DeepScale(target, 1).set(0.2)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(512, (8,), generator=gen).tolist() for _ in range(2)]
+    spec = SpeculationConfig(mode="ssd", k=3, fanout=FanoutConfig(budget=4))
+    ar = regime.generate(regime.engine_maker("ar", target, None, None, 2, device="cuda:0"), prompts, 16, 0.0, None)
+    make = regime.engine_maker("ssd", target, view, spec, 2, device="cuda:0")
+    regime.generate(make, prompts, 16, 0.0, spec)  # captures every bucket the next run replays
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device-wide synchronize on the SSD path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    run = regime.generate(make, prompts, 16, 0.0, spec)
+    assert run.tokens == ar.tokens
+    assert run.stats.spec.degraded_rounds == 0 and run.stats.accepted > 0 and run.stats.spec.lookups > 0
