@@ -471,6 +471,7 @@ class Bench:
         self.prompts: list[list[int]] = []
         self.ar_tps: dict[tuple[int, float], float] = {}
         self.warm: set[tuple] = set()
+        self.refs: dict[tuple[float, int], list[list[int]]] = {}  # (dial scale, rows) -> greedy AR tokens
 
     def room(self, name: str) -> bool:
         """Whether the deadline leaves room for `name`; if not it is listed as cut."""
@@ -509,16 +510,19 @@ class Bench:
                          "fraction_of_floor": run.tokens_per_s / (floor_tps * rows)}
                 self.add(row("ar", "measured", None, rows, t, tokens_per_s=run.tokens_per_s, **extra))
 
-    def reference(self, target: torch.nn.Module, rows: int) -> list[list[int]]:
-        """Greedy AR's tokens at the target's current weights (the dial moves them)."""
-        make = engine_maker("ar", target, None, None, rows, device=self.s.device)
-        return generate(make, self.prompts[:rows], self.s.max_new_tokens, 0.0, None, self.s.seed).tokens
+    def reference(self, target: torch.nn.Module, rows: int, scale: float) -> list[list[int]]:
+        """Greedy AR's tokens at the target's current weights, which the dial's `scale` sets."""
+        if (scale, rows) not in self.refs:
+            make = engine_maker("ar", target, None, None, rows, device=self.s.device)
+            run = generate(make, self.prompts[:rows], self.s.max_new_tokens, 0.0, None, self.s.seed)
+            self.refs[(scale, rows)] = run.tokens
+        return self.refs[(scale, rows)]
 
     def draft_rows(self, target: torch.nn.Module, d: Draft) -> None:
         """SD measured, SSD measured (view) and SSD modelled, at each batch and temperature."""
         plan = ssd_plan(d, self.s)
-        refs = {} if d.forced else {rows: self.reference(target, rows) for rows in self.s.batches
-                                    if 0.0 in self.s.temperatures}
+        refs = {} if d.forced or 0.0 not in self.s.temperatures else {
+            rows: self.reference(target, rows, d.calibration.scale) for rows in self.s.batches}
         for rows in self.s.batches:
             for t in self.s.temperatures:
                 self.sd_row(target, d, rows, t, refs.get(rows) if t == 0 else None)
@@ -671,7 +675,7 @@ def view_draft(bench: Bench, target: torch.nn.Module, view: torch.nn.Module, dia
     known = [t for c in bench.report.calibration.values() for t in c["tried"]]
     cal = calibrate(dial, measure, level, steps=s.calibration_steps, known=known)
     bench.report.calibration[f"{level:g}"] = asdict(cal)
-    refs = bench.reference(target, rows)
+    refs = bench.reference(target, rows, cal.scale)
     agreement = measure_agreement(view, [p + r for p, r in zip(bench.prompts, refs)], [len(p) for p in bench.prompts])
     log.info("view@%g: scale %.4g, acceptance %.3f (ranks over %d positions: a %.3f)", level, cal.scale,
              cal.acceptance, agreement.positions, agreement.a)
