@@ -133,7 +133,8 @@ def test_forced_k_law():
 def test_deadline_cuts_rows_and_still_writes(tmp_path):
     settings = regime.BenchSettings(**{**FAST, "deadline_s": 0.0, "reserve_s": 0.0}, out=tmp_path)
     report = regime.run_bench(settings, started=time.monotonic())
-    assert report.rows == [] and report.cut and not report.errors
+    assert report.rows == [] and not report.errors and not report.exactness
+    assert report.cut == ["exactness", "timed models, costs and every row"]
     assert json.loads((tmp_path / "bench.json").read_text())["cut"] == report.cut
 
 
@@ -192,7 +193,7 @@ def test_a_deadline_mid_run_keeps_the_rows_before_it(tmp_path, monkeypatch):
     """The clock runs out after the AR rows: every later row is listed as cut, none half-run, and the
     files still hold what ran."""
     ticks = iter(range(100))
-    monkeypatch.setattr(regime.Clock, "left", lambda self: 1.0 if next(ticks) < 4 else -1.0)
+    monkeypatch.setattr(regime.Clock, "left", lambda self: 1.0 if next(ticks) < 7 else -1.0)  # 3 phases, 4 AR rows
     settings = regime.BenchSettings(**FAST, out=tmp_path)
     report = regime.run_bench(settings)
     assert [r["mode"] for r in report.rows] == ["ar"] * 4 and not report.errors

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks of t* among the draft's (an Agreement JSON, made by python -m "
                    "ssd.tools.bench.rank_law): the forced draft's modelled SSD hit rate (default: %(default)s)")
     p.add_argument("--deadline-s", type=float, default=170.0, help="from the process's start; later rows are cut")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: 1 on a CPU, torch's on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -64,7 +65,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         device=args.device, shapes=shapes, target=args.target, draft=args.draft, view_layers=args.view_layers,
         acceptances=tuple(args.acceptances), batches=tuple(args.batches), temperatures=tuple(args.temperatures),
         ks=tuple(args.ks), budgets=tuple(args.budgets), rank_law=args.rank_law, deadline_s=args.deadline_s,
-        out=args.out, seed=args.seed, **sized)
+        out=args.out, threads=args.threads, seed=args.seed, **sized)
 
 
 def setup_logging(level: str, out: Path | None) -> None:

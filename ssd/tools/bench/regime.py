@@ -110,6 +110,8 @@ class BenchSettings:
     deadline_s: float = 170.0  # from `started`; rows past it are cut, results still written
     reserve_s: float | None = None  # time kept for writing out (None: 10 s on a GPU, 0.5 s on a CPU)
     out: Path | None = None
+    threads: int | None = None  # torch's intra-op threads; None: 1 on a CPU (tiny models gain nothing from
+    #                             more, and on a shared host spinning threads cost 10x), torch's own on a GPU
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +123,8 @@ class BenchSettings:
             self.dtype = "bf16" if self.on_gpu else "fp32"
         if self.reserve_s is None:
             self.reserve_s = 10.0 if self.on_gpu else 0.5
+        if self.threads is None and not self.on_gpu:
+            self.threads = 1
         if self.shapes == "tiny":
             self.view_layers = min(self.view_layers, TINY["target"]["num_hidden_layers"] - 1)
         if len(set(self.ks)) < 2 or len(set(self.budgets)) < 2 or min(self.ks + self.budgets) < 1:
@@ -474,12 +478,7 @@ class Bench:
         self.refs: dict[tuple[float, int], list[list[int]]] = {}  # (dial scale, rows) -> greedy AR tokens
 
     def room(self, name: str) -> bool:
-        """Whether the deadline leaves room for `name`; if not it is listed as cut."""
-        if self.clock.left() > 0:
-            return True
-        self.report.cut.append(name)
-        log.warning("deadline: cut %s (%.0f s elapsed)", name, self.clock.elapsed())
-        return False
+        return room(self.report, self.clock, name)
 
     def timed(self, key: tuple, make: Callable[[], Any], rows: int, temperature: float,
               spec: SpeculationConfig | None) -> Run:
@@ -615,15 +614,31 @@ def run_bench(s: BenchSettings, started: float | None = None) -> Report:
     clock = Clock(time.monotonic() if started is None else started, s.deadline_s, s.reserve_s)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
     report = Report(settings, environment(s.device))
-    # No inference_mode around it all: the forwards enter it themselves, and models or caches made
-    # under it would be inference tensors that the speculator's thread (outside it) may not update.
-    checks = phase(report, "exactness (fp32, a cut of the shapes)", lambda: check_exactness(s), s.out)
-    report.exactness = checks or {}
-    free(s.device)
-    phase(report, "timed models and rows", lambda: timed_phase(s, report, clock), s.out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.threads or threads)
+    try:
+        # No inference_mode around it all: the forwards enter it themselves, and models or caches made
+        # under it would be inference tensors that the speculator's thread (outside it) may not update.
+        if room(report, clock, "exactness"):
+            checks = phase(report, "exactness (fp32, a cut of the shapes)", lambda: check_exactness(s), s.out)
+            report.exactness = checks or {}
+            free(s.device)
+        if room(report, clock, "timed models, costs and every row"):
+            phase(report, "timed models and rows", lambda: timed_phase(s, report, clock), s.out)
+    finally:
+        torch.set_num_threads(threads)
     report.elapsed_s = clock.elapsed()
     write(report, s.out)
     return report
+
+
+def room(report: Report, clock: Clock, name: str) -> bool:
+    """Whether the deadline leaves room to start `name`; if not it is listed as cut."""
+    if clock.left() > 0:
+        return True
+    report.cut.append(name)
+    log.warning("deadline: cut %s (%.0f s elapsed)", name, clock.elapsed())
+    return False
 
 
 def timed_phase(s: BenchSettings, report: Report, clock: Clock) -> None:
@@ -637,6 +652,8 @@ def timed_phase(s: BenchSettings, report: Report, clock: Clock) -> None:
              weight_bytes(separate) / 1e9, s.dtype, s.view_layers)
     bench = Bench(s, report, clock)
     bench.prompts = prompts_for(s, cfg["target"]["vocab_size"], max(s.batches))
+    if not bench.room("costs and every row"):
+        return
     tpart = target_costs(target, s)
     role = {VIEW: role_costs(tpart, draft_costs(view, s)), "separate": role_costs(tpart, draft_costs(separate, s))}
     floor_tps = copy_rate(s.device, min(weight_bytes(target), 1 << 30 if s.on_gpu else 1 << 24)) / weight_bytes(target)
