@@ -67,13 +67,14 @@ def test_tiny_run_end_to_end(run):
     # a modelled row never claims a measured figure, nor a measured row a modelled one
     assert all(r["where"].startswith("two devices") for r in report.rows if r["kind"] == "modelled")
     assert all("fraction_of_floor" in r for r in report.rows if r["mode"] == "ar")
-    # the forced draft's SSD is modelled only, its hit rate the rank law's at the plan's schedule
+    # the forced draft's SSD: measured with its hits forced by the rank law, modelled from that run
     forced = [r for r in report.rows if r["draft"] == "qwen2.5-0.5b" and r["mode"] == "ssd"]
-    assert forced and all(r["kind"] == "modelled" for r in forced)
+    measured = {(r["batch"], r["temperature"]): r for r in forced if r["kind"] == "measured"}
+    assert len(measured) == 4 and all(r["hits_forced_by"] == "the rank law" for r in measured.values())
+    assert all(r["degraded_rounds"] == 0 and r["hit_rate"] > 0.3 for r in measured.values())
     for r in forced:
-        law = regime.Agreement(0.8, LAW["ranks_rejected"], LAW["ranks_bonus"])
-        want = hit_rate(law, geometric_fanout(0.8, 1.0, r["k"], r["budget"]))
-        assert r["hit_rate"] == pytest.approx(want) and 0 < want < 1
+        if r["kind"] == "modelled":
+            assert r["hit_rate"] == measured[(r["batch"], r["temperature"])]["hit_rate"]
     assert not report.cut
     # the forced rate holds in the run's own forced SD rows
     assert all(r["forcing_honoured"] for r in report.rows if r["mode"] == "sd" and r["forced"])
@@ -237,3 +238,25 @@ def test_ssd_in_one_process_on_its_own_stream_is_exact_and_never_syncs_the_devic
     run = regime.generate(make, prompts, 16, 0.0, spec)
     assert run.tokens == ar.tokens
     assert run.stats.spec.degraded_rounds == 0 and run.stats.accepted > 0 and run.stats.spec.lookups > 0
+
+
+def test_a_forced_draft_without_its_measured_run_is_modelled_from_the_rank_law(tmp_path, monkeypatch):
+    (tmp_path / "law.json").write_text(json.dumps({"agreement": LAW}))
+    keep = regime.room
+
+    def no_measured_ssd(report, clock, name):
+        if "(measured" in name:
+            report.cut.append(name)
+            return False
+        return keep(report, clock, name)
+
+    monkeypatch.setattr(regime, "room", no_measured_ssd)
+    settings = regime.BenchSettings(**{**FAST, "batches": (1,), "temperatures": (0.0,)}, out=tmp_path,
+                                    rank_law=tmp_path / "law.json")
+    report = regime.run_bench(settings)
+    forced = [r for r in report.rows if r["draft"] == "qwen2.5-0.5b" and r["mode"] == "ssd"]
+    assert [r["kind"] for r in forced] == ["modelled"]
+    law = regime.Agreement(0.8, LAW["ranks_rejected"], LAW["ranks_bonus"])
+    want = hit_rate(law, geometric_fanout(0.8, 1.0, forced[0]["k"], forced[0]["budget"]))
+    assert forced[0]["hit_rate"] == pytest.approx(want) and 0 < want < 1
+    assert forced[0]["hit_rate_from"] == "the rank law at the plan's schedule"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -59,9 +60,11 @@ class DraftThread:
     on CUDA serialises the two roles.
     """
 
-    def __init__(self, draft: torch.nn.Module, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, draft: torch.nn.Module, stream: torch.cuda.Stream | None = None,
+                 speculator: Callable[[torch.nn.Module, Channel], Speculator] = Speculator) -> None:
+        """`speculator`: what serves (a benchmark's instrumented Speculator; the class itself elsewhere)."""
         self.channel, draft_end = inprocess_pair()
-        self.speculator = Speculator(draft, draft_end)
+        self.speculator = speculator(draft, draft_end)
         self.stream = stream
         self.thread = threading.Thread(target=self._serve, name="ssd-speculator", daemon=True)
         self.thread.start()

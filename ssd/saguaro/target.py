@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,6 +40,7 @@ from ssd.saguaro import protocol
 from ssd.saguaro.adaptive_k import KController
 from ssd.saguaro.host import DraftThread
 from ssd.saguaro.protocol import ProposalReply, RowError, RowReply
+from ssd.saguaro.speculator import Speculator
 from ssd.transport.channel import Channel, ChannelClosed, ChannelTimeout, Message
 from ssd.verify import Outcome, verify
 
@@ -161,11 +163,13 @@ class SSDEngine(BatchedEngine):
         batching: BatchingConfig | None = None,
         verifier: Verifier = verify,
         draft_stream: torch.cuda.Stream | None = None,
+        speculator: Callable[[torch.nn.Module, Channel], Speculator] = Speculator,
     ) -> "SSDEngine":
         """SSD in one process: the speculator serves `draft` from a thread of this
         process (ssd.saguaro.host.DraftThread), which close() stops; `draft_stream`:
-        the CUDA stream it computes on (None: the thread's default)."""
-        host = DraftThread(draft, draft_stream)
+        the CUDA stream it computes on (None: the thread's default); `speculator`:
+        what serves there (a benchmark's instrumented one; the Speculator itself)."""
+        host = DraftThread(draft, draft_stream, speculator)
         return cls(target, tokenizer, speculation, batching, verifier,
                    channel=host.channel, draft_precision=precision_of(draft), host=host)
 

@@ -19,6 +19,15 @@ its id. Outputs under
 forcing are not the target's law (drafted tokens are kept whatever p says);
 a forced run is timed, never checked for exactness.
 
+`ForcedRanks` does for SSD's cache hits what `ForcedAcceptance` does for
+acceptance: a draft with random weights guesses t* no better than chance,
+so the draft side (a Speculator the bench serves in place of the real one)
+replaces each round's t* by its own rank-r guess at the round's k, r drawn
+from a rank law (the real pair's, ssd.tools.bench.rank_law): a hit when its
+build prepared that guess, a miss (a backup) when not. The two sides then
+hold different tokens at that position, which only the forced run's timing
+sees: the lengths, and so every cost, stay the target's.
+
 The forced law has its own seeded generator, so a forced run's acceptance is
 reproducible and independent of the requests' sampling streams.
 """
@@ -27,11 +36,15 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from typing import Sequence
 
 import torch
 
 from ssd.sampling import Draws
+from ssd.saguaro.plan import Agreement
+from ssd.saguaro.speculator import DraftSequence, Speculator
+from ssd.transport.channel import Channel
 from ssd.verify import Outcome, verify
 
 log = logging.getLogger(__name__)
@@ -87,3 +100,32 @@ def honoured(measured: float, rate: float, positions: int, sigmas: float = 4.0) 
     if positions <= 0 or math.isnan(measured):
         return False
     return abs(measured - rate) <= sigmas * math.sqrt(rate * (1 - rate) / positions)
+
+
+class ForcedRanks(Speculator):
+    """A Speculator whose rounds' t* is its own guess of the law's rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, channel: Channel, law: Agreement, seed: int = 0) -> None:
+        if not law.ranks_rejected or not law.ranks_bonus:
+            raise ValueError("a rank law needs ranks after rejections and after full acceptance")
+        super().__init__(model, channel)
+        self.law = law
+        self.rng = random.Random(seed)  # the speculator's thread alone draws from it
+
+    def _commit(self, seq: DraftSequence, k: int, token: int):
+        if seq.in_flight is not None:  # the first round follows the prefill: no guesses were built
+            token = self.forced_token(seq, k, token)
+        return super()._commit(seq, k, token)
+
+    def forced_token(self, seq: DraftSequence, k: int, token: int) -> int:
+        """The draft's rank-r guess of t* at acceptance length k, r from the law; where the build did
+        not prepare that rank, a token it did not prepare (so the lookup misses)."""
+        bonus = k == len(seq.in_flight.tokens)
+        rank = self.rng.choice(self.law.ranks_bonus if bonus else self.law.ranks_rejected)
+        built = [t for kk, t in seq.cache.outcomes() if kk == k and seq.cache.lookup(kk, t).source == "cache"]
+        if rank < len(built):  # the build's guesses at k are in the draft's rank order
+            return built[rank]
+        held = {t for kk, t in seq.cache.outcomes() if kk == k}
+        if token not in held:
+            return token
+        return next(t for t in range(self.vocab_size) if t not in held and (bonus or t != seq.in_flight.tokens[k]))

@@ -30,6 +30,7 @@ is written whatever happens after it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -57,10 +58,11 @@ from ssd.saguaro.fanout import geometric_fanout
 from ssd.saguaro.plan import Agreement, Plan, RowCosts, choose, hit_rate, tokens_per_round
 from ssd.saguaro.speed import sd_speed, ssd_rows_speed, ssd_speed_from
 from ssd.saguaro.startup import agreement as measure_agreement
+from ssd.saguaro.speculator import Speculator
 from ssd.saguaro.target import SSDEngine
 from ssd.models import backend
 from ssd.saguaro.branches import TreeBranchDecoder
-from ssd.tools.bench.forced import ForcedAcceptance, honoured
+from ssd.tools.bench.forced import ForcedAcceptance, ForcedRanks, honoured
 from ssd.tools.bench.layer_view import Calibration, DeepScale, calibrate, layer_view
 from ssd.tools.bench.sampling_check import check_sampling, run_rows
 from ssd.tools.bench.smoke import IdTokenizer, environment
@@ -235,7 +237,9 @@ def generate(make: Callable[[], Any], prompts: list[list[int]], new_tokens: int,
 
 
 def engine_maker(mode: str, target: torch.nn.Module, draft: torch.nn.Module | None, spec: SpeculationConfig | None,
-                 rows: int, verifier: Callable = verify, device: str = "cpu") -> Callable[[], Any]:
+                 rows: int, verifier: Callable = verify, device: str = "cpu",
+                 speculator: Callable[..., Speculator] = Speculator) -> Callable[[], Any]:
+    """A maker of fresh engines (each run gets its own: an SSD engine owns its draft thread)."""
     batching = BatchingConfig(max_rows=rows)
     if mode == "ar":
         return lambda: AREngine(target, IdTokenizer(), batching)
@@ -243,7 +247,7 @@ def engine_maker(mode: str, target: torch.nn.Module, draft: torch.nn.Module | No
         return lambda: SDEngine(target, draft, IdTokenizer(), spec, batching, verifier)
     if mode == "ssd":
         return lambda: bounded(SSDEngine.in_process(target, draft, IdTokenizer(), spec, batching, verifier,
-                                                    draft_stream=draft_stream(device)))
+                                                    draft_stream=draft_stream(device), speculator=speculator))
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -545,23 +549,28 @@ class Bench:
 
     def ssd_rows(self, target: torch.nn.Module, d: Draft, plan: Plan, rows: int, t: float,
                  ref: list[list[int]] | None) -> None:
+        """SSD measured on this device, then modelled on two from its hit rate and tokens a round (or,
+        where the measured run was cut, from the rank law at the plan's schedule for a forced draft)."""
         k, budget = plan.best.k, plan_budget(plan, rows)
         name = f"SSD {d.name}@{d.level:g} b={rows} T={t:g}"
         common = dict(level=d.level, forced=d.forced, k=k, budget=budget, **ratios(d.costs, k, budget))
-        p = e = None
-        if not d.forced and self.room(name + " (measured, one device)"):
+        law = d.agreement if d.forced and d.agreement.ranks_bonus and d.agreement.ranks_rejected else None
+        p = e = source = None
+        if (law is not None or not d.forced) and self.room(name + " (measured, one device)"):
             spec = SpeculationConfig(mode="ssd", k=k, fanout=FanoutConfig(budget=budget))
-            make = engine_maker("ssd", target, d.model, spec, rows, verify, self.s.device)
+            speculator = functools.partial(ForcedRanks, law=law, seed=self.s.seed) if law else Speculator
+            make = engine_maker("ssd", target, d.model, spec, rows, d.verifier_for(), self.s.device, speculator)
             run = self.timed(("ssd", d.name, rows, k, budget), make, rows, t, spec)
-            p, e = run.stats.hit_rate, tokens_a_round(run.stats)
+            p, e, source = run.stats.hit_rate, tokens_a_round(run.stats), "this run's SSD"
             self.add(row("ssd", "measured", d.name, rows, t, **common, where="one device, draft on its own stream",
                          tokens_per_s=run.tokens_per_s, speedup_vs_ar=self.vs_ar(run.tokens_per_s, rows, t),
                          acceptance=per_position_acceptance(run.stats), hit_rate=p, tokens_per_round=e,
                          equal_to_ar=equal(run.tokens, ref), round_ms=where_time_goes(run),
-                         degraded_rounds=run.stats.spec.degraded_rounds))
-        if d.forced and d.agreement.ranks_bonus:  # the rank law's hit rate at the plan's schedule
-            p = hit_rate(d.agreement, geometric_fanout(d.agreement.a, 1.0, k, budget))
-            e = tokens_per_round(d.agreement.a, k)
+                         degraded_rounds=run.stats.spec.degraded_rounds,
+                         hits_forced_by="the rank law" if law else None))
+        if p is None and law is not None:
+            p = hit_rate(law, geometric_fanout(law.a, 1.0, k, budget))
+            e, source = tokens_per_round(law.a, k), "the rank law at the plan's schedule"
         if p is None:
             reason = "no rank law for a forced draft (--rank-law)" if d.forced else "its measured run was cut"
             self.report.cut.append(f"{name} (modelled): {reason}")
@@ -569,7 +578,7 @@ class Bench:
         tps = modelled_ssd(d.costs, k, budget, rows, p, e)
         self.add(row("ssd", "modelled", d.name, rows, t, **common, where="two devices, speed model",
                      tokens_per_s=tps, speedup_vs_ar=self.vs_ar(tps, rows, t), hit_rate=p, tokens_per_round=e,
-                     hit_rate_from="this run's SSD" if not d.forced else "the rank law at the plan's schedule"))
+                     hit_rate_from=source))
 
     def vs_ar(self, tps: float, rows: int, t: float) -> float | None:
         ar = self.ar_tps.get((rows, t))
