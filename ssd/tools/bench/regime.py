@@ -13,16 +13,17 @@ rewritten after each:
    Forced acceptance is never on here.
 2. the timed models: the target; draft (a), a view of its first L layers
    (ssd.tools.bench.layer_view); draft (b), a separate model at a small
-   model's shapes whose acceptance is forced (ssd.tools.bench.forced).
+   model's shapes whose acceptance is forced, and its SSD cache hits by the
+   real pair's rank law (ssd.tools.bench.forced).
 3. costs, each role alone (ssd.saguaro.costs' probes): target step,
    verify(K), and per draft the backup chain and the cache build; packed
    at the largest batch; the device's copy rate (AR's bandwidth floor).
 4. rows, most wanted first, until the deadline: AR at each batch and
    temperature; per acceptance level and draft, SD at its best K by the
    measured costs (measured), SSD in one process with the draft on its own
-   stream (measured; view draft only), and SSD on two devices by the speed
-   model (ssd.saguaro.speed) from the measured costs and the run's
-   acceptance and hit rate (modelled: `kind` says which).
+   stream (measured), and SSD on two devices by the speed model
+   (ssd.saguaro.speed) from the measured costs and that run's hit rate and
+   tokens a round (modelled: `kind` says which).
 
 A row that the deadline leaves no room for is listed under `cut`; what ran
 is written whatever happens after it.
