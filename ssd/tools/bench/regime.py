@@ -338,54 +338,58 @@ class RoleCosts:
 
 
 def target_costs(target: torch.nn.Module, s: BenchSettings) -> dict[str, Any]:
-    """AR step and verify(K) at one row; packed verifications at the largest batch."""
-    vocab = backend.vocab_size(target)
+    """AR step and verify(K) at one row; packed verifications at each larger batch."""
     gen = torch.Generator().manual_seed(s.seed)
-    prefix = torch.randint(vocab, (s.prefix,), generator=gen).tolist()
+    prefix = torch.randint(backend.vocab_size(target), (s.prefix,), generator=gen).tolist()
     kv = probe_sequence(target, s.prefix + max(s.ks) + 1)
     kv.forward(prefix, last_only=True)
     probes = {("verify", k): forward_probe(kv, prefix, k + 1, gen) for k in s.ks}
     probes[("ar", 1)] = forward_probe(kv, prefix, 1, gen)
     timed = round_robin(probes, s.repeats, lambda: None)
-    backend.release(kv)
+    del probes, kv  # its graphed slot goes back now, so the packed probes' rows take the first slots
+    gc.collect()  # (a sequence's slot returns when it is collected)
     tokens = [1, *(k + 1 for k in s.ks)]  # a row's tokens in a verification (1: the decode step)
     rows_verify = {(1, n): timed[("ar", 1)] if n == 1 else timed[("verify", n - 1)] for n in tokens}
     for b in sorted(set(s.batches) - {1}):
-        contexts = [prefix] * b
-        seqs = prefilled_rows(target, contexts, room=max(s.ks) + 2)
-        packed = {n: verify_rows_probe(seqs, contexts, n, vocab, gen) for n in tokens}
-        rows_verify |= {(b, n): t for n, t in round_robin(packed, s.repeats, lambda: None).items()}
-        for seq in seqs:
-            backend.release(seq)
+        rows_verify |= {(b, n): t for n, t in packed_verify(target, [prefix] * b, tokens, s, gen).items()}
     return {"ar_step_s": timed[("ar", 1)], "verify_s": {k: timed[("verify", k)] for k in s.ks},
             "rows_verify_s": rows_verify}
 
 
+def packed_verify(target: torch.nn.Module, contexts: list[list[int]], tokens: list[int], s: BenchSettings,
+                  gen: torch.Generator) -> dict[int, float]:
+    """Seconds of one packed verification of n tokens a row, per n; the rows go when this returns."""
+    seqs = prefilled_rows(target, contexts, room=max(s.ks) + 2)
+    probes = {n: verify_rows_probe(seqs, contexts, n, backend.vocab_size(target), gen) for n in tokens}
+    return round_robin(probes, s.repeats, lambda: None)
+
+
 def draft_costs(draft: torch.nn.Module, s: BenchSettings) -> dict[str, Any]:
     """One draft step, the backup chain for each K and the build for each (K, B); packed chains."""
-    vocab = backend.vocab_size(draft)
     gen = torch.Generator().manual_seed(s.seed + 1)
     settings = CostSettings(ks=s.ks, budgets=s.budgets, prefix=s.prefix, repeats=s.repeats, seed=s.seed)
-    prefix = torch.randint(vocab, (s.prefix,), generator=gen).tolist()
+    prefix = torch.randint(backend.vocab_size(draft), (s.prefix,), generator=gen).tolist()
     kv = probe_sequence(draft, s.prefix + 2 * max(s.ks) + 1, branches=max(s.budgets))
     kv.forward(prefix, last_only=True)
     decoder = backend.branch_decoder(kv) or TreeBranchDecoder()
     probes = {("step", 1): forward_probe(kv, prefix, 1, gen)}
     probes |= {("backup", k): backup_probe(kv, prefix, k, settings) for k in s.ks}
-    probes |= {("build", k, b): build_probe(kv, decoder, prefix, k, b, vocab, settings, gen)
+    probes |= {("build", k, b): build_probe(kv, decoder, prefix, k, b, backend.vocab_size(draft), settings, gen)
                for k in s.ks for b in s.budgets}
     timed = round_robin(probes, s.repeats, lambda: None)
-    backend.release(kv)
+    del probes, kv, decoder  # as in target_costs
+    gc.collect()
     rows_chain = {(1, k): timed[("backup", k)] for k in s.ks}
     for b in sorted(set(s.batches) - {1}):
-        contexts = [prefix] * b
-        seqs = prefilled_rows(draft, contexts, room=max(s.ks) + 2)
-        chains = {k: chain_rows_probe(seqs, contexts, k, s.seed) for k in s.ks}
-        rows_chain |= {(b, k): t for k, t in round_robin(chains, s.repeats, lambda: None).items()}
-        for seq in seqs:
-            backend.release(seq)
+        rows_chain |= {(b, k): t for k, t in packed_chains(draft, [prefix] * b, s).items()}
     return {"step_s": timed[("step", 1)], "backup_s": {k: timed[("backup", k)] for k in s.ks},
             "build_s": {(k, b): timed[("build", k, b)] for k in s.ks for b in s.budgets}, "rows_chain_s": rows_chain}
+
+
+def packed_chains(draft: torch.nn.Module, contexts: list[list[int]], s: BenchSettings) -> dict[int, float]:
+    """Seconds of one packed backup chain of k tokens a row, per K; the rows go when this returns."""
+    seqs = prefilled_rows(draft, contexts, room=max(s.ks) + 2)
+    return round_robin({k: chain_rows_probe(seqs, contexts, k, s.seed) for k in s.ks}, s.repeats, lambda: None)
 
 
 def role_costs(target_part: dict[str, Any], draft_part: dict[str, Any]) -> RoleCosts:
