@@ -497,7 +497,6 @@ class Bench:
         if key not in self.warm:
             generate(make, prompts, self.s.max_new_tokens, temperature, spec, self.s.seed)
             self.warm.add(key)
-        gc.collect()  # earlier engines' sequences give their graphed slots back (a batch pays for all it spans)
         return generate(make, prompts, self.s.max_new_tokens, temperature, spec, self.s.seed)
 
     def add(self, r: dict[str, Any]) -> None:
