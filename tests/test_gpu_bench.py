@@ -260,3 +260,14 @@ def test_a_forced_draft_without_its_measured_run_is_modelled_from_the_rank_law(t
     want = hit_rate(law, geometric_fanout(0.8, 1.0, forced[0]["k"], forced[0]["budget"]))
     assert forced[0]["hit_rate"] == pytest.approx(want) and 0 < want < 1
     assert forced[0]["hit_rate_from"] == "the rank law at the plan's schedule"
+
+
+def test_the_shipped_rank_law_loads_and_its_writer_round_trips():
+    from ssd.tools.bench.gpu_bench import RANK_LAW
+    from ssd.tools.bench.rank_law import FORMAT, dumps
+
+    data = json.loads(RANK_LAW.read_text())
+    assert data["format"] == FORMAT and json.loads(dumps(data)) == data
+    law = regime.load_rank_law(RANK_LAW)
+    assert law.positions == len(law.ranks_bonus) > 100 and 0.5 < law.a < 1
+    assert len(law.ranks_rejected) == sum(rank > 0 for rank in law.ranks_bonus)  # a rejection: not the draft's top

@@ -55,6 +55,15 @@ def record(config: Config, tokens: int) -> dict[str, Any]:
     return {"format": FORMAT, "meta": meta, "agreement": law.to_json()}
 
 
+def dumps(data: dict[str, Any]) -> str:
+    """One line per field, each rank list on its own line (a small file that diffs well)."""
+    def block(obj: dict[str, Any], indent: str) -> str:
+        return "{\n" + ",\n".join(f'{indent}  "{k}": {json.dumps(v)}' for k, v in obj.items()) + f"\n{indent}}}"
+    fields = {k: v for k, v in data.items() if k != "agreement"}
+    head = ",\n".join(f'  "{k}": {json.dumps(v)}' for k, v in fields.items())
+    return "{\n" + head + ',\n  "agreement": ' + block(data["agreement"], "  ") + "\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the pair (default: %(default)s)")
@@ -65,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     data = record(config, args.tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    args.out.write_text(dumps(data))
     print(f"wrote {args.out}: a = {data['agreement']['a']:.3f} over {data['agreement']['positions']} positions")
     return 0
 
