@@ -43,6 +43,7 @@ NEW_TOKENS = 24
 GREEDY = SamplingConfig(temperature=0.0)
 DRAFT_NOISE = 0.05
 MODES = ("ar", "sd", "ssd")
+SHARING = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 13]]
 CHI_SAMPLES = 300
 CHI_BROKEN_SAMPLES = 120
 SHORT_TIMEOUT = timedelta(seconds=3)  # the collectives' limit in the timeout scenarios
@@ -53,14 +54,20 @@ HANG_S = 6.0  # a follower hangs in a forward this long
 # --- what rank 0 runs ----------------------------------------------------------------------
 
 
-def batched(engine, prompts, sampling: SamplingConfig = GREEDY, n: int = NEW_TOKENS) -> tuple[list[list[int]], int]:
-    """Every prompt a row of one batch, admitted together; (tokens per prompt, the most rows a step held)."""
+def batch_results(engine, prompts, n: int = NEW_TOKENS) -> tuple[list, int]:
+    """Every prompt a greedy row of one batch, admitted together; (results, the most rows a step held)."""
     from tests.test_batch import ok, request, run_batch
 
     widest = []
-    rows = [request(p, n, sampling) for p in prompts]
+    rows = [request(p, n, GREEDY) for p in prompts]
     finished = run_batch(engine, rows, after_step=lambda _: widest.append(engine.rows))
-    return [ok(f).token_ids for f in finished], max(widest, default=0)
+    return [ok(f) for f in finished], max(widest, default=0)
+
+
+def batched(engine, prompts) -> tuple[list[list[int]], int]:
+    """(greedy tokens per prompt, the most rows a step held), the prompts batched together."""
+    results, widest = batch_results(engine, prompts)
+    return [r.token_ids for r in results], widest
 
 
 def engines(target, draft, speculation: SpeculationConfig | None = None) -> dict:
@@ -91,6 +98,22 @@ def family_runs(rank: int) -> dict:
             del made
             gc.collect()  # the engines' sequences and cached prefixes go: the stop releases them
     return seen
+
+
+def prefix_runs(rank: int) -> dict:
+    """Rows that share whole prompt chunks (ssd.engine.kv_manager): the second copies the first's
+    once prefilled (a fork, mirrored), then a later prompt takes them from the prefix cache."""
+    from ssd.engine import AREngine
+    from ssd.models.tp import TPLeader, held_at_stop, load_built_sharded, run_tp_follower
+
+    model = load_built_sharded(lambda: build_family("qwen2"), torch.float64, WORLD)
+    if rank != 0:
+        run_tp_follower(model)
+        return {"held": held_at_stop()}
+    with TPLeader(model) as leader:
+        engine = AREngine(leader, TinyTokenizer.from_config(TOKENIZER), BatchingConfig(max_rows=4, prefill_chunk=4))
+        results = batch_results(engine, SHARING[:2])[0] + batch_results(engine, SHARING[2:])[0]
+    return {"tokens": [r.token_ids for r in results], "cached": [r.stats.cached_prompt_tokens for r in results]}
 
 
 def _swap_two_rows(send):
@@ -212,7 +235,8 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
     logging.basicConfig(level=logging.INFO)
     init_tp_world(rank, WORLD, "127.0.0.1", port)
     if scenario == "batch":
-        seen = {"families": family_runs(rank), "chi": chi_runs(rank), "plan": plan_runs(rank, out_dir)}
+        seen = {"families": family_runs(rank), "prefix": prefix_runs(rank), "chi": chi_runs(rank),
+                "plan": plan_runs(rank, out_dir)}
     else:
         seen = timeout_runs(rank, scenario)
     torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
@@ -259,6 +283,15 @@ def test_batched_rows_on_a_tensor_parallel_target_equal_ar_alone(tp_batch, famil
         assert tokens == want, mode
         assert widest == len(PROMPTS), mode  # the rows ran together
     assert follower["held"] == 0  # every sequence the engines made was released on the follower too
+
+
+def test_rows_sharing_prompt_chunks_copy_them_on_every_rank(tp_batch):
+    """A row copies another's prefilled chunks, a later prompt takes them from the prefix cache: each
+    copy mirrored (an empty copy on the follower would change the logits), the tokens AR alone's."""
+    seen = tp_batch[0]["prefix"]
+    model = build_family("qwen2")
+    assert seen["tokens"] == [ar_alone(model, p) for p in SHARING]
+    assert seen["cached"] == [0, 8, 8]  # two whole chunks of 4: copied from the first row, then from the cache
 
 
 def chi_pvalues(draws) -> list[float]:
