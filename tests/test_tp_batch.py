@@ -33,7 +33,7 @@ from ssd.config import (
 from ssd.models import TinyTokenizer
 from ssd.models.kv import KVSequence
 from ssd.models.loading import build_tiny_model
-from tests.families import FAMILIES, TOKENIZER, build_family
+from tests.families import DRAFT_NOISE, FAMILIES, TOKENIZER, build_family
 from tests.stats import ALPHA, report_pvalue
 from tests.test_distribution import SMALL
 
@@ -41,7 +41,6 @@ WORLD = 2
 PROMPTS = [[1, 2, 3], [7, 7, 0, 1, 9, 12, 15], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 NEW_TOKENS = 24
 GREEDY = SamplingConfig(temperature=0.0)
-DRAFT_NOISE = 0.05
 MODES = ("ar", "sd", "ssd")
 SHARING = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 13]]
 CHI_SAMPLES = 300
@@ -70,12 +69,13 @@ def batched(engine, prompts) -> tuple[list[list[int]], int]:
     return [r.token_ids for r in results], widest
 
 
-def engines(target, draft, speculation: SpeculationConfig | None = None) -> dict:
+def engines(target, draft) -> dict:
+    """Each mode's engine over the pair (SSD's speculator on a thread of this process), K = 3."""
     from ssd.factory import LoadedPair, make_engine
 
     pair = LoadedPair(target, draft, TinyTokenizer.from_config(TOKENIZER))
-    speculation = speculation or SpeculationConfig(k=3)
-    return {mode: make_engine(mode, pair, speculation, BatchingConfig(max_rows=4, prefill_chunk=4)) for mode in MODES}
+    return {mode: make_engine(mode, pair, SpeculationConfig(k=3), BatchingConfig(max_rows=4, prefill_chunk=4))
+            for mode in MODES}
 
 
 def family_runs(rank: int) -> dict:
