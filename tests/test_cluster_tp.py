@@ -70,6 +70,25 @@ def test_tensor_parallel_target_equals_single_rank(tp2):
     assert len(tp2.targets) == 2 and not ray.wait(tp2._followers, timeout=0)[0]
 
 
+def test_rows_batch_on_a_tensor_parallel_target(tp2):
+    """Several requests step together on the group (each row mirrored on rank 1), each equal to AR alone."""
+    requests = [GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=n), TP_CONFIG.speculation)
+                for p, n in zip(PROMPTS, (20, 12, 16))]
+    results, widest = {}, 0
+    with tp2.batch_engine("ar") as engine:
+        for request in requests:
+            engine.admit(request)
+        while engine.rows:
+            rows = engine.rows
+            for finished in engine.step():
+                results[id(finished.request)] = finished.result
+            widest = max(widest, *engine.stepped_rows(rows))
+    assert widest == len(requests)
+    for request in requests:
+        want = local_ar(TP_CONFIG, request.prompt_ids, request.generation.max_new_tokens)
+        assert results[id(request)].token_ids == want
+
+
 def fail_forward_at(worker, n: int) -> None:
     """Run inside a target actor: its n-th KVSequence forward from now raises (a CUDA OOM, say)."""
     from ssd.models import kv
