@@ -121,11 +121,11 @@ def _swap_two_rows(send):
     (where their feeds are of one length, so the ranks' caches keep the same lengths)."""
     from ssd.models import tp
 
-    def broken(op, a=0, b=0, payload=(), group=None):
+    def broken(op, a=0, b=0, payload=(), group=None, rollbacks=None):
         payload = list(payload)
         if op == tp.OP_FORWARD and a >= 2 and payload[1] == payload[4]:
             payload[0], payload[3] = payload[3], payload[0]
-        return send(op, a, b, payload, group)
+        return send(op, a, b, payload, group, rollbacks)
 
     return broken
 
@@ -213,6 +213,7 @@ def timeout_runs(rank: int, scenario: str) -> dict:
     leader = tp.TPLeader(model, timeout=SHORT_TIMEOUT, keepalive=scenario != "no keepalive")
     sequence = leader.sequence()
     seen = {"before": sequence.forward([1, 2, 3])}
+    sequence.rollback(2)  # sent with the next command, after the idle spell's keepalives
     time.sleep(IDLE_S)
     try:
         seen["after"] = sequence.forward([4, 5])
@@ -334,7 +335,8 @@ def test_the_keepalive_keeps_an_idle_follower_past_the_timeout_and_a_hung_one_is
     leader = torch.load(tmp_path / "rank0.pt") if (tmp_path / "rank0.pt").exists() else None
     assert codes[0] == 0 and leader is not None, f"exit codes {codes}"
     alone = KVSequence(build_tiny_model(TOKENIZER, torch.float64))
-    for got, ids in ((leader["before"], [1, 2, 3]), (leader["after"], [4, 5])):  # the follower mirrored both
+    for got, rollback, ids in ((leader["before"], 0, [1, 2, 3]), (leader["after"], 2, [4, 5])):  # mirrored
+        alone.rollback(rollback or alone.length)
         want = alone.forward(ids)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10 * float(want.abs().max()))
     assert leader["noticed_s"] < HANG_S - 1  # its timeout, not the follower waking up (nor 30 days)

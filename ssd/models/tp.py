@@ -6,8 +6,9 @@ in exactly the same order. Rank 0 owns sampling and verification, so it drives:
 `TPLeader` is the target model the engines get (with backend operations of its
 own: ssd.models.backend), and each of its sequences (`TPSequence`, one per row
 of the continuous batch, cached prefix or probe) broadcasts every cache
-operation as a small int64 command naming its slot before running it; a packed
-forward's command carries every row's slot, length and last_only, then the ids.
+operation as a small int64 command naming its slot before running it (a
+rollback rides with the next command); a packed forward's command carries
+every row's slot, length and last_only, then the ids.
 `run_tp_follower` replays those commands on the other ranks, on one KVSequence
 per slot, until told to stop, so every rank runs the same packed forward.
 
@@ -55,14 +56,17 @@ log = logging.getLogger(__name__)
 
 Group = dist.ProcessGroup | None  # None: the default (target-only) world
 
-# Command op codes. A command is a header [op, a, b, n] then, if n > 0, n int64s of payload:
-# FORWARD a rows, payload (slot, tokens, last_only) per row then every row's ids; ROLLBACK slot
-# a to length b; RESET slot a; FORK slot a's first b tokens as slot payload[0]; RELEASE the
-# payload's slots; NOOP: the keepalive.
-OP_STOP, OP_FORWARD, OP_ROLLBACK, OP_RESET, OP_FORK, OP_RELEASE, OP_NOOP = range(7)
-OP_NAMES = ("stop", "forward", "rollback", "reset", "fork", "release", "keepalive")
-_HEADER = 4
+# Command op codes. A command is a header [op, a, b, n, r] then, if n > 0, n int64s: r
+# (slot, length) rollbacks that the follower applies first, then the op's payload. FORWARD
+# a rows, payload (slot, tokens, last_only) per row then every row's ids; RESET slot a;
+# FORK slot a's first b tokens as slot payload[0]; RELEASE the payload's slots; NOOP: the
+# keepalive. A rollback is no command of its own: it waits for the next one (after a
+# verification every rolled-back row's would otherwise cost a broadcast).
+OP_STOP, OP_FORWARD, OP_RESET, OP_FORK, OP_RELEASE, OP_NOOP = range(6)
+OP_NAMES = ("stop", "forward", "reset", "fork", "release", "keepalive")
+_HEADER = 5
 _SEGMENT = 3
+Rollbacks = dict[int, int]  # slot -> the length its follower copies roll back to
 
 # Loading waits long between collectives (rank 0 may convert a checkpoint while the others
 # wait in a barrier; a large shard takes minutes to read): the world starts with this limit.
@@ -225,20 +229,25 @@ def serve_timeout(timeout: timedelta, group: Group = None) -> None:
     log.info("TP rank %d: collectives time out after %.0f s", dist.get_rank(group), timeout.total_seconds())
 
 
-def _send_command(op: int, a: int = 0, b: int = 0, payload: Sequence[int] = (), group: Group = None) -> None:
-    dist.broadcast(torch.tensor([op, a, b, len(payload)], dtype=torch.int64), group=group, group_src=0)
-    if payload:
-        dist.broadcast(torch.tensor(list(payload), dtype=torch.int64), group=group, group_src=0)
+def _send_command(op: int, a: int = 0, b: int = 0, payload: Sequence[int] = (), group: Group = None,
+                  rollbacks: Rollbacks | None = None) -> None:
+    data = [n for pair in (rollbacks or {}).items() for n in pair] + list(payload)
+    dist.broadcast(torch.tensor([op, a, b, len(data), len(rollbacks or ())], dtype=torch.int64),
+                   group=group, group_src=0)
+    if data:
+        dist.broadcast(torch.tensor(data, dtype=torch.int64), group=group, group_src=0)
 
 
-def _recv_command(group: Group = None) -> tuple[int, int, int, list[int]]:
+def _recv_command(group: Group = None) -> tuple[int, int, int, list[int], Rollbacks]:
+    """(op, a, b, payload, rollbacks to apply first)."""
     header = torch.empty(_HEADER, dtype=torch.int64)
     dist.broadcast(header, group=group, group_src=0)
-    op, a, b, n = header.tolist()
-    payload = torch.empty(n, dtype=torch.int64)
+    op, a, b, n, r = header.tolist()
+    data = torch.empty(n, dtype=torch.int64)
     if n:
-        dist.broadcast(payload, group=group, group_src=0)
-    return op, a, b, payload.tolist()
+        dist.broadcast(data, group=group, group_src=0)
+    data = data.tolist()
+    return op, a, b, data[2 * r :], dict(zip(data[: 2 * r : 2], data[1 : 2 * r : 2]))
 
 
 class TPLeader:
@@ -265,6 +274,7 @@ class TPLeader:
         self._lock = threading.Lock()
         self._slots = itertools.count()
         self._live: dict[int, weakref.ref] = {}  # slot -> its sequence, until released
+        self._rollbacks: Rollbacks = {}  # done here, sent with the next command
         self._last_command = time.monotonic()
         self._done = threading.Event()
         serve_timeout(timeout, group)
@@ -318,6 +328,13 @@ class TPLeader:
         self._live[slot] = weakref.ref(twin)
         return twin
 
+    def rollback(self, sequence: "TPSequence", length: int) -> None:
+        """Roll `sequence` back here now and on the followers before the next command (which
+        is the next that could read it): a later rollback of it before then replaces this one."""
+        with self._lock:  # the next command, from whichever thread, takes all or none of them
+            sequence.local.rollback(length)
+            self._rollbacks[sequence.slot] = length
+
     def release(self, sequence: "TPSequence") -> None:
         """The followers drop their copy of `sequence` (nothing to do once the group is stopped or broken)."""
         if self._live.pop(sequence.slot, None) is not None and self.failed is None and not self.stopped:
@@ -342,7 +359,8 @@ class TPLeader:
             if self.failed is not None:
                 raise TPForwardError(f"{self.failed}; the group awaits its restart")
             try:
-                _send_command(op, a, b, payload, self.group)
+                rollbacks, self._rollbacks = self._rollbacks, {}
+                _send_command(op, a, b, payload, self.group, rollbacks)
                 self._last_command = time.monotonic()
                 return local() if local is not None else None
             except Exception as exc:
@@ -435,8 +453,8 @@ class TPSequence:
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length} of {self.length} tokens")
-        if length < self.length:  # a no-op needs no round trip
-            self.leader._run(OP_ROLLBACK, self.slot, length, local=lambda: self.local.rollback(length))
+        if length < self.length:
+            self.leader.rollback(self, length)
 
     def reset(self) -> None:
         self.leader._run(OP_RESET, self.slot, local=self.local.reset)
@@ -526,7 +544,7 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None, timeout: timede
     rank, mirror, done = dist.get_rank(group), _Mirror(model, dist.get_rank(group)), 0
     while True:
         try:
-            op, a, b, payload = _recv_command(group)
+            op, a, b, payload, rollbacks = _recv_command(group)
         except RuntimeError:
             log.error("TP follower rank %d lost the leader after %d commands", rank, done)
             raise
@@ -537,6 +555,7 @@ def run_tp_follower(model: torch.nn.Module, group: Group = None, timeout: timede
             return done
         if op == OP_NOOP:
             continue
+        mirror.roll_back(rollbacks)
         mirror.run(op, a, b, payload, done)
         done += 1
         _mirrored[0] += 1
@@ -554,11 +573,13 @@ class _Mirror:
             self.sequences[slot] = KVSequence(self.model)  # made as the leader's own (TPLeader.sequence)
         return self.sequences[slot]
 
+    def roll_back(self, rollbacks: Rollbacks) -> None:
+        for slot, length in rollbacks.items():
+            self.sequence(slot).rollback(length)
+
     def run(self, op: int, a: int, b: int, payload: list[int], command: int) -> None:
         if op == OP_FORWARD:
             self.forward(a, payload, command)
-        elif op == OP_ROLLBACK:
-            self.sequence(a).rollback(b)
         elif op == OP_RESET:
             self.sequence(a).reset()
         elif op == OP_FORK:
