@@ -47,7 +47,7 @@ CHI_SAMPLES = 300
 CHI_BROKEN_SAMPLES = 120
 SHORT_TIMEOUT = timedelta(seconds=3)  # the collectives' limit in the timeout scenarios
 IDLE_S = 6.0  # the leader idles past it
-HANG_S = 6.0  # a follower hangs in a forward this long
+HANG_S = 8.0  # a follower hangs in a forward this long
 
 
 # --- what rank 0 runs ----------------------------------------------------------------------
