@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ssd.config import (
     BatchingConfig, Config, GenerationConfig, ModelConfig, RuntimeConfig, SamplingConfig, SpeculationConfig,
 )
-from ssd.models import TinyTokenizer
+from ssd.models import TinyTokenizer, backend
 from ssd.models.kv import KVSequence
 from ssd.models.loading import build_tiny_model
 from tests.families import DRAFT_NOISE, FAMILIES, TOKENIZER, build_family
@@ -113,7 +113,9 @@ def prefix_runs(rank: int) -> dict:
     with TPLeader(model) as leader:
         engine = AREngine(leader, TinyTokenizer.from_config(TOKENIZER), BatchingConfig(max_rows=4, prefill_chunk=4))
         results = batch_results(engine, SHARING[:2])[0] + batch_results(engine, SHARING[2:])[0]
-    return {"tokens": [r.token_ids for r in results], "cached": [r.stats.cached_prompt_tokens for r in results]}
+        kv_bytes = backend.kv_bytes_per_token(leader)
+    return {"tokens": [r.token_ids for r in results], "cached": [r.stats.cached_prompt_tokens for r in results],
+            "kv_bytes": kv_bytes}
 
 
 def _swap_two_rows(send):
@@ -293,6 +295,11 @@ def test_rows_sharing_prompt_chunks_copy_them_on_every_rank(tp_batch):
     model = build_family("qwen2")
     assert seen["tokens"] == [ar_alone(model, p) for p in SHARING]
     assert seen["cached"] == [0, 8, 8]  # two whole chunks of 4: copied from the first row, then from the cache
+
+
+def test_a_tensor_parallel_target_counts_one_rank_s_share_of_the_kv_cache(tp_batch):
+    """batching.kv_memory_mb bounds each rank's memory, which holds its share of the KV heads."""
+    assert tp_batch[0]["prefix"]["kv_bytes"] * WORLD == backend.kv_bytes_per_token(build_family("qwen2"))
 
 
 def chi_pvalues(draws) -> list[float]:
