@@ -183,6 +183,7 @@ def test_a_tensor_parallel_target_is_planned_through_its_group(logical_gpus, con
         assert "target tp2" in plan.meta["devices"]
         assert (chosen.k, chosen.fanout.budget, chosen.k_policy) == (plan.best.k, plan.best.budget, plan.k_policy)
         assert ray.get(cluster.targets[0].__ray_call__.remote(lambda self: self.config.speculation)) == chosen
-        assert ray.get(cluster.targets[1].__ray_call__.remote(lambda self: tp.commands_mirrored())) > 50
+        mirrored = ray.get(cluster.targets[1].__ray_call__.remote(lambda self: tp.commands_mirrored()))
+        assert mirrored > 10  # the probes' forwards ran on both ranks (a start alone mirrors 2)
         out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
         assert out.token_ids == local_ar(cluster.config, PROMPT, 24)
