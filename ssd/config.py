@@ -483,6 +483,9 @@ class ClusterConfig:
     # than a model load. Costs the target's memory twice; a new standby loads
     # in the background after each takeover.
     warm_standby: bool = False
+    # A tensor-parallel target's collectives fail past this wait, so a hung rank is noticed
+    # (and the group restarted) within it; idle ranks are kept from it by a keepalive (ssd.models.tp).
+    tp_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.step_deadline_s > 0:
@@ -501,6 +504,8 @@ class ClusterConfig:
             raise ConfigError(f"cluster.start_timeout_s must be > 0 or null, got {self.start_timeout_s}")
         if not self.draft_timeout_s > 0:
             raise ConfigError(f"cluster.draft_timeout_s must be > 0, got {self.draft_timeout_s}")
+        if not self.tp_timeout_s > 0:
+            raise ConfigError(f"cluster.tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.link_backend != "gloo":
             raise ConfigError(
                 f"cluster.link_backend must be gloo (the link carries host-memory token ids and q rows, "

@@ -18,8 +18,7 @@ from ssd.engine.batch import BatchedEngine
 from ssd.engine.rows import Verifier
 from ssd.engine.sd import SDEngine
 from ssd.models import load_model, load_tokenizer
-from ssd.models.kv import KVSequence
-from ssd.models.backend import precision_of
+from ssd.models.backend import Model, precision_of
 from ssd.models.vocab import apply_draft_vocab, model_eos_ids
 from ssd.saguaro.target import SSDEngine
 from ssd.verify import verify
@@ -31,13 +30,13 @@ log = logging.getLogger(__name__)
 class LoadedPair:
     """The models an engine runs; engines made from one pair share its weights, not caches.
 
-    target: the model, or on a tensor-parallel target the leader's one
-    sequence (ssd.models.tp.TPLeaderSequence), which holds the batch at one row.
+    target: the model (on a tensor-parallel target its leader, ssd.models.tp.TPLeader,
+    whose sequences the other ranks mirror).
     draft: None where it is not loaded here (AR only, or SSD with the draft
     on another device: the cluster attaches its link).
     """
 
-    target: torch.nn.Module | KVSequence
+    target: Model
     draft: torch.nn.Module | None
     tokenizer: Any
 

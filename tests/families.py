@@ -76,7 +76,7 @@ def tp_family_results(rank: int) -> dict[str, dict]:
     """On each rank of a TP = 2 world: per family, the cache script on the sharded lean
     and transformers' carriers (both ranks run it: every forward is collective), then
     greedy AR and SD with rank 0 leading and rank 1 following. What rank 0 saw."""
-    from ssd.models.tp import TPLeaderSequence, load_built_sharded, run_tp_follower
+    from ssd.models.tp import TPLeader, load_built_sharded, run_tp_follower
 
     seen = {}
     for family in FAMILIES:
@@ -85,9 +85,9 @@ def tp_family_results(rank: int) -> dict[str, dict]:
         result = {"lean": lean.lean, "logits": script(lean), "hf": reference(model),
                   "heads": lean._fast.heads if lean.lean else None}
         if rank == 0:
-            with TPLeaderSequence(model) as leader:
+            with TPLeader(model) as leader:
                 result["tokens"] = generations(leader, build_family(family, noise=DRAFT_NOISE))
-                result["leader_lean"] = leader.lean
+                result["leader_lean"] = leader.sequence().lean
             seen[family] = result
         else:
             run_tp_follower(model)

@@ -49,11 +49,15 @@ def config_path(tmp_path_factory):
     return path
 
 
+def parse(argv: list[str], config_path):
+    """What launch/cluster.py makes of its arguments: (config, placement)."""
+    args = launcher.parse_args([*argv, "--config", str(config_path)])
+    return launcher.config_from_args(args), launcher.placement_from_args(args, with_draft=True)
+
+
 def start(argv: list[str], config_path) -> Cluster:
     """What launch/cluster.py does before serving: parse, place, start."""
-    args = launcher.parse_args([*argv, "--config", str(config_path)])
-    config = launcher.config_from_args(args)
-    return Cluster(config, launcher.placement_from_args(args, with_draft=True))
+    return Cluster(*parse(argv, config_path))
 
 
 @pytest.mark.parametrize("target, draft", [("0-1", "4")])  # "0,1" / "2": the launcher test below
@@ -163,3 +167,23 @@ def test_a_tensor_parallel_rank_takes_its_local_rank_s_gpu(monkeypatch):
     assert tp.local_gpu() == 3
     monkeypatch.delenv("LOCAL_RANK")
     assert tp.local_gpu() == 0
+
+
+def test_a_tensor_parallel_target_is_planned_through_its_group(logical_gpus, config_path, tmp_path, monkeypatch):
+    """`--target-gpus 0,1 --draft-gpu 2` with the start-up plan: the target's probes run on rank 0
+    with rank 1 mirroring each forward, under a key of their own, and the plan's K, budget and
+    k_policy are what the target runs."""
+    from ssd.models import tp
+
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))  # the driver reads and writes the plans
+    config, placement = parse(["--target-gpus", "0,1", "--draft-gpu", "2"], config_path)
+    config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, plan=True))
+    with Cluster(config, placement) as cluster:
+        plan, chosen = cluster.plan, cluster.config.speculation
+        assert "target tp2" in plan.meta["devices"]
+        assert (chosen.k, chosen.fanout.budget, chosen.k_policy) == (plan.best.k, plan.best.budget, plan.k_policy)
+        assert ray.get(cluster.targets[0].__ray_call__.remote(lambda self: self.config.speculation)) == chosen
+        mirrored = ray.get(cluster.targets[1].__ray_call__.remote(lambda self: tp.commands_mirrored()))
+        assert mirrored > 10  # the probes' forwards ran on both ranks (a start alone mirrors 2)
+        out = cluster.generate(GenerationRequest(PROMPT, GREEDY, GenerationConfig(max_new_tokens=24)))
+        assert out.token_ids == local_ar(cluster.config, PROMPT, 24)

@@ -24,11 +24,14 @@ pytestmark = pytest.mark.cluster
 # fp64: TP=2 sums the ranks' partial products in another order than one
 # rank does; in fp32 that moves logits by ~1e-5 and could flip a near-tie.
 # step_deadline_s: a hung rank is seen within it (a tiny step takes milliseconds).
+# tp_timeout_s: the collectives' limit, above it (the deadline sees a hang first) and kept
+# from idle ranks by the leader's keepalive (ssd.models.tp).
 DEADLINE_S = 10.0
+TP_TIMEOUT_S = 30.0
 TP_CONFIG = dataclasses.replace(
     CONFIG, speculation=dataclasses.replace(CONFIG.speculation, mode="ar"),
     target=dataclasses.replace(CONFIG.target, dtype="fp64"),
-    cluster=dataclasses.replace(CONFIG.cluster, step_deadline_s=DEADLINE_S),
+    cluster=dataclasses.replace(CONFIG.cluster, step_deadline_s=DEADLINE_S, tp_timeout_s=TP_TIMEOUT_S),
 )
 HANG_S = 90.0  # a failed forward must end its request well before this; before the fix it never did
 
@@ -56,6 +59,8 @@ def test_a_started_group_has_run_a_forward_on_every_rank_before_it_serves(tp2):
 
     assert tp2.serving and tp2.target_restarts == 0
     assert ray.get(tp2.targets[1].__ray_call__.remote(lambda worker: tp.commands_mirrored())) == 2
+    timeout = ray.get(tp2.targets[0].__ray_call__.remote(lambda worker: worker.leader.timeout))
+    assert timeout.total_seconds() == TP_TIMEOUT_S  # cluster.tp_timeout_s
 
 
 def test_tensor_parallel_target_equals_single_rank(tp2):
@@ -63,6 +68,25 @@ def test_tensor_parallel_target_equals_single_rank(tp2):
         assert generate(tp2, prompt).token_ids == local_ar(TP_CONFIG, prompt, 32)
     # Two ranks really ran: rank 1 is still mirroring rank 0 (it returns only when stopped).
     assert len(tp2.targets) == 2 and not ray.wait(tp2._followers, timeout=0)[0]
+
+
+def test_rows_batch_on_a_tensor_parallel_target(tp2):
+    """Several requests step together on the group (each row mirrored on rank 1), each equal to AR alone."""
+    requests = [GenerationRequest(p, GREEDY, GenerationConfig(max_new_tokens=n), TP_CONFIG.speculation)
+                for p, n in zip(PROMPTS, (20, 12, 16))]
+    results, widest = {}, 0
+    with tp2.batch_engine("ar") as engine:
+        for request in requests:
+            engine.admit(request)
+        while engine.rows:
+            rows = engine.rows
+            for finished in engine.step():
+                results[id(finished.request)] = finished.result
+            widest = max(widest, *engine.stepped_rows(rows))
+    assert widest == len(requests)
+    for request in requests:
+        want = local_ar(TP_CONFIG, request.prompt_ids, request.generation.max_new_tokens)
+        assert results[id(request)].token_ids == want
 
 
 def fail_forward_at(worker, n: int) -> None:

@@ -94,6 +94,8 @@ def test_the_replicas_step_deadline_and_the_warm_standby_are_checked_by_name():
 
     with pytest.raises(ConfigError, match="cluster.step_deadline_s must be > 0"):
         ClusterConfig(step_deadline_s=0)
+    with pytest.raises(ConfigError, match="cluster.tp_timeout_s must be > 0"):
+        ClusterConfig(tp_timeout_s=0)
     for call_s in (-0.1, 60.0, "fast", True):
         with pytest.raises(ConfigError, match=r"cluster.step_call_s must be >= 0 and below cluster.step_deadline_s \(60\)"):
             ClusterConfig(step_call_s=call_s)

@@ -245,19 +245,6 @@ def test_prompt_logprobs_requests_score_their_whole_prompt(tiny_models, tiny_tok
     assert engine.generate(_request(FIRST)).stats.cached_prompt_tokens == 16  # it left its chunks
 
 
-def test_the_one_shared_target_sequence_keeps_its_last_prompt(tiny_models, tiny_tokenizer):
-    """A tensor-parallel target hands the engine one sequence (here a plain KVSequence in its
-    place): it keeps the last prompt's whole chunks, and the next turn equals a fresh run."""
-    target, _ = tiny_models
-    engine = AREngine(KVSequence(target), tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK))
-    first = engine.generate(_request(FIRST))
-    prompt = FIRST + first.token_ids + EXTRA
-    second = engine.generate(_request(prompt))
-    assert second.stats.cached_prompt_tokens == 16
-    assert _outcome(second) == _fresh("ar", target, None, tiny_tokenizer, prompt, SamplingConfig(temperature=0.0))
-    assert engine.generate(_request(SECOND)).stats.cached_prompt_tokens == 0
-
-
 def test_the_cache_can_be_turned_off(tiny_models, tiny_tokenizer):
     target, _ = tiny_models
     engine = AREngine(target, tiny_tokenizer, BatchingConfig(prefill_chunk=CHUNK, prefix_cache=False))

@@ -355,7 +355,7 @@ def test_shutdown_with_grace_drains_running_rows():
 
 
 def test_modes_take_turns_and_a_one_row_mode_runs_its_requests_one_at_a_time():
-    """A mode held at one row (batching.max_rows 1, a tensor-parallel cluster target)
+    """A mode held at one row (batching.max_rows 1)
     takes the one path too: its requests queue for the row, and it steps in turn."""
     fake = FakeBackend(gate=threading.Event(), one_row=("ssd",))
     with running(lambda: fake) as (server, client):

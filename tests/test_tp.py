@@ -33,7 +33,8 @@ from ssd.models.loading import load_model
 from tests.families import DRAFT_NOISE, FAMILIES, build_family, reference, tp_family_results
 from tests.families import generations as family_generations
 from ssd.models.tp import (
-    TPLeaderSequence,
+    TPLeader,
+    TPSequence,
     init_tp_world,
     load_tp_model,
     pin_threads,
@@ -61,7 +62,7 @@ WORLD = 2
 DEADLINE_S = 120.0  # far above a normal run (~15 s) but finite
 
 
-def cache_script(seq: KVSequence) -> list[torch.Tensor]:
+def cache_script(seq: KVSequence | TPSequence) -> list[torch.Tensor]:
     """Prefill, decode, roll back, catch up: every cache operation the engines use."""
     seq.reset()
     out = [seq.forward([1, 2, 3, 4, 5])]  # prefill, all rows
@@ -73,7 +74,7 @@ def cache_script(seq: KVSequence) -> list[torch.Tensor]:
     return out
 
 
-def generations(target: torch.nn.Module | KVSequence) -> list[list[int]]:
+def generations(target: torch.nn.Module | TPLeader) -> list[list[int]]:
     """Greedy tokens of AR then SD (K = 3) on every prompt. The engines take the
     TP leader in place of the model; the draft is a plain local model (never TP)."""
     tok = TinyTokenizer.from_config(TINY)
@@ -93,18 +94,19 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
         tp_family_results(rank)
         dist.destroy_process_group()
         return
-    leader = TPLeaderSequence(model)
+    leader = TPLeader(model)
     if scenario == "crash":
-        leader.forward([1, 2, 3])
+        leader.sequence().forward([1, 2, 3])
         os._exit(3)  # die mid-session without OP_STOP, as a crashed leader would
     with leader:
+        sequence = leader.sequence()
         # Refused arguments must raise before anything reaches the follower.
-        for bad in (lambda: leader.forward([]), lambda: leader.rollback(99)):
+        for bad in (lambda: sequence.forward([]), lambda: sequence.rollback(99)):
             with pytest.raises(ValueError):
                 bad()
-        logits = cache_script(leader)
+        logits = cache_script(sequence)
         tokens = generations(leader)
-        lean = leader.lean
+        lean = sequence.lean
     shards = {name: tuple(local_tensor(p).shape) for name, p in model.named_parameters()}
     families = tp_family_results(rank)
     torch.save({"logits": logits, "tokens": tokens, "shards": shards, "lean": lean, "families": families},

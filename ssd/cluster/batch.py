@@ -6,8 +6,8 @@ The serving worker (ssd.serve.worker) schedules exactly as for local engines:
 it admits between steps and completes the rows that leave. Here each call
 goes to the target actor; the tokens every row admitted in a step come back
 with it and are handed to that row's callback. This is the one request path:
-a tensor-parallel target (or batching.max_rows 1) holds its batch at one row,
-and `Engine.generate` runs one request as a batch of one.
+a tensor-parallel target batches as one rank does (its other ranks mirror each
+row), and `Engine.generate` runs one request as a batch of one.
 
 Faults. A call that finds the target gone marks the cluster down (its
 watcher restarts the target in the background). A row that had streamed

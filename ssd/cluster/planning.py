@@ -29,7 +29,7 @@ class StartupPlan:
         draft part, meta). The role done first keeps its core busy until the other is done."""
         from ssd.saguaro import startup
 
-        if not startup.wanted(self.config, world=len(self.targets)):
+        if not startup.wanted(self.config):
             return None
 
         def measure() -> tuple[dict, dict]:
@@ -48,7 +48,8 @@ class StartupPlan:
 
         device = "one cpu core each" if self.device == "cpu" else self.device  # each role's, for the cache key
         lent = ["draft's core lent"] if self._spare_cores(0) else []  # then the probes time AR on both
-        key, meta = startup.config_key(self.config, [device, "cluster", *lent])
+        tp = [f"target tp{len(self.targets)}"] if len(self.targets) > 1 else []  # probed through its leader
+        key, meta = startup.config_key(self.config, [device, "cluster", *lent, *tp])
         return (*startup.cached_probes(key, measure, meta), meta)
 
     def _plan(self, target_part: dict, draft_part: dict, meta: dict) -> None:

@@ -7,7 +7,7 @@ re-links it in the background while requests run degraded. A target rank
 that dies takes the service down: health listeners hear NOT_SERVING, the
 watcher starts every rank again, re-links the draft and reports SERVING.
 Requests run on one path, a batch on target rank 0 (ssd.cluster.batch, also
-for a tensor-parallel target, held at one row): a row that had streamed
+for a tensor-parallel target): a row that had streamed
 nothing yet waits and runs again from its prompt; one that had streamed
 tokens fails with GeneratorUnavailable (the client retries), since a re-run
 need not reproduce a sampled prefix. A forward that fails on a

@@ -5,8 +5,8 @@ batched step or few); every SSD round travels over the
 torch.distributed link between target rank 0 and the speculator. Target rank
 0 runs the same engines as one process (ssd.factory.make_engine, one
 per mode); the speculator runs the one draft-side host (ssd.saguaro.host).
-A tensor-parallel target hands its engines the leader's one sequence, so
-there the batch is held at one row (ssd.engine.batch).
+A tensor-parallel target hands its engines (and the start-up plan's probes)
+its leader (ssd.models.tp.TPLeader), whose sequences the other ranks mirror.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -113,7 +114,7 @@ class TargetWorker:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target[{rank}] %(name)s: %(message)s")
         pin_to_cores(cores)
         from ssd.models import load_model, load_tokenizer
-        from ssd.models.tp import TPLeaderSequence, init_tp_world, load_tp_model, tp_backend
+        from ssd.models.tp import TPLeader, init_tp_world, load_tp_model, tp_backend
 
         self.config: Config = from_dict(Config, config)
         self.cores = cores
@@ -123,6 +124,7 @@ class TargetWorker:
         self._pinned: tuple[tuple | None, int] = (None, torch.get_num_threads())  # ((cores, thread), threads)
         self.device = device  # "cuda": the one GPU this process sees
         self.rank, self.world = rank, world
+        self.tp_timeout = timedelta(seconds=self.config.cluster.tp_timeout_s)
         if world > 1:
             init_tp_world(rank, world, "127.0.0.1", tp_port, backend=tp_backend(device))
             self.model = load_tp_model(self.config.target, device)
@@ -130,8 +132,9 @@ class TargetWorker:
             self.model = load_model(self.config.target, device)
         if rank == 0:
             self.tokenizer = load_tokenizer(self.config.target)
-            # The followers mirror the leader's one sequence: the engines hold the batch at one row there.
-            self.leader = TPLeaderSequence(self.model) if world > 1 else None
+            # Under TP the engines and the plan's probes run on the leader: the followers mirror its sequences.
+            self.leader = TPLeader(self.model, timeout=self.tp_timeout) if world > 1 else None
+            self.target = self.leader or self.model
             self._engines: dict[str, Engine] = {}
             self._emitted: dict[str, list[int]] = {}  # row -> tokens admitted since the last step
             self._row_keys: dict[int, str] = {}  # id(request) -> row
@@ -150,11 +153,7 @@ class TargetWorker:
         from ssd.models.backend import forward_rows, new_sequence, release
 
         self._pin(self.cores)
-        if self.leader is not None:
-            self.leader.forward([0], last_only=True)
-            self.leader.reset()
-            return
-        sequence = new_sequence(self.model)
+        sequence = new_sequence(self.target)
         try:
             forward_rows([sequence], [[0]], last_only=True)
         finally:
@@ -171,7 +170,7 @@ class TargetWorker:
         from ssd.models.tp import run_tp_follower
 
         pin_to_cores(self.cores)
-        return run_tp_follower(self.model)
+        return run_tp_follower(self.model, timeout=self.tp_timeout)
 
     def link_address(self, across_hosts: bool) -> tuple[str, int]:
         """Where the draft meets this rank for a new link: loopback when it runs on
@@ -296,7 +295,7 @@ class TargetWorker:
         from ssd.saguaro.startup import continuations, sample_prompt_ids
 
         self._pin(self.cores)
-        return continuations(self.model, sample_prompt_ids(self.tokenizer))
+        return continuations(self.target, sample_prompt_ids(self.tokenizer))
 
     @compute
     def plan_probe(self, continued: dict[str, Any]) -> dict[str, Any]:
@@ -305,12 +304,12 @@ class TargetWorker:
         from ssd.saguaro.startup import target_probe
 
         self._pin(self.cores)
-        return target_probe(self.model) | {"sequences": continued["sequences"]}
+        return target_probe(self.target) | {"sequences": continued["sequences"]}
 
     @compute
     def plan_busy(self, until: list) -> int:
         self._pin(self.cores)
-        return plan_busy(self.model, until)
+        return plan_busy(self.target, until)
 
     @compute
     def plan_wide_probe(self) -> float | None:
@@ -323,7 +322,7 @@ class TargetWorker:
             return None
         self._pin([*self.cores, *self.spare_cores])
         try:
-            return wide_step_probe(self.model)
+            return wide_step_probe(self.target)
         finally:
             self._pin(self.cores)
 
@@ -366,9 +365,8 @@ class TargetWorker:
 
             if mode not in MODES:
                 raise ValueError(f"the cluster serves modes {MODES}, not {mode!r}")
-            # The draft is another actor. A tensor-parallel target's engines share the leader's one
-            # sequence: there the batch is held at one row (ssd.engine.batch).
-            pair = LoadedPair(self.leader or self.model, None, self.tokenizer)
+            # The draft is another actor; a tensor-parallel target is its leader.
+            pair = LoadedPair(self.target, None, self.tokenizer)
             self._engines[mode] = make_engine(
                 mode, pair, self.config.speculation, self.config.batching,
                 draft_timeout_s=self.config.cluster.draft_timeout_s,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from ssd.config import BatchingConfig
 from ssd.engine.batch import BatchedEngine
 from ssd.models.backend import Model
-from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer
 
 
@@ -13,6 +12,6 @@ class AREngine(BatchedEngine):
     mode = "ar"
 
     def __init__(
-        self, target: Model | KVSequence, tokenizer: Tokenizer, batching: BatchingConfig | None = None,
+        self, target: Model, tokenizer: Tokenizer, batching: BatchingConfig | None = None,
     ) -> None:
         super().__init__(target, tokenizer, batching=batching)

@@ -20,14 +20,13 @@ The serving worker drives it:
         for finished in engine.step():
             hand finished.result to finished.request's stream
 
-A tensor-parallel target (ssd.models.tp) is handed over as its leader's one
-KVSequence, whose cache operations the follower ranks mirror: there the batch
-is held at one row, which reuses that sequence.
+A tensor-parallel target (ssd.models.tp) is handed over as its leader, a
+model whose sequences the follower ranks mirror: its rows batch as any
+model's, each packed forward one command to the followers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -45,7 +44,6 @@ from ssd.engine.request import GenerationRequest, GenerationResult
 from ssd.engine.rows import Row, SequenceState, Verifier, emit, judge, new_state, next_token, result, score_prompt
 from ssd.engine.scheduler import Scheduler
 from ssd.models.backend import Model, forward_rows, precision_of
-from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer, eos_token_ids
 from ssd.verify import Outcome, verify
 
@@ -146,7 +144,7 @@ class BatchedEngine(Engine):
 
     def __init__(
         self,
-        target: Model | KVSequence,
+        target: Model,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
@@ -155,16 +153,10 @@ class BatchedEngine(Engine):
     ) -> None:
         """`speculation`: the settings for requests that bring none of their own.
 
-        `target` and `draft` are models of any backend (ssd.models.backend:
-        a torch module or a llama.cpp model), or `target` is the tensor-parallel leader's one
-        sequence (ssd.models.tp.TPLeaderSequence): its followers mirror one sequence,
-        so the batch is held at one row, which reuses it.
+        `target` and `draft` are models of any backend (ssd.models.backend: a torch
+        module, a llama.cpp model, or for `target` a tensor-parallel leader, ssd.models.tp.TPLeader).
         """
         batching = batching or BatchingConfig()
-        shared = target if isinstance(target, KVSequence) else None
-        if shared is not None:
-            target = shared.model
-            batching = dataclasses.replace(batching, max_rows=1)
         self.target_model, self.draft_model = target, draft
         self.tokenizer = tokenizer
         self.batching = batching
@@ -177,7 +169,7 @@ class BatchedEngine(Engine):
         if draft is not None:
             self.precision += f", draft {precision_of(draft)}"
         stops = frozenset(self.eos_ids)  # a prompt chunk also ends after one (ssd.engine.prefix)
-        self.kv = KVManager(target, draft, batching, stops, shared)
+        self.kv = KVManager(target, draft, batching, stops)
         self.scheduler = Scheduler(batching, self.kv.token_bytes, stops)
         self.lookup = PromptLookup()
 

@@ -9,9 +9,8 @@ chat's reply as its next turn's prompt chunks (`warm`). nano-vllm's block manage
 job over paged blocks; here a sequence is opaque (a torch KV cache or a llama.cpp slot) and
 what it can do (copy itself, keep a prefix) is the backend's.
 
-A tensor-parallel target (ssd.models.tp) is one sequence its follower ranks mirror: the
-manager hands that same sequence to the one row the batch holds, keeping the last prompt's
-whole chunks in it.
+A tensor-parallel target's sequences (ssd.models.tp) are handled as any: each is mirrored
+on the follower ranks, a copy or a release included.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from ssd.engine.rows import Row
 from ssd.models.backend import (
     AnySequence, Model, forward_rows, has_free_slot, kv_bytes_per_token, new_sequence, release, sequence_source,
 )
-from ssd.models.kv import KVSequence
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +34,11 @@ Sequences = tuple[AnySequence, AnySequence | None]
 class KVManager:
     """Sequences for rows, the prefix cache over finished ones, and shared prompt chunks."""
 
-    def __init__(self, target: Model, draft: Model | None, batching: BatchingConfig, stops: Collection[int],
-                 shared_target: KVSequence | None = None) -> None:
+    def __init__(self, target: Model, draft: Model | None, batching: BatchingConfig, stops: Collection[int]) -> None:
         self.batching, self.stops = batching, frozenset(stops)
         self.token_bytes = kv_bytes_per_token(target) + (kv_bytes_per_token(draft) if draft is not None else 0)
         self.target_source = self._source(target)
         self.draft_source = self._source(draft) if draft is not None else None
-        self.shared_target = shared_target
-        self.shared_whole = 0  # positions of the shared target's sequence the next prompt may reuse
         self.prefix = PrefixCache(batching.prefill_chunk, self.stops, self.token_bytes) if batching.prefix_cache else None
 
     def _source(self, model: Model) -> object:
@@ -68,8 +63,6 @@ class KVManager:
         an earlier request's whole prompt chunks the prompt starts with, or none. `reserved`: the
         bytes the running rows hold."""
         reuse = self.prefix is not None and request.prompt_logprobs is None  # those score every position
-        if self.shared_target is not None:
-            return self._open_shared(request, reuse)
         found = self.prefix.find(request.prompt_ids) if reuse else None
         if found is None:
             self._make_room(need_bytes + reserved, slots=True)
@@ -86,19 +79,6 @@ class KVManager:
             if sequence is not None:
                 sequence.rollback(cached)
         return entry.target, entry.draft, cached
-
-    def _open_shared(self, request: GenerationRequest, reuse: bool) -> tuple[AnySequence, AnySequence | None, int]:
-        """Tensor parallel: the one target sequence the followers mirror keeps the last prompt's
-        whole chunks (with no draft beside it to keep in step)."""
-        shared = self.shared_target
-        draft = new_sequence(self.draft_source) if self.draft_source is not None else None
-        cached = shared_chunks(shared.tokens[: self.shared_whole], request.prompt_ids,
-                               self.batching.prefill_chunk, self.stops) if reuse and draft is None else 0
-        if cached:
-            shared.rollback(cached)
-        else:
-            shared.reset()
-        return shared, draft, cached
 
     @staticmethod
     def _copies(target: AnySequence, draft: AnySequence | None, length: int) -> Sequences | None:
@@ -134,7 +114,7 @@ class KVManager:
         the `cached` ones the new row holds, and how many positions: `n` samples of one prompt,
         or requests under one system prompt, admitted together prefill the shared chunks once
         (vLLM and SGLang share them through their prefix caches the same way)."""
-        if self.prefix is None or self.shared_target is not None or request.prompt_logprobs is not None:
+        if self.prefix is None or request.prompt_logprobs is not None:
             return None, 0
         best, most = None, cached
         for row in rows:
@@ -180,24 +160,18 @@ class KVManager:
     def leave(self, row: Row) -> None:
         """A leaving row's caches wait for a later prompt (`_keep`) or go back (a llama.cpp slot
         is freed at once)."""
-        if row.target is self.shared_target:
-            self.shared_whole = 0
         if self._keep(row):
             return
-        if row.target is not self.shared_target:
-            release(row.target)
+        release(row.target)
         release(row.draft)
 
     def _keep(self, row: Row) -> bool:
         """Cache a finishing row's whole prompt chunks for later prompts; False: its caches go
-        back (the tensor-parallel target's one sequence stays, `shared_whole` of it kept)."""
+        back."""
         if self.prefix is None or row.error is not None:
             return False
         chunk, prompt, stops = self.batching.prefill_chunk, row.request.prompt_ids, self.stops
         whole = whole_chunks(prompt, min(row.prefilled, row.target.length), chunk, stops)
-        if row.target is self.shared_target:  # it stays; `shared_whole` of it serve the next prompt
-            self.shared_whole = common_chunks(row.target.tokens, prompt, chunk, stops, limit=whole)
-            return False
         sequences = [s for s in (row.target, row.draft) if s is not None]
         if not all(s.keeps_prefix for s in sequences):
             return False

@@ -10,7 +10,6 @@ from ssd.engine.proposers import Proposal
 from ssd.engine.rows import Row, SequenceState, Verifier
 from ssd.engine.drafting import Chain, draft_chains
 from ssd.models.backend import Model, forward_rows
-from ssd.models.kv import KVSequence
 from ssd.models.tokenizer import Tokenizer
 from ssd.verify import verify
 
@@ -20,7 +19,7 @@ class SDEngine(BatchedEngine):
 
     def __init__(
         self,
-        target: Model | KVSequence,
+        target: Model,
         draft: Model | None,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,

@@ -1,10 +1,13 @@
 """The backend seam (issue 31): what the engines ask of a model, one function per operation.
 
-A model is a torch `nn.Module` (sequences: ssd.models.kv.KVSequence) or a
-llama.cpp `ssd.models.llamacpp.LlamaCppModel` (sequences: LlamaCppSequence).
-Each function here hands its call to the model's (or sequence's) `Ops`,
-TorchOps or LlamaCppOps, picked by `ops_of`, the one place that asks which
-backend an object is of; so an engine runs on either without knowing which:
+A model is a torch `nn.Module` (sequences: ssd.models.kv.KVSequence), a
+llama.cpp `ssd.models.llamacpp.LlamaCppModel` (sequences: LlamaCppSequence)
+or a tensor-parallel target's leader (ssd.models.tp.TPLeader: sequences
+mirrored on every rank, TPSequence). Each function here hands its call to the
+model's (or sequence's) `Ops`, TorchOps, LlamaCppOps or the tensor-parallel
+TPOps (which its objects name as `backend_ops`), picked by `ops_of`, the one
+place that asks which backend an object is of; so an engine runs on any
+without knowing which:
 
     source = sequence_source(model, rows, max_tokens, kv_tokens)   # once per engine
     seq = new_sequence(source)                                     # one per row
@@ -203,6 +206,9 @@ def ops_of(obj: object) -> Ops:
     empty answers are the old ones). The one place that tells the backends apart."""
     if isinstance(obj, KVSequence):  # the hot path's rows: no look at llama.cpp's classes
         return TORCH
+    own = getattr(type(obj), "backend_ops", None)  # a tensor-parallel target and its sequences (ssd.models.tp)
+    if own is not None:
+        return own
     return LLAMACPP if is_llamacpp(obj) else TORCH
 
 

@@ -329,15 +329,10 @@ def plan_in_process(target: Model, draft: Model, tokenizer, key: str, meta: dict
     return load_or_measure(key, measure, meta, directory)
 
 
-def wanted(config: Config, world: int = 1) -> bool:
-    """Whether to plan: asked for, SSD is the default mode, and one target rank (a
-    tensor-parallel target's forward needs every rank: its probe is not written)."""
-    if not (config.runtime.plan and config.speculation.mode == "ssd"):
-        return False
-    if world > 1:
-        log.info("SSD plan: skipped for a %d-rank target; K, budget and glue as configured", world)
-        return False
-    return True
+def wanted(config: Config) -> bool:
+    """Whether to plan: asked for, and SSD is the default mode. A tensor-parallel target is
+    probed through its leader (ssd.models.tp.TPLeader), the other ranks mirroring each forward."""
+    return bool(config.runtime.plan and config.speculation.mode == "ssd")
 
 
 def config_key(config: Config, devices: Sequence[str]) -> tuple[str, dict[str, Any]]:

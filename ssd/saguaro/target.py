@@ -33,8 +33,7 @@ from ssd.engine.batch import BatchedEngine, Finished
 from ssd.engine.proposers import Proposal
 from ssd.engine.rows import Row, SequenceState, Verifier
 from ssd.engine.request import GenerationRequest
-from ssd.models.kv import KVSequence
-from ssd.models.backend import precision_of
+from ssd.models.backend import Model, precision_of
 from ssd.models.tokenizer import Tokenizer
 from ssd.saguaro import protocol
 from ssd.saguaro.adaptive_k import KController
@@ -122,7 +121,7 @@ class SSDEngine(BatchedEngine):
 
     def __init__(
         self,
-        target: torch.nn.Module | KVSequence,
+        target: Model,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,
         batching: BatchingConfig | None = None,
@@ -156,7 +155,7 @@ class SSDEngine(BatchedEngine):
     @classmethod
     def in_process(
         cls,
-        target: torch.nn.Module | KVSequence,
+        target: Model,
         draft: torch.nn.Module,
         tokenizer: Tokenizer,
         speculation: SpeculationConfig | None = None,

@@ -1,8 +1,8 @@
 """The server's backend over the distributed runtime. AR and SSD rows batch on
 target rank 0 (one Ray call per step, or per several fast ones within
 cluster.step_call_s: ssd.cluster.batch), each row's tokens coming back with
-the call that admitted them; a tensor-parallel target (or
-batching.max_rows 1) holds that batch at one row. Over replicas
+the call that admitted them (a tensor-parallel target's too);
+batching.max_rows 1 holds that batch at one row. Over replicas
 (ssd.cluster.replicas) the rows route to the replica with the most room;
 /metrics then carries per-replica series."""
 
@@ -31,7 +31,7 @@ class ClusterBackend(TokenizerMixin):
 
     def batch_engine(self, mode: str) -> Engine:
         """`mode`'s batch on target rank 0 (a Ray call per step or few), held at one row
-        there on a tensor-parallel target or with batching.max_rows 1."""
+        there with batching.max_rows 1."""
         if mode not in self.info.modes:
             raise ValueError(f"the cluster serves modes {self.info.modes}, not {mode!r}")
         return self.cluster.batch_engine(mode)

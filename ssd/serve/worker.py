@@ -17,7 +17,7 @@ Scheduling policy:
 * Modes in turn. Each loop steps one engine that has rows, round-robin over
   the modes (one `step` each), so a busy mode cannot starve another.
 * One path. Every mode runs on its batch engine, including those held at one
-  row (batching.max_rows 1, a tensor-parallel cluster target): there a
+  row (batching.max_rows 1): there a
   request waits at the head of the queue until the row is free.
 * Rows leave the moment they end: every `Finished` the step returns is
   completed at once (result, error or aborted); a row's tokens stream through
