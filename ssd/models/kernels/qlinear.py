@@ -1,0 +1,145 @@
+"""Linear layers on a GGUF file's own k-quant weights, through the C kernel (qmatmul.c).
+
+`QLinear` stands where an nn.Linear stood: its weights are the GGUF tensor's
+blocks, repacked once without loss (`repack`), so the model's quality is the
+file's. Its input is quantized per row to 8 bits (one scale per 256 values,
+llama.cpp's Q8_K), and every product is an integer sum, so a row's output is
+bit-identical whatever other rows share the call (the engines' batch
+invariance). Several layers that read the same input (q/k/v, gate/up) are one
+QLinear with several parts: the input is quantized once and each part is one
+kernel call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K as GGUF_Q4_K
+from torch import nn
+
+from ssd.models.kernels.build import load
+
+QK = 256
+FORMATS = {GGMLQuantizationType.Q4_K: 0, GGMLQuantizationType.Q6_K: 1}
+GGUF_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}
+
+
+def supported(kind: GGMLQuantizationType, in_features: int) -> bool:
+    return kind in FORMATS and in_features % QK == 0
+
+
+def repack(kind: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
+    """The kernel's blocks ([out, blocks * block bytes] uint8; layout in qmatmul.c) from a GGUF
+    tensor's raw blocks ([out, bytes per row] uint8, as gguf.GGUFReader gives them). Lossless:
+    the same integers and fp16 scales, moved."""
+    if kind not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"no kernel for GGUF type {kind.name}")
+    out = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, GGUF_BLOCK_BYTES[kind])
+    if kind == GGMLQuantizationType.Q4_K:
+        sc, mins = GGUF_Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        qs = blocks[:, 16:144].reshape(-1, 4, 32)  # byte 32j + l: weights 64j + l (low), 64j + 32 + l (high)
+        quants = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK)
+        head = [blocks[:, 0:4], sc.reshape(-1, 8).astype(np.uint8), mins.reshape(-1, 8).astype(np.uint8)]
+        packed = head + _vector_layout(quants, high_bits=False)
+    else:
+        ql, qh = blocks[:, 0:128].reshape(-1, 2, 2, 32), blocks[:, 128:192].reshape(-1, 2, 1, 32)
+        # Half n, weight 32 s + l (s = 0..3): low nibble of ql[64n + 32 (s % 2) + l] (s < 2) or its high
+        # nibble (s >= 2); bits 4-5 from qh[32n + l] >> 2 s.
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [blocks, half, s, 32]
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
+        quants = (low | (high << 4)).reshape(-1, QK)
+        packed = [blocks[:, 208:210], blocks[:, 192:208]] + _vector_layout(quants, high_bits=True)
+    return np.concatenate(packed, axis=1).reshape(out, -1)
+
+
+def _vector_layout(quants: np.ndarray, high_bits: bool) -> list[np.ndarray]:
+    """Quants [blocks, 256] in natural order -> the kernel's nibble bytes (and Q6_K's high bits):
+    weight 16 g + k goes to vector k // 4, byte 4 g + k % 4."""
+    vectors = quants.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, 4, 64)  # [blocks, j, 4 g + b]
+    nibbles = [(vectors[:, 0] & 0x0F) | ((vectors[:, 1] & 0x0F) << 4),
+               (vectors[:, 2] & 0x0F) | ((vectors[:, 3] & 0x0F) << 4)]
+    parts = [np.concatenate(nibbles, axis=1).astype(np.uint8)]
+    if high_bits:
+        top = (vectors >> 4) & 3
+        parts.append((top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)).astype(np.uint8))
+    return parts
+
+
+class QLinear(nn.Module):
+    """One or more linear layers that read the same input, on repacked GGUF k-quant weights (CPU).
+
+    parts: (format, packed weights [out, bytes] uint8 tensor) per layer, each
+    layer's outputs after the previous one's. `forward` returns one tensor when
+    there is one part, else a tuple (as FusedInt8Linear does). Holds nothing
+    per call, so threads may share it.
+    """
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if in_features % QK:
+            raise ValueError(f"in_features {in_features} is not a multiple of {QK}")
+        self.lib = load()
+        self.in_features = in_features
+        self.formats = [fmt for fmt, _ in parts]
+        self.sizes = [weights.shape[0] for _, weights in parts]
+        self.out_features = sum(self.sizes)
+        for index, (fmt, weights) in enumerate(parts):
+            expect = in_features // QK * self.lib.ssd_block_bytes(fmt)
+            if weights.dtype != torch.uint8 or weights.dim() != 2 or weights.shape[1] != expect:
+                raise ValueError(f"part {index}: weights must be uint8 [out, {expect}], got {weights.dtype} "
+                                 f"{list(weights.shape)}")
+            self.register_buffer(f"weights{index}", weights.contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_gguf(cls, kind: GGMLQuantizationType, raw: np.ndarray, bias: torch.Tensor | None = None) -> "QLinear":
+        blocks = raw.shape[1] // GGUF_BLOCK_BYTES[kind]
+        return cls([(FORMATS[kind], torch.from_numpy(repack(kind, raw)))], blocks * QK, bias)
+
+    @classmethod
+    def fuse(cls, layers: list["QLinear"]) -> "QLinear":
+        """One layer computing every layer's outputs side by side, bit for bit."""
+        parts = [part for layer in layers for part in layer.parts()]
+        biases = [layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]
+        bias = None if all(layer.bias is None for layer in layers) else torch.cat(biases)
+        fused = cls(parts, layers[0].in_features, bias)
+        fused.split_sizes = [layer.out_features for layer in layers]
+        return fused
+
+    def parts(self) -> list[tuple[int, torch.Tensor]]:
+        return [(fmt, getattr(self, f"weights{i}")) for i, fmt in enumerate(self.formats)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        _follow_torch_threads(self.lib)
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        n, k = rows.shape
+        q = torch.empty((n, k), dtype=torch.int8)
+        scale = torch.empty((n, k // QK), dtype=torch.float32)
+        bsum = torch.empty((n, k // 16), dtype=torch.float32)
+        self.lib.ssd_quantize_rows(rows.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), bsum.data_ptr())
+        out = torch.empty((n, self.out_features), dtype=torch.float32)
+        start = 0
+        for fmt, weights in self.parts():  # each part writes its columns of `out` in place
+            self.lib.ssd_matmul(weights.data_ptr(), fmt, weights.shape[0], k, q.data_ptr(), scale.data_ptr(),
+                                bsum.data_ptr(), n, out.data_ptr() + 4 * start, self.out_features)
+            start += weights.shape[0]
+        if self.bias is not None:
+            out += self.bias
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        sizes = getattr(self, "split_sizes", None)
+        return out.split(sizes, dim=-1) if sizes else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF k-quants {self.formats}"
+
+
+_threads = [0]
+
+
+def _follow_torch_threads(lib) -> None:
+    """The kernel's thread pool as wide as torch's: the process's one thread setting rules both."""
+    threads = torch.get_num_threads()
+    if threads != _threads[0]:
+        _threads[0] = lib.ssd_set_threads(threads)
