@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from ssd.config import ConfigError, GenerationConfig, ModelConfig, SamplingConfig, SpeculationConfig, TinyModelConfig
 from ssd.engine import AREngine, SDEngine
@@ -32,7 +32,10 @@ from tests.test_distribution import accept_all, exact_joint, sd_samples
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler for the GGUF kernels")
 
-QUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+QUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k, T.Q5_0: lambda w: quantize(w, T.Q5_0),
+              T.Q8_0: lambda w: quantize(w, T.Q8_0)}
+KINDS = pytest.mark.parametrize("kind, cols", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q5_0, 896), (T.Q8_0, 896)],
+                                ids=["q4_k", "q6_k", "q5_0-padded", "q8_0-padded"])
 ISAS = list(range(build.load().ssd_best_isa() + 1)) if build.available() else []
 # Rows in blocks of 256: the smallest shapes whose linears all run on the kernels.
 KTINY = TinyModelConfig(vocab_size=16, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -59,30 +62,30 @@ def uneven_rows(n: int, cols: int = 768, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, cols, generator=gen) * torch.logspace(-2, 2, n)[:, None]
 
 
-def rows_depend_on_each_other(layer) -> bool:
+def rows_depend_on_each_other(layer, cols: int = 768) -> bool:
     """Whether any row's output at 1..16 rows differs from that row computed alone."""
-    rows = uneven_rows(16)
+    rows = uneven_rows(16, cols)
     alone = torch.cat([layer(rows[i : i + 1]) for i in range(16)])
     return any(not torch.equal(layer(rows[:n]), alone[:n]) for n in range(2, 17))
 
 
-@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=["q4_k", "q6_k"])
+@KINDS
 @pytest.mark.parametrize("isa", ISAS)
-def test_products_are_the_files_weights_times_the_rows(kind, isa):
+def test_products_are_the_files_weights_times_the_rows(kind, cols, isa):
     build.load().ssd_set_isa(isa)
-    layer, raw = random_layer(kind)
-    x = uneven_rows(9)
+    layer, raw = random_layer(kind, cols=cols)
+    x = uneven_rows(9, cols)
     exact = x @ torch.from_numpy(dequantize(raw, kind)).T
     error = ((layer(x) - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max()
     assert error < 0.02  # 8-bit activations, one scale per 256 values
 
 
-@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=["q4_k", "q6_k"])
+@KINDS
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_rows_output_is_the_same_whatever_shares_its_call(kind, isa):
+def test_a_rows_output_is_the_same_whatever_shares_its_call(kind, cols, isa):
     build.load().ssd_set_isa(isa)
-    layer, _ = random_layer(kind)
-    assert not rows_depend_on_each_other(layer)
+    layer, _ = random_layer(kind, cols=cols)
+    assert not rows_depend_on_each_other(layer, cols)
 
 
 def test_the_invariance_check_catches_a_reduction_reordered_by_row_count():
@@ -97,9 +100,10 @@ def test_the_invariance_check_catches_a_reduction_reordered_by_row_count():
     assert rows_depend_on_each_other(reordered)
 
 
-def test_every_instruction_set_and_thread_count_gives_the_same_bits():
-    layer, _ = random_layer(T.Q6_K, out=200)
-    x = uneven_rows(11)
+@KINDS
+def test_every_instruction_set_and_thread_count_gives_the_same_bits(kind, cols):
+    layer, _ = random_layer(kind, out=200, cols=cols)
+    x = uneven_rows(11, cols)
     lib = build.load()
     results = []
     for isa in ISAS:
@@ -119,8 +123,8 @@ def test_fused_layers_compute_what_the_separate_layers_do():
 
 
 def test_bad_weights_are_refused_naming_the_shape():
-    with pytest.raises(ValueError, match="in_features 300"):
-        QLinear([(0, torch.zeros(4, 10, dtype=torch.uint8))], 300)
+    with pytest.raises(ValueError, match="in_features 300 is not a multiple of 32"):
+        QLinear([(0, torch.zeros(4, 10, dtype=torch.uint8))], 300)  # not whole blocks of 32
     with pytest.raises(ValueError, match=r"part 0: weights must be uint8 \[out, 148\]"):
         QLinear([(0, torch.zeros(4, 10, dtype=torch.uint8))], 256)
 

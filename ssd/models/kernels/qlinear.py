@@ -21,12 +21,21 @@ from torch import nn
 from ssd.models.kernels.build import load
 
 QK = 256
-FORMATS = {GGMLQuantizationType.Q4_K: 0, GGMLQuantizationType.Q6_K: 1}
-GGUF_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}
+FORMATS = {GGMLQuantizationType.Q4_K: 0, GGMLQuantizationType.Q6_K: 1, GGMLQuantizationType.Q5_0: 2,
+           GGMLQuantizationType.Q8_0: 3}
+GGUF_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210,
+                    GGMLQuantizationType.Q5_0: 22, GGMLQuantizationType.Q8_0: 34}
+GGUF_BLOCK_WEIGHTS = {GGMLQuantizationType.Q4_K: QK, GGMLQuantizationType.Q6_K: QK,
+                      GGMLQuantizationType.Q5_0: 32, GGMLQuantizationType.Q8_0: 32}
 
 
 def supported(kind: GGMLQuantizationType, in_features: int) -> bool:
-    return kind in FORMATS and in_features % QK == 0
+    return kind in FORMATS and in_features % GGUF_BLOCK_WEIGHTS[kind] == 0
+
+
+def padded(in_features: int) -> int:
+    """Inputs as the kernel reads them: whole blocks of 256 (Q5_0 / Q8_0 rows are padded with zeros)."""
+    return -(-in_features // QK) * QK
 
 
 def repack(kind: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
@@ -37,6 +46,8 @@ def repack(kind: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
         raise ValueError(f"no kernel for GGUF type {kind.name}")
     out = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, GGUF_BLOCK_BYTES[kind])
+    if kind in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0):
+        return _repack_bytes(kind, blocks.reshape(out, -1, GGUF_BLOCK_BYTES[kind]))
     if kind == GGMLQuantizationType.Q4_K:
         sc, mins = GGUF_Q4_K.get_scale_min(blocks[:, 4:16].copy())
         qs = blocks[:, 16:144].reshape(-1, 4, 32)  # byte 32j + l: weights 64j + l (low), 64j + 32 + l (high)
@@ -52,6 +63,29 @@ def repack(kind: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
         quants = (low | (high << 4)).reshape(-1, QK)
         packed = [blocks[:, 208:210], blocks[:, 192:208]] + _vector_layout(quants, high_bits=True)
     return np.concatenate(packed, axis=1).reshape(out, -1)
+
+
+def _repack_bytes(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q8_0 blocks [out, n, bytes] -> 272-byte blocks of 256 weights: fp16 d[8], then the quants
+    as unsigned bytes (Q5_0's q as stored; Q8_0's q + 128) in the vector layout; zero blocks pad a row."""
+    out, n = blocks.shape[:2]
+    whole = -(-n // 8) * 8
+    d = np.zeros((out, whole, 2), dtype=np.uint8)
+    d[:, :n] = blocks[:, :, 0:2]
+    if kind == GGMLQuantizationType.Q8_0:
+        q = (blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    else:  # weight l < 16: low nibble of qs[l]; l >= 16: high nibble of qs[l - 16]; bit 4 is bit l of qh
+        qh = blocks[:, :, 2:6].copy().view("<u4")[..., 0]
+        qs = blocks[:, :, 6:22]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+        high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = low | (high << 4)
+    quants = np.zeros((out, whole, 32), dtype=np.uint8)
+    quants[:, :n] = q
+    if kind == GGMLQuantizationType.Q8_0:
+        quants[:, n:] = 128
+    vectors = quants.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, QK)
+    return np.concatenate([d.reshape(-1, 16), vectors], axis=1).reshape(out, -1)
 
 
 def _vector_layout(quants: np.ndarray, high_bits: bool) -> list[np.ndarray]:
@@ -78,15 +112,15 @@ class QLinear(nn.Module):
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if in_features % QK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {QK}")
+        if in_features % 32:
+            raise ValueError(f"in_features {in_features} is not a multiple of 32")
         self.lib = load()
-        self.in_features = in_features
+        self.in_features, self.padded = in_features, padded(in_features)
         self.formats = [fmt for fmt, _ in parts]
         self.sizes = [weights.shape[0] for _, weights in parts]
         self.out_features = sum(self.sizes)
         for index, (fmt, weights) in enumerate(parts):
-            expect = in_features // QK * self.lib.ssd_block_bytes(fmt)
+            expect = self.padded // QK * self.lib.ssd_block_bytes(fmt)
             if weights.dtype != torch.uint8 or weights.dim() != 2 or weights.shape[1] != expect:
                 raise ValueError(f"part {index}: weights must be uint8 [out, {expect}], got {weights.dtype} "
                                  f"{list(weights.shape)}")
@@ -95,8 +129,8 @@ class QLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, kind: GGMLQuantizationType, raw: np.ndarray, bias: torch.Tensor | None = None) -> "QLinear":
-        blocks = raw.shape[1] // GGUF_BLOCK_BYTES[kind]
-        return cls([(FORMATS[kind], torch.from_numpy(repack(kind, raw)))], blocks * QK, bias)
+        in_features = raw.shape[1] // GGUF_BLOCK_BYTES[kind] * GGUF_BLOCK_WEIGHTS[kind]
+        return cls([(FORMATS[kind], torch.from_numpy(repack(kind, raw)))], in_features, bias)
 
     @classmethod
     def fuse(cls, layers: list["QLinear"]) -> "QLinear":
@@ -113,7 +147,10 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         _follow_torch_threads(self.lib)
-        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        if self.padded != self.in_features:  # zero inputs against zero-scale blocks: nothing added
+            rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))
+        rows = rows.contiguous()
         n, k = rows.shape
         q = torch.empty((n, k), dtype=torch.int8)
         scale = torch.empty((n, k // QK), dtype=torch.float32)

@@ -23,6 +23,9 @@
  *   Q6_K (q in 0..63):  ds_g = d * sc[g],       dm_g = 32 * d * sc[g]
  * (ds_g and dm_g are exact in fp32: an fp16 times a small integer.)
  *
+ *   Q5_0, Q8_0 (per 32 weights j: fp16 d_j, q - 16 or q in int8):
+ *                       ds_g = d_{g/2},  dm_g = 16 or 128 * d_{g/2}   (q stored + 16 or + 128)
+ *
  * Layout (ssd.models.kernels.qlinear repacks the GGUF blocks once, losslessly):
  * weight (group g, byte b of 16) sits in vector j = b / 4 (64 bytes), lane g,
  * byte b % 4, so one u8 x s8 dot instruction (4 bytes per 32-bit lane) sums
@@ -32,6 +35,8 @@
  * Q6_K adds 64 bytes whose bits 2j..2j+1 are vector j's bits 4-5.
  *   Q4_K block, 148 bytes: fp16 d, fp16 dmin, u8 sc[8], u8 m[8], quants[128]
  *   Q6_K block, 210 bytes: fp16 d, i8 sc[16], quants[128], high[64]
+ *   Q5_0 / Q8_0, 272 bytes per 256 weights: fp16 d[8], then the 4 vectors of whole bytes
+ * (inputs not in whole blocks of 256 are padded with zero-scale blocks and zero inputs).
  */
 #include <math.h>
 #include <pthread.h>
@@ -42,10 +47,13 @@
 #define QK 256
 #define GROUPS 16
 
-enum { FMT_Q4K = 0, FMT_Q6K = 1 };
+enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q5_0 = 2, FMT_Q8_0 = 3 };
 
-int ssd_block_bytes(int fmt) { return fmt == FMT_Q4K ? 148 : 210; }
-static inline int quants_offset(int fmt) { return fmt == FMT_Q4K ? 20 : 18; }
+/* Q5_0 and Q8_0 (32 weights per fp16 scale) as whole bytes: q + 16 and q + 128, unsigned. */
+static inline int is_bytes(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q8_0; }
+static inline float byte_offset(int fmt) { return fmt == FMT_Q5_0 ? 16.0f : 128.0f; }
+int ssd_block_bytes(int fmt) { return fmt == FMT_Q4K ? 148 : fmt == FMT_Q6K ? 210 : 272; }
+static inline int quants_offset(int fmt) { return fmt == FMT_Q4K ? 20 : fmt == FMT_Q6K ? 18 : 16; }
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -68,7 +76,13 @@ static void block_factors(int fmt, const uint8_t *blk, float *ds, float *dm) {
     uint16_t dh, mh;
     memcpy(&dh, blk, 2);
     float d = half_to_float(dh);
-    if (fmt == FMT_Q4K) {
+    if (is_bytes(fmt)) {
+        for (int g = 0; g < GROUPS; ++g) {
+            memcpy(&dh, blk + 2 * (g / 2), 2);
+            ds[g] = half_to_float(dh);
+            dm[g] = byte_offset(fmt) * ds[g];
+        }
+    } else if (fmt == FMT_Q4K) {
         memcpy(&mh, blk + 2, 2);
         float dmin = half_to_float(mh);
         for (int g = 0; g < GROUPS; ++g) {
@@ -115,7 +129,8 @@ static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0
         for (int64_t b = 0; b < job->blocks; ++b) {
             const uint8_t *blk = job->weights + (c * job->blocks + b) * stride;
             const uint8_t *quants = blk + quants_offset(job->fmt);
-            for (int i = 0; i < 64; ++i) {
+            if (is_bytes(job->fmt)) memcpy(w, quants, QK);
+            else for (int i = 0; i < 64; ++i) {
                 w[i] = quants[i] & 0xF;
                 w[64 + i] = quants[i] >> 4;
                 w[128 + i] = quants[64 + i] & 0xF;
@@ -150,6 +165,16 @@ static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0
 /* block_factors with vector conversions (the scalar loop cost more than the block's dot products):
    16 integer scales and 16 offsets, one per group, times d and dmin. Same values, exactly. */
 AVX2 static inline void factors_avx2(int fmt, const uint8_t *blk, __m256 *ds, __m256 *dm) {
+    if (is_bytes(fmt)) { /* d_j for groups 2j, 2j + 1 */
+        __m128i halves = _mm_loadu_si128((const __m128i *)blk);
+        __m128i lo = _mm_unpacklo_epi16(halves, halves), hi = _mm_unpackhi_epi16(halves, halves);
+        ds[0] = _mm256_cvtph_ps(lo);
+        ds[1] = _mm256_cvtph_ps(hi);
+        __m256 off = _mm256_set1_ps(byte_offset(fmt));
+        dm[0] = _mm256_mul_ps(off, ds[0]);
+        dm[1] = _mm256_mul_ps(off, ds[1]);
+        return;
+    }
     uint16_t halves[2];
     memcpy(halves, blk, 4);
     __m256 d = _mm256_set1_ps(_cvtsh_ss(halves[0]));
@@ -183,7 +208,10 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
             const uint8_t *blk = job->weights + (c * job->blocks + b) * stride;
             const uint8_t *quants = blk + quants_offset(job->fmt);
             __m256i w[4][2];
-            for (int h = 0; h < 2; ++h)
+            if (is_bytes(job->fmt))
+                for (int j = 0; j < 4; ++j)
+                    for (int h = 0; h < 2; ++h) w[j][h] = _mm256_loadu_si256((const __m256i *)(quants + 64 * j + 32 * h));
+            else for (int h = 0; h < 2; ++h)
                 for (int part = 0; part < 2; ++part) { /* bytes 64 part + 32 h: vectors 2 part, 2 part + 1 */
                     __m256i nib = _mm256_loadu_si256((const __m256i *)(quants + 64 * part + 32 * h));
                     __m256i lo = _mm256_and_si256(nib, low4), hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4);
@@ -205,7 +233,17 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
                     __m256i isum = _mm256_setzero_si256();
                     for (int j = 0; j < 4; ++j) {
                         __m256i av = _mm256_loadu_si256((const __m256i *)(a + 64 * j + 32 * h));
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j][h], av), ones));
+                        if (job->fmt == FMT_Q8_0) { /* q + 128 <= 255: a pair of products can pass int16 */
+                            __m256i wl = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w[j][h]));
+                            __m256i wh = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w[j][h], 1));
+                            __m256i al = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(av));
+                            __m256i ah = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(av, 1));
+                            /* int32 lane i sums bytes 2i, 2i + 1: regroup to 4-byte lanes with hadd */
+                            __m256i pl = _mm256_madd_epi16(wl, al), ph = _mm256_madd_epi16(wh, ah);
+                            __m256i quads = _mm256_hadd_epi32(pl, ph); /* lanes: l0 l1 h0 h1 | l2 l3 h2 h3 */
+                            isum = _mm256_add_epi32(isum, _mm256_permutevar8x32_epi32(quads, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)));
+                        } else
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j][h], av), ones));
                     }
                     __m256 off = _mm256_mul_ps(_mm256_loadu_ps(bsum + 8 * h), vdm[h]);
                     __m256 lane = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), vds[h], off);
@@ -233,7 +271,9 @@ VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r
             const uint8_t *blk = job->weights + (c * job->blocks + b) * stride;
             const uint8_t *quants = blk + quants_offset(job->fmt);
             __m512i w[4];
-            for (int part = 0; part < 2; ++part) {
+            if (is_bytes(job->fmt))
+                for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_si512(quants + 64 * j);
+            else for (int part = 0; part < 2; ++part) {
                 __m512i nib = _mm512_loadu_si512(quants + 64 * part);
                 __m512i lo = _mm512_and_si512(nib, low4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
                 if (job->fmt == FMT_Q6K) {
