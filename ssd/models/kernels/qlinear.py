@@ -66,8 +66,9 @@ def repack(kind: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
 
 
 def _repack_bytes(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q8_0 blocks [out, n, bytes] -> 272-byte blocks of 256 weights: fp16 d[8], then the quants
-    as unsigned bytes (Q5_0's q as stored; Q8_0's q + 128) in the vector layout; zero blocks pad a row."""
+    """Q5_0 / Q8_0 blocks [out, n, bytes] -> blocks of 256 weights (layout in qmatmul.c): fp16 d[8],
+    then the unsigned quants (Q5_0's q as stored, as nibbles and a plane of bit 4; Q8_0's q + 128 as
+    bytes) in the vector layout; zero-scale blocks pad a row to whole blocks of 256."""
     out, n = blocks.shape[:2]
     whole = -(-n // 8) * 8
     d = np.zeros((out, whole, 2), dtype=np.uint8)
@@ -83,9 +84,13 @@ def _repack_bytes(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.ndarray:
     quants = np.zeros((out, whole, 32), dtype=np.uint8)
     quants[:, :n] = q
     if kind == GGMLQuantizationType.Q8_0:
-        quants[:, n:] = 128
-    vectors = quants.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, QK)
-    return np.concatenate([d.reshape(-1, 16), vectors], axis=1).reshape(out, -1)
+        quants[:, n:] = 128  # zero-scale padding either way; 128 is Q8_0's zero
+        vectors = quants.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, QK)
+        return np.concatenate([d.reshape(-1, 16), vectors], axis=1).reshape(out, -1)
+    packed = _vector_layout(quants.reshape(-1, QK), high_bits=False)[0]
+    vectors = quants.reshape(-1, 16, 4, 4).transpose(0, 2, 1, 3).reshape(-1, 4, 64)
+    high = np.packbits((vectors >> 4) & 1, axis=2, bitorder="little").reshape(-1, 32)  # bit i: byte i's bit 4
+    return np.concatenate([d.reshape(-1, 16), packed, high], axis=1).reshape(out, -1)
 
 
 def _vector_layout(quants: np.ndarray, high_bits: bool) -> list[np.ndarray]:

@@ -35,7 +35,9 @@
  * Q6_K adds 64 bytes whose bits 2j..2j+1 are vector j's bits 4-5.
  *   Q4_K block, 148 bytes: fp16 d, fp16 dmin, u8 sc[8], u8 m[8], quants[128]
  *   Q6_K block, 210 bytes: fp16 d, i8 sc[16], quants[128], high[64]
- *   Q5_0 / Q8_0, 272 bytes per 256 weights: fp16 d[8], then the 4 vectors of whole bytes
+ *   Q5_0 block of 256, 176 bytes: fp16 d[8], quants[128], high[32] (bit i of bytes 8j..8j+7: byte i
+ *   of vector j's bit 4)
+ *   Q8_0 block of 256, 272 bytes: fp16 d[8], then the 4 vectors as whole bytes
  * (inputs not in whole blocks of 256 are padded with zero-scale blocks and zero inputs).
  */
 #include <math.h>
@@ -49,10 +51,12 @@
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q5_0 = 2, FMT_Q8_0 = 3 };
 
-/* Q5_0 and Q8_0 (32 weights per fp16 scale) as whole bytes: q + 16 and q + 128, unsigned. */
-static inline int is_bytes(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q8_0; }
+/* Q5_0 and Q8_0 keep one fp16 scale per 32 weights; their quants are stored unsigned (q + 16 as
+   GGUF stores Q5_0's, q + 128 for Q8_0's int8) and offset back through dm. Q8_0 as whole bytes. */
+static inline int per32(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q8_0; }
+static inline int is_bytes(int fmt) { return fmt == FMT_Q8_0; }
 static inline float byte_offset(int fmt) { return fmt == FMT_Q5_0 ? 16.0f : 128.0f; }
-int ssd_block_bytes(int fmt) { return fmt == FMT_Q4K ? 148 : fmt == FMT_Q6K ? 210 : 272; }
+int ssd_block_bytes(int fmt) { return fmt == FMT_Q4K ? 148 : fmt == FMT_Q6K ? 210 : fmt == FMT_Q5_0 ? 176 : 272; }
 static inline int quants_offset(int fmt) { return fmt == FMT_Q4K ? 20 : fmt == FMT_Q6K ? 18 : 16; }
 
 static float half_to_float(uint16_t h) {
@@ -76,7 +80,7 @@ static void block_factors(int fmt, const uint8_t *blk, float *ds, float *dm) {
     uint16_t dh, mh;
     memcpy(&dh, blk, 2);
     float d = half_to_float(dh);
-    if (is_bytes(fmt)) {
+    if (per32(fmt)) {
         for (int g = 0; g < GROUPS; ++g) {
             memcpy(&dh, blk + 2 * (g / 2), 2);
             ds[g] = half_to_float(dh);
@@ -137,6 +141,8 @@ static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0
                 w[192 + i] = quants[64 + i] >> 4;
                 if (job->fmt == FMT_Q6K)
                     for (int j = 0; j < 4; ++j) w[64 * j + i] |= ((quants[128 + i] >> (2 * j)) & 3) << 4;
+                if (job->fmt == FMT_Q5_0)
+                    for (int j = 0; j < 4; ++j) w[64 * j + i] |= ((quants[128 + 8 * j + i / 8] >> (i % 8)) & 1) << 4;
             }
             block_factors(job->fmt, blk, ds, dm);
             for (int64_t r = 0; r < tile; ++r) {
@@ -165,7 +171,7 @@ static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0
 /* block_factors with vector conversions (the scalar loop cost more than the block's dot products):
    16 integer scales and 16 offsets, one per group, times d and dmin. Same values, exactly. */
 AVX2 static inline void factors_avx2(int fmt, const uint8_t *blk, __m256 *ds, __m256 *dm) {
-    if (is_bytes(fmt)) { /* d_j for groups 2j, 2j + 1 */
+    if (per32(fmt)) { /* d_j for groups 2j, 2j + 1 */
         __m128i halves = _mm_loadu_si128((const __m128i *)blk);
         __m128i lo = _mm_unpacklo_epi16(halves, halves), hi = _mm_unpackhi_epi16(halves, halves);
         ds[0] = _mm256_cvtph_ps(lo);
@@ -196,6 +202,18 @@ AVX2 static inline void factors_avx2(int fmt, const uint8_t *blk, __m256 *ds, __
     }
 }
 
+/* 32 bits (little-endian) -> 32 bytes, 0x10 where the bit is set (Q5_0's bit 4). */
+AVX2 static inline __m256i bits_to_bytes_avx2(const uint8_t *src) {
+    uint32_t word;
+    memcpy(&word, src, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word), spread);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 /* AVX2: each 64-byte vector as two 32-byte halves (groups 0-7, 8-15); u8 x s8 pairs in int16
    (no saturation: q <= 63, |a| <= 127), then pairs summed to int32 lanes with a multiply by 1. */
 AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
@@ -219,6 +237,10 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
                         __m256i bits = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * h));
                         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 4 * part), low2), 4));
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 4 * part + 2), low2), 4));
+                    }
+                    if (job->fmt == FMT_Q5_0) {
+                        lo = _mm256_or_si256(lo, bits_to_bytes_avx2(quants + 128 + 8 * (2 * part) + 4 * h));
+                        hi = _mm256_or_si256(hi, bits_to_bytes_avx2(quants + 128 + 8 * (2 * part + 1) + 4 * h));
                     }
                     w[2 * part][h] = lo;
                     w[2 * part + 1][h] = hi;
@@ -280,6 +302,13 @@ VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r
                     __m512i bits = _mm512_loadu_si512(quants + 128);
                     lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4 * part), low2), 4));
                     hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4 * part + 2), low2), 4));
+                }
+                if (job->fmt == FMT_Q5_0) { /* a mask register per vector: 64 bits, one per byte */
+                    uint64_t lo_bits, hi_bits;
+                    memcpy(&lo_bits, quants + 128 + 16 * part, 8);
+                    memcpy(&hi_bits, quants + 136 + 16 * part, 8);
+                    lo = _mm512_or_si512(lo, _mm512_maskz_set1_epi8(lo_bits, 0x10));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_set1_epi8(hi_bits, 0x10));
                 }
                 w[2 * part] = lo;
                 w[2 * part + 1] = hi;
