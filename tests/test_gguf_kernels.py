@@ -229,3 +229,16 @@ def test_no_compiler_is_a_clear_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "compiler", lambda: None)
     with pytest.raises(ConfigError, match="model.quantization gguf: no C compiler found"):
         load_model(ModelConfig(name="tiny", quantization="gguf", tiny=dataclasses.replace(KTINY, seed=9)))
+
+
+def test_a_pool_that_grows_between_calls_runs_only_new_calls():
+    """A worker created after earlier calls must not run their (finished) jobs: it once did, on a
+    dangling job, when the pool grew from 2 threads to more."""
+    layer, _ = random_layer(T.Q4_K, out=512)
+    x = uneven_rows(3)
+    lib = build.load()
+    expected = layer(x)
+    for threads in (2, 3, 2, 5, 6, 1):
+        lib.ssd_set_threads(threads)
+        assert all(torch.equal(layer(x), expected) for _ in range(20))
+    lib.ssd_set_threads(torch.get_num_threads())

@@ -80,6 +80,8 @@ def build() -> Path:
 def load() -> ctypes.CDLL:
     """The kernel library, built if needed, with its functions' signatures declared."""
     global _LIB
+    if _LIB is not None:  # every layer's forward asks: no lock once loaded
+        return _LIB
     with _LOCK:
         if _LIB is None:
             _LIB = _declare(ctypes.CDLL(str(build())))

@@ -1,7 +1,6 @@
 """A transformers Qwen2 model whose linear layers compute on a GGUF file's own k-quant blocks.
 
-`load_gguf_model(path)` reads the file once: the config from its metadata
-(transformers' GGUF reader), each Q4_K / Q6_K weight repacked into a QLinear
+`load_gguf_model(path)` reads the file once: the config from its metadata, each Q4_K / Q6_K weight repacked into a QLinear
 (ssd.models.kernels.qlinear; q/k/v and gate/up also fused, sharing the same
 buffers), everything else (embedding, norms, biases) dequantized to fp32. The
 model then runs through the lean forward (ssd.models.fast) like any torch
@@ -13,7 +12,9 @@ load says how many.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,32 +33,87 @@ class GGUFModelError(ValueError):
 
 
 def load_gguf_model(path: str | Path) -> nn.Module:
+    """The model in `path`, from the repacked copy in the cache when there is one (about a second;
+    the first load reads, dequantizes and repacks for ~30 s on one core, then stores it)."""
+    path = Path(path)
+    cached = cache_path(path)
+    if cached.is_file():
+        try:
+            return torch.load(cached, mmap=True, weights_only=False)
+        except Exception as exc:  # a damaged or foreign file costs a rebuild, never the load
+            log.warning("%s: unreadable (%s); rebuilding from %s", cached, exc, path.name)
+    model = _read(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.partial")
+        torch.save(model, partial)
+        os.replace(partial, cached)  # atomic: a concurrent writer stored the same model
+    except OSError as exc:
+        log.warning("could not keep the repacked model in %s: %s", cached.parent, exc)
+    return model
+
+
+def cache_path(path: Path) -> Path:
+    """Where the repacked model of GGUF file `path` is kept: per file, layout code and torch version."""
+    from ssd.models.kernels.build import cache_dir
+
+    stat = path.stat()
+    code = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("qlinear.py", "gguf_model.py"))
+    key = hashlib.sha256(repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, torch.__version__)).encode()
+                         + code).hexdigest()[:20]
+    return cache_dir() / "models" / f"{path.stem}-{key}.pt"
+
+
+def _read(path: Path) -> nn.Module:
     import gguf
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = Path(path)
-    fields = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
-    if fields.get("model_type") not in ARCHITECTURES:
-        raise GGUFModelError(f"{path.name}: architecture {fields.get('model_type')!r}; the GGUF kernels run "
-                             f"{', '.join(ARCHITECTURES)} (use model.backend llamacpp)")
-    for key in ("_model_name_or_path",):
-        fields.pop(key, None)
-    config = Qwen2Config(**fields, attn_implementation="sdpa")
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    config = Qwen2Config(**_config_fields(reader, tensors, path), attn_implementation="sdpa")
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
     fallback = _fill(model, tensors, names)
-    if config.tie_word_embeddings or "output.weight" not in tensors:
+    if config.tie_word_embeddings:
         model.lm_head = _linear(tensors["token_embd.weight"], None)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, on the CPU
     _fuse(model)
     if fallback:
-        log.warning("%s: %d linear layers are not Q4_K/Q6_K with inputs in blocks of 256 (%s); they run in fp32",
+        log.warning("%s: %d linear layers are of types the kernels lack (%s); they run in fp32",
                     path.name, len(fallback), ", ".join(sorted(fallback)[:4]))
     model.eval().requires_grad_(False)
     return model
+
+
+def _config_fields(reader, tensors: dict, path: Path) -> dict:
+    """Qwen2Config's fields from the file's metadata (llama.cpp's key names)."""
+    def field(key: str, default=None):
+        found = reader.fields.get(key)
+        return default if found is None else found.contents()
+
+    arch = field("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFModelError(f"{path.name}: architecture {arch!r}; the GGUF kernels run "
+                             f"{', '.join(ARCHITECTURES)} (use model.backend llamacpp)")
+    fields = {
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": field(f"{arch}.embedding_length"),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": field(f"{arch}.attention.head_count"),
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv"),
+        "max_position_embeddings": field(f"{arch}.context_length"),
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+    }
+    missing = [name for name, value in fields.items() if value is None and not name.endswith("token_id")]
+    if missing:
+        raise GGUFModelError(f"{path.name}: no {', '.join(missing)} in its metadata")
+    return fields
 
 
 def _fill(model: nn.Module, tensors: dict, names) -> set[str]:

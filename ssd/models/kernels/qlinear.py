@@ -119,13 +119,13 @@ class QLinear(nn.Module):
         super().__init__()
         if in_features % 32:
             raise ValueError(f"in_features {in_features} is not a multiple of 32")
-        self.lib = load()
+        lib = load()
         self.in_features, self.padded = in_features, padded(in_features)
         self.formats = [fmt for fmt, _ in parts]
         self.sizes = [weights.shape[0] for _, weights in parts]
         self.out_features = sum(self.sizes)
         for index, (fmt, weights) in enumerate(parts):
-            expect = self.padded // QK * self.lib.ssd_block_bytes(fmt)
+            expect = self.padded // QK * lib.ssd_block_bytes(fmt)
             if weights.dtype != torch.uint8 or weights.dim() != 2 or weights.shape[1] != expect:
                 raise ValueError(f"part {index}: weights must be uint8 [out, {expect}], got {weights.dtype} "
                                  f"{list(weights.shape)}")
@@ -151,7 +151,8 @@ class QLinear(nn.Module):
         return [(fmt, getattr(self, f"weights{i}")) for i, fmt in enumerate(self.formats)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        _follow_torch_threads(self.lib)
+        lib = load()
+        _follow_torch_threads(lib)
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         if self.padded != self.in_features:  # zero inputs against zero-scale blocks: nothing added
             rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))
@@ -160,11 +161,11 @@ class QLinear(nn.Module):
         q = torch.empty((n, k), dtype=torch.int8)
         scale = torch.empty((n, k // QK), dtype=torch.float32)
         bsum = torch.empty((n, k // 16), dtype=torch.float32)
-        self.lib.ssd_quantize_rows(rows.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), bsum.data_ptr())
+        lib.ssd_quantize_rows(rows.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), bsum.data_ptr())
         out = torch.empty((n, self.out_features), dtype=torch.float32)
         start = 0
         for fmt, weights in self.parts():  # each part writes its columns of `out` in place
-            self.lib.ssd_matmul(weights.data_ptr(), fmt, weights.shape[0], k, q.data_ptr(), scale.data_ptr(),
+            lib.ssd_matmul(weights.data_ptr(), fmt, weights.shape[0], k, q.data_ptr(), scale.data_ptr(),
                                 bsum.data_ptr(), n, out.data_ptr() + 4 * start, self.out_features)
             start += weights.shape[0]
         if self.bias is not None:

@@ -283,12 +283,16 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
 }
 
 /* AVX512-VNNI: one vpdpbusd per 64 weights and row sums 4 products into each group's lane. */
-VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
+/* `tile` is a constant in each inlined copy (channels_vnni's switch), so the row loops unroll and
+   every row's accumulator stays in a register across the blocks. */
+VNNI static inline __attribute__((always_inline)) void vnni_rows(const Job *job, int64_t c0, int64_t c1, int64_t r0,
+                                                                 const int tile) {
     const int64_t stride = ssd_block_bytes(job->fmt), cols = job->blocks * QK;
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3);
     __m512 acc[ROW_TILE];
     for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = 0; r < tile; ++r) acc[r] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < tile; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < job->blocks; ++b) {
             const uint8_t *blk = job->weights + (c * job->blocks + b) * stride;
             const uint8_t *quants = blk + quants_offset(job->fmt);
@@ -317,7 +321,8 @@ VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r
             factors_avx2(job->fmt, blk, half_ds, half_dm);
             __m512 vds = _mm512_insertf32x8(_mm512_castps256_ps512(half_ds[0]), half_ds[1], 1);
             __m512 vdm = _mm512_insertf32x8(_mm512_castps256_ps512(half_dm[0]), half_dm[1], 1);
-            for (int64_t r = 0; r < tile; ++r) {
+#pragma GCC unroll 16
+            for (int r = 0; r < tile; ++r) {
                 const int8_t *a = job->q + (r0 + r) * cols + b * QK;
                 const float *bsum = job->bsum + ((r0 + r) * job->blocks + b) * GROUPS;
                 __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(a));
@@ -329,11 +334,20 @@ VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r
                 acc[r] = _mm512_fmadd_ps(lane, _mm512_set1_ps(job->scale[(r0 + r) * job->blocks + b]), acc[r]);
             }
         }
-        for (int64_t r = 0; r < tile; ++r) {
+        for (int r = 0; r < tile; ++r) {
             float lanes[GROUPS];
             _mm512_storeu_ps(lanes, acc[r]);
             job->out[(r0 + r) * job->out_stride + c] = sum_lanes(lanes);
         }
+    }
+}
+
+#define VNNI_TILE(n) case n: vnni_rows(job, c0, c1, r0, n); break;
+VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
+    switch (tile) {
+        VNNI_TILE(1) VNNI_TILE(2) VNNI_TILE(3) VNNI_TILE(4) VNNI_TILE(5) VNNI_TILE(6) VNNI_TILE(7) VNNI_TILE(8)
+        VNNI_TILE(9) VNNI_TILE(10) VNNI_TILE(11) VNNI_TILE(12) VNNI_TILE(13) VNNI_TILE(14) VNNI_TILE(15)
+        default: vnni_rows(job, c0, c1, r0, 16);
     }
 }
 #endif
@@ -429,10 +443,13 @@ static void part_range(int64_t channels, int index, int parts, int64_t *c0, int6
     *c1 = b < channels ? b : channels;
 }
 
+static uint64_t born_at[MAX_THREADS + 1]; /* the generation when each worker was created */
+
 static void *worker(void *arg) {
     int index = (int)(intptr_t)arg;
-    uint64_t seen = 0;
     pthread_mutex_lock(&pool.lock);
+    /* Jobs from before this worker existed are not its own (their Job is gone): only later ones. */
+    uint64_t seen = born_at[index];
     for (;;) {
         while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
         seen = pool.generation;
@@ -455,6 +472,7 @@ int ssd_set_threads(int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     pthread_mutex_lock(&pool.lock);
     while (pool.started < threads - 1) {
+        born_at[pool.started + 1] = pool.generation;
         pthread_create(&pool.tids[pool.started], NULL, worker, (void *)(intptr_t)(pool.started + 1));
         pthread_detach(pool.tids[pool.started]);
         pool.started++;
