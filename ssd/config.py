@@ -19,7 +19,7 @@ from ssd.fields import COUPLINGS, SAMPLING, SERVER_DEFAULTS, FieldError, Request
 
 AUTO = "auto"  # resolved per host by ssd.models.loading.resolve_precision
 DTYPES = ("fp32", "bf16", "fp64", AUTO)
-QUANTIZATIONS = (None, "int8", AUTO)
+QUANTIZATIONS = (None, "int8", "gguf", AUTO)
 MODES = ("ar", "sd", "ssd")
 FANOUT_KINDS = ("uniform", "geometric")
 BACKUPS = ("neural", "lookup", "ngram", "random")
@@ -78,6 +78,8 @@ class ModelConfig:
     name: str = "tiny"
     dtype: str = "fp32"
     # "int8": int8 weights with per-row int8 activations (CPU, ssd.models.quant).
+    # "gguf": the GGUF file's own Q4_K/Q6_K weights on ssd's row-invariant CPU kernels
+    # (ssd.models.kernels; torch backend, fp32 activations).
     # "auto" (either field): the fastest precision this host runs exactly;
     # see ssd.models.loading.resolve_precision.
     quantization: str | None = None
@@ -111,7 +113,7 @@ class ModelConfig:
             raise ConfigError(f"model.llamacpp_kv must be one of {LLAMACPP_KV}, got {self.llamacpp_kv!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
-        if self.backend == "llamacpp" and (self.quantization == "int8" or self.dtype in ("bf16", "fp64")):
+        if self.backend == "llamacpp" and (self.quantization in ("int8", "gguf") or self.dtype in ("bf16", "fp64")):
             raise ConfigError(
                 f"model.backend llamacpp runs the GGUF's own weight types; model.dtype {self.dtype!r} and "
                 f"model.quantization {self.quantization!r} are torch's (leave them auto or fp32/null)"

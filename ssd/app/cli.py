@@ -25,7 +25,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "qwen2.5-coder-cpu.yaml"
 PROMPT_DIR = ROOT / "configs" / "prompts"
 # --target-precision / --draft-precision: one name for a (dtype, quantization) pair.
 PRECISIONS = {
-    "auto": ("auto", "auto"), "int8": ("fp32", "int8"),
+    "auto": ("auto", "auto"), "int8": ("fp32", "int8"), "gguf": ("fp32", "gguf"),
     "bf16": ("bf16", None), "fp32": ("fp32", None), "fp64": ("fp64", None),
 }
 

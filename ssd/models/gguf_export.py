@@ -1,7 +1,9 @@
 """Write a transformers Qwen2ForCausalLM to a GGUF file llama.cpp loads (issue 31).
 
 Architecture `qwen2`; weights in F32 (default) or F16 (1-D tensors, the norms
-and biases, stay F32 as llama.cpp's converter keeps them). Every
+and biases, stay F32 as llama.cpp's converter keeps them), or q4_k_m's mix of
+Q4_K and Q6_K blocks for matrices whose rows come in blocks of 256 (the GGUF
+kernels' tests; plain rounding, see ssd.models.kernels.kquants). Every
 hyperparameter llama.cpp's qwen2 loader reads comes from the HF config:
 context length, embedding and feed-forward sizes, block count, head counts,
 RMS eps, rope theta.
@@ -26,7 +28,9 @@ import numpy as np
 import torch
 
 ARCH = "qwen2"
-FTYPES = ("f32", "f16")
+FTYPES = ("f32", "f16", "q4_k_m")
+# q4_k_m as llama.cpp mixes it: Q6_K for these, Q4_K for the other matrices (inputs in blocks of 256).
+Q6_K_TENSORS = ("attn_v.weight", "ffn_down.weight", "output.weight")
 
 
 def byte_tokens(vocab_size: int) -> list[str]:
@@ -89,7 +93,8 @@ def export_gguf(model: torch.nn.Module, path: str | Path, ftype: str = "f32") ->
     writer.add_head_count_kv(int(kv_heads))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[ftype])
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -114,6 +119,9 @@ def export_gguf(model: torch.nn.Module, path: str | Path, ftype: str = "f32") ->
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         data = tensor.detach().to(device="cpu", dtype=torch.float32).numpy()
+        if ftype == "q4_k_m" and data.ndim > 1 and name != "token_embd.weight" and data.shape[1] % 256 == 0:
+            _add_k_quant(writer, name, data)
+            continue
         if ftype == "f16" and data.ndim > 1:
             data = data.astype(np.float16)
         writer.add_tensor(name, np.ascontiguousarray(data))
@@ -123,3 +131,14 @@ def export_gguf(model: torch.nn.Module, path: str | Path, ftype: str = "f32") ->
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_k_quant(writer, name: str, data: np.ndarray) -> None:
+    """A matrix as Q6_K or Q4_K blocks (ssd.models.kernels.kquants), as q4_k_m assigns them."""
+    from gguf import GGMLQuantizationType
+
+    from ssd.models.kernels.kquants import quantize_q4_k, quantize_q6_k
+
+    six = name.endswith(Q6_K_TENSORS)
+    blocks = quantize_q6_k(data) if six else quantize_q4_k(data)
+    writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType.Q6_K if six else GGMLQuantizationType.Q4_K)

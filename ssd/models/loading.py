@@ -33,7 +33,7 @@ from ssd.models.qcache import cached_int8, weight_files
 from ssd.models.qcache import enabled as quant_cache_enabled
 from ssd.models.fast import note_lean_path
 from ssd.models.invariant import use_row_attention
-from ssd.models.quant import INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
+from ssd.models.quant import GGUF, INT8, fuse_projections, int8_supported, pack_int8, quantize_int8
 from ssd.models.offline import OFFLINE_MODELS, ModelAssetError, cache_dir, ensure_offline_gguf, ensure_offline_model
 
 logger = logging.getLogger(__name__)
@@ -62,15 +62,17 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> Any:
     if resolve_backend(cfg, device) == LLAMACPP:
         return load_llamacpp(cfg)
     cfg = resolve_precision(cfg, device)
-    if cfg.quantization == INT8 and cfg.dtype != "fp32":
+    if cfg.quantization in (INT8, GGUF) and cfg.dtype != "fp32":
         raise ConfigError(
-            f"model.quantization int8 computes in fp32; set model.dtype to fp32 (got {cfg.dtype!r})"
+            f"model.quantization {cfg.quantization} computes in fp32; set model.dtype to fp32 (got {cfg.dtype!r})"
         )
-    if cfg.quantization == INT8 and device != "cpu":
+    if cfg.quantization in (INT8, GGUF) and device != "cpu":
         raise ConfigError(
-            f"model.quantization int8 runs on CPU only (fbgemm kernels), not on {device}; "
+            f"model.quantization {cfg.quantization} runs on CPU only, not on {device}; "
             "set model.quantization to null or auto"
         )
+    if cfg.quantization == GGUF:
+        return _frozen(_gguf_kernels(cfg))
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.name == TINY:  # built on the CPU (a seeded draw), then moved: a few MB
         model = build_tiny_model(cfg.tiny, dtype=dtype)
@@ -85,6 +87,21 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> Any:
         model = use_row_attention(pack_int8(fuse_projections(model)))
     note_lean_path(model)
     return _frozen(model)
+
+
+def _gguf_kernels(cfg: ModelConfig) -> torch.nn.Module:
+    """`cfg`'s GGUF file on ssd's k-quant kernels (ssd.models.kernels), row-invariant attention."""
+    from ssd.models.kernels.build import KernelUnavailable
+    from ssd.models.kernels.gguf_model import GGUFModelError, load_gguf_model
+
+    path = _tiny_gguf(cfg.tiny, "q4_k_m") if cfg.name == TINY else gguf_file(cfg)
+    try:
+        model = load_gguf_model(path)
+    except (KernelUnavailable, GGUFModelError) as exc:
+        raise ConfigError(f"model.quantization gguf: {exc}") from exc
+    model = use_row_attention(model)
+    note_lean_path(model)
+    return model
 
 
 def llamacpp_installed() -> bool:
@@ -144,16 +161,17 @@ def gguf_file(cfg: ModelConfig) -> Path:
     )
 
 
-def _tiny_gguf(tcfg: TinyModelConfig) -> Path:
-    """The tiny model as an F32 GGUF in `<cache>/gguf/`, keyed by its config (written once)."""
+def _tiny_gguf(tcfg: TinyModelConfig, ftype: str = "f32") -> Path:
+    """The tiny model as a GGUF (F32, or q4_k_m for the GGUF kernels) in `<cache>/gguf/`, keyed by
+    its config (written once)."""
     from ssd.models.gguf_export import export_gguf
 
     key = hashlib.sha256(json.dumps(dataclasses.asdict(tcfg), sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "gguf" / f"tiny-{key}.gguf"
+    path = cache_dir() / "gguf" / (f"tiny-{key}.gguf" if ftype == "f32" else f"tiny-{key}-{ftype}.gguf")
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
-        export_gguf(build_tiny_model(tcfg, torch.float32), partial)
+        export_gguf(build_tiny_model(tcfg, torch.float32), partial, ftype)
         os.replace(partial, path)  # atomic: a concurrent writer wrote the same bytes
     return path
 
@@ -195,7 +213,7 @@ def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
     dtype = cfg.dtype
     if dtype == AUTO:
         native = device != "cpu" or hardware.native_bf16()
-        dtype = "fp32" if quantization == INT8 or not native else "bf16"
+        dtype = "fp32" if quantization in (INT8, GGUF) or not native else "bf16"
     if (dtype, quantization) != (cfg.dtype, cfg.quantization):
         logger.info("precision auto -> %s on %s", quantization or dtype, hardware.summary())
     return dataclasses.replace(cfg, dtype=dtype, quantization=quantization)

@@ -40,6 +40,7 @@ from torch import nn
 from ssd import hardware
 
 INT8 = "int8"
+GGUF = "gguf"  # a GGUF file's own k-quant weights on ssd's kernels (ssd.models.kernels)
 _TINY = torch.finfo(torch.float32).tiny
 # Most output channels per fbgemm packed block (Int8Linear.pack). Fewer rows pack
 # faster and cost more per call: the 1.5B model's 151936-row LM head packs in
@@ -303,8 +304,12 @@ def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def precision_of(model: nn.Module) -> str:
-    """The name of a model's weight precision as reports show it: int8, bf16, fp32 or fp64."""
+    """The name of a model's weight precision as reports show it: int8, gguf, bf16, fp32 or fp64."""
+    from ssd.models.kernels.qlinear import QLinear
+
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return INT8
+    if any(isinstance(m, QLinear) for m in model.modules()):
+        return GGUF
     dtype = next(model.parameters()).dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64"}.get(dtype, str(dtype))

@@ -3,6 +3,7 @@
     python launch/precision.py                        # fp32, bf16, int8, torch.ao int8: speed and quality
     python launch/precision.py --precisions bf16 int8 --tokens 0     # speed only
     python launch/precision.py --precisions fp32 int8 --tokens 2048 --json precision.json
+    python launch/precision.py --precisions llama.cpp gguf --no-speed    # ssd's GGUF kernels vs llama.cpp, same file
 
 Speed: one target forward of 1 token (a decode step) and of K+1 tokens (a
 verification) after a fixed context, on the lean forward, median of repeats;
@@ -47,7 +48,10 @@ from ssd.models import load_model, load_tokenizer
 # CPython standard library modules none of the prompt sets are cut from.
 HELD_OUT_FILES = ("calendar.py", "difflib.py", "queue.py")
 # --precisions: name -> (dtype, quantization); int8-tensor is torch.ao's, applied after loading in fp32
-PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None)}
+PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"), "int8-tensor": ("fp32", None),
+              "gguf": ("fp32", "gguf"), "llama.cpp": (None, None)}
+# Scored but not timed here (its forwards are not torch modules'): launch/bench_kernels.py times it.
+UNTIMED = ("llama.cpp",)
 
 
 def held_out_text(files: Sequence[str] = HELD_OUT_FILES) -> str:
@@ -125,7 +129,7 @@ def compare(
         started = time.perf_counter()
         model = load()
         row: dict[str, Any] = {"precision": precision, "load_s": time.perf_counter() - started}
-        if k is not None:
+        if k is not None and precision not in UNTIMED:
             step, verify = forward_times(model, k)
             row.update(step_ms=1000 * step, verify_ms=1000 * verify, verify_in_steps=verify / step, k=k)
         if ids:
@@ -194,7 +198,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+class LlamaCppScorer:
+    """A llama.cpp model behind the one call `score` makes: model(input_ids=[1, n]).logits [1, n, V]."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor):
+        from types import SimpleNamespace
+
+        from ssd.models.backend import ops_of
+
+        ops = ops_of(self.model)
+        sequence = ops.new_sequence(self.model, 0)
+        try:
+            return SimpleNamespace(logits=sequence.forward(input_ids[0].tolist())[None])
+        finally:
+            ops.release(sequence)
+
+
 def _loader(model_config: ModelConfig, name: str) -> Callable[[], torch.nn.Module]:
+    if name == "llama.cpp":  # the same GGUF file on llama.cpp, as the llama.cpp backend loads it
+        cfg = dataclasses.replace(model_config, backend="llamacpp", dtype="auto", quantization="auto")
+        return lambda: LlamaCppScorer(load_model(cfg))
     dtype, quantization = PRECISIONS[name]
     cfg = dataclasses.replace(model_config, dtype=dtype, quantization=quantization)
 

@@ -1,0 +1,125 @@
+"""Build and load the C kernels (qmatmul.c) with the system compiler, once per source and host.
+
+The shared library is compiled on first use into the cache (~/.cache/ssd/kernels,
+or $SSD_KERNEL_CACHE) and reused while the source is unchanged; `pip install`
+builds it too (`python -m ssd.models.kernels.build`, which the README's install
+command runs), so a first request never waits for a compiler. No flags tie the
+library to the building CPU: the instruction set (AVX512-VNNI, AVX2 or portable
+C) is chosen at run time from the host's, so a cache shared between hosts stays
+correct. Where no compiler is found, `load` raises KernelUnavailable saying so,
+and model.backend auto keeps llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-ffp-contract=off"]
+ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX512-VNNI"}
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SSD_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "ssd" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC, else cc, gcc or clang on PATH."""
+    for name in [os.environ.get("CC"), "cc", "gcc", "clang"]:
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"qmatmul-{digest}.so"
+
+
+def build() -> Path:
+    """The compiled library's path, compiling it now if the cache lacks it."""
+    path = library_path()
+    if path.is_file():
+        return path
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (set $CC, or install gcc or clang); "
+                                "model.quantization gguf needs one to build its kernels once")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        run = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise KernelUnavailable(f"{cc} could not build {SOURCE.name}:\n{run.stderr.strip()}")
+        partial.replace(path)  # atomic: concurrent builders each install a complete file
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("built %s with %s", path, cc)
+    return path
+
+
+def load() -> ctypes.CDLL:
+    """The kernel library, built if needed, with its functions' signatures declared."""
+    global _LIB
+    if _LIB is not None:  # every layer's forward asks: no lock once loaded
+        return _LIB
+    with _LOCK:
+        if _LIB is None:
+            _LIB = _declare(ctypes.CDLL(str(build())))
+        return _LIB
+
+
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable as exc:
+        log.info("GGUF kernels unavailable: %s", exc)
+        return False
+    return True
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ssd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
+    lib.ssd_quantize_rows.restype = None
+    lib.ssd_matmul.argtypes = [p, i32, i64, i64, p, p, p, i64, p, i64]
+    lib.ssd_matmul.restype = None
+    for name in ("ssd_set_threads", "ssd_set_isa", "ssd_block_bytes"):
+        getattr(lib, name).argtypes = [i32]
+        getattr(lib, name).restype = i32
+    lib.ssd_best_isa.argtypes = []
+    lib.ssd_best_isa.restype = i32
+    return lib
+
+
+def main() -> int:
+    try:
+        path = build()
+    except KernelUnavailable as exc:
+        print(f"ssd: GGUF kernels not built: {exc}", file=sys.stderr)
+        return 0  # optional: llama.cpp stays the CPU backend
+    print(f"ssd: GGUF kernels at {path} ({ISA_NAMES[load().ssd_best_isa()]} on this host)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
