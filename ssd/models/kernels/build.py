@@ -26,7 +26,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-ffp-contract=off"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
+OPENMP = "-fopenmp"  # torch's OpenMP threads (see qmatmul.c); without it, one thread a product
 ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX512-VNNI"}
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -50,7 +51,7 @@ def compiler() -> str | None:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [OPENMP]).encode()).hexdigest()[:16]
     return cache_dir() / f"qmatmul-{digest}.so"
 
 
@@ -67,7 +68,10 @@ def build() -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        run = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *FLAGS, OPENMP, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:  # a compiler without OpenMP (clang without libomp): one thread a product
+            log.warning("%s could not build %s with OpenMP; building it single-threaded", cc, SOURCE.name)
+            run = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
             raise KernelUnavailable(f"{cc} could not build {SOURCE.name}:\n{run.stderr.strip()}")
         partial.replace(path)  # atomic: concurrent builders each install a complete file
@@ -101,9 +105,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ssd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
     lib.ssd_quantize_rows.restype = None
-    lib.ssd_matmul.argtypes = [p, i32, i64, i64, p, p, p, i64, p, i64]
+    lib.ssd_matmul.argtypes = [p, i32, i64, i64, p, p, p, i64, p, i64, i32]
     lib.ssd_matmul.restype = None
-    for name in ("ssd_set_threads", "ssd_set_isa", "ssd_block_bytes"):
+    for name in ("ssd_set_isa", "ssd_block_bytes"):
         getattr(lib, name).argtypes = [i32]
         getattr(lib, name).restype = i32
     lib.ssd_best_isa.argtypes = []

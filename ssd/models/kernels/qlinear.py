@@ -153,8 +153,7 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # Few torch calls: this runs ~110 times a forward of the 1.5B model, at ~15 us of Python each.
-        lib = load()
-        _follow_torch_threads(lib)
+        lib, threads = load(), torch.get_num_threads()  # torch's OpenMP threads run the product too
         rows = x.reshape(-1, self.in_features)
         if self.padded != self.in_features:  # zero inputs against zero-scale blocks: nothing added
             rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))
@@ -170,7 +169,7 @@ class QLinear(nn.Module):
         start, base = 0, out.data_ptr()
         for fmt, name, size in zip(self.formats, self._names, self.sizes):  # each part writes its columns
             lib.ssd_matmul(self._buffers[name].data_ptr(), fmt, size, k, q, scale, bsum, n, base + 4 * start,
-                           self.out_features)
+                           self.out_features, threads)
             start += size
         if self.bias is not None:
             out += self.bias
@@ -181,12 +180,3 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF k-quants {self.formats}"
 
-
-_threads = [0]
-
-
-def _follow_torch_threads(lib) -> None:
-    """The kernel's thread pool as wide as torch's: the process's one thread setting rules both."""
-    threads = torch.get_num_threads()
-    if threads != _threads[0]:
-        _threads[0] = lib.ssd_set_threads(threads)

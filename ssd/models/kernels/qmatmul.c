@@ -42,6 +42,8 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -420,90 +422,25 @@ static void run_channels(const Job *job, int64_t c0, int64_t c1) {
         channels(job, c0, c1, r0, job->rows - r0 < ROW_TILE ? job->rows - r0 : ROW_TILE);
 }
 
-/* ---- a small thread pool: workers take fixed channel ranges; the caller runs the first ---- */
-
-#define MAX_THREADS 64
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t wake, done;
-    pthread_t tids[MAX_THREADS];
-    int started; /* workers running */
-    int want;    /* threads per call, caller included */
-    uint64_t generation;
-    int pending;
-    const Job *job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
-
-/* Channel range of part `index` of `parts`, in multiples of 16 channels. Any split gives the same
-   results: a channel is always computed whole by one thread. */
-static void part_range(int64_t channels, int index, int parts, int64_t *c0, int64_t *c1) {
-    int64_t units = (channels + 15) / 16;
-    int64_t a = units * index / parts * 16, b = units * (index + 1) / parts * 16;
-    *c0 = a < channels ? a : channels;
-    *c1 = b < channels ? b : channels;
-}
-
-static uint64_t born_at[MAX_THREADS + 1]; /* the generation when each worker was created */
-
-static void *worker(void *arg) {
-    int index = (int)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    /* Jobs from before this worker existed are not its own (their Job is gone): only later ones. */
-    uint64_t seen = born_at[index];
-    for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
-        seen = pool.generation;
-        const Job *job = pool.job;
-        int parts = pool.want;
-        pthread_mutex_unlock(&pool.lock);
-        if (index < parts) {
-            int64_t c0, c1;
-            part_range(job->channels, index, parts, &c0, &c1);
-            run_channels(job, c0, c1);
-        }
-        pthread_mutex_lock(&pool.lock);
-        if (index < parts && --pool.pending == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-int ssd_set_threads(int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    pthread_mutex_lock(&pool.lock);
-    while (pool.started < threads - 1) {
-        born_at[pool.started + 1] = pool.generation;
-        pthread_create(&pool.tids[pool.started], NULL, worker, (void *)(intptr_t)(pool.started + 1));
-        pthread_detach(pool.tids[pool.started]);
-        pool.started++;
-    }
-    pool.want = threads;
-    pthread_mutex_unlock(&pool.lock);
-    return threads;
-}
-
-static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one product at a time uses the pool */
+/* ---- threads: torch's own OpenMP pool ----
+ *
+ * Built with -fopenmp, this library's dependency on libgomp.so.1 resolves to the copy torch has
+ * already loaded, so the product runs on torch's OpenMP threads: one pool in the process, whose
+ * threads torch's ops and these kernels take in turn (a second pool would spin against it on the
+ * same cores). The caller passes its torch thread count. Threads take fixed units of 16 output
+ * channels; a channel is always computed whole by one thread, so any split gives the same bits. */
 
 void ssd_matmul(const uint8_t *weights, int fmt, int64_t channels, int64_t cols, const int8_t *q, const float *scale,
-                const float *bsum, int64_t rows, float *out, int64_t out_stride) {
+                const float *bsum, int64_t rows, float *out, int64_t out_stride, int threads) {
     Job job = {weights, fmt, cols / QK, q, scale, bsum, rows, channels, out, out_stride};
-    if (pool.want <= 1 || channels < 64) {
+    int64_t units = (channels + 15) / 16;
+    if (threads <= 1 || units < 8) {
         run_channels(&job, 0, channels);
         return;
     }
-    pthread_mutex_lock(&call_lock);
-    pthread_mutex_lock(&pool.lock);
-    int parts = pool.want;
-    pool.job = &job;
-    pool.pending = parts - 1;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    int64_t c0, c1;
-    part_range(channels, 0, parts, &c0, &c1);
-    run_channels(&job, c0, c1);
-    pthread_mutex_lock(&pool.lock);
-    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_unlock(&call_lock);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int part = 0; part < threads; ++part) {
+        int64_t c0 = units * part / threads * 16, c1 = units * (part + 1) / threads * 16;
+        run_channels(&job, c0 < channels ? c0 : channels, c1 < channels ? c1 : channels);
+    }
 }
