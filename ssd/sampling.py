@@ -30,9 +30,14 @@ from ssd.config import SamplingConfig
 # The dtype of the draft's q rows: the draft draws each token from the row
 # rounded to this dtype and ships that very row, so verification (which reads
 # q at the drafted tokens and in the residual, ssd.verify.draft_law) uses the
-# law the token came from. float32 halves the bytes that cross the link
-# (K rows of V per speculation: 4 x 128k x 8 B = 4 MB a reply in float64).
-Q_DTYPE = torch.float32
+# law the token came from: the upcast rounded row over its own sum, on both
+# sides (every bfloat16 value is exact in float64, on any device). Exactness
+# needs only that both sides see the same row, so the dtype is chosen for the
+# link: K rows of V a reply (7 x 152k x 4 B = 4.3 MB in float32) halve in
+# bfloat16. bfloat16, not float16: float32's exponent range, so no probability
+# above 1e-38 rounds to 0; each entry moves by at most 2^-9 of itself, which
+# moves the draft's acceptance by at most ~0.2 % (docs/cluster.md, "The draft link").
+Q_DTYPE = torch.bfloat16
 
 
 def as_drawn(q: torch.Tensor) -> torch.Tensor:
