@@ -1,7 +1,7 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
 Ops target -> draft: prefill(seq, prompt, settings, epoch), rounds([(seq, k, t*,
-draft_k), ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
+draft_k, room), ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
 rounds message with one row per round row, in order; error(seq, text) is a
 whole message failing. Headers hold only plain data (msgpack-able); q rows
 travel as a tensor.
@@ -10,14 +10,19 @@ Every round is one rounds/proposals exchange, one row per sequence (a lone
 request is a batch of one), so a round costs one message each way whatever
 the batch size:
 
-    rounds     header {"rows": [{"seq", "k", "token", "draft_k"}, ...]}, no tensors
+    rounds     header {"rows": [{"seq", "k", "token", "draft_k", "room"}, ...]}, no tensors
                draft_k: the length of the speculations the draft makes for
                this message (a miss's backup, the cache it builds next);
                None: the row's speculation.k (ssd.saguaro.adaptive_k sets it)
+               room: the most drafted tokens the target verifies this round
+               (its max_new_tokens left, less the token a round adds); None: all
     proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy or coupled)
                row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
                       "q": [start, stop] | None}   q rows = q_all[start:stop]
                    | {"seq", "error"}              this row alone failed
+               q_all: bfloat16 (ssd.sampling.Q_DTYPE), the rows the tokens were
+               drawn from; a row's q covers its first min(len(tokens), room)
+               tokens, the ones the target reads (`shipped`)
 
 A row error leaves the other rows' proposals valid: the target runs that row
 without the draft (and may prefill it again under a new seq id).
@@ -87,12 +92,14 @@ def parse_prefill(msg: Message) -> Prefill:
 @dataclass(frozen=True)
 class RoundRow:
     """One sequence's verification outcome: k drafts accepted, then token t*;
-    and the K the draft's next speculations have (None: the row's speculation.k)."""
+    the K the draft's next speculations have (None: the row's speculation.k);
+    and the most drafted tokens the target verifies this round (None: all)."""
 
     seq: int
     k: int
     token: int
     draft_k: int | None = None
+    room: int | None = None
 
 
 def rounds(rows: Sequence[RoundRow]) -> Message:
@@ -105,11 +112,23 @@ def parse_rounds(msg: Message) -> list[RoundRow]:
 
 
 def _round_header(row: RoundRow) -> dict[str, int | None]:
-    return {"seq": row.seq, "k": row.k, "token": row.token, "draft_k": row.draft_k}
+    return {"seq": row.seq, "k": row.k, "token": row.token, "draft_k": row.draft_k, "room": row.room}
 
 
 def _round_row(h: dict[str, Any]) -> RoundRow:
-    return RoundRow(h["seq"], h["k"], h["token"], h.get("draft_k"))
+    return RoundRow(h["seq"], h["k"], h["token"], h.get("draft_k"), h.get("room"))
+
+
+def shipped(proposal: Proposal, room: int | None) -> Proposal:
+    """`proposal` as it crosses the link: q only for the tokens the target reads.
+
+    The target verifies the first min(len(tokens), room) drafted tokens (a round
+    never runs past max_new_tokens), so q rows past them would never be read;
+    the tokens stay whole, as the draft's own record of what it proposed.
+    """
+    if proposal.q is None or room is None or room >= proposal.q.shape[0]:
+        return proposal
+    return dataclasses.replace(proposal, q=proposal.q[: max(room, 0)])
 
 
 def release(seq: int) -> Message:
