@@ -95,6 +95,38 @@ def test_a_rounds_row_carries_its_room():
     assert protocol.parse_rounds(protocol.rounds(sent)) == sent
 
 
+def test_rows_mostly_zero_are_sent_as_their_nonzero_entries_bit_for_bit():
+    q = torch.softmax(torch.randn(5, 64, generator=torch.Generator().manual_seed(0)), -1)
+    q[:, 8:] = 0  # top-k 8
+    q[2] = 0
+    q[2, 3] = 1  # a one-hot row (an n-gram's)
+    rows = [protocol.ProposalReply(0, True, Proposal([1, 2, 3], q[:3].to(Q_DTYPE), "cache"), 0.0, 0.0),
+            protocol.ProposalReply(1, False, Proposal([4, 5], q[3:].to(Q_DTYPE), "neural"), 0.0, 0.0)]
+    message = protocol.proposals(rows)
+    assert message.header["q_sparse"] == [5, 64] and len(message.tensors) == 3
+    assert sum(t.nbytes for t in message.tensors) < q.to(Q_DTYPE).nbytes / 2
+    parsed = protocol.parse_proposals(message)
+    assert torch.equal(parsed[0].proposal.q, q[:3].to(Q_DTYPE)) and torch.equal(parsed[1].proposal.q, q[3:].to(Q_DTYPE))
+
+
+def test_dense_rows_are_sent_dense():
+    q = torch.softmax(torch.randn(3, 64), -1).to(Q_DTYPE)
+    message = protocol.proposals([protocol.ProposalReply(0, True, Proposal([1, 2, 3], q, "cache"), 0.0, 0.0)])
+    assert "q_sparse" not in message.header and [t.shape for t in message.tensors] == [q.shape]
+
+
+def test_top_k_rounds_ship_fewer_bytes_and_the_same_tokens(tiny_models, monkeypatch):
+    """Sparse or dense, the target gets the same rows: a seeded run gives the same tokens."""
+    target, draft = tiny_models
+    top_k = SamplingConfig(temperature=1.0, top_k=3)
+    sparse = count_q_bytes(target, draft, top_k, PROMPTS, max_new_tokens=12)
+    assert 0 < sparse.q_bytes < sparse.q_rows * sparse.vocab * 2 * 3 / 4  # 3 of 16 entries: 22 B a row, not 32
+    monkeypatch.setattr(protocol, "pack_q", lambda q_all, header: [q_all])
+    dense = count_q_bytes(target, draft, top_k, PROMPTS, max_new_tokens=12)
+    assert dense.q_bytes == dense.q_rows * dense.vocab * 2
+    assert dense.outputs == sparse.outputs
+
+
 # --- exactness over gloo -------------------------------------------------------------------
 
 SAMPLES = 800

@@ -16,13 +16,17 @@ the batch size:
                None: the row's speculation.k (ssd.saguaro.adaptive_k sets it)
                room: the most drafted tokens the target verifies this round
                (its max_new_tokens left, less the token a round adds); None: all
-    proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy or coupled)
+    proposals  header {"rows": [row, ...], "q_sparse"?: [rows, V]},
+               tensors [q_all] or [] (all greedy or coupled), or with q_sparse
+               q_all's nonzero entries [per-row counts, column ids, values]
                row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
                       "q": [start, stop] | None}   q rows = q_all[start:stop]
                    | {"seq", "error"}              this row alone failed
                q_all: bfloat16 (ssd.sampling.Q_DTYPE), the rows the tokens were
                drawn from; a row's q covers its first min(len(tokens), room)
-               tokens, the ones the target reads (`shipped`)
+               tokens, the ones the target reads (`shipped`); sent as its
+               nonzero entries where those take fewer bytes (top-k, top-p,
+               min-p rows), bit for bit the same rows once unpacked
 
 A row error leaves the other rows' proposals valid: the target runs that row
 without the draft (and may prefill it again under a new seq id).
@@ -197,14 +201,48 @@ def proposals(rows: Sequence[RowReply]) -> Message:
             qs.append(q)
             offset += q.shape[0]
         headers.append(header)
-    tensors = [torch.cat([q.to(qs[0].device) for q in qs])] if qs else []
-    return Message(PROPOSALS, {"rows": headers}, tensors)
+    header: dict[str, Any] = {"rows": headers}
+    tensors = pack_q(torch.cat([q.to(qs[0].device) for q in qs]), header) if qs else []
+    return Message(PROPOSALS, header, tensors)
+
+
+# An entry of a sparse q: its column id (int32) and its value.
+_INDEX_BYTES = 4
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_q(q_all: torch.Tensor, header: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors that carry q_all: the dense rows, or, where they take fewer bytes,
+    the nonzero entries (per-row counts, column ids, values; header["q_sparse"] set
+    to the shape). Rows drawn under top-k, top-p or min-p are mostly zeros; a
+    T = 1 row has none, and is sent dense after one count of its nonzeros."""
+    bits = q_all.view(_SAME_WIDTH_INT[q_all.element_size()])  # an exact count: no float compare, -0.0 kept
+    nonzero = int(torch.count_nonzero(bits))
+    if nonzero * (_INDEX_BYTES + q_all.element_size()) >= q_all.numel() * q_all.element_size():
+        return [q_all]
+    header["q_sparse"] = list(q_all.shape)
+    rows, columns = bits.nonzero(as_tuple=True)
+    counts = torch.count_nonzero(bits, dim=-1)
+    return [counts.to(torch.int32), columns.to(torch.int32), q_all[rows, columns]]
+
+
+def unpack_q(tensors: Sequence[torch.Tensor], header: dict[str, Any]) -> torch.Tensor | None:
+    """q_all from the tensors `pack_q` made (None: there were none)."""
+    if not tensors:
+        return None
+    if "q_sparse" not in header:
+        return tensors[0]
+    counts, columns, values = tensors
+    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts.long())
+    q_all = values.new_zeros(header["q_sparse"])
+    q_all[rows, columns.long()] = values
+    return q_all
 
 
 def parse_proposals(msg: Message) -> list[RowReply]:
     """The rows of a proposals message, in order; a whole-message error raises DraftError."""
     _expect(msg, PROPOSALS)
-    packed = msg.tensors[0] if msg.tensors else None
+    packed = unpack_q(msg.tensors, msg.header)
     return [_row_reply(h, packed) for h in msg.header["rows"]]
 
 

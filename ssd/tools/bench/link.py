@@ -96,6 +96,7 @@ REAL_VOCAB = 151936  # the Qwen pairs' (ssd.models.offline)
 Q_BYTES_SETTINGS = {
     "T=1": SamplingConfig(temperature=1.0),
     "T=0.7 top-p 0.9": SamplingConfig(temperature=0.7, top_p=0.9),
+    "T=0.8 top-k 20": SamplingConfig(temperature=0.8, top_k=20),
     "T=1 coupled": SamplingConfig(temperature=1.0, coupling="gumbel"),
     "T=0": SamplingConfig(temperature=0.0),
 }
@@ -109,10 +110,10 @@ def bench_q_bytes(k: int = 4, prompts: int = 4, max_new_tokens: int = 30) -> Non
     starts = [[1 + i, 2 + i, 3 + i] for i in range(prompts)]
     log.info("SSD, K = %d, vocabulary %d, %d prompts of %d tokens; per round (a proposals reply):", k, REAL_VOCAB,
              prompts, max_new_tokens)
-    log.info("%-16s %7s %9s %12s %11s %13s %6s", "setting", "rounds", "rows now", "bytes now", "rows before",
+    log.info("%-16s %7s %9s %12s %11s %13s %7s", "setting", "rounds", "rows now", "bytes now", "rows before",
              "bytes before", "ratio")
     for name, sampling in Q_BYTES_SETTINGS.items():
         r = count_q_bytes(target, draft, sampling, starts, max_new_tokens, k).per_round()
         ratio = r["q_bytes"] / r["before_bytes"] if r["before_bytes"] else float("nan")
-        log.info("%-16s %7d %9.2f %12.0f %11.2f %13.0f %6.3f", name, r["rounds"], r["q_rows"], r["q_bytes"],
+        log.info("%-16s %7d %9.2f %12.0f %11.2f %13.0f %7.2g", name, r["rounds"], r["q_rows"], r["q_bytes"],
                  r["before_rows"], r["before_bytes"], ratio)

@@ -36,12 +36,14 @@ class QBytes:
     q_rows: int = 0  # rows of q shipped
     q_bytes: int = 0  # their bytes
     drafted: int = 0  # drafted tokens of rows that shipped q: one float32 row each before
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)  # each request's tokens
 
     def add(self, message: Message) -> None:
+        shipping = [row for row in message.header["rows"] if row.get("q") is not None]
         self.rounds += 1
-        self.q_rows += sum(t.shape[0] for t in message.tensors)
+        self.q_rows += sum(row["q"][1] - row["q"][0] for row in shipping)
         self.q_bytes += sum(t.numel() * t.element_size() for t in message.tensors)
-        self.drafted += sum(len(row["tokens"]) for row in message.header["rows"] if row.get("q") is not None)
+        self.drafted += sum(len(row["tokens"]) for row in shipping)
 
     @property
     def before_bytes(self) -> int:
@@ -93,5 +95,5 @@ def count_q_bytes(
         for seed, prompt in enumerate(prompts):
             request = GenerationRequest(list(prompt), dataclasses.replace(sampling, seed=seed),
                                         GenerationConfig(max_new_tokens=max_new_tokens))
-            ssd.generate(request)
+            counts.outputs.append(ssd.generate(request).token_ids)
     return counts
