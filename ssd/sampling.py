@@ -35,8 +35,9 @@ from ssd.config import SamplingConfig
 # needs only that both sides see the same row, so the dtype is chosen for the
 # link: K rows of V a reply (7 x 152k x 4 B = 4.3 MB in float32) halve in
 # bfloat16. bfloat16, not float16: float32's exponent range, so no probability
-# above 1e-38 rounds to 0; each entry moves by at most 2^-9 of itself, which
-# moves the draft's acceptance by at most ~0.2 % (docs/cluster.md, "The draft link").
+# above 1e-38 rounds to 0. Each entry moves by at most 2^-8 of itself, the row's
+# law by < 0.1 % in total variation over the real vocabulary (0.4 % at worst),
+# which bounds what the draft's acceptance can lose (docs/cluster.md).
 Q_DTYPE = torch.bfloat16
 
 

@@ -11,7 +11,7 @@ of tokens 2, 5 and 6 of 7 on the 4-token model of test_distribution (token 2
 comes from round 1, a neural backup's draft or its correction; tokens 5 and 6
 from later rounds, mostly cache hits: asserted), chi-square against the
 target's exact law, alpha 0.001. Power: bfloat16 rounding moves an entry by at
-most 2^-9 of itself, so verifying other rows than the ones drawn from (their
+most 2^-8 of itself, so verifying other rows than the ones drawn from (their
 float32 originals, say) shifts this law by ~1e-3, far below what SAMPLES seeds
 see (nor would an output shifted that little matter, but it would not be
 exact). The power check makes that same mismatch large: the draft draws from

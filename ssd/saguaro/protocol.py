@@ -206,7 +206,7 @@ def proposals(rows: Sequence[RowReply]) -> Message:
     return Message(PROPOSALS, header, tensors)
 
 
-# An entry of a sparse q: its column id (int32) and its value.
+# A sparse q costs, besides each nonzero value, its column id and each row's count (int32).
 _INDEX_BYTES = 4
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -215,10 +215,11 @@ def pack_q(q_all: torch.Tensor, header: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors that carry q_all: the dense rows, or, where they take fewer bytes,
     the nonzero entries (per-row counts, column ids, values; header["q_sparse"] set
     to the shape). Rows drawn under top-k, top-p or min-p are mostly zeros; a
-    T = 1 row has none, and is sent dense after one count of its nonzeros."""
+    T = 1 row has next to none, and is sent dense after one count of its nonzeros."""
     bits = q_all.view(_SAME_WIDTH_INT[q_all.element_size()])  # an exact count: no float compare, -0.0 kept
     nonzero = int(torch.count_nonzero(bits))
-    if nonzero * (_INDEX_BYTES + q_all.element_size()) >= q_all.numel() * q_all.element_size():
+    sparse_bytes = nonzero * (_INDEX_BYTES + q_all.element_size()) + q_all.shape[0] * _INDEX_BYTES
+    if sparse_bytes >= q_all.numel() * q_all.element_size():
         return [q_all]
     header["q_sparse"] = list(q_all.shape)
     rows, columns = bits.nonzero(as_tuple=True)

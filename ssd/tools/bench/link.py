@@ -5,14 +5,13 @@ q rows of the real pair's vocabulary; and the q bytes an SSD round sends
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import socket
 import statistics
 import threading
 import time
-
-import dataclasses
 
 import torch
 
