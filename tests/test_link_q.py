@@ -109,6 +109,30 @@ def test_rows_mostly_zero_are_sent_as_their_nonzero_entries_bit_for_bit():
     assert torch.equal(parsed[0].proposal.q, q[:3].to(Q_DTYPE)) and torch.equal(parsed[1].proposal.q, q[3:].to(Q_DTYPE))
 
 
+def test_a_sparse_reply_crosses_gloo_bit_for_bit():
+    q = torch.softmax(torch.randn(3, 151936), -1)
+    q[q < q.topk(20, dim=-1).values[:, -1:]] = 0  # top-k 20
+    rows = [protocol.ProposalReply(0, True, Proposal([1, 2, 3], q.to(Q_DTYPE), "cache"), 0.0, 0.0)]
+    port = free_port(HOST)
+    serve_store(HOST, port)
+    received = []
+    peer = threading.Thread(target=lambda: received.append(
+        DistributedChannel.connect(HOST, port, rank=1, timeout_s=30.0, prefix="sparse")), daemon=True)
+    peer.start()
+    ours = DistributedChannel.connect(HOST, port, rank=0, timeout_s=30.0, prefix="sparse")
+    peer.join(30)
+    theirs = received[0]
+    try:
+        message = protocol.proposals(rows)
+        assert "q_sparse" in message.header and sum(t.nbytes for t in message.tensors) < 3 * 20 * 7
+        ours.send(message)
+        (reply,) = protocol.parse_proposals(theirs.recv(timeout=30))
+    finally:
+        ours.close()
+        theirs.close()
+    assert torch.equal(reply.proposal.q, q.to(Q_DTYPE))
+
+
 def test_dense_rows_are_sent_dense():
     q = torch.softmax(torch.randn(3, 64), -1).to(Q_DTYPE)
     message = protocol.proposals([protocol.ProposalReply(0, True, Proposal([1, 2, 3], q, "cache"), 0.0, 0.0)])
