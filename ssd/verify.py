@@ -88,11 +88,13 @@ def draft_law(q: torch.Tensor) -> torch.Tensor:
     """The distributions the drafted tokens were drawn from, in float64.
 
     A draft draws from its q rows as shipped (ssd.sampling.as_drawn:
-    float32), and sampling divides a row by its own sum, which for a
-    rounded row is 1 only up to float32 rounding (~1e-7 over a large
-    vocabulary). Dividing by that sum here too makes the ratio test and the
-    residual use that law itself, to float64 rounding as before. float64
-    rows (made by the caller, not shipped) are taken as they are.
+    bfloat16), upcast to float64 (exact) and divided by the row's own sum
+    (sampling's inverse CDF scales its uniform by the last CDF entry). A
+    rounded row sums to 1 only up to its rounding (~2^-9 in bfloat16), so
+    dividing by that sum here too is what makes the ratio test and the
+    residual use the draft's law itself: the same upcast values over the
+    same sum, to float64 rounding (~1e-16). float64 rows (made by the
+    caller, not shipped) are taken as they are.
     """
     if q.dtype == torch.float64:
         return q

@@ -1,6 +1,6 @@
-"""What crosses the draft link as q: float32 rows, the very rows each token was drawn from.
+"""What crosses the draft link as q: bfloat16 rows, the very rows each token was drawn from.
 
-Verification's exactness with float32 rows is tested in
+Verification's exactness with rounded rows is tested in
 tests/test_verify.py::test_shipped_rows_are_verified_as_the_law_they_were_drawn_from
 and end to end by the chi-square tests of tests/test_ssd_distribution.py.
 """
@@ -23,7 +23,7 @@ SAMPLED = SamplingConfig(temperature=0.8, top_k=10)
 CONTEXT = [1, 2, 3, 4, 5]
 
 
-def test_every_q_source_makes_float32_rows(tiny_models):
+def test_every_q_source_makes_bfloat16_rows(tiny_models):
     draft = tiny_models[1]  # fp64: the rows are rounded even where the model is not
     vocab = draft.config.vocab_size
     chain = drafted_chain(KVSequence(draft), CONTEXT, 3, SAMPLED, make_generator(0))
@@ -37,9 +37,9 @@ def test_every_q_source_makes_float32_rows(tiny_models):
         assert proposal.q.dtype == Q_DTYPE, kind
 
 
-def test_a_proposals_message_ships_float32():
+def test_a_proposals_message_ships_bfloat16():
     rows = [protocol.ProposalReply(s, False, Proposal([1, 2], torch.full((2, 8), 0.125, dtype=Q_DTYPE), "random"),
                                    0.0, 0.0) for s in range(2)]
     message = protocol.proposals(rows)
-    assert [t.dtype for t in message.tensors] == [torch.float32]
-    assert all(r.proposal.q.dtype == torch.float32 for r in protocol.parse_proposals(message))
+    assert [t.dtype for t in message.tensors] == [torch.bfloat16]
+    assert all(r.proposal.q.dtype == torch.bfloat16 for r in protocol.parse_proposals(message))

@@ -145,7 +145,7 @@ def test_saguaro_c_rescales_the_cached_q_rows(tiny_models, tiny_tokenizer, monke
     with SSDEngine.in_process(target, draft, tiny_tokenizer, spec) as ssd:
         ssd.generate(GenerationRequest([1, 2, 3], SamplingConfig(temperature=1.0, seed=7), GenerationConfig(max_new_tokens=12)))
     assert builds
-    for build in builds[:3]:  # the rows are float32, the draws' own law (ssd.sampling.as_drawn)
+    for build in builds[:3]:  # the rows are bfloat16, the draws' own law (ssd.sampling.as_drawn)
         assert max(saguaro_errors(draft, build, c, fanout)) < QPRIME_TOL
     if c != 1.0:  # the check has power: plain q is far from q'
         assert min(saguaro_errors(draft, builds[0], 1.0, fanout)) > 1e-3

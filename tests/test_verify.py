@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssd.sampling import make_generator, sample, uniforms
+from ssd.sampling import as_drawn, make_generator, sample, uniforms
 from ssd.verify import RESIDUAL_EPS, Outcome, ProposerError, residual, verify
 from tests.stats import ALPHA, chi_square_pvalue
 
@@ -226,12 +226,12 @@ def test_outcome_law_is_the_exact_one():
 
 
 def test_shipped_rows_are_verified_as_the_law_they_were_drawn_from():
-    """A draft draws from its float32 row divided by the row's own sum
+    """A draft draws from its bfloat16 row, upcast, divided by the row's own sum
     (ssd.sampling.as_drawn, sample); verification must read q at the drafted
     tokens and in the residual under that same law. Rows summing to 1.5
-    stand for float32 rounding, magnified so a wrong law shows."""
+    stand for bfloat16 rounding, magnified so a wrong law shows."""
     q, p = random_rows(3, 20), random_rows(4, 21)
-    shipped = (1.5 * q).to(torch.float32)
+    shipped = as_drawn(1.5 * q)
     law = shipped.double() / shipped.double().sum(-1, keepdim=True)
     for seed in range(300):
         drafted = [sample(row, make_generator(10_000 + seed)) for row in shipped]

@@ -1,7 +1,7 @@
 """The SSD wire protocol between target rank 0 and the draft, as Messages.
 
 Ops target -> draft: prefill(seq, prompt, settings, epoch), rounds([(seq, k, t*,
-draft_k), ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
+draft_k, room), ...]), release(seq), shutdown. Draft -> target: proposals(rows) answers a
 rounds message with one row per round row, in order; error(seq, text) is a
 whole message failing. Headers hold only plain data (msgpack-able); q rows
 travel as a tensor.
@@ -10,14 +10,23 @@ Every round is one rounds/proposals exchange, one row per sequence (a lone
 request is a batch of one), so a round costs one message each way whatever
 the batch size:
 
-    rounds     header {"rows": [{"seq", "k", "token", "draft_k"}, ...]}, no tensors
+    rounds     header {"rows": [{"seq", "k", "token", "draft_k", "room"}, ...]}, no tensors
                draft_k: the length of the speculations the draft makes for
                this message (a miss's backup, the cache it builds next);
                None: the row's speculation.k (ssd.saguaro.adaptive_k sets it)
-    proposals  header {"rows": [row, ...]}, tensors [q_all] or [] (all greedy or coupled)
+               room: the most drafted tokens the target verifies this round
+               (its max_new_tokens left, less the token a round adds); None: all
+    proposals  header {"rows": [row, ...], "q_sparse"?: [rows, V]},
+               tensors [q_all] or [] (all greedy or coupled), or with q_sparse
+               q_all's nonzero entries [per-row counts, column ids, values]
                row = {"seq", "hit", "source", "tokens", "backup_s", "build_s",
                       "q": [start, stop] | None}   q rows = q_all[start:stop]
                    | {"seq", "error"}              this row alone failed
+               q_all: bfloat16 (ssd.sampling.Q_DTYPE), the rows the tokens were
+               drawn from; a row's q covers its first min(len(tokens), room)
+               tokens, the ones the target reads (`shipped`); sent as its
+               nonzero entries where those take fewer bytes (top-k, top-p,
+               min-p rows), bit for bit the same rows once unpacked
 
 A row error leaves the other rows' proposals valid: the target runs that row
 without the draft (and may prefill it again under a new seq id).
@@ -87,12 +96,14 @@ def parse_prefill(msg: Message) -> Prefill:
 @dataclass(frozen=True)
 class RoundRow:
     """One sequence's verification outcome: k drafts accepted, then token t*;
-    and the K the draft's next speculations have (None: the row's speculation.k)."""
+    the K the draft's next speculations have (None: the row's speculation.k);
+    and the most drafted tokens the target verifies this round (None: all)."""
 
     seq: int
     k: int
     token: int
     draft_k: int | None = None
+    room: int | None = None
 
 
 def rounds(rows: Sequence[RoundRow]) -> Message:
@@ -105,11 +116,23 @@ def parse_rounds(msg: Message) -> list[RoundRow]:
 
 
 def _round_header(row: RoundRow) -> dict[str, int | None]:
-    return {"seq": row.seq, "k": row.k, "token": row.token, "draft_k": row.draft_k}
+    return {"seq": row.seq, "k": row.k, "token": row.token, "draft_k": row.draft_k, "room": row.room}
 
 
 def _round_row(h: dict[str, Any]) -> RoundRow:
-    return RoundRow(h["seq"], h["k"], h["token"], h.get("draft_k"))
+    return RoundRow(h["seq"], h["k"], h["token"], h.get("draft_k"), h.get("room"))
+
+
+def shipped(proposal: Proposal, room: int | None) -> Proposal:
+    """`proposal` as it crosses the link: q only for the tokens the target reads.
+
+    The target verifies the first min(len(tokens), room) drafted tokens (a round
+    never runs past max_new_tokens), so q rows past them would never be read;
+    the tokens stay whole, as the draft's own record of what it proposed.
+    """
+    if proposal.q is None or room is None or room >= proposal.q.shape[0]:
+        return proposal
+    return dataclasses.replace(proposal, q=proposal.q[: max(room, 0)])
 
 
 def release(seq: int) -> Message:
@@ -178,14 +201,49 @@ def proposals(rows: Sequence[RowReply]) -> Message:
             qs.append(q)
             offset += q.shape[0]
         headers.append(header)
-    tensors = [torch.cat([q.to(qs[0].device) for q in qs])] if qs else []
-    return Message(PROPOSALS, {"rows": headers}, tensors)
+    header: dict[str, Any] = {"rows": headers}
+    tensors = pack_q(torch.cat([q.to(qs[0].device) for q in qs]), header) if qs else []
+    return Message(PROPOSALS, header, tensors)
+
+
+# A sparse q costs, besides each nonzero value, its column id and each row's count (int32).
+_INDEX_BYTES = 4
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_q(q_all: torch.Tensor, header: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors that carry q_all: the dense rows, or, where they take fewer bytes,
+    the nonzero entries (per-row counts, column ids, values; header["q_sparse"] set
+    to the shape). Rows drawn under top-k, top-p or min-p are mostly zeros; a
+    T = 1 row has next to none, and is sent dense after one count of its nonzeros."""
+    bits = q_all.view(_SAME_WIDTH_INT[q_all.element_size()])  # an exact count: no float compare, -0.0 kept
+    nonzero = int(torch.count_nonzero(bits))
+    sparse_bytes = nonzero * (_INDEX_BYTES + q_all.element_size()) + q_all.shape[0] * _INDEX_BYTES
+    if sparse_bytes >= q_all.numel() * q_all.element_size():
+        return [q_all]
+    header["q_sparse"] = list(q_all.shape)
+    rows, columns = bits.nonzero(as_tuple=True)
+    counts = torch.count_nonzero(bits, dim=-1)
+    return [counts.to(torch.int32), columns.to(torch.int32), q_all[rows, columns]]
+
+
+def unpack_q(tensors: Sequence[torch.Tensor], header: dict[str, Any]) -> torch.Tensor | None:
+    """q_all from the tensors `pack_q` made (None: there were none)."""
+    if not tensors:
+        return None
+    if "q_sparse" not in header:
+        return tensors[0]
+    counts, columns, values = tensors
+    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts.long())
+    q_all = values.new_zeros(header["q_sparse"])
+    q_all[rows, columns.long()] = values
+    return q_all
 
 
 def parse_proposals(msg: Message) -> list[RowReply]:
     """The rows of a proposals message, in order; a whole-message error raises DraftError."""
     _expect(msg, PROPOSALS)
-    packed = msg.tensors[0] if msg.tensors else None
+    packed = unpack_q(msg.tensors, msg.header)
     return [_row_reply(h, packed) for h in msg.header["rows"]]
 
 

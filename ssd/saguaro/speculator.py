@@ -185,11 +185,12 @@ class Speculator:
         seq.k = requested_k(row, seq.speculation)
         cached = self._commit(seq, row.k, row.token)
         if cached is not None:
-            return protocol.ProposalReply(row.seq, True, cached, 0.0, seq.build_s)
+            return protocol.ProposalReply(row.seq, True, protocol.shipped(cached, row.room), 0.0, seq.build_s)
         started = time.perf_counter()
         drafted = self._backup(seq, batch_size)
         sync(self.device)  # the timer covers the device's work
-        return protocol.ProposalReply(row.seq, False, drafted, time.perf_counter() - started, seq.build_s)
+        return protocol.ProposalReply(row.seq, False, protocol.shipped(drafted, row.room),
+                                      time.perf_counter() - started, seq.build_s)
 
     def _commit(self, seq: DraftSequence, k: int, token: int) -> Proposal | None:
         """Advance the committed sequence by the outcome; the cached proposal for it, if any."""

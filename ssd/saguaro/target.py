@@ -68,8 +68,8 @@ class DraftCursor:
         """The acceptance length the next round looks up (None: the first round looks nothing up)."""
         return None if self.first_round else self.outcome.k
 
-    def round_row(self, draft_k: int | None = None) -> protocol.RoundRow:
-        return protocol.RoundRow(self.seq, self.outcome.k, self.outcome.token, draft_k)
+    def round_row(self, draft_k: int | None = None, room: int | None = None) -> protocol.RoundRow:
+        return protocol.RoundRow(self.seq, self.outcome.k, self.outcome.token, draft_k, room)
 
     def advance(self, outcome: Outcome) -> None:
         self.outcome, self.first_round = outcome, False
@@ -96,11 +96,17 @@ class RowLink:
     def clear(self) -> None:
         self.reply, self.drafted, self.q, self.wait_s = None, (), None, 0.0
 
-    def take(self, reply: ProposalReply, remaining: int, wait_s: float) -> None:
-        """This step's proposal, never verified past max_new_tokens (a round adds up to K + 1)."""
-        k = min(len(reply.proposal.tokens), remaining - 1)
+    def take(self, reply: ProposalReply, room: int, wait_s: float) -> None:
+        """This step's proposal, never verified past `room` drafted tokens (`verified_room`)."""
+        k = min(len(reply.proposal.tokens), room)
         q = reply.proposal.q
         self.reply, self.drafted, self.q, self.wait_s = reply, tuple(reply.proposal.tokens[:k]), None if q is None else q[:k], wait_s
+
+
+def verified_room(row: Row) -> int:
+    """The most drafted tokens the row's round verifies: a round adds one token past
+    what it accepts, and never runs past max_new_tokens. The draft ships q for these only."""
+    return row.state.output.remaining - 1
 
 
 def record_speculation(
@@ -302,7 +308,8 @@ class SSDEngine(BatchedEngine):
 
     def _exchange(self, rows: list[Row]) -> list[RowReply]:
         """One rounds message for `rows`, one proposals reply, its rows in the same order."""
-        self.channel.send(protocol.rounds([row.link.cursor.round_row(self._draft_k(row)) for row in rows]))
+        self.channel.send(protocol.rounds([row.link.cursor.round_row(self._draft_k(row), verified_room(row))
+                                           for row in rows]))
         msg = self.channel.recv(self.draft_timeout_s)
         try:
             replies = protocol.parse_proposals(msg)
@@ -361,7 +368,7 @@ class SSDEngine(BatchedEngine):
             if isinstance(reply, RowError):
                 self._row_failed(row, reply)
             else:
-                row.link.take(reply, row.state.output.remaining, waited)
+                row.link.take(reply, verified_room(row), waited)
 
     def _proposal(self, row: Row) -> Proposal | None:
         link = row.link

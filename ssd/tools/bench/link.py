@@ -1,9 +1,11 @@
 """Round-trip latency of the torch.distributed link (ssd.transport.distributed)
 against an echo peer in a second process: a header-only round message and
-q rows of the real pair's vocabulary. Run it with launch/bench_link.py."""
+q rows of the real pair's vocabulary; and the q bytes an SSD round sends
+(ssd.tools.bench.q_bytes). Run it with launch/bench_link.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import socket
@@ -13,6 +15,10 @@ import time
 
 import torch
 
+from ssd.config import SamplingConfig, TinyModelConfig
+from ssd.models import build_tiny_model
+from ssd.sampling import Q_DTYPE
+from ssd.tools.bench.q_bytes import count_q_bytes
 from ssd.transport.channel import ChannelClosed, Message
 from ssd.transport.distributed import DistributedChannel
 
@@ -61,8 +67,9 @@ def bench_link(rounds: int = 300) -> None:
     header = {"seq": 3, "k": 4, "token": 151643}
     cases = {
         "header only": Message("round", header),
-        "q [4,151936] float32": Message("speculation", header, [torch.rand(4, 151936)]),
-        "q [4,151936] float64": Message("speculation", header, [torch.rand(4, 151936, dtype=torch.float64)]),
+        "q [4,151936] float32 (before)": Message("speculation", header, [torch.rand(4, 151936)]),
+        f"q [4,151936] {str(Q_DTYPE).removeprefix('torch.')} (now)": Message(
+            "speculation", header, [torch.rand(4, 151936).to(Q_DTYPE)]),
     }
     for name, message in cases.items():
         times: dict[str, list[float]] = {mode: [] for mode in links}
@@ -79,3 +86,33 @@ def bench_link(rounds: int = 300) -> None:
     for channel in links.values():
         channel.close()
     peer.join(10)
+
+
+REAL_VOCAB = 151936  # the Qwen pairs' (ssd.models.offline)
+# What a round ships depends on the sampling settings, not on the model: tiny
+# models with the real vocabulary (the draft the target plus 3 % weight noise,
+# as the tests' pair) make the rounds in seconds on a CPU.
+Q_BYTES_SETTINGS = {
+    "T=1": SamplingConfig(temperature=1.0),
+    "T=0.7 top-p 0.9": SamplingConfig(temperature=0.7, top_p=0.9),
+    "T=0.8 top-k 20": SamplingConfig(temperature=0.8, top_k=20),
+    "T=1 coupled": SamplingConfig(temperature=1.0, coupling="gumbel"),
+    "T=0": SamplingConfig(temperature=0.0),
+}
+
+
+def bench_q_bytes(k: int = 4, prompts: int = 4, max_new_tokens: int = 30) -> None:
+    """The q bytes a round sends at each setting, before and now, per round."""
+    tiny = TinyModelConfig(vocab_size=REAL_VOCAB, seed=0)
+    target = build_tiny_model(tiny)
+    draft = build_tiny_model(dataclasses.replace(tiny, noise=0.03))
+    starts = [[1 + i, 2 + i, 3 + i] for i in range(prompts)]
+    log.info("SSD, K = %d, vocabulary %d, %d prompts of %d tokens; per round (a proposals reply):", k, REAL_VOCAB,
+             prompts, max_new_tokens)
+    log.info("%-16s %7s %9s %12s %11s %13s %7s", "setting", "rounds", "rows now", "bytes now", "rows before",
+             "bytes before", "ratio")
+    for name, sampling in Q_BYTES_SETTINGS.items():
+        r = count_q_bytes(target, draft, sampling, starts, max_new_tokens, k).per_round()
+        ratio = r["q_bytes"] / r["before_bytes"] if r["before_bytes"] else float("nan")
+        log.info("%-16s %7d %9.2f %12.0f %11.2f %13.0f %7.2g", name, r["rounds"], r["q_rows"], r["q_bytes"],
+                 r["before_rows"], r["before_bytes"], ratio)

@@ -70,6 +70,7 @@ from ssd.models.shapes import RandomModelSpec, build_random_model, fingerprint, 
 from ssd.saguaro import protocol
 from ssd.saguaro.branches import TreeBranchDecoder
 from ssd.saguaro.cache import Proposal
+from ssd.sampling import as_drawn
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +262,15 @@ def check_generation(target: torch.nn.Module, draft: torch.nn.Module, draft_spec
 
 
 def link_messages(k: int, vocab: int) -> dict[str, Any]:
-    """The messages of one SSD round: the outcome (header only) and a proposal with q rows (sampled decoding)."""
-    q = torch.rand(k, vocab)
-    reply = protocol.ProposalReply(0, True, Proposal(list(range(k)), q, "cache"), 0.0, 0.0)
-    return {"round (header only)": protocol.rounds([protocol.RoundRow(0, k, 1)]),
-            f"proposal q [{k}, {vocab}] fp32": protocol.proposals([reply])}
+    """The messages of one SSD round: the outcome (header only) and a proposal with q rows
+    (sampled decoding), as shipped (ssd.sampling.as_drawn) and in the float32 shipped before."""
+    q = torch.softmax(torch.randn(k, vocab), dim=-1)
+    messages = {"round (header only)": protocol.rounds([protocol.RoundRow(0, k, 1)])}
+    for rows, when in ((q, "before"), (as_drawn(q), "shipped")):
+        reply = protocol.ProposalReply(0, True, Proposal(list(range(k)), rows, "cache"), 0.0, 0.0)
+        name = f"proposal q [{k}, {vocab}] {str(rows.dtype).removeprefix('torch.')} ({when}, {rows.nbytes} B)"
+        messages[name] = protocol.proposals([reply])
+    return messages
 
 
 def time_link(host: DraftProcess, k: int, vocab: int, rounds: int) -> dict[str, Any]:
