@@ -2,7 +2,8 @@
 
 For each model and thread count, forwards of 1, 2, 4, 8 and 16 tokens after a
 prefix in the KV cache, the two backends interleaved (a round of every row
-count on one, then on the other, repeated), median ms per forward and steps
+count on one, then on the other, repeated; each round opens with an untimed
+forward), median ms per forward and steps
 (x the same backend's one-token forward). Also whether each backend's rows are
 bit-identical alone and together: the logits of a 16-token forward against the
 same positions fed one token at a time (what the engines' exactness needs).
@@ -53,6 +54,8 @@ def timed_forwards(seq, prefix: list[int], tokens: list[int], repeats: int) -> d
     """Seconds of each forward of `n` tokens (n in ROWS) after `prefix`, rolled back each time."""
     times: dict[int, list[float]] = {n: [] for n in ROWS}
     for _ in range(repeats):
+        seq.forward(tokens[:1])  # untimed: the other backend's round left the caches and threads cold
+        seq.rollback(len(prefix))
         for n in ROWS:
             started = time.perf_counter()
             seq.forward(tokens[:n])
