@@ -22,14 +22,18 @@ from ssd.tools.bench.kernels import measure, table  # noqa: E402
 PAIR = ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=PAIR)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prefix", type=int, default=256, help="tokens in the KV cache before each forward")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.txt")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = measure(args.models, args.threads, args.prefix, args.repeats)
     text = table(report)

@@ -30,6 +30,7 @@ at five.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -305,11 +306,12 @@ def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def precision_of(model: nn.Module) -> str:
     """The name of a model's weight precision as reports show it: int8, gguf, bf16, fp32 or fp64."""
-    from ssd.models.kernels.qlinear import QLinear
-
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return INT8
-    if any(isinstance(m, QLinear) for m in model.modules()):
+    # Only a process that loaded a GGUF-kernel model has imported its module (which needs the gguf
+    # package, absent on a GPU image): no module, no such layers.
+    kernels = sys.modules.get("ssd.models.kernels.qlinear")
+    if kernels is not None and any(isinstance(m, kernels.QLinear) for m in model.modules()):
         return GGUF
     dtype = next(model.parameters()).dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64"}.get(dtype, str(dtype))
