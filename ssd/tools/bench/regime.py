@@ -66,7 +66,7 @@ from ssd.saguaro.branches import TreeBranchDecoder
 from ssd.tools.bench.forced import ForcedAcceptance, ForcedRanks, honoured
 from ssd.tools.bench.layer_view import Calibration, DeepScale, calibrate, layer_view
 from ssd.tools.bench.sampling_check import check_sampling, run_rows
-from ssd.tools.bench.smoke import IdTokenizer, environment
+from ssd.tools.bench.smoke import SMALL, IdTokenizer, environment
 from ssd.verify import verify
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,7 @@ log = logging.getLogger(__name__)
 FORMAT = "ssd-gpu-bench/1"
 # Tiny shapes (CPU, the suite): the named configs with these sizes. The larger init spreads
 # the logits, so greedy choices are far from ties (as the smoke run's small shapes).
-_TINY_COMMON = {"vocab_size": 512, "max_position_embeddings": 1024, "initializer_range": 0.2,
-                "bos_token_id": None, "eos_token_id": None}
-TINY = {
-    "target": {**_TINY_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-               "num_attention_heads": 4, "num_key_value_heads": 2},
-    "draft": {**_TINY_COMMON, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
-}
+TINY = {"target": {**SMALL["target"], "num_hidden_layers": 4}, "draft": SMALL["draft"]}  # the smoke run's
 VIEW = "view"  # draft (a)'s name in rows
 KINDS = ("measured", "modelled")
 DRAFT_TIMEOUT_S = 60.0  # the longest a measured SSD round waits for the draft's reply
