@@ -1,9 +1,10 @@
 """Build and load the C kernels (qmatmul.c) with the system compiler, once per source and host.
 
-The shared library is compiled on first use into the cache (~/.cache/ssd/kernels,
-or $SSD_KERNEL_CACHE) and reused while the source is unchanged; `pip install`
-builds it too (`python -m ssd.models.kernels.build`, which the README's install
-command runs), so a first request never waits for a compiler. No flags tie the
+The shared library is compiled into the cache (~/.cache/ssd/kernels, or
+$SSD_KERNEL_CACHE) by `pip install` (setup.py runs `build`), else on first use,
+and reused while the source is unchanged; `python -m ssd.models.kernels.build`
+builds it by hand. This module uses the standard library only: setup.py loads it
+by its path, in pip's build environment, where torch is absent. No flags tie the
 library to the building CPU: the instruction set (AVX512-VNNI, AVX2 or portable
 C) is chosen at run time from the host's, so a cache shared between hosts stays
 correct. Where no compiler is found, `load` raises KernelUnavailable saying so,
