@@ -234,6 +234,20 @@ def test_sd_samples_the_gguf_targets_law_and_the_test_has_power(small_gguf_pair)
     assert broken < ALPHA, f"accepting every draft went undetected: p = {broken:.2e}"
 
 
+def test_ssd_cache_hits_sample_the_gguf_targets_law_and_the_test_has_power(small_gguf_pair, monkeypatch):
+    """SSD's cache-hit path (tests/test_ssd_distribution's T=1 case) on the kernels' pair, and the
+    same test failing when the cache draws its tokens from reversed ranks."""
+    from tests.test_ssd_distribution import HIT_CASES, LATE, cache_draws_reversed, hit_draws, pvalue
+
+    case = HIT_CASES["t1.0"]
+    p = pvalue(small_gguf_pair, hit_draws(small_gguf_pair, case), case.sampling, LATE, ("cache hit", "gguf t1.0", "exact"))
+    assert p > ALPHA, f"SSD cache hits on the GGUF pair deviate from the GGUF target: p = {p:.2e}"
+    cache_draws_reversed(monkeypatch)
+    broken = pvalue(small_gguf_pair, hit_draws(small_gguf_pair, case, case.broken_samples), case.sampling, LATE,
+                    ("cache hit", "gguf t1.0", "cache_draws_reversed"))
+    assert broken < ALPHA, f"a cache drawing reversed ranks went undetected: p = {broken:.2e}"
+
+
 def test_no_compiler_is_a_clear_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_LIB", None)
     monkeypatch.setenv("SSD_KERNEL_CACHE", str(tmp_path))

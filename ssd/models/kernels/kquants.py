@@ -20,7 +20,7 @@ def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
     low = np.minimum(x.min(axis=2), 0.0)  # w = d sc q - dmin m: a sub-block's minimum is -dmin m <= 0
     span = np.maximum(x.max(axis=2) - low, 1e-12)
     d = _half(span.max(axis=1) / 15 / 63)
-    dmin = _half(np.maximum(-low.max(axis=1, initial=0.0), -low.min(axis=1)) / 63)
+    dmin = _half(-low.min(axis=1) / 63)  # the deepest sub-block minimum takes m = 63
     sc = np.clip(np.ceil(span / 15 / np.maximum(d[:, None], 1e-30)), 1, 63).astype(np.uint8)
     m = np.clip(np.round(-low / np.maximum(dmin[:, None], 1e-30)), 0, 63).astype(np.uint8)
     step = (d[:, None] * sc)[:, :, None]

@@ -110,9 +110,9 @@ class QLinear(nn.Module):
     """One or more linear layers that read the same input, on repacked GGUF k-quant weights (CPU).
 
     parts: (format, packed weights [out, bytes] uint8 tensor) per layer, each
-    layer's outputs after the previous one's. `forward` returns one tensor when
-    there is one part, else a tuple (as FusedInt8Linear does). Holds nothing
-    per call, so threads may share it.
+    layer's outputs after the previous one's. `forward` returns one tensor, or,
+    for a layer made by `fuse`, one per fused layer (as FusedInt8Linear does).
+    Holds nothing per call, so threads may share it.
     """
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None = None) -> None:
@@ -132,6 +132,7 @@ class QLinear(nn.Module):
             self.register_buffer(f"weights{index}", weights.contiguous())
         self._names = [f"weights{index}" for index in range(len(parts))]
         self.register_buffer("bias", bias)
+        self.split_sizes: list[int] | None = None  # set by `fuse`: forward returns one output per layer
 
     @classmethod
     def from_gguf(cls, kind: GGMLQuantizationType, raw: np.ndarray, bias: torch.Tensor | None = None) -> "QLinear":
@@ -174,8 +175,7 @@ class QLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         out = out.reshape(*x.shape[:-1], self.out_features)
-        sizes = getattr(self, "split_sizes", None)
-        return out.split(sizes, dim=-1) if sizes else out
+        return out.split(self.split_sizes, dim=-1) if self.split_sizes else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF k-quants {self.formats}"

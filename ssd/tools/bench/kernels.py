@@ -22,6 +22,7 @@ import torch
 from ssd import hardware
 from ssd.config import ModelConfig
 from ssd.models import load_model
+from ssd.models.backend import ops_of
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ def load(name: str, backend: str) -> Any:
 
 
 def sequence(model: Any):
-    from ssd.models.backend import ops_of
-
     ops = ops_of(model)
     return ops.new_sequence(ops.sequence_source(model, rows=1, max_tokens=64, kv_tokens=2048), 0)
 
@@ -78,9 +77,10 @@ def measure(names: list[str], threads: list[int], prefix_len: int, repeats: int,
     rows, invariant = [], {}
     for name in names:
         models = {backend: load(name, backend) for backend in BACKENDS}
-        vocab = 151936 if "qwen" in name else 1000
-        prefix = torch.randint(0, min(vocab, 100000), (prefix_len,), generator=gen).tolist()
-        tokens = torch.randint(0, min(vocab, 100000), (max(ROWS),), generator=gen).tolist()
+        model = models["kernels"]
+        vocab = ops_of(model).vocab_size(model)
+        prefix = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
+        tokens = torch.randint(0, vocab, (max(ROWS),), generator=gen).tolist()
         for count in threads:
             seqs = {}
             torch.set_num_threads(count)  # both follow it: the kernels' pool and llama.cpp's contexts

@@ -66,7 +66,7 @@ from ssd.saguaro.branches import TreeBranchDecoder
 from ssd.tools.bench.forced import ForcedAcceptance, ForcedRanks, honoured
 from ssd.tools.bench.layer_view import Calibration, DeepScale, calibrate, layer_view
 from ssd.tools.bench.sampling_check import check_sampling, run_rows
-from ssd.tools.bench.smoke import SMALL, IdTokenizer, environment
+from ssd.tools.bench.smoke import SMALL, IdTokenizer, environment, require_positive
 from ssd.verify import verify
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,8 @@ class BenchSettings:
         for a in self.acceptances:
             if not 0.0 < a < 1.0:
                 raise ValueError(f"acceptances must be in (0, 1), got {a}")
-        for name in ("max_new_tokens", "prompt_len", "repeats", "prefix", "exact_tokens", "calibration_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, ("max_new_tokens", "prompt_len", "repeats", "prefix", "exact_tokens",
+                                "calibration_tokens"))
 
     @property
     def on_gpu(self) -> bool:

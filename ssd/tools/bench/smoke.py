@@ -127,14 +127,19 @@ class SmokeSettings:
             self.branch_dtypes = ("fp32", "bf16") if self.on_gpu else ("fp32",)
         if self.threads is None and not self.on_gpu:
             self.threads = 1
-        for name in ("max_new_tokens", "prompts", "prompt_len", "k", "budget", "repeats", "prefix", "link_rounds",
-                     "sampling_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, ("max_new_tokens", "prompts", "prompt_len", "k", "budget", "repeats", "prefix",
+                                "link_rounds", "sampling_samples"))
 
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
+
+
+def require_positive(settings: Any, names: tuple[str, ...]) -> None:
+    """A ValueError naming the first of `settings`' fields `names` under 1 (the GPU runs' counts)."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(settings, name)}")
 
 
 class IdTokenizer:
