@@ -36,8 +36,10 @@ pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler 
 
 QUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k, T.Q5_0: lambda w: quantize(w, T.Q5_0),
               T.Q8_0: lambda w: quantize(w, T.Q8_0)}
-KINDS = pytest.mark.parametrize("kind, cols", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q5_0, 896), (T.Q8_0, 896)],
-                                ids=["q4_k", "q6_k", "q5_0-padded", "q8_0-padded"])
+# 3072 inputs (12 blocks): past 9 rows the VNNI path reads them a span at a time (qmatmul.c's L1_FIT).
+KINDS = pytest.mark.parametrize("kind, cols", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q5_0, 896), (T.Q8_0, 896),
+                                               (T.Q4_K, 3072), (T.Q6_K, 3072)],
+                                ids=["q4_k", "q6_k", "q5_0-padded", "q8_0-padded", "q4_k-spans", "q6_k-spans"])
 ISAS = list(range(build.load().ssd_best_isa() + 1)) if build.compiler() else []
 # Rows in blocks of 256: the smallest shapes whose linears all run on the kernels.
 KTINY = TinyModelConfig(vocab_size=16, hidden_size=256, intermediate_size=512, num_attention_heads=4,

@@ -10,7 +10,7 @@
  * per row (8 bits, one scale per 256 values, as llama.cpp's Q8_K); the products
  * within a group of 16 weights are an exact integer sum; the float steps per row
  * are the same operations in the same order whatever the number of rows, on
- * every instruction set (lane by lane, then a sequential sum of the 16 lanes);
+ * every instruction set (lane by lane, then the 16 lanes summed in a fixed tree);
  * threads split output channels, never a sum. So a row's logits are
  * bit-identical alone and beside any other rows, and the AVX512-VNNI, AVX2 and
  * portable paths agree bit for bit.
@@ -30,7 +30,8 @@
  * weight (group g, byte b of 16) sits in vector j = b / 4 (64 bytes), lane g,
  * byte b % 4, so one u8 x s8 dot instruction (4 bytes per 32-bit lane) sums
  * four weights of each group into that group's lane. The activations are laid
- * out the same way when quantized. Quants: 128 bytes whose low nibbles are
+ * out the same way when quantized, block by block: block b of row r at (b * rows + r) * 256, so one
+ * block's rows sit side by side. Quants: 128 bytes whose low nibbles are
  * vectors 0 (bytes 0..63) and 2 (64..127) and high nibbles vectors 1 and 3;
  * Q6_K adds 64 bytes whose bits 2j..2j+1 are vector j's bits 4-5.
  *   Q4_K block, 148 bytes: fp16 d, fp16 dmin, u8 sc[8], u8 m[8], quants[128]
@@ -117,17 +118,26 @@ typedef struct {
 } Job;
 
 enum { ROW_TILE = 16 };
+/* A row's activations per block: 256 int8, 16 float group sums, a float scale. */
+enum { ROW_BLOCK_BYTES = QK + 4 * GROUPS + 4 };
+/* Rows' activations read from L1 (48 KB on current x86 cores): whole when they fit in L1_FIT bytes,
+   else in spans of about SPAN_BYTES, so the weights streaming past leave them there. */
+enum { L1_FIT = 36000, SPAN_BYTES = 20000 };
 
+/* The 16 lanes' sum in a fixed tree order (halves added lane by lane, four times), as the vector
+   paths compute it with shuffles. */
 static inline float sum_lanes(const float *lanes) {
-    float s = 0.0f;
-    for (int g = 0; g < GROUPS; ++g) s += lanes[g];
-    return s;
+    float v[GROUPS];
+    memcpy(v, lanes, sizeof v);
+    for (int width = GROUPS / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; ++i) v[i] = v[i] + v[i + width];
+    return v[0];
 }
 
 /* Per row and block, lane g: acc_g = fma(fmsub(isum_g, ds_g, bsum_g * dm_g), sa, acc_g). */
 
 static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
-    const int64_t stride = ssd_block_bytes(job->fmt), cols = job->blocks * QK;
+    const int64_t stride = ssd_block_bytes(job->fmt);
     uint8_t w[QK]; /* in the vector layout: w[64 j + 4 g + b] */
     float ds[GROUPS], dm[GROUPS], acc[ROW_TILE][GROUPS];
     for (int64_t c = c0; c < c1; ++c) {
@@ -148,9 +158,9 @@ static void channels_portable(const Job *job, int64_t c0, int64_t c1, int64_t r0
             }
             block_factors(job->fmt, blk, ds, dm);
             for (int64_t r = 0; r < tile; ++r) {
-                const int8_t *a = job->q + (r0 + r) * cols + b * QK;
-                const float *bsum = job->bsum + ((r0 + r) * job->blocks + b) * GROUPS;
-                float sa = job->scale[(r0 + r) * job->blocks + b];
+                const int8_t *a = job->q + (b * job->rows + r0 + r) * QK;
+                const float *bsum = job->bsum + (b * job->rows + r0 + r) * GROUPS;
+                float sa = job->scale[b * job->rows + r0 + r];
                 for (int g = 0; g < GROUPS; ++g) {
                     int32_t isum = 0;
                     for (int j = 0; j < 4; ++j)
@@ -219,7 +229,7 @@ AVX2 static inline __m256i bits_to_bytes_avx2(const uint8_t *src) {
 /* AVX2: each 64-byte vector as two 32-byte halves (groups 0-7, 8-15); u8 x s8 pairs in int16
    (no saturation: q <= 63, |a| <= 127), then pairs summed to int32 lanes with a multiply by 1. */
 AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
-    const int64_t stride = ssd_block_bytes(job->fmt), cols = job->blocks * QK;
+    const int64_t stride = ssd_block_bytes(job->fmt);
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE][2];
     for (int64_t c = c0; c < c1; ++c) {
@@ -250,9 +260,9 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
             __m256 vds[2], vdm[2];
             factors_avx2(job->fmt, blk, vds, vdm);
             for (int64_t r = 0; r < tile; ++r) {
-                const int8_t *a = job->q + (r0 + r) * cols + b * QK;
-                const float *bsum = job->bsum + ((r0 + r) * job->blocks + b) * GROUPS;
-                __m256 sa = _mm256_set1_ps(job->scale[(r0 + r) * job->blocks + b]);
+                const int8_t *a = job->q + (b * job->rows + r0 + r) * QK;
+                const float *bsum = job->bsum + (b * job->rows + r0 + r) * GROUPS;
+                __m256 sa = _mm256_set1_ps(job->scale[b * job->rows + r0 + r]);
                 for (int h = 0; h < 2; ++h) {
                     __m256i isum = _mm256_setzero_si256();
                     for (int j = 0; j < 4; ++j) {
@@ -287,29 +297,76 @@ AVX2 static void channels_avx2(const Job *job, int64_t c0, int64_t c1, int64_t r
 /* AVX512-VNNI: one vpdpbusd per 64 weights and row sums 4 products into each group's lane. */
 /* `tile` is a constant in each inlined copy (channels_vnni's switch), so the row loops unroll and
    every row's accumulator stays in a register across the blocks. */
+/* factors_avx2 in one 16-lane vector each: the same products, so the same bits. */
+VNNI static inline __attribute__((always_inline)) void factors_vnni(const int fmt, const uint8_t *blk, __m512 *ds, __m512 *dm) {
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7); /* group g: entry g / 2 */
+    if (per32(fmt)) {
+        __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+        *ds = _mm512_permutexvar_ps(pairs, d);
+        *dm = _mm512_mul_ps(_mm512_set1_ps(byte_offset(fmt)), *ds);
+        return;
+    }
+    uint16_t halves[2];
+    memcpy(halves, blk, 4);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(halves[0]));
+    if (fmt == FMT_Q4K) { /* sc[8] then m[8]: one conversion, then each pair spread over its groups */
+        __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4))));
+        *ds = _mm512_mul_ps(d, _mm512_permutexvar_ps(pairs, both));
+        *dm = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(halves[1])),
+                            _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), both));
+    } else {
+        *ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        *dm = _mm512_mul_ps(_mm512_set1_ps(32.0f), *ds);
+    }
+}
+
+/* sum_lanes' tree: lanes i + 8, then i + 4, i + 2, i + 1. */
+VNNI static inline float sum_lanes_vnni(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
 VNNI static inline __attribute__((always_inline)) void vnni_rows(const Job *job, int64_t c0, int64_t c1, int64_t r0,
-                                                                 const int tile) {
-    const int64_t stride = ssd_block_bytes(job->fmt), cols = job->blocks * QK;
+                                                                 const int tile, const int fmt) {
+    const int64_t stride = ssd_block_bytes(fmt), rows = job->rows;
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3);
     __m512 acc[ROW_TILE];
-    for (int64_t c = c0; c < c1; ++c) {
+    /* The rows' activations for a span of blocks stay in L1 while 16 channels read them: a long
+       input (the FFN's down projection at 8 rows) is taken a span at a time, each channel's lanes
+       parked in between. The same operations in the same order per lane, so the same bits. */
+    const int64_t most = tile * ROW_BLOCK_BYTES * job->blocks <= L1_FIT ? job->blocks
+                       : SPAN_BYTES / (tile * ROW_BLOCK_BYTES) > 1 ? SPAN_BYTES / (tile * ROW_BLOCK_BYTES) : 1;
+    const int64_t spans = (job->blocks + most - 1) / most, span = (job->blocks + spans - 1) / spans;
+    __m512 parked[16][ROW_TILE];
+    for (int64_t cbase = c0; cbase < c1; cbase += 16)
+    for (int64_t b0 = 0; b0 < job->blocks; b0 += span) {
+    const int64_t b1 = b0 + span < job->blocks ? b0 + span : job->blocks, cend = cbase + 16 < c1 ? cbase + 16 : c1;
+    for (int64_t c = cbase; c < cend; ++c) {
 #pragma GCC unroll 16
-        for (int r = 0; r < tile; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < job->blocks; ++b) {
-            const uint8_t *blk = job->weights + (c * job->blocks + b) * stride;
-            const uint8_t *quants = blk + quants_offset(job->fmt);
+        for (int r = 0; r < tile; ++r) acc[r] = b0 ? parked[c - cbase][r] : _mm512_setzero_ps();
+        const uint8_t *blk = job->weights + (c * job->blocks + b0) * stride;
+        if (span < job->blocks && c + 1 < cend) /* the next channel's span: strided, so no prefetcher sees it */
+            for (int64_t off = 0; off < (b1 - b0) * stride; off += 64)
+                _mm_prefetch((const char *)blk + job->blocks * stride + off, _MM_HINT_T0);
+        /* this block's rows sit side by side: row r at a constant offset from one pointer */
+        const int8_t *a = job->q + (b0 * rows + r0) * QK;
+        const float *bsum = job->bsum + (b0 * rows + r0) * GROUPS, *scale = job->scale + b0 * rows + r0;
+        for (int64_t b = b0; b < b1; ++b, blk += stride, a += rows * QK, bsum += rows * GROUPS, scale += rows) {
+            const uint8_t *quants = blk + quants_offset(fmt);
             __m512i w[4];
-            if (is_bytes(job->fmt))
+            if (is_bytes(fmt))
                 for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_si512(quants + 64 * j);
             else for (int part = 0; part < 2; ++part) {
                 __m512i nib = _mm512_loadu_si512(quants + 64 * part);
                 __m512i lo = _mm512_and_si512(nib, low4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
-                if (job->fmt == FMT_Q6K) {
+                if (fmt == FMT_Q6K) {
                     __m512i bits = _mm512_loadu_si512(quants + 128);
                     lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4 * part), low2), 4));
                     hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4 * part + 2), low2), 4));
                 }
-                if (job->fmt == FMT_Q5_0) { /* a mask register per vector: 64 bits, one per byte */
+                if (fmt == FMT_Q5_0) { /* a mask register per vector: 64 bits, one per byte */
                     uint64_t lo_bits, hi_bits;
                     memcpy(&lo_bits, quants + 128 + 16 * part, 8);
                     memcpy(&hi_bits, quants + 136 + 16 * part, 8);
@@ -319,37 +376,43 @@ VNNI static inline __attribute__((always_inline)) void vnni_rows(const Job *job,
                 w[2 * part] = lo;
                 w[2 * part + 1] = hi;
             }
-            __m256 half_ds[2], half_dm[2];
-            factors_avx2(job->fmt, blk, half_ds, half_dm);
-            __m512 vds = _mm512_insertf32x8(_mm512_castps256_ps512(half_ds[0]), half_ds[1], 1);
-            __m512 vdm = _mm512_insertf32x8(_mm512_castps256_ps512(half_dm[0]), half_dm[1], 1);
+            __m512 vds, vdm;
+            factors_vnni(fmt, blk, &vds, &vdm);
 #pragma GCC unroll 16
             for (int r = 0; r < tile; ++r) {
-                const int8_t *a = job->q + (r0 + r) * cols + b * QK;
-                const float *bsum = job->bsum + ((r0 + r) * job->blocks + b) * GROUPS;
-                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(a));
-                isum = _mm512_dpbusd_epi32(isum, w[1], _mm512_loadu_si512(a + 64));
-                isum = _mm512_dpbusd_epi32(isum, w[2], _mm512_loadu_si512(a + 128));
-                isum = _mm512_dpbusd_epi32(isum, w[3], _mm512_loadu_si512(a + 192));
-                __m512 off = _mm512_mul_ps(_mm512_loadu_ps(bsum), vdm);
+                const int8_t *ar = a + r * QK;
+                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(ar));
+                isum = _mm512_dpbusd_epi32(isum, w[1], _mm512_loadu_si512(ar + 64));
+                isum = _mm512_dpbusd_epi32(isum, w[2], _mm512_loadu_si512(ar + 128));
+                isum = _mm512_dpbusd_epi32(isum, w[3], _mm512_loadu_si512(ar + 192));
+                __m512 off = _mm512_mul_ps(_mm512_loadu_ps(bsum + r * GROUPS), vdm);
                 __m512 lane = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), vds, off);
-                acc[r] = _mm512_fmadd_ps(lane, _mm512_set1_ps(job->scale[(r0 + r) * job->blocks + b]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(lane, _mm512_set1_ps(scale[r]), acc[r]);
             }
         }
-        for (int r = 0; r < tile; ++r) {
-            float lanes[GROUPS];
-            _mm512_storeu_ps(lanes, acc[r]);
-            job->out[(r0 + r) * job->out_stride + c] = sum_lanes(lanes);
-        }
+        if (b1 < job->blocks)
+            for (int r = 0; r < tile; ++r) parked[c - cbase][r] = acc[r];
+        else
+            for (int r = 0; r < tile; ++r) job->out[(r0 + r) * job->out_stride + c] = sum_lanes_vnni(acc[r]);
+    }
     }
 }
 
-#define VNNI_TILE(n) case n: vnni_rows(job, c0, c1, r0, n); break;
+#define VNNI_TILE(n, f) case n: vnni_rows(job, c0, c1, r0, n, f); break;
+#define VNNI_FMT(f) VNNI static void channels_vnni_##f(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) { \
+    switch (tile) { \
+        VNNI_TILE(1, f) VNNI_TILE(2, f) VNNI_TILE(3, f) VNNI_TILE(4, f) VNNI_TILE(5, f) VNNI_TILE(6, f) VNNI_TILE(7, f) \
+        VNNI_TILE(8, f) VNNI_TILE(9, f) VNNI_TILE(10, f) VNNI_TILE(11, f) VNNI_TILE(12, f) VNNI_TILE(13, f) \
+        VNNI_TILE(14, f) VNNI_TILE(15, f) default: vnni_rows(job, c0, c1, r0, 16, f); \
+    } \
+}
+VNNI_FMT(0) VNNI_FMT(1) VNNI_FMT(2) VNNI_FMT(3)
 VNNI static void channels_vnni(const Job *job, int64_t c0, int64_t c1, int64_t r0, int64_t tile) {
-    switch (tile) {
-        VNNI_TILE(1) VNNI_TILE(2) VNNI_TILE(3) VNNI_TILE(4) VNNI_TILE(5) VNNI_TILE(6) VNNI_TILE(7) VNNI_TILE(8)
-        VNNI_TILE(9) VNNI_TILE(10) VNNI_TILE(11) VNNI_TILE(12) VNNI_TILE(13) VNNI_TILE(14) VNNI_TILE(15)
-        default: vnni_rows(job, c0, c1, r0, 16);
+    switch (job->fmt) {
+        case FMT_Q4K: channels_vnni_0(job, c0, c1, r0, tile); break;
+        case FMT_Q6K: channels_vnni_1(job, c0, c1, r0, tile); break;
+        case FMT_Q5_0: channels_vnni_2(job, c0, c1, r0, tile); break;
+        default: channels_vnni_3(job, c0, c1, r0, tile);
     }
 }
 #endif
@@ -397,11 +460,11 @@ void ssd_quantize_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, fl
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
             const float *xb = x + r * cols + b * QK;
-            int8_t *qb = q + r * cols + b * QK;
+            int8_t *qb = q + (b * rows + r) * QK;
             float peak = 0.0f;
             for (int i = 0; i < QK; ++i) peak = fmaxf(peak, fabsf(xb[i]));
             float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-            scale[r * blocks + b] = peak / 127.0f;
+            scale[b * rows + r] = peak / 127.0f;
             for (int g = 0; g < GROUPS; ++g) {
                 int32_t s = 0;
                 for (int i = 0; i < 16; ++i) {
@@ -409,7 +472,7 @@ void ssd_quantize_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, fl
                     qb[64 * (i / 4) + 4 * g + i % 4] = (int8_t)v;
                     s += v;
                 }
-                bsum[(r * blocks + b) * GROUPS + g] = (float)s;
+                bsum[(b * rows + r) * GROUPS + g] = (float)s;
             }
         }
 }
