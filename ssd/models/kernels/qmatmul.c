@@ -455,25 +455,60 @@ static Channels channels_fn(void) {
 
 /* ---- activations: per row and 256 values, int8 with one scale, in the weights' layout ---- */
 
+/* One block of 256 values: its scale, its int8 values in the weights' layout, its 16 group sums.
+   The same numbers on every path: the peak is a maximum (order-free), each value one product
+   rounded to nearest-even, each group sum an integer. */
+static void quantize_block_portable(const float *xb, int8_t *qb, float *scale, float *bsum) {
+    float peak = 0.0f;
+    for (int i = 0; i < QK; ++i) peak = fmaxf(peak, fabsf(xb[i]));
+    float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+    *scale = peak / 127.0f;
+    for (int g = 0; g < GROUPS; ++g) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; ++i) {
+            int v = (int)nearbyintf(xb[16 * g + i] * inv); /* |v| <= 127 */
+            qb[64 * (i / 4) + 4 * g + i % 4] = (int8_t)v;
+            s += v;
+        }
+        bsum[g] = (float)s;
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+VNNI static void quantize_block_vnni(const float *xb, int8_t *qb, float *scale, float *bsum) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 top = _mm512_setzero_ps();
+    for (int g = 0; g < GROUPS; ++g) top = _mm512_max_ps(top, _mm512_and_ps(_mm512_loadu_ps(xb + 16 * g), magnitude));
+    float peak = _mm512_reduce_max_ps(top);
+    float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+    *scale = peak / 127.0f;
+    uint32_t natural[QK / 4]; /* group g's 16 values as 4 words: word 4 g + j holds values 4 j .. 4 j + 3 */
+    for (int g = 0; g < GROUPS; ++g) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), _mm512_set1_ps(inv)));
+        bsum[g] = (float)_mm512_reduce_add_epi32(v);
+        _mm_storeu_si128((__m128i *)(natural + 4 * g), _mm512_cvtepi32_epi8(v));
+    }
+    /* vector j holds word j of every group */
+    const __m512i words = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+    for (int j = 0; j < 4; ++j)
+        _mm512_storeu_si512(qb + 64 * j, _mm512_i32gather_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(j)), natural, 4));
+}
+#endif
+
 void ssd_quantize_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *bsum) {
     int64_t blocks = cols / QK;
+    if (chosen_isa < 0) ssd_set_isa(-1);
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
             const float *xb = x + r * cols + b * QK;
             int8_t *qb = q + (b * rows + r) * QK;
-            float peak = 0.0f;
-            for (int i = 0; i < QK; ++i) peak = fmaxf(peak, fabsf(xb[i]));
-            float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-            scale[b * rows + r] = peak / 127.0f;
-            for (int g = 0; g < GROUPS; ++g) {
-                int32_t s = 0;
-                for (int i = 0; i < 16; ++i) {
-                    int v = (int)nearbyintf(xb[16 * g + i] * inv); /* |v| <= 127 */
-                    qb[64 * (i / 4) + 4 * g + i % 4] = (int8_t)v;
-                    s += v;
-                }
-                bsum[(b * rows + r) * GROUPS + g] = (float)s;
+#if defined(__x86_64__) || defined(__i386__)
+            if (chosen_isa == ISA_VNNI) {
+                quantize_block_vnni(xb, qb, scale + b * rows + r, bsum + (b * rows + r) * GROUPS);
+                continue;
             }
+#endif
+            quantize_block_portable(xb, qb, scale + b * rows + r, bsum + (b * rows + r) * GROUPS);
         }
 }
 
