@@ -20,6 +20,7 @@ from ssd.engine import AREngine, SDEngine
 from ssd.engine.drafting import drafted_chain
 from ssd.engine.request import GenerationRequest
 from ssd.models import TinyTokenizer, load_model
+from ssd.models.fast import _attend, _attend_kernels, _attend_one_call
 from ssd.models.kernels import build
 from ssd.models.kernels.kquants import quantize_q4_k, quantize_q6_k
 from ssd.models.kernels.qlinear import QLinear
@@ -127,6 +128,47 @@ def test_every_instruction_set_and_thread_count_gives_the_same_bits(kind, cols):
             with torch_threads(threads):
                 results.append(layer(x))
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def attention_inputs(heads: int = 6, kv_heads: int = 2, dim: int = 48, length: int = 40, seed: int = 3):
+    """Queries [1, heads, 9, dim] and a cache [1, kv heads, 64, dim] of uneven magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, 9, dim, generator=gen) * torch.logspace(-1, 1, 9)[None, None, :, None]
+    keys, values = (torch.randn(1, kv_heads, 64, dim, generator=gen) * 3 for _ in range(2))
+    return q, keys, values
+
+
+def rows_attend_as_alone(attend, q, keys, values, start: int = 30) -> bool:
+    """Whether each of q's rows, attended in one call, is bit for bit the row attended alone."""
+    m = q.shape[2]
+    together = attend(q, keys, values, start, start + m, None, 0.125)
+    alone = [attend(q[:, :, i : i + 1], keys, values, start + i, start + i + 1, None, 0.125) for i in range(m)]
+    return torch.equal(together, torch.cat(alone, dim=2))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_c_attention_is_sdpa_row_by_row(isa):
+    build.load().ssd_set_isa(isa)
+    q, keys, values = attention_inputs()
+    ours = _attend_kernels(q, keys, values, 30, 39, None, 0.125)
+    torch.testing.assert_close(ours, _attend(q, keys, values, 30, 39, None, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_c_attention_rows_are_the_same_alone_and_together_on_every_instruction_set():
+    q, keys, values = attention_inputs()
+    lib, results = build.load(), []
+    for isa in ISAS:
+        lib.ssd_set_isa(isa)
+        assert rows_attend_as_alone(_attend_kernels, q, keys, values)
+        for threads in (1, 2, 3):
+            with torch_threads(threads):
+                results.append(_attend_kernels(q, keys, values, 30, 39, None, 0.125))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_the_attention_check_catches_rows_attended_in_one_masked_call():
+    """Power: SDPA over all rows under a causal mask sums in another order than each row alone."""
+    assert not rows_attend_as_alone(_attend_one_call, *attention_inputs())
 
 
 def test_fused_layers_compute_what_the_separate_layers_do():

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.models.invariant import ROW_LIMIT
-from ssd.models.quant import project_qkv
+from ssd.models.quant import GGUF, precision_of, project_qkv
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,8 @@ class FastForward:
         if one_call is None:
             one_call = one_call_attention(self.inner.embed_tokens.weight.device)
         self._attend = _attend_one_call if one_call else _attend
+        if not one_call and kernel_attention(model, self.head_dim):
+            self._attend = _attend_kernels
 
     def new_cache(self) -> StaticKV:
         embed = self.inner.embed_tokens.weight
@@ -320,6 +322,24 @@ def _attend(q, keys, values, start: int, end: int, mask: torch.Tensor | None, sc
     return F.scaled_dot_product_attention(
         q, keys[:, :, :end], values[:, :, :end], attn_mask=mask[None, None], scale=scale, enable_gqa=True
     )
+
+
+def kernel_attention(model: torch.nn.Module, head_dim: int) -> bool:
+    """Whether a CPU model on the GGUF kernels attends row by row in C (ssd.models.kernels.attention)."""
+    if precision_of(model) != GGUF:
+        return False
+    from ssd.models.kernels.attention import supported
+
+    return supported(head_dim, model.model.embed_tokens.weight.dtype)
+
+
+def _attend_kernels(q, keys, values, start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`_attend`'s rows from one C call: unmasked forwards of up to ROW_LIMIT rows; the rest through `_attend`."""
+    if mask is not None or q.shape[2] > ROW_LIMIT:
+        return _attend(q, keys, values, start, end, mask, scale)
+    from ssd.models.kernels.attention import attend_rows
+
+    return attend_rows(q, keys, values, start, scale)
 
 
 def one_call_attention(device: torch.device) -> bool:

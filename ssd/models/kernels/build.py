@@ -1,4 +1,4 @@
-"""Build and load the C kernels (qmatmul.c) with the system compiler, once per source and host.
+"""Build and load the C kernels (qmatmul.c, attention.c) with the system compiler, once per source and host.
 
 The shared library is compiled into the cache (~/.cache/ssd/kernels, or
 $SSD_KERNEL_CACHE) by `pip install` (setup.py runs `build`), else on first use,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "attention.c")]
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 OPENMP = "-fopenmp"  # torch's OpenMP threads (see qmatmul.c); without it, one thread a product
 ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX512-VNNI"}
@@ -52,7 +52,8 @@ def compiler() -> str | None:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + [OPENMP]).encode()).hexdigest()[:16]
+    code = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(code + " ".join(FLAGS + [OPENMP]).encode()).hexdigest()[:16]
     return cache_dir() / f"qmatmul-{digest}.so"
 
 
@@ -69,12 +70,13 @@ def build() -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        run = subprocess.run([cc, *FLAGS, OPENMP, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+        sources = [str(source) for source in SOURCES]
+        run = subprocess.run([cc, *FLAGS, OPENMP, "-o", str(partial), *sources, "-lm"], capture_output=True, text=True)
         if run.returncode != 0:  # a compiler without OpenMP (clang without libomp): one thread a product
-            log.warning("%s could not build %s with OpenMP; building it single-threaded", cc, SOURCE.name)
-            run = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+            log.warning("%s could not build the kernels with OpenMP; building them single-threaded", cc)
+            run = subprocess.run([cc, *FLAGS, "-o", str(partial), *sources, "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
-            raise KernelUnavailable(f"{cc} could not build {SOURCE.name}:\n{run.stderr.strip()}")
+            raise KernelUnavailable(f"{cc} could not build {', '.join(s.name for s in SOURCES)}:\n{run.stderr.strip()}")
         partial.replace(path)  # atomic: concurrent builders each install a complete file
     finally:
         partial.unlink(missing_ok=True)
@@ -113,6 +115,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = i32
     lib.ssd_best_isa.argtypes = []
     lib.ssd_best_isa.restype = i32
+    lib.ssd_attention_supports.argtypes = [i32]
+    lib.ssd_attention_supports.restype = i32
+    lib.ssd_attend_rows.argtypes = [p, i64, i64, p, p, i64, i32, i32, i32, i64, i64, ctypes.c_float, p, i64, i32]
+    lib.ssd_attend_rows.restype = i32
     return lib
 
 

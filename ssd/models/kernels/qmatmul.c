@@ -444,6 +444,12 @@ int ssd_set_isa(int isa) {
     return chosen_isa;
 }
 
+/* The instruction set in use (attention.c follows it). */
+int ssd_current_isa(void) {
+    if (chosen_isa < 0) ssd_set_isa(-1);
+    return chosen_isa;
+}
+
 static Channels channels_fn(void) {
     if (chosen_isa < 0) ssd_set_isa(-1);
 #if defined(__x86_64__) || defined(__i386__)
