@@ -87,9 +87,10 @@ class ModelConfig:
     # starts skip the fp32 read and the quantization; SSD_QUANT_CACHE=0 also turns it off.
     cache_quantized: bool = True
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    # "auto": llama.cpp on a CPU when the model ships as a GGUF (an offline
-    # registry name or a .gguf file), llama-cpp-python is installed and the
-    # precision is left to "auto" (dtype and quantization); torch otherwise.
+    # "auto": for a model that ships as a GGUF (an offline registry name or a
+    # .gguf file) on a CPU at precision "auto" (dtype and quantization), the
+    # file's own weights on llama.cpp or on ssd's GGUF kernels, whichever a
+    # probe times faster on this host (ssd.models.gguf_choice); torch otherwise.
     backend: str = AUTO
     # llama.cpp: the most tokens one request holds (prompt + output); each
     # sequence's KV cache is allocated for it up front. Default min(trained

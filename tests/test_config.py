@@ -116,6 +116,10 @@ def test_backend_auto_picks_llamacpp_for_a_shipped_gguf_at_auto_precision(monkey
     from ssd.models import loading
     from ssd.models.offline import TARGET_NAME
 
+    from ssd.models import gguf_choice
+
+    monkeypatch.setattr(gguf_choice, "kernels_can_run", lambda name: False)  # this test: llama.cpp alone
+    gguf_choice.choose.cache_clear()
     monkeypatch.setattr(loading, "llamacpp_installed", lambda: True)
     auto = dict(dtype="auto", quantization="auto")
     gguf = tmp_path / "m.gguf"
@@ -133,6 +137,45 @@ def test_backend_auto_picks_llamacpp_for_a_shipped_gguf_at_auto_precision(monkey
     assert loading.resolve_backend(ModelConfig(name=TARGET_NAME, **auto)) == "torch"
     with pytest.raises(ConfigError, match="llama-cpp-python"):
         loading.resolve_backend(ModelConfig(name=TARGET_NAME, backend="llamacpp"))
+
+
+def test_backend_auto_takes_the_gguf_kernels_where_the_probe_times_them_faster(monkeypatch):
+    """Both backends run the file: the probe decides (kernels: torch at precision gguf); one alone
+    runs it: that one, unprobed; backend torch at precision auto: the kernels wherever they run."""
+    from ssd.config import ModelConfig
+    from ssd.models import gguf_choice, loading
+    from ssd.models.offline import TARGET_NAME
+
+    answer = {"choice": "kernels"}
+    probed = []
+    monkeypatch.setattr(gguf_choice, "probe", lambda name: probed.append(name) or answer)
+    monkeypatch.setattr(gguf_choice, "kernels_can_run", lambda name: True)
+    monkeypatch.setattr(loading, "llamacpp_installed", lambda: True)
+    auto = ModelConfig(name=TARGET_NAME, dtype="auto", quantization="auto")
+    gguf_choice.choose.cache_clear()
+    assert loading.resolve_backend(auto) == "torch"
+    assert (loading.resolve_precision(auto).dtype, loading.resolve_precision(auto).quantization) == ("fp32", "gguf")
+    assert probed == [TARGET_NAME]  # once per process
+    answer["choice"] = "llamacpp"
+    gguf_choice.choose.cache_clear()
+    assert loading.resolve_backend(auto) == "llamacpp"
+    torch_auto = dataclasses.replace(auto, backend="torch")
+    assert loading.resolve_precision(torch_auto).quantization == "gguf"
+    monkeypatch.setattr(loading, "llamacpp_installed", lambda: False)
+    gguf_choice.choose.cache_clear()
+    assert loading.resolve_backend(auto) == "torch" and loading.resolve_precision(auto).quantization == "gguf"
+    assert len(probed) == 2
+    gguf_choice.choose.cache_clear()
+
+
+def test_the_backend_probe_keeps_llamacpp_unless_the_kernels_step_is_as_fast():
+    from ssd.models.gguf_choice import decide
+
+    def ms(kernels: float, llama: float) -> dict:
+        return {"kernels": {"1": kernels, "8": 2 * kernels}, "llamacpp": {"1": llama, "8": 7 * llama}}
+
+    assert decide(ms(40.0, 39.0)) == "kernels"  # within 5%: its extra rows are far cheaper
+    assert decide(ms(42.0, 39.0)) == "llamacpp"
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -292,6 +292,22 @@ def test_ssd_cache_hits_sample_the_gguf_targets_law_and_the_test_has_power(small
     assert broken < ALPHA, f"a cache drawing reversed ranks went undetected: p = {broken:.2e}"
 
 
+def test_the_backend_probe_times_both_backends_on_a_gguf_file(monkeypatch, tmp_path):
+    """model.backend auto's probe (ssd.models.gguf_choice) on a real q4_k_m file: a child process
+    loads it on the kernels and on llama.cpp, times both, and the answer is kept."""
+    pytest.importorskip("llama_cpp")
+    from ssd.models import gguf_choice
+    from ssd.models.loading import _tiny_gguf
+
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))  # nothing cached: the child runs
+    path = str(_tiny_gguf(KTINY, "q4_k_m"))
+    found = gguf_choice.probe(path)
+    assert found["choice"] == gguf_choice.decide(found["ms"])
+    assert all(found["ms"][b][n] > 0 for b in ("kernels", "llamacpp") for n in ("1", "8"))
+    monkeypatch.setattr(gguf_choice.subprocess, "run", None)  # kept: no second child
+    assert gguf_choice.probe(path) == found
+
+
 def test_no_compiler_is_a_clear_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_LIB", None)
     monkeypatch.setenv("SSD_KERNEL_CACHE", str(tmp_path))

@@ -116,10 +116,10 @@ def has_gguf(name: str) -> bool:
 def resolve_backend(cfg: ModelConfig, device: str = "cpu") -> str:
     """torch or llamacpp for `cfg` on `device`.
 
-    "auto" picks llama.cpp on a CPU when the model ships as a GGUF, llama-cpp-python
-    is installed and the precision is left to "auto": there llama.cpp runs the
-    GGUF's own quantized weights, with no fp32 conversion, faster than our int8
-    path (docs/llamacpp.md). Anything else, or an explicit torch precision, stays on torch.
+    "auto", on a CPU, for a model that ships as a GGUF at precision "auto": the
+    file's own quantized weights on llama.cpp or on ssd's GGUF kernels (torch, with
+    quantization gguf: `resolve_precision`), whichever a probe times faster here
+    (ssd.models.gguf_choice). Anything else, or an explicit torch precision, stays on torch.
     """
     if cfg.backend == LLAMACPP:
         if device != "cpu":
@@ -129,9 +129,29 @@ def resolve_backend(cfg: ModelConfig, device: str = "cpu") -> str:
         return LLAMACPP
     if cfg.backend == TORCH:
         return TORCH
-    chosen = (device == "cpu" and cfg.dtype == AUTO and cfg.quantization == AUTO and has_gguf(cfg.name)
-              and llamacpp_installed())
-    return LLAMACPP if chosen else TORCH
+    return LLAMACPP if _gguf_choice(cfg, device) == LLAMACPP else TORCH
+
+
+def _on_gguf_kernels(cfg: ModelConfig, device: str) -> bool:
+    """Whether precision auto means ssd's GGUF kernels: backend auto where the probe chose them;
+    backend torch wherever they run the file (they beat torch's int8 on a GGUF's own weights)."""
+    if cfg.backend != TORCH:
+        return _gguf_choice(cfg, device) == "kernels"
+    if device != "cpu" or cfg.dtype != AUTO or not has_gguf(cfg.name):
+        return False
+    from ssd.models.gguf_choice import kernels_can_run
+
+    return kernels_can_run(cfg.name)
+
+
+def _gguf_choice(cfg: ModelConfig, device: str) -> str | None:
+    """For a GGUF model at precision auto on a CPU: "kernels" or "llamacpp", whichever
+    ssd.models.gguf_choice finds faster here (None: another model, device or precision)."""
+    if device != "cpu" or cfg.dtype != AUTO or cfg.quantization != AUTO or not has_gguf(cfg.name):
+        return None
+    from ssd.models.gguf_choice import choose
+
+    return choose(cfg.name, llamacpp_installed())
 
 
 def load_llamacpp(cfg: ModelConfig) -> Any:
@@ -203,12 +223,15 @@ def resolve_precision(cfg: ModelConfig, device: str = "cpu") -> ModelConfig:
     """`cfg` with "auto" dtype / quantization replaced by what is fastest here.
 
     The rule, from the costs measured on x86 CPUs with and without native bf16
-    (docs/results.md): int8 wherever torch has its x86 int8 kernels (a target
+    (docs/results.md, docs/kernels.md): a model that ships as a GGUF on ssd's GGUF
+    kernels where `resolve_backend`'s probe chose them; else int8 wherever torch has its x86 int8 kernels (a target
     step 2.2-2.6x cheaper than bf16, verification of 5 tokens 1.3-1.4 steps);
     else bf16 where the CPU multiplies it natively or on a GPU; else fp32.
     """
     quantization = cfg.quantization
-    if quantization == AUTO:
+    if quantization == AUTO and _on_gguf_kernels(cfg, device):
+        quantization = GGUF
+    elif quantization == AUTO:
         quantization = INT8 if device == "cpu" and int8_supported() else None
     dtype = cfg.dtype
     if dtype == AUTO:

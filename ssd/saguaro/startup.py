@@ -49,7 +49,7 @@ from ssd.config import Config, ModelConfig, SpeculationConfig
 from ssd.models import offline
 from ssd.models import backend
 from ssd.models.backend import AnySequence, Model
-from ssd.models.loading import LLAMACPP, resolve_backend
+from ssd.models.loading import LLAMACPP, resolve_backend, resolve_precision
 from ssd.saguaro.branches import TreeBranchDecoder, make_branch_decoder
 from ssd.saguaro.plan import DEFAULT_BUDGETS, DEFAULT_KS, Agreement, Plan, RowCosts, choose
 
@@ -350,11 +350,20 @@ def _precision(model: ModelConfig, resolved_backend: str) -> str:
     layouts and KV cache asked for and what "auto" may resolve to (the build, the probe's candidates)."""
     text = f"{resolved_backend}:{model.dtype}/{model.quantization}"
     if resolved_backend != LLAMACPP:
-        return text
+        return text + _kernels_signature(model)
     from ssd.models import llamacpp
 
     return (text + ("" if model.llamacpp_repack is None else f"/repack={model.llamacpp_repack}")
             + f"/kv={model.llamacpp_kv}/{llamacpp.plan_signature()}")
+
+
+def _kernels_signature(model: ModelConfig) -> str:
+    """On ssd's GGUF kernels, their build (a digest of their source): a faster kernel is a new plan."""
+    if resolve_precision(model).quantization != "gguf":
+        return ""
+    from ssd.models.kernels.build import library_path
+
+    return f"/{library_path().stem}"
 
 
 def planned(config: Config, plan: Plan) -> Config:
