@@ -171,6 +171,33 @@ def test_the_attention_check_catches_rows_attended_in_one_masked_call():
     assert not rows_attend_as_alone(_attend_one_call, *attention_inputs())
 
 
+def rms_norm(cols: int, seed: int = 5) -> torch.nn.Module:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    norm = Qwen2RMSNorm(cols, eps=1e-6)
+    norm.weight.data = torch.rand(cols, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return norm
+
+
+@KINDS
+def test_a_normalizing_layer_is_the_norm_then_the_layer_on_every_path(kind, cols):
+    """QLinear.normalize: transformers' RMSNorm computed in C with the quantization (to rounding),
+    and the same bits on every instruction set and thread count."""
+    layer, _ = random_layer(kind, cols=cols)
+    norm = rms_norm(cols)
+    fused = QLinear(layer.parts(), cols).normalize(norm)
+    x = uneven_rows(9, cols)
+    lib, results = build.load(), []
+    for isa in ISAS:
+        lib.ssd_set_isa(isa)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                results.append(fused(x))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    expected = layer(norm(x))
+    assert ((results[0] - expected).abs().amax(dim=1) / expected.abs().amax(dim=1)).max() < 0.01
+
+
 def test_fused_layers_compute_what_the_separate_layers_do():
     parts = [random_layer(kind, out=out, seed=seed)[0] for kind, out, seed in ((T.Q4_K, 48, 0), (T.Q6_K, 16, 1))]
     fused = QLinear.fuse(parts)

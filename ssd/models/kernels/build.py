@@ -106,8 +106,8 @@ def available() -> bool:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ssd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
-    lib.ssd_quantize_rows.restype = None
+    lib.ssd_prepare_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p, p, p]
+    lib.ssd_prepare_rows.restype = i32
     lib.ssd_matmul.argtypes = [p, i32, i64, i64, p, p, p, i64, p, i64, i32]
     lib.ssd_matmul.restype = None
     for name in ("ssd_set_isa", "ssd_block_bytes"):

@@ -181,13 +181,24 @@ class GatedMLP(nn.Module):
 
 def _fuse(model: nn.Module) -> None:
     """q/k/v as one QLinear (`qkv_proj`, which the lean forward calls) beside the separate layers
-    (transformers' own attention calls them one by one; same buffers), and gate/up as one."""
+    (transformers' own attention calls them one by one; same buffers), and gate/up as one. Each
+    RMSNorm moves into the layers that read its output (QLinear.normalize), its own place an
+    identity, so both forwards normalize once per layer, in C."""
     for layer in model.model.layers:
         attn = layer.self_attn
-        if all(isinstance(getattr(attn, n), QLinear) for n in ("q_proj", "k_proj", "v_proj")):
-            attn.qkv_proj = QLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        projections = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")]
+        if all(isinstance(p, QLinear) for p in projections):
+            attn.qkv_proj = QLinear.fuse(projections)
+            for p in [*projections, attn.qkv_proj]:
+                p.normalize(layer.input_layernorm)
+            layer.input_layernorm = nn.Identity()
         if all(isinstance(getattr(layer.mlp, n), QLinear) for n in ("gate_proj", "up_proj", "down_proj")):
             layer.mlp = GatedMLP(layer.mlp)
+            layer.mlp.gate_up_proj.normalize(layer.post_attention_layernorm)
+            layer.post_attention_layernorm = nn.Identity()
+    if isinstance(model.lm_head, QLinear):
+        model.lm_head.normalize(model.model.norm)
+        model.model.norm = nn.Identity()
 
 
 def uses_kernels(model: nn.Module) -> bool:

@@ -132,6 +132,8 @@ class QLinear(nn.Module):
             self.register_buffer(f"weights{index}", weights.contiguous())
         self._names = [f"weights{index}" for index in range(len(parts))]
         self.register_buffer("bias", bias)
+        self.register_buffer("norm_weight", None)  # set by `normalize`: RMSNorm of the input, in C
+        self.norm_eps = 0.0
         self.split_sizes: list[int] | None = None  # set by `fuse`: forward returns one output per layer
 
     @classmethod
@@ -149,23 +151,29 @@ class QLinear(nn.Module):
         fused.split_sizes = [layer.out_features for layer in layers]
         return fused
 
+    def normalize(self, norm: nn.Module) -> "QLinear":
+        """This layer takes its input before `norm` (an RMSNorm: weight, variance_epsilon) and
+        normalizes it in C with the quantization (one pass, no normalized copy in torch)."""
+        self.norm_weight = norm.weight.detach().to(torch.float32).contiguous()
+        self.norm_eps = float(norm.variance_epsilon)
+        return self
+
     def parts(self) -> list[tuple[int, torch.Tensor]]:
         return [(fmt, self._buffers[name]) for fmt, name in zip(self.formats, self._names)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # Few torch calls: this runs ~110 times a forward of the 1.5B model, at ~15 us of Python each.
         lib, threads = load(), torch.get_num_threads()  # torch's OpenMP threads run the product too
-        rows = x.reshape(-1, self.in_features)
-        if self.padded != self.in_features:  # zero inputs against zero-scale blocks: nothing added
-            rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))
-        rows = rows.to(torch.float32).contiguous()
-        n, k = rows.shape
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        n, k = rows.shape[0], self.padded  # inputs past in_features are zeros (against zero-scale blocks)
         # One scratch buffer: int8 activations [n, k], then their scales [n, k / 256] and group sums
         # [n, k / 16] as floats (k is a multiple of 256, so both stay 4-byte aligned).
         scratch = torch.empty(n * k + 4 * n * (k // QK + k // 16), dtype=torch.uint8)
         q = scratch.data_ptr()
         scale, bsum = q + n * k, q + n * k + 4 * n * (k // QK)
-        lib.ssd_quantize_rows(rows.data_ptr(), n, k, q, scale, bsum)
+        norm = None if self.norm_weight is None else self.norm_weight.data_ptr()
+        if lib.ssd_prepare_rows(rows.data_ptr(), n, self.in_features, k, norm, self.norm_eps, q, scale, bsum):
+            raise MemoryError("qmatmul.c: out of memory for a row")
         out = torch.empty((n, self.out_features), dtype=torch.float32)
         start, base = 0, out.data_ptr()
         for fmt, name, size in zip(self.formats, self._names, self.sizes):  # each part writes its columns

@@ -501,21 +501,70 @@ VNNI static void quantize_block_vnni(const float *xb, int8_t *qb, float *scale, 
 }
 #endif
 
-void ssd_quantize_rows(const float *x, int64_t rows, int64_t cols, int8_t *q, float *scale, float *bsum) {
-    int64_t blocks = cols / QK;
-    if (chosen_isa < 0) ssd_set_isa(-1);
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const float *xb = x + r * cols + b * QK;
-            int8_t *qb = q + (b * rows + r) * QK;
+/* ---- a row made ready for the products: optionally RMS-normalised, zero-padded, quantized ----
+ *
+ * RMSNorm (the layer's input norm, fused so the normalised row never leaves C):
+ *   ms = tree16 over lanes l of sum_c x[16 c + l]^2 (fused multiply-adds, c in order), r = 1 / sqrt(ms / n + eps),
+ *   y_i = (x_i * r) * w_i.
+ * The vector path performs these operations in this order too, so both give the same bits. */
+
+static void norm_portable(const float *x, int64_t cols, const float *weight, float eps, float *y) {
+    float lanes[GROUPS] = {0};
+    for (int64_t c = 0; c < cols; c += GROUPS)
+        for (int l = 0; l < GROUPS; ++l) lanes[l] = fmaf(x[c + l], x[c + l], lanes[l]);
+    float r = 1.0f / sqrtf(sum_lanes(lanes) / (float)cols + eps);
+    for (int64_t i = 0; i < cols; ++i) y[i] = (x[i] * r) * weight[i];
+}
+
 #if defined(__x86_64__) || defined(__i386__)
-            if (chosen_isa == ISA_VNNI) {
-                quantize_block_vnni(xb, qb, scale + b * rows + r, bsum + (b * rows + r) * GROUPS);
+VNNI static void norm_vnni(const float *x, int64_t cols, const float *weight, float eps, float *y) {
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cols; c += GROUPS) {
+        __m512 v = _mm512_loadu_ps(x + c);
+        lanes = _mm512_fmadd_ps(v, v, lanes);
+    }
+    float r = 1.0f / sqrtf(sum_lanes_vnni(lanes) / (float)cols + eps);
+    __m512 rv = _mm512_set1_ps(r);
+    for (int64_t c = 0; c < cols; c += GROUPS)
+        _mm512_storeu_ps(y + c, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + c), rv), _mm512_loadu_ps(weight + c)));
+}
+#endif
+
+/* rows x [rows, cols] (cols a multiple of 16; padded a multiple of 256, >= cols) -> the products'
+   activations for `padded` inputs (zeros past cols), after RMSNorm with `weight` (n = cols) where
+   weight is not NULL. Returns 0, or -1 when out of memory. */
+int ssd_prepare_rows(const float *x, int64_t rows, int64_t cols, int64_t padded, const float *weight, float eps,
+                     int8_t *q, float *scale, float *bsum) {
+    const int64_t blocks = padded / QK;
+    if (chosen_isa < 0) ssd_set_isa(-1);
+    const int vector = chosen_isa == ISA_VNNI;
+    float *row = malloc(sizeof(float) * (size_t)padded);
+    if (row == NULL) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * cols;
+        if (weight != NULL) {
+#if defined(__x86_64__) || defined(__i386__)
+            if (vector) norm_vnni(xr, cols, weight, eps, row);
+            else
+#endif
+                norm_portable(xr, cols, weight, eps, row);
+        } else
+            memcpy(row, xr, sizeof(float) * (size_t)cols);
+        memset(row + cols, 0, sizeof(float) * (size_t)(padded - cols));
+        for (int64_t b = 0; b < blocks; ++b) {
+            int8_t *qb = q + (b * rows + r) * QK;
+            float *sb = scale + b * rows + r, *gb = bsum + (b * rows + r) * GROUPS;
+#if defined(__x86_64__) || defined(__i386__)
+            if (vector) {
+                quantize_block_vnni(row + b * QK, qb, sb, gb);
                 continue;
             }
 #endif
-            quantize_block_portable(xb, qb, scale + b * rows + r, bsum + (b * rows + r) * GROUPS);
+            quantize_block_portable(row + b * QK, qb, sb, gb);
         }
+    }
+    free(row);
+    return 0;
 }
 
 /* ---- the product: out[r * out_stride + c] = sum_k x[r, k] w[c, k] ---- */
