@@ -138,15 +138,13 @@ def decide(ms: dict[str, dict[str, float]]) -> str:
 def _cached(name: str, compute) -> dict[str, Any]:
     """compute()'s result, kept per GGUF file, host (not its thread count: a cluster's actors
     read what its driver found), kernels' build, llama.cpp version and probe code."""
-    from ssd import hardware
-    from ssd.models.kernels.build import library_path
-    from ssd.models.loading import gguf_file
-    from ssd.config import ModelConfig
-    from ssd.models.offline import cache_dir
-
     import llama_cpp
 
-    gguf = gguf_file(ModelConfig(name=name))
+    from ssd import hardware
+    from ssd.models.kernels.build import library_path
+    from ssd.models.offline import OFFLINE_MODELS, cache_dir, ensure_offline_gguf
+
+    gguf = ensure_offline_gguf(name) if name in OFFLINE_MODELS else Path(name).expanduser()
     stat = gguf.stat()
     host = {k: hardware.describe()[k] for k in ("cpu_model", "torch_cpu_capability", "cores")}  # not threads
     key = hashlib.sha256(repr((str(gguf.resolve()), stat.st_size, stat.st_mtime_ns, host,
