@@ -166,6 +166,24 @@ def test_c_attention_rows_are_the_same_alone_and_together_on_every_instruction_s
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+def test_c_rope_is_transformers_rope_bit_for_bit():
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from ssd.models.kernels.attention import rope
+
+    n, heads, kv_heads, dim = 5, 4, 2, 64
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * dim, generator=gen) * 10
+    angles = torch.rand(1, n, dim // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    heads_first = [x.reshape(1, n, -1, dim).transpose(1, 2) for x in (q, k)]
+    expected = apply_rotary_pos_emb(*heads_first, cos, sin)
+    rope(q, k, cos, sin, dim)  # in place, on the strided views
+    assert torch.equal(q.reshape(1, n, heads, dim).transpose(1, 2), expected[0])
+    assert torch.equal(k.reshape(1, n, kv_heads, dim).transpose(1, 2), expected[1])
+
+
 def test_the_attention_check_catches_rows_attended_in_one_masked_call():
     """Power: SDPA over all rows under a causal mask sums in another order than each row alone."""
     assert not rows_attend_as_alone(_attend_one_call, *attention_inputs())

@@ -226,7 +226,9 @@ class FastForward:
         if one_call is None:
             one_call = one_call_attention(self.inner.embed_tokens.weight.device)
         self._attend = _attend_one_call if one_call else _attend
-        if not one_call and kernel_attention(model, self.head_dim):
+        # Models on the GGUF kernels attend row by row and rotate q and k in C (ssd.models.kernels.attention).
+        self._in_c = not one_call and kernel_attention(model, self.head_dim)
+        if self._in_c:
             self._attend = _attend_kernels
 
     def new_cache(self) -> StaticKV:
@@ -281,6 +283,12 @@ class FastForward:
         """
         n = h.shape[1]
         q, k, v = project_qkv(attn, h)
+        if self._in_c and not hasattr(attn, "q_norm"):  # in place on the projection's output, then views
+            from ssd.models.kernels.attention import rope
+
+            rope(q, k, cos, sin, self.head_dim)
+            split = [x.reshape(1, n, -1, self.head_dim).transpose(1, 2) for x in (q, k, v)]
+            return split[0], split[1], split[2]
         q = q.reshape(1, n, self.heads, self.head_dim)
         k = k.reshape(1, n, self.kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):

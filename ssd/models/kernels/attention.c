@@ -11,6 +11,8 @@
  * one polynomial written out in fused multiply-adds. The AVX512 path and the portable one perform the
  * same operations in the same order, so they give the same bits (tested).
  *
+ * Also RoPE in place on a layer's queries and keys (ssd_rope), as transformers computes it.
+ *
  * Per task (row i, query head h, kv head h / (heads / kv_heads), keys 0 .. start + i):
  *   s_j = tree(q . k_j) * scale,  p_j = exp(s_j - max_j s_j),  out = (sum_j p_j v_j) / tree(sum_j p_j)
  */
@@ -171,3 +173,24 @@ int ssd_attend_rows(const float *q, int64_t q_row, int64_t q_head, const float *
     }
     return failed ? -1 : 0;
 }
+
+/* RoPE in place, as transformers' apply_rotary_pos_emb computes it: x * cos + rotate_half(x) * sin,
+   rotate_half(x) = (-x2, x1); each product rounded, then their sum (so the same bits as torch's).
+   x: `rows` rows of `heads` heads of `dim` values, (row i, head h) at x + i * row + h * dim;
+   cos, sin: [rows, dim]. */
+void ssd_rope(float *x, int64_t rows, int heads, int dim, int64_t row, const float *cos, const float *sin) {
+    const int half = dim / 2;
+    for (int64_t i = 0; i < rows; ++i)
+        for (int h = 0; h < heads; ++h) {
+            float *p = x + i * row + (int64_t)h * dim;
+            const float *c = cos + i * dim, *s = sin + i * dim;
+            for (int d = 0; d < half; ++d) {
+                float a = p[d], b = p[d + half];
+                float first = a * c[d], second = (-b) * s[d];
+                float third = b * c[d + half], fourth = a * s[d + half];
+                p[d] = first + second;
+                p[d + half] = third + fourth;
+            }
+        }
+}
+

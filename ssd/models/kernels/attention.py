@@ -5,7 +5,8 @@ verified position is the very computation of that position decoded alone.
 Through torch that is one SDPA call per row and layer; here every row and
 head of a layer is one task of one call, each with one fixed order of sums,
 so a row's output still depends on that row alone. Masked (tree) and long
-(prefill) forwards keep SDPA.
+(prefill) forwards keep SDPA. RoPE runs in C too (`rope`), in place on the
+layer's q/k/v output, as transformers computes it.
 """
 
 from __future__ import annotations
@@ -31,3 +32,16 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
     if status != 0:
         raise MemoryError("attention.c: out of memory for its softmax weights")
     return out.transpose(1, 2)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """RoPE in place on q [1, N, heads * D] and k [1, N, kv heads * D] (rows may be strided views
+    into one q/k/v output), as transformers' apply_rotary_pos_emb: cos, sin [1, N, D]."""
+    lib = load()
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    for x in (q, k):
+        if x.stride(2) != 1:
+            raise ValueError("rope: the head dimension must be contiguous")
+        lib.ssd_rope(x.data_ptr(), x.shape[1], x.shape[2] // head_dim, head_dim, x.stride(1), cos.data_ptr(),
+                     sin.data_ptr())
+

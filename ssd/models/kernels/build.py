@@ -119,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ssd_attention_supports.restype = i32
     lib.ssd_attend_rows.argtypes = [p, i64, i64, p, p, i64, i32, i32, i32, i64, i64, ctypes.c_float, p, i64, i32]
     lib.ssd_attend_rows.restype = i32
+    lib.ssd_rope.argtypes = [p, i64, i32, i32, i64, p, p]
+    lib.ssd_rope.restype = None
     return lib
 
 
