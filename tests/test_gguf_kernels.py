@@ -272,6 +272,26 @@ def test_sd_greedy_equals_ar_on_the_gguf_pair(gguf_pair, references, k):
         assert out.stats.precision == "target gguf, draft gguf"
 
 
+def test_a_draft_vocabulary_subset_on_the_kernels_is_exact(gguf_pair, references):
+    """FR-Spec's subset head (ssd.models.vocab) over a QLinear head: the full head's rows bit for
+    bit, FILL elsewhere; greedy SD with a subset draft (most of the vocabulary cut) == AR."""
+    from ssd.models.vocab import FILL, SubsetHead, restrict_head
+
+    ids = torch.tensor([0, 2, 3, 5, 9, 12])
+    head = gguf_pair[1].lm_head
+    sub = SubsetHead(head, ids, KTINY.vocab_size)
+    x = uneven_rows(5, KTINY.hidden_size)
+    full, part = head(x), sub(x)
+    outside = torch.ones(KTINY.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.equal(part[:, ids], full[:, ids]) and bool((part[:, outside] == FILL).all())
+    draft = restrict_head(gguf_tiny(dataclasses.replace(KTINY, noise=0.03)), ids)
+    engine = SDEngine(gguf_pair[0], draft, TinyTokenizer.from_config(KTINY), SpeculationConfig(mode="sd", k=3))
+    for prompt in PROMPTS:
+        out = engine.generate(GenerationRequest(prompt, GREEDY, GenerationConfig(max_new_tokens=40)))
+        assert out.token_ids == references[tuple(prompt)]
+
+
 def test_ssd_greedy_equals_ar_on_the_gguf_pair(gguf_pair, references):
     from ssd.config import FanoutConfig
 

@@ -25,7 +25,8 @@ up to the summation order of the GEMM kernel, which may change with the row
 count (a few ulp on an AMD EPYC AVX512 host). Exactness does not rest on it:
 q is whatever the subset head gives.
 
-Torch models only: llama.cpp computes its full `output` tensor inside
+Torch models only (nn.Linear, int8 and GGUF-kernel heads; a GGUF-kernel head's
+subset is its own blocks for those rows, so bit for bit): llama.cpp computes its full `output` tensor inside
 llama_decode, and a GGUF with a shrunk output tensor would need n_vocab (and
 the tokenizer the file carries) to change with it; see docs/llamacpp.md.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,7 +94,12 @@ def _head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
         if head.bias is not None:
             rows.bias = nn.Parameter(head.bias.detach()[ids.to(weight.device)].clone(), requires_grad=False)
         return rows
-    raise NotImplementedError(f"a vocabulary subset needs an nn.Linear or Int8Linear head, not {type(head).__name__}")
+    # A GGUF-kernel head (its module is loaded only where such a model is: it needs the gguf package).
+    kernels = sys.modules.get("ssd.models.kernels.qlinear")
+    if kernels is not None and isinstance(head, kernels.QLinear):
+        return head.rows(ids)
+    raise NotImplementedError(f"a vocabulary subset needs an nn.Linear, Int8Linear or QLinear head, "
+                              f"not {type(head).__name__}")
 
 
 def restrict_head(model: nn.Module, ids: Sequence[int] | torch.Tensor) -> nn.Module:

@@ -158,6 +158,17 @@ class QLinear(nn.Module):
         self.norm_eps = float(norm.variance_epsilon)
         return self
 
+    def rows(self, ids: torch.Tensor) -> "QLinear":
+        """A layer computing only output rows `ids` (copies of their blocks), with this layer's
+        input norm: each of its outputs bit for bit the same row of this layer's."""
+        if len(self.formats) != 1:
+            raise ValueError("rows: a single-part layer only (an LM head)")
+        weights = self._buffers[self._names[0]][ids].clone()
+        bias = None if self.bias is None else self.bias[ids].clone()
+        layer = QLinear([(self.formats[0], weights)], self.in_features, bias)
+        layer.norm_weight, layer.norm_eps = self.norm_weight, self.norm_eps
+        return layer
+
     def parts(self) -> list[tuple[int, torch.Tensor]]:
         return [(fmt, self._buffers[name]) for fmt, name in zip(self.formats, self._names)]
 
