@@ -139,13 +139,18 @@ STEP_ROUNDS = 8
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every Linear's (int8 or float),
-    the norms'; the embedding table contributes one row."""
+    """Bytes of weights one decode step reads: every Linear's (int8, float or a GGUF
+    kernel layer's blocks), the norms'; the embedding table contributes one row."""
     from ssd.models.quant import FusedInt8Linear, Int8Linear
 
-    total = 0
+    total, packed = 0, set()
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if type(module).__name__ == "QLinear":  # GGUF kernels: packed blocks, shared by fused and separate layers
+            for fmt, blocks in module.parts():
+                if blocks.data_ptr() not in packed:
+                    packed.add(blocks.data_ptr())
+                    total += blocks.numel()
+        elif isinstance(module, Int8Linear):
             total += module.out_features * module.in_features
         elif isinstance(module, FusedInt8Linear):
             continue  # its parts are Int8Linear modules, counted above
