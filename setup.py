@@ -1,7 +1,7 @@
 """Packaging is in pyproject.toml; this file only builds the GGUF kernels during `pip install`.
 
 `pip install -e '.[models]'` (the README's install command) then compiles
-ssd/models/kernels/*.c (qmatmul.c, attention.c) with the system C compiler into the kernels' cache
+ssd/models/kernels/*.c (qmatmul.c, attention.c, layer.c) with the system C compiler into the kernels' cache
 (~/.cache/ssd/kernels, or $SSD_KERNEL_CACHE), so the first `model.quantization:
 gguf` load does not wait ~8 s for it. The builder is loaded by its path: it uses
 the standard library only (pip builds in an environment without torch). Without a

@@ -255,6 +255,28 @@ def test_every_linear_runs_on_the_kernels_and_reports_say_gguf(gguf_pair):
     assert {fmt for m in target.modules() if isinstance(m, QLinear) for fmt in m.formats} == {0, 1}  # Q4_K, Q6_K
 
 
+def test_whole_layers_in_c_compute_what_the_python_layers_do(gguf_pair):
+    """layer.c (decode and verification) against the lean forward's Python layer on the same
+    model, bit for bit: a prompt, then 1 and 5 rows; and the check sees the Python layer attend
+    through SDPA instead of the C attention (values equal to ~1e-7)."""
+    from ssd.models.fast import FastForward
+
+    model = gguf_pair[0]
+    in_c, in_python = FastForward(model), FastForward(model)
+    assert in_c._layers is not None
+    in_python._layers = None
+
+    def logits(fast: FastForward) -> list[torch.Tensor]:
+        cache, out = fast.new_cache(), []
+        for start, ids in ((0, [3, 1, 4, 1, 5, 9, 2]), (7, [6]), (8, [5, 3, 5, 8, 9])):
+            out.append(fast(cache, torch.tensor(ids), torch.arange(start, start + len(ids)), start))
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(logits(in_c), logits(in_python)))
+    in_python._attend = _attend
+    assert not all(torch.equal(a, b) for a, b in zip(logits(in_c), logits(in_python)))
+
+
 def test_a_verification_scores_each_position_as_decoding_would(gguf_pair):
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     together = KVSequence(gguf_pair[0]).forward(tokens)

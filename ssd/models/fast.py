@@ -228,8 +228,12 @@ class FastForward:
         self._attend = _attend_one_call if one_call else _attend
         # Models on the GGUF kernels attend row by row and rotate q and k in C (ssd.models.kernels.attention).
         self._in_c = not one_call and kernel_attention(model, self.head_dim)
+        self._layers = None  # whole layers in C for decode and verification (ssd.models.kernels.layer)
         if self._in_c:
             self._attend = _attend_kernels
+            from ssd.models.kernels.layer import KernelLayers
+
+            self._layers = KernelLayers.for_model(model, self.heads, self.kv_heads, self.head_dim)
 
     def new_cache(self) -> StaticKV:
         embed = self.inner.embed_tokens.weight
@@ -269,6 +273,12 @@ class FastForward:
             s.cache.reserve(s.start + s.length, keep=s.start)
         x = self.inner.embed_tokens(ids)[None]  # [1, N, H]
         cos, sin = self.inner.rotary_emb(x, positions[None])
+        if self._layers is not None and all(s.mask is None and s.length <= ROW_LIMIT for s in segments):
+            rows = x[0].contiguous()
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            for index in range(len(self.inner.layers)):
+                self._layers.run(index, rows, cos, sin, segments)
+            return self.model.lm_head(self.inner.norm(rows) if keep is None else self.inner.norm(rows)[keep])
         for index, layer in enumerate(self.inner.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, segments, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -35,7 +35,7 @@ static inline float tree16(float *v) { /* lanes i + 8, then i + 4, i + 2, i + 1 
    (~1e-38): no softmax weight that small changes a sum. */
 static const float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
 static const float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e-3f, C3 = 4.1665795894e-2f,
-                   C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f, FLOOR = -87.3f;
+                   C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f, FLOOR = -87.3f, CEILING = 88.0f;
 
 static inline float exp_portable(float x) {
     x = fmaxf(x, FLOOR);
@@ -100,6 +100,18 @@ AVX512 static inline __m512 exp_avx512(__m512 x) {
     __m512 y = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+/* ssd_silu_mul's whole vectors of 16; returns how many values it did. */
+AVX512 static int64_t silu_mul_avx512(const float *g, const float *u, float *a, int64_t inter) {
+    int64_t c = 0;
+    for (; c + LANES <= inter; c += LANES) {
+        __m512 gv = _mm512_loadu_ps(g + c);
+        __m512 e = exp_avx512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(CEILING)));
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(a + c, _mm512_mul_ps(silu, _mm512_loadu_ps(u + c)));
+    }
+    return c;
 }
 
 enum { MAX_CHUNKS = 16 }; /* head dimensions up to 256 */
@@ -192,5 +204,26 @@ void ssd_rope(float *x, int64_t rows, int heads, int dim, int64_t row, const flo
                 p[d + half] = third + fourth;
             }
         }
+}
+
+/* SiLU(g) * u for the gated MLP (layer.c): act[i, c] = (g / (1 + exp(-g))) * u, g = gu[i, c],
+   u = gu[i, inter + c]; exp as above with its argument at most 88 (finite). The AVX512 and
+   portable paths perform the same operations, so the same bits. */
+void ssd_silu_mul(const float *gu, int64_t n, int64_t inter, float *act) {
+    int vector = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    vector = ssd_current_isa() == 2;
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *a = act + i * inter;
+        int64_t c = 0;
+#if defined(__x86_64__) || defined(__i386__)
+        if (vector) {
+            c = silu_mul_avx512(g, u, a, inter);
+        }
+#endif
+        for (; c < inter; ++c) a[c] = (g[c] / (1.0f + exp_portable(fminf(-g[c], CEILING)))) * u[c];
+    }
 }
 

@@ -1,4 +1,4 @@
-"""Build and load the C kernels (qmatmul.c, attention.c) with the system compiler, once per source and host.
+"""Build and load the C kernels (qmatmul.c, attention.c, layer.c) with the system compiler, once per source and host.
 
 The shared library is compiled into the cache (~/.cache/ssd/kernels, or
 $SSD_KERNEL_CACHE) by `pip install` (setup.py runs `build`), else on first use,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "attention.c", "layer.c")]
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 OPENMP = "-fopenmp"  # torch's OpenMP threads (see qmatmul.c); without it, one thread a product
 ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX512-VNNI"}
@@ -121,6 +121,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ssd_attend_rows.restype = i32
     lib.ssd_rope.argtypes = [p, i64, i32, i32, i64, p, p]
     lib.ssd_rope.restype = None
+    lib.ssd_silu_mul.argtypes = [p, i64, i64, p]
+    lib.ssd_silu_mul.restype = None
+    lib.ssd_decoder_layer.argtypes = [p, p, i64, p, p, p, p, i32]
+    lib.ssd_decoder_layer.restype = i32
+    lib.ssd_decoder_layer_workspace.argtypes = [p, i64]
+    lib.ssd_decoder_layer_workspace.restype = i64
     return lib
 
 

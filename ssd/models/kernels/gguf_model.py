@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssd.models.kernels.build import load
 from ssd.models.kernels.qlinear import QLinear, supported
 
 log = logging.getLogger(__name__)
@@ -167,16 +168,20 @@ def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one fused layer (one quantization of x)."""
+    """down(silu(gate(x)) * up(x)) with gate and up as one fused layer (one quantization of x) and
+    the SiLU and product in C (attention.c's ssd_silu_mul: what layer.c computes, bit for bit)."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.gate_up_proj = QLinear.fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+        self.down_proj = mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
+        gate_up = self.gate_up_proj(x, split=False)
+        inter = gate_up.shape[-1] // 2
+        act = torch.empty((*gate_up.shape[:-1], inter), dtype=torch.float32)
+        load().ssd_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, act.data_ptr())
+        return self.down_proj(act)
 
 
 def _fuse(model: nn.Module) -> None:
@@ -192,7 +197,8 @@ def _fuse(model: nn.Module) -> None:
             for p in [*projections, attn.qkv_proj]:
                 p.normalize(layer.input_layernorm)
             layer.input_layernorm = nn.Identity()
-        if all(isinstance(getattr(layer.mlp, n), QLinear) for n in ("gate_proj", "up_proj", "down_proj")):
+        if (all(isinstance(getattr(layer.mlp, n), QLinear) for n in ("gate_proj", "up_proj", "down_proj"))
+                and model.config.hidden_act == "silu"):
             layer.mlp = GatedMLP(layer.mlp)
             layer.mlp.gate_up_proj.normalize(layer.post_attention_layernorm)
             layer.post_attention_layernorm = nn.Identity()

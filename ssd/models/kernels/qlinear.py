@@ -172,7 +172,8 @@ class QLinear(nn.Module):
     def parts(self) -> list[tuple[int, torch.Tensor]]:
         return [(fmt, self._buffers[name]) for fmt, name in zip(self.formats, self._names)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, split: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The outputs: one tensor, or for a fused layer one per part (split=False: side by side)."""
         # Few torch calls: this runs ~110 times a forward of the 1.5B model, at ~15 us of Python each.
         lib, threads = load(), torch.get_num_threads()  # torch's OpenMP threads run the product too
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
@@ -194,7 +195,7 @@ class QLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         out = out.reshape(*x.shape[:-1], self.out_features)
-        return out.split(self.split_sizes, dim=-1) if self.split_sizes else out
+        return out.split(self.split_sizes, dim=-1) if self.split_sizes and split else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF k-quants {self.formats}"
