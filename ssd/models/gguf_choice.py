@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +141,7 @@ def _cached(name: str, compute) -> dict[str, Any]:
 
     from ssd import hardware
     from ssd.models.kernels.build import library_path
-    from ssd.models.offline import OFFLINE_MODELS, cache_dir, ensure_offline_gguf
+    from ssd.models.offline import OFFLINE_MODELS, cache_dir, cached_json, ensure_offline_gguf
 
     gguf = ensure_offline_gguf(name) if name in OFFLINE_MODELS else Path(name).expanduser()
     stat = gguf.stat()
@@ -150,15 +149,4 @@ def _cached(name: str, compute) -> dict[str, Any]:
     key = hashlib.sha256(repr((str(gguf.resolve()), stat.st_size, stat.st_mtime_ns, host,
                                library_path().name, llama_cpp.__version__, _CHILD, KERNELS_STEP_SLACK)).encode())
     path = cache_dir() / "backend" / f"{gguf.stem}-{key.hexdigest()[:16]}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    found = compute()
-    if "ms" not in found:  # a failed probe is not kept: the next start asks again
-        return found
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(found))
-    os.replace(partial, path)
-    return found
+    return cached_json(path, compute, keep=lambda found: "ms" in found)  # a failed probe: asked again next start

@@ -764,22 +764,12 @@ def _first_invariant_apart(model: LlamaCppModel) -> dict:
 def _cached(kind: str, gguf: Path, extra: tuple, compute: Callable[[], Any]) -> Any:
     """compute()'s JSON result, kept in the cache per `kind`, GGUF file, llama.cpp build and host."""
     from ssd import hardware
-    from ssd.models.offline import cache_dir
+    from ssd.models.offline import cache_dir, cached_json
 
     stat = gguf.stat()
     key = hashlib.sha256(repr((str(gguf.resolve()), stat.st_size, stat.st_mtime_ns, L.__version__,
                                hardware.describe(), *extra)).encode()).hexdigest()[:20]
-    path = cache_dir() / "llamacpp" / f"{kind}-{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    found = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(found))
-    os.replace(partial, path)
-    return found
+    return cached_json(cache_dir() / "llamacpp" / f"{kind}-{key}.json", compute)
 
 
 # Loads a GGUF in repacked layouts and decodes 8 tokens, then 1 (the multi-row and one-row

@@ -19,16 +19,17 @@ import fcntl
 import hashlib
 import importlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +106,22 @@ def cache_dir() -> Path:
     """`$SSD_CACHE_DIR` if set, else `~/.cache/ssd`."""
     env = os.environ.get("SSD_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ssd"
+
+
+def cached_json(path: Path, compute: Callable[[], Any], keep: Callable[[Any], bool] = lambda found: True) -> Any:
+    """compute()'s JSON result, kept at `path` (read back there on later calls; written atomically,
+    so concurrent computers each install a whole file); a result `keep` refuses is not kept."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    found = compute()
+    if keep(found):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(found))
+        os.replace(partial, path)
+    return found
 
 
 def model_dir(name: str, root: Path | None = None) -> Path:
