@@ -218,3 +218,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
     with machine_share(kinds):
         yield
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count `n` inside the block (the GGUF kernels' products and llama.cpp's
+    contexts follow it), the caller's again after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

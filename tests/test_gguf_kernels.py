@@ -6,7 +6,6 @@ Each invariance property is paired with a broken variant that must fail it (a re
 reordered by the number of rows); the chi-square test with a broken verifier on the same pair.
 """
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -29,6 +28,7 @@ from ssd.saguaro.branches import TreeBranchDecoder
 from ssd.saguaro.builder import build_cache
 from ssd.saguaro.target import SSDEngine
 from tests.batches import run_together
+from tests.conftest import torch_threads
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.test_distribution import accept_all, exact_joint, sd_samples
 
@@ -53,17 +53,6 @@ PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 0, 1, 9, 12, 15]]
 def best_isa():
     yield
     build.load().ssd_set_isa(-1)
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int):
-    """torch's thread count for the block (the kernels' products take as many)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def random_layer(kind: T, out: int = 40, cols: int = 768, seed: int = 0) -> tuple[QLinear, np.ndarray]:

@@ -12,7 +12,6 @@ biases and unit norms, which would hide a wrong tensor mapping.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -37,6 +36,7 @@ from ssd.saguaro.branches import make_branch_decoder  # noqa: E402
 from ssd.saguaro.target import SSDEngine  # noqa: E402
 import ssd.models.llamacpp as llamacpp_module  # noqa: E402
 from tests.batches import run_together  # noqa: E402
+from tests.conftest import torch_threads  # noqa: E402
 
 PLAIN_PREFILL_MIN = llamacpp_module.PLAIN_PREFILL_MIN  # the shipped value, before the fixture below
 
@@ -835,17 +835,6 @@ def test_short_prompt_chunks_run_in_place_long_ones_on_the_plain_twin(k_quant_fi
     row.forward(ids[: PLAIN_PREFILL_MIN - 1], last_only=True)
     row.forward(ids[PLAIN_PREFILL_MIN - 1 :], last_only=True)
     assert moved == [PLAIN_PREFILL_MIN + 1]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """Contexts follow the calling thread's torch threads: `n` of them inside."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _long_rows(target, draft, mode="ar"):

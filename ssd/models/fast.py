@@ -274,11 +274,10 @@ class FastForward:
         x = self.inner.embed_tokens(ids)[None]  # [1, N, H]
         cos, sin = self.inner.rotary_emb(x, positions[None])
         if self._layers is not None and all(s.mask is None and s.length <= ROW_LIMIT for s in segments):
-            rows = x[0].contiguous()
-            cos, sin = cos[0].contiguous(), sin[0].contiguous()
-            for index in range(len(self.inner.layers)):
-                self._layers.run(index, rows, cos, sin, segments)
-            return self.model.lm_head(self.inner.norm(rows) if keep is None else self.inner.norm(rows)[keep])
+            x = x[0].contiguous()
+            self._layers.run(x, cos[0].contiguous(), sin[0].contiguous(), segments)
+            x = self.inner.norm(x)
+            return self.model.lm_head(x if keep is None else x[keep])
         for index, layer in enumerate(self.inner.layers):
             x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, segments, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -12,7 +12,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define QK 256
@@ -97,7 +96,6 @@ int ssd_decoder_layer(const LayerWeights *w, float *x, int64_t n, const float *c
     Prepared p = {.scale = line(act + n * w->inter)};
     p.bsum = line(p.scale + n * (most / QK));
     p.q = line(p.bsum + n * (most / 16));
-    int status = 0;
 
     /* attention block */
     if (ssd_prepare_rows(x, n, w->hidden, w->hidden_padded, w->input_norm, w->eps, p.q, p.scale, p.bsum)) goto oom;
@@ -137,7 +135,7 @@ int ssd_decoder_layer(const LayerWeights *w, float *x, int64_t n, const float *c
     if (ssd_prepare_rows(act, n, w->inter, w->inter_padded, NULL, 0.0f, p.q, p.scale, p.bsum)) goto oom;
     product(&p, w->down, w->down_fmt, w->hidden, w->inter_padded, n, tmp, w->hidden, threads);
     for (int64_t i = 0; i < n * w->hidden; ++i) x[i] = x[i] + tmp[i];
-    return status;
+    return 0;
 oom:
     return -1;
 }

@@ -55,8 +55,8 @@ class KernelLayers:
         self._workspace = threading.local()  # per thread: forwards on other threads run at once
 
     def workspace(self, rows: int) -> torch.Tensor:
-        """This thread's workspace, grown (never shrunk) to `rows` rows of every layer's needs."""
-        need = max(load().ssd_decoder_layer_workspace(ctypes.byref(s), rows) for s in self.structs[:1])
+        """This thread's workspace, grown (never shrunk) to `rows` rows (every layer has the same shapes)."""
+        need = load().ssd_decoder_layer_workspace(ctypes.byref(self.structs[0]), rows)
         held = getattr(self._workspace, "buffer", None)
         if held is None or held.numel() < need:
             held = self._workspace.buffer = torch.empty(need, dtype=torch.uint8)
@@ -95,21 +95,21 @@ class KernelLayers:
             keep += [t for t in (bias, qkv.norm_weight, gate_up.norm_weight) if t is not None]
         return cls(structs, keep)
 
-    def run(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> None:
-        """Layer `index` in place on x [N, hidden] (float32, contiguous); cos, sin [N, dim];
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments) -> None:
+        """Every layer in place on x [N, hidden] (float32, contiguous); cos, sin [N, dim];
         segments: the forward's (ssd.models.fast.Segment), unmasked, in x's row order."""
-        count = len(segments)
-        longs = (ctypes.c_int64 * count)
-        pointers = (ctypes.c_void_p * count)
+        count, lib, threads = len(segments), load(), torch.get_num_threads()
+        longs, pointers = ctypes.c_int64 * count, ctypes.c_void_p * count
         start = longs(*[s.start for s in segments])
         length = longs(*[s.length for s in segments])
         capacity = longs(*[s.cache.capacity for s in segments])
-        keys = pointers(*[s.cache.keys[index].data_ptr() for s in segments])
-        values = pointers(*[s.cache.values[index].data_ptr() for s in segments])
+        keys, values = pointers(), pointers()
         seg = Segments(count, ctypes.cast(start, P), ctypes.cast(length, P), ctypes.cast(capacity, P),
                        ctypes.cast(keys, P), ctypes.cast(values, P))
-        status = load().ssd_decoder_layer(ctypes.byref(self.structs[index]), x.data_ptr(), x.shape[0], cos.data_ptr(),
-                                          sin.data_ptr(), ctypes.byref(seg), self.workspace(x.shape[0]).data_ptr(),
-                                          torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("layer.c: out of memory for a layer's buffers")
+        workspace = self.workspace(x.shape[0]).data_ptr()
+        for index, struct in enumerate(self.structs):
+            for i, s in enumerate(segments):  # this layer's caches
+                keys[i], values[i] = s.cache.keys[index].data_ptr(), s.cache.values[index].data_ptr()
+            if lib.ssd_decoder_layer(ctypes.byref(struct), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                                     ctypes.byref(seg), workspace, threads):
+                raise MemoryError("layer.c: out of memory for a layer's buffers")
